@@ -1,0 +1,501 @@
+"""The coordinator process: one asyncio loop (uvloop) around one ZeroMQ ROUTER socket.
+
+It owns the registry of workers and trainer ranks, the planner, the prepare-ahead bookkeeping
+(which worker holds which prepared record) and the deliveries not yet acknowledged. It handles
+metadata only: payload bytes go from workers straight to trainer ranks and never pass here.
+
+Flow: receive -> decode and validate (a bad message is logged and dropped) -> handler updates
+state -> `_pump()` plans what may be planned and issues prepare tasks -> `_send()`, the one place
+that sends. Time enters through `_tick()` on a monotonic clock (heartbeats, dead peers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from trainer_client import protocol as P
+from trainer_client import wire
+from trainer_client.errors import ProtocolError
+from trainer_client.sockets import make_socket
+
+from .balance import imbalance
+from .config import JobConfig
+from .balance import Piece
+from .plan import NeedLength, Planner, StepPlan
+
+log = logging.getLogger("msd.coordinator")
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: int
+    identity: bytes
+    last_seen: float
+    tasks: set[int] = field(default_factory=set)
+    deliveries: set[int] = field(default_factory=set)
+
+
+@dataclass
+class TrainerInfo:
+    rank: int
+    identity: bytes
+    address: str
+    last_seen: float
+    consumed: int = -1  # last step this rank has fully consumed
+
+
+@dataclass
+class PrepareTask:
+    task_id: int
+    source: int
+    positions: list[int]
+    worker_id: int
+
+
+@dataclass
+class Delivery:
+    """One DELIVER sent to one worker, kept until the worker acknowledges it."""
+
+    delivery_id: int
+    worker_id: int
+    step: int
+    entries: list[tuple[int, int, Piece]]  # (rank, micro_batch, piece)
+    release: list[tuple[int, int]]  # (source, position) of prepared copies used up by it
+
+
+class Coordinator:
+    def __init__(self, job: JobConfig, num_records: list[int], bind: str = "tcp://127.0.0.1:5555") -> None:
+        self.job = job
+        self.bind = bind
+        self.planner = Planner(job, num_records)
+        self.digest = job.digest()
+        self.heartbeat_s = job.runtime.heartbeat_s
+        self.workers: dict[int, WorkerInfo] = {}
+        self.trainers: dict[int, TrainerInfo] = {}
+        self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
+        n = len(job.sources)
+        self.lengths: list[dict[int, int]] = [{} for _ in range(n)]
+        self.holder: list[dict[int, int]] = [{} for _ in range(n)]  # position -> worker_id
+        self.prepare_next = [0] * n  # next stream position to send to a worker
+        self.len_sum = [0] * n
+        self.len_count = [0] * n
+        self.skipped = [0] * n
+        self.tasks: dict[int, PrepareTask] = {}
+        self.deliveries: dict[int, Delivery] = {}
+        self.orphans: list[Delivery] = []  # deliveries of dead workers, waiting for re-prepare
+        self.reprepare: set[tuple[int, int]] = set()  # positions lost with a dead worker
+        self._next_worker_id = 0
+        self._next_task_id = 0
+        self._next_delivery_id = 0
+        self.sock: zmq.asyncio.Socket | None = None
+        self.stopped = asyncio.Event()
+        self.address: str | None = None
+
+    # ------------------------------------------------------------------ sockets and loops
+
+    async def run(self, ready: asyncio.Future | None = None) -> None:
+        ctx = zmq.asyncio.Context()
+        self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
+        try:
+            self.sock.bind(self.bind)
+            self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            log.info("coordinator for %s (digest %s) listening on %s", self.job.path, self.digest, self.address)
+            if ready is not None:
+                ready.set_result(self.address)
+            tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._tick_loop())]
+            await self.stopped.wait()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._broadcast_shutdown("coordinator stopping")
+        finally:
+            self.sock.close(linger=500)
+            ctx.term()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                header, _ = wire.decode(frames[1:], P.COORDINATOR_INBOX)
+            except ProtocolError as e:
+                log.warning("dropped message from peer %s: %s", identity.hex(), e)
+                continue
+            try:
+                self._handle(identity, header)
+                self._pump()
+            except Exception:  # a handler bug must not take the whole job down silently
+                log.exception("error handling %s from %s", header.get("type"), identity.hex())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self._tick(time.monotonic())
+            self._pump()
+
+    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
+        # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
+        # the outcome through a future that is already done for a non-blocking send.
+        fut = self.sock.send_multipart([identity, *wire.encode(header)], flags=zmq.NOBLOCK)
+        fut.add_done_callback(lambda f: self._sent(f, identity, header["type"]))
+
+    @staticmethod
+    def _sent(fut: asyncio.Future, identity: bytes, kind: str) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, zmq.Again):
+            log.error("send of %s dropped: peer %s is not reading (high-water mark)", kind, identity.hex())
+        elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+            log.info("send of %s to %s: peer has disconnected", kind, identity.hex())
+        elif exc is not None:
+            log.warning("send of %s to %s failed: %s", kind, identity.hex(), exc)
+
+    def _broadcast_shutdown(self, reason: str) -> None:
+        for w in self.workers.values():
+            self._send(w.identity, P.make(P.SHUTDOWN, reason=reason))
+        for t in self.trainers.values():
+            self._send(t.identity, P.make(P.SHUTDOWN, reason=reason))
+
+    # ------------------------------------------------------------------ message handlers
+
+    def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        now = time.monotonic()
+        if kind == "worker_hello":
+            return self._on_worker_hello(identity, msg, now)
+        if kind == "trainer_hello":
+            return self._on_trainer_hello(identity, msg, now)
+        peer = self.peers.get(identity)
+        if peer is None:
+            log.warning("%s from unregistered peer %s dropped; it must say hello first", kind, identity.hex())
+            self._send(identity, P.make(P.REJECT, reason="not registered: send a hello first"))
+            return
+        role, pid = peer
+        if role == "worker":
+            worker = self.workers[pid]
+            if msg["worker_id"] != pid:
+                log.warning("worker %d claims to be worker %d; dropped", pid, msg["worker_id"])
+                return
+            worker.last_seen = now
+            if kind == "prepared":
+                self._on_prepared(worker, msg)
+            elif kind == "task_failed":
+                self._on_task_failed(worker, msg)
+            elif kind == "delivered":
+                self._on_delivered(worker, msg["delivery_id"])
+            elif kind != "worker_heartbeat":
+                log.warning("worker %d sent unexpected %s", pid, kind)
+        else:
+            trainer = self.trainers[pid]
+            if msg["rank"] != pid:
+                log.warning("rank %d claims to be rank %d; dropped", pid, msg["rank"])
+                return
+            trainer.last_seen = now
+            if kind == "consumed":
+                trainer.consumed = max(trainer.consumed, min(msg["step"], self.planner.state.next_step - 1))
+            elif kind == "trainer_bye":
+                log.info("rank %d left", pid)
+                del self.trainers[pid]
+                del self.peers[identity]
+
+    def _on_worker_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
+        if msg["version"] != P.PROTOCOL_VERSION:
+            log.warning("worker from %s speaks protocol %d, we speak %d: rejected", msg["host"], msg["version"],
+                        P.PROTOCOL_VERSION)
+            self._send(identity, P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}"))
+            return
+        if identity in self.peers:
+            self._forget_peer(identity, "re-registered")
+        wid = self._next_worker_id
+        self._next_worker_id += 1
+        self.workers[wid] = WorkerInfo(wid, identity, now)
+        self.peers[identity] = ("worker", wid)
+        log.info("worker %d registered (host %s pid %d)", wid, msg["host"], msg["pid"])
+        self._send(identity, P.make(P.WELCOME, worker_id=wid, job=self.job.worker_job(), heartbeat_s=self.heartbeat_s))
+
+    def _on_trainer_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
+        rank = msg["rank"]
+        reason = None
+        if msg["version"] != P.PROTOCOL_VERSION:
+            reason = f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}"
+        elif rank >= self.job.dp:
+            reason = f"rank {rank} out of range: topology.dp is {self.job.dp}"
+        elif msg["resume_step"] != self.planner.state.next_step and rank not in self.trainers:
+            # Rewinding needs the step journal (checkpoint/resume); without it we can only start
+            # where the plan stands.
+            if not (self.planner.state.next_step == 0 and msg["resume_step"] == 0):
+                reason = (f"cannot resume at step {msg['resume_step']}: this coordinator's plan stands at step "
+                          f"{self.planner.state.next_step}")
+        if reason:
+            log.warning("trainer rank %d rejected: %s", rank, reason)
+            self._send(identity, P.make(P.REJECT, reason=reason))
+            return
+        old = self.trainers.get(rank)
+        if old is not None and old.identity != identity:
+            self.peers.pop(old.identity, None)
+        if identity in self.peers and self.peers[identity] != ("trainer", rank):
+            self._forget_peer(identity, "re-registered")
+        info = TrainerInfo(rank, identity, msg["data_address"], now, msg["resume_step"] - 1)
+        self.trainers[rank] = info
+        self.peers[identity] = ("trainer", rank)
+        log.info("rank %d registered, data address %s", rank, msg["data_address"])
+        batch = {
+            "seq_len": self.job.batch.seq_len,
+            "micro_batch_size": self.job.batch.micro_batch_size,
+            "micro_batches": self.job.micro_batches_per_rank,
+            "pad_id": self.job.batch.pad_id,
+            "dp": self.job.dp,
+            "sources": [s.name for s in self.job.sources],
+        }
+        self._send(identity, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
+                                    heartbeat_s=self.heartbeat_s))
+
+    def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
+        task = self.tasks.pop(msg["task_id"], None)
+        worker.tasks.discard(msg["task_id"])
+        if task is None or task.worker_id != worker.worker_id:
+            log.debug("result of unknown or reassigned task %d ignored", msg["task_id"])
+            return
+        if len(msg["lengths"]) != len(task.positions):
+            log.warning("worker %d: task %d returned %d lengths for %d records; re-issuing", worker.worker_id,
+                        task.task_id, len(msg["lengths"]), len(task.positions))
+            self._issue_prepare(task.source, task.positions)
+            return
+        s = task.source
+        for i, reason in msg["skipped"]:
+            self.skipped[s] += 1
+            log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
+                        self.skipped[s])
+        for pos, length in zip(task.positions, msg["lengths"]):
+            known = self.lengths[s].get(pos)
+            if known is not None and known != length:
+                log.error("source %s position %d: length %d differs from earlier %d (non-deterministic "
+                          "transform?)", self.job.sources[s].name, pos, length, known)
+            self.lengths[s][pos] = length
+            if length > 0:
+                self.holder[s][pos] = worker.worker_id
+            if known is None:
+                self.len_sum[s] += length
+                self.len_count[s] += 1
+            self.reprepare.discard((s, pos))
+        self._reissue_orphans()
+
+    def _on_delivered(self, worker: WorkerInfo, delivery_id: int) -> None:
+        d = self.deliveries.pop(delivery_id, None)
+        worker.deliveries.discard(delivery_id)
+        if d is None:
+            log.debug("ack of unknown delivery %d", delivery_id)
+            return
+        # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
+        for s, pos in d.release:
+            self.holder[s].pop(pos, None)
+            self.lengths[s].pop(pos, None)
+
+    def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
+        task = self.tasks.pop(msg["task_id"], None)
+        worker.tasks.discard(msg["task_id"])
+        log.error("worker %d failed task %d: %s", worker.worker_id, msg["task_id"], msg["reason"])
+        if task is not None:
+            self._issue_prepare(task.source, task.positions, avoid=worker.worker_id)
+
+    # ------------------------------------------------------------------ time and failures
+
+    def _tick(self, now: float) -> None:
+        deadline = 3 * self.heartbeat_s
+        for w in [w for w in self.workers.values() if now - w.last_seen > deadline]:
+            log.warning("worker %d silent for %.1fs: declared dead", w.worker_id, now - w.last_seen)
+            self._forget_peer(w.identity, "dead")
+        for t in [t for t in self.trainers.values() if now - t.last_seen > deadline]:
+            log.warning("rank %d silent for %.1fs: released (it may register again)", t.rank, now - t.last_seen)
+            self._forget_peer(t.identity, "dead")
+
+    def _forget_peer(self, identity: bytes, why: str) -> None:
+        role, pid = self.peers.pop(identity)
+        if role == "trainer":
+            self.trainers.pop(pid, None)
+            return
+        worker = self.workers.pop(pid)
+        log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", pid, why)
+        for tid in sorted(worker.tasks):
+            task = self.tasks.pop(tid)
+            self._issue_prepare(task.source, task.positions)
+        lost = defaultdict(list)
+        for s, holders in enumerate(self.holder):
+            for pos in [p for p, w in holders.items() if w == pid]:
+                del holders[pos]
+                lost[s].append(pos)
+                self.reprepare.add((s, pos))
+        for did in sorted(worker.deliveries):
+            self.orphans.append(self.deliveries.pop(did))
+        for s, positions in lost.items():
+            self._issue_prepare(s, sorted(positions))
+
+    def _reissue_orphans(self) -> None:
+        """Send deliveries of dead workers again, once every record they read has a live holder.
+        Trainer clients drop pieces they already have, so a repeated piece is harmless."""
+        waiting = []
+        for d in self.orphans:
+            needed = {(p.source, p.position) for _, _, p in d.entries} | set(d.release)
+            if needed & self.reprepare:
+                waiting.append(d)
+            else:
+                self._send_deliveries(d.step, d.entries, d.release)
+        self.orphans = waiting
+
+    # ------------------------------------------------------------------ planning and dispatch
+
+    def _pump(self) -> None:
+        if not self.workers or len(self.trainers) < self.job.dp:
+            return
+        for task in [t for t in self.tasks.values() if t.worker_id < 0]:  # queued while no worker lived
+            del self.tasks[task.task_id]
+            self._issue_prepare(task.source, task.positions)
+        if self.reprepare:
+            # Records lost with a dead worker are being prepared again; a carried-over document may
+            # be among them, so plan nothing until every record has a live holder again.
+            self._prepare_ahead()
+            return
+        limit = min(t.consumed for t in self.trainers.values()) + 1 + self.job.runtime.lookahead_steps
+        while self.planner.state.next_step < limit:
+            try:
+                plan = self.planner.plan_step(self._length_of)
+            except NeedLength as need:
+                self._ensure_prepared(need.source, need.position)
+                break
+            self._dispatch(plan)
+        self._prepare_ahead()
+
+    def _length_of(self, source: int, position: int) -> int | None:
+        return self.lengths[source].get(position)
+
+    def _dispatch(self, plan: StepPlan) -> None:
+        plan_summary = {
+            "rank_costs": plan.rank_costs,
+            "max_over_mean": imbalance(plan.rank_costs),
+            "naive_rank_costs": plan.naive_rank_costs,
+            "naive_max_over_mean": imbalance(plan.naive_rank_costs),
+            "source_tokens": {s.name: plan.source_tokens[s.index] for s in self.job.sources},
+        }
+        if plan.step % 100 == 0:
+            log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
+                     plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
+        for rank, micro_batches in enumerate(plan.layout):
+            header = P.make(
+                P.STEP_HEADER, step=plan.step, rank=rank,
+                micro_batches=[[[[p.key, p.offset, p.length] for p in seq] for seq in mb] for mb in micro_batches],
+                plan=plan_summary,
+            )
+            self._send(self.trainers[rank].identity, header)
+        self._send_deliveries(plan.step, list(plan.pieces()), sorted(plan.finished))
+
+    def _send_deliveries(self, step: int, entries: list[tuple[int, int, Piece]],
+                         release: list[tuple[int, int]]) -> None:
+        """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly."""
+        by_worker: dict[int, list[tuple[int, int, Piece]]] = defaultdict(list)
+        for entry in entries:
+            p = entry[2]
+            by_worker[self.holder[p.source][p.position]].append(entry)
+        release_by_worker: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for s, pos in release:
+            release_by_worker[self.holder[s][pos]].append((s, pos))
+        for wid in sorted(by_worker.keys() | release_by_worker.keys()):
+            mine, rel = by_worker.get(wid, []), release_by_worker.get(wid, [])
+            did = self._next_delivery_id
+            self._next_delivery_id += 1
+            self.deliveries[did] = Delivery(did, wid, step, mine, rel)
+            self.workers[wid].deliveries.add(did)
+            ranks = sorted({rank for rank, _, _ in mine})
+            self._send(self.workers[wid].identity, P.make(
+                P.DELIVER, delivery_id=did, step=step,
+                addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers],
+                items=[[rank, m, p.key, p.offset, p.length] for rank, m, p in mine],
+                release=[(s << 48) | self.planner.record_at(s, pos) for s, pos in rel],
+            ))
+
+    # ------------------------------------------------------------------ prepare-ahead
+
+    def _window(self, s: int) -> int:
+        """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
+        w = self.planner.weights[s]
+        if w <= 0:
+            return 0
+        mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else self.job.batch.seq_len / 4
+        per_step = w * self.job.step_tokens / max(mean_len, 1.0)
+        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self.job.runtime.prepare_batch
+
+    def _prepare_ahead(self) -> None:
+        if not self.workers:
+            return
+        batch = self.job.runtime.prepare_batch
+        for s in range(len(self.job.sources)):
+            cursor = self.planner.state.cursors[s]
+            while self.prepare_next[s] - cursor < self._window(s):
+                start = self.prepare_next[s]
+                self._issue_prepare(s, list(range(start, start + batch)))
+                self.prepare_next[s] = start + batch
+
+    def _ensure_prepared(self, s: int, position: int) -> None:
+        batch = self.job.runtime.prepare_batch
+        while self.prepare_next[s] <= position and self.workers:
+            start = self.prepare_next[s]
+            self._issue_prepare(s, list(range(start, start + batch)))
+            self.prepare_next[s] = start + batch
+
+    def _issue_prepare(self, s: int, positions: list[int], avoid: int | None = None) -> None:
+        candidates = [w for w in self.workers.values() if w.worker_id != avoid] or list(self.workers.values())
+        if not candidates:
+            # No live worker: remember the work; it is re-issued when a worker registers.
+            log.warning("no worker to prepare %d records of source %d; waiting", len(positions), s)
+            tid = self._next_task_id
+            self._next_task_id += 1
+            self.tasks[tid] = PrepareTask(tid, s, positions, -1)
+            return
+        worker = min(candidates, key=lambda w: (len(w.tasks), w.worker_id))
+        tid = self._next_task_id
+        self._next_task_id += 1
+        self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id)
+        worker.tasks.add(tid)
+        records = [self.planner.record_at(s, p) for p in positions]
+        self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s, records=records))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "next_step": self.planner.state.next_step,
+            "consumed": {r: t.consumed for r, t in self.trainers.items()},
+            "workers": len(self.workers),
+            "tasks_in_flight": len(self.tasks),
+            "deliveries_unacked": len(self.deliveries),
+            "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
+        }
+
+
+def serve(job: JobConfig, num_records: list[int], bind: str) -> None:
+    """Run a coordinator until SIGINT/SIGTERM."""
+    import signal
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # uvloop is a core dependency; tolerate its absence on exotic platforms
+        pass
+
+    async def main() -> None:
+        coord = Coordinator(job, num_records, bind)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, coord.stop)
+        await coord.run()
+
+    asyncio.run(main())

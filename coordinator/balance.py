@@ -1,0 +1,93 @@
+"""Assigning pieces to bins (ranks, micro-batches, sequences) under a token capacity, balancing cost.
+
+Pure functions, no I/O. The baseline algorithm of DESIGN.md: longest-first, each piece to the
+least-loaded bin that still has room. A step holds exactly as many tokens as its bins do, so when
+no bin has room for a whole piece, the piece is split: its head fills the roomiest bin and its
+tail goes back into the queue. Ties break on the lowest index, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous token range of one record: tokens [offset, offset+length) of the document."""
+
+    source: int
+    position: int  # position in the source's stream (names the prepared instance of the record)
+    record: int
+    offset: int
+    length: int
+
+    @property
+    def key(self) -> int:
+        return (self.source << 48) | self.record
+
+    def split(self, head_length: int) -> tuple["Piece", "Piece"]:
+        head = replace(self, length=head_length)
+        tail = replace(self, offset=self.offset + head_length, length=self.length - head_length)
+        return head, tail
+
+
+CostFn = Callable[[int], float]
+
+
+def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) -> list[list[Piece]]:
+    """Greedy longest-first assignment with splitting; returns the pieces of each bin."""
+    bins: list[list[Piece]] = [[] for _ in range(n_bins)]
+    loads = np.zeros(n_bins)
+    room = np.full(n_bins, capacity, dtype=np.int64)
+    heap = [(-p.length, i, p) for i, p in enumerate(pieces)]
+    heapq.heapify(heap)
+    counter = len(pieces)
+    while heap:
+        _, _, p = heapq.heappop(heap)
+        fits = room >= p.length
+        if fits.any():
+            b = int(np.argmin(np.where(fits, loads, np.inf)))
+        else:
+            b = int(np.argmax(room))
+            if room[b] == 0:
+                raise ValueError(f"pieces hold more tokens than {n_bins} bins of {capacity}")
+            p, tail = p.split(int(room[b]))
+            heapq.heappush(heap, (-tail.length, counter, tail))
+            counter += 1
+        bins[b].append(p)
+        loads[b] += cost(p.length)
+        room[b] -= p.length
+    return bins
+
+
+def deal_in_order(pieces: Sequence[Piece], n_bins: int, capacity: int) -> list[list[Piece]]:
+    """The conventional loader's dealing: the stream in arrival order, cut into consecutive bins."""
+    bins: list[list[Piece]] = [[] for _ in range(n_bins)]
+    b, room = 0, capacity
+    for p in pieces:
+        while p.length and b < n_bins:
+            if p.length <= room:
+                bins[b].append(p)
+                room -= p.length
+                break
+            if room:
+                head, p = p.split(room)
+                bins[b].append(head)
+            b, room = b + 1, capacity
+        if room == 0:
+            b, room = b + 1, capacity
+    return bins
+
+
+def bin_cost(pieces: Sequence[Piece], cost: CostFn) -> float:
+    return float(sum(cost(p.length) for p in pieces))
+
+
+def imbalance(costs: Sequence[float]) -> float:
+    """max/mean of per-rank costs; 1.0 is perfect balance."""
+    mean = sum(costs) / len(costs) if costs else 0.0
+    return max(costs) / mean if mean > 0 else 1.0

@@ -1,0 +1,103 @@
+"""The `msd` command line: coordinator, worker, validate, demo."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from .config import ConfigError, JobConfig, load_job
+
+
+def _setup_logging(level: str, who: str) -> None:
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
+
+
+def _load_and_open(path: str) -> tuple[JobConfig, list[int]]:
+    from .sources import count_records
+
+    job = load_job(path)
+    return job, count_records(job)
+
+
+def _fail_config(e: ConfigError) -> None:
+    click.echo(f"{e.source}: invalid job file, {len(e.problems)} problem(s):", err=True)
+    for p in e.problems:
+        click.echo(f"  {p}", err=True)
+    sys.exit(1)
+
+
+@click.group()
+def main() -> None:
+    """megascale-data: one coordinator plans every global batch; stateless workers read and
+    transform samples once and push them straight to the trainer ranks."""
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the coordinator's state (created if missing).")
+@click.option("--log-level", default="INFO", show_default=True)
+def coordinator(config_path: str, bind: str, state_dir: str | None, log_level: str) -> None:
+    """Run the job's coordinator."""
+    _setup_logging(log_level, "coordinator")
+    try:
+        job, counts = _load_and_open(config_path)
+    except ConfigError as e:
+        _fail_config(e)
+    if state_dir:
+        os.makedirs(state_dir, exist_ok=True)
+    from .app import serve
+
+    serve(job, counts, bind)
+
+
+@main.command()
+@click.option("--coordinator", "address", required=True, help="Coordinator address, e.g. tcp://HEAD:5555.")
+@click.option("--procs", default=1, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
+@click.option("--log-level", default="INFO", show_default=True)
+def worker(address: str, procs: int, log_level: str) -> None:
+    """Run a worker host agent with N worker processes."""
+    _setup_logging(log_level, "worker-host")
+    from worker.host import HostAgent
+
+    HostAgent(address, procs, log_level.upper()).run()
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check a job file and its sources; print a one-line summary or every problem."""
+    try:
+        job, counts = _load_and_open(job_file)
+    except ConfigError as e:
+        _fail_config(e)
+    sources = ", ".join(
+        f"{s.name}={s.format}:{len(s.files)} file(s)/{n} records/w={job.weights[s.name]:.3f}"
+        for s, n in zip(job.sources, counts)
+    )
+    click.echo(
+        f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
+        f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
+    )
+
+
+@main.command()
+@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--ranks", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary here.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the demo dataset is generated (default: the megascale-data cache dir).")
+def demo(steps: int, ranks: int, workers: int, json_path: str | None, data_dir: str | None) -> None:
+    """Run the embedded demo job end to end on loopback and summarise it."""
+    from .demo import run_demo
+
+    sys.exit(run_demo(steps=steps, ranks=ranks, workers=workers, json_path=json_path, data_dir=data_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Keyed permutation streams: the shuffled order of each source with O(1) memory.
+
+Position p of a source's stream is record `permute(p mod N, key(seed, source, epoch))` with
+epoch = p // N. The permutation is a Feistel network on the smallest even-bit domain >= N with
+cycle walking, so it is a bijection on [0, N) for any N. Our own hash (splitmix64) drives it,
+because library RNG algorithms change between versions and the order must not.
+"""
+
+from __future__ import annotations
+
+_MASK64 = (1 << 64) - 1
+_ROUNDS = 6
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def epoch_key(seed: int, source_index: int, epoch: int) -> int:
+    return splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ source_index) ^ epoch)
+
+
+class Permutation:
+    """A keyed bijection on [0, n)."""
+
+    def __init__(self, n: int, key: int) -> None:
+        if n <= 0:
+            raise ValueError("permutation of an empty range")
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.half = bits // 2
+        self.half_mask = (1 << self.half) - 1
+        self.round_keys = [splitmix64(key ^ (r * 0x632BE59BD9B4E019)) for r in range(_ROUNDS)]
+
+    def _feistel(self, x: int) -> int:
+        left, right = x >> self.half, x & self.half_mask
+        for k in self.round_keys:
+            left, right = right, left ^ (splitmix64(right ^ k) & self.half_mask)
+        return (left << self.half) | right
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        x = self._feistel(i)
+        while x >= self.n:  # cycle walking: the domain is < 4n, so few iterations expected
+            x = self._feistel(x)
+        return x
+
+
+class SourceStream:
+    """The shuffled, endlessly repeating record stream of one source (each epoch a new permutation)."""
+
+    def __init__(self, seed: int, source_index: int, num_records: int) -> None:
+        self.seed = seed
+        self.source_index = source_index
+        self.num_records = num_records
+        self._perm: Permutation | None = None
+        self._perm_epoch = -1
+
+    def record_at(self, position: int) -> int:
+        epoch, i = divmod(position, self.num_records)
+        if epoch != self._perm_epoch:
+            self._perm = Permutation(self.num_records, epoch_key(self.seed, self.source_index, epoch))
+            self._perm_epoch = epoch
+        return self._perm(i)

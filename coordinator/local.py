@@ -1,0 +1,99 @@
+"""Run a whole job on this machine: a coordinator process and a worker host agent process on
+loopback. Used by `msd demo`, the integration tests and the benchmarks; trainer processes are
+started by the caller, since what they do with the batches is theirs to decide."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+from typing import Any
+
+_SPAWN = mp.get_context("spawn")
+
+
+def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    from .app import Coordinator
+    from .config import load_job
+    from .sources import count_records
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        job = load_job(job_path)
+        counts = count_records(job)
+    except Exception as e:
+        addr_queue.put(("error", str(e)))
+        return
+
+    async def main() -> None:
+        coord = Coordinator(job, counts, bind)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, coord.stop)
+        ready = loop.create_future()
+        ready.add_done_callback(lambda f: addr_queue.put(("ok", f.result())))
+        await coord.run(ready)
+
+    asyncio.run(main())
+
+
+def _host_main(address: str, procs: int, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s worker-host %(levelname)s %(message)s")
+    from worker.host import HostAgent
+
+    HostAgent(address, procs, log_level).run()
+
+
+class LocalJob:
+    """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
+
+    def __init__(self, job_path: str, workers: int = 1, log_level: str = "WARNING",
+                 bind: str = "tcp://127.0.0.1:0") -> None:
+        self.job_path = job_path
+        self.workers = workers
+        self.log_level = log_level
+        self.bind = bind
+        self.address: str | None = None
+        self.coordinator: mp.Process | None = None
+        self.host: mp.Process | None = None
+
+    def __enter__(self) -> "LocalJob":
+        q = _SPAWN.Queue()
+        self.coordinator = _SPAWN.Process(target=_coordinator_main, args=(self.job_path, self.bind, q, self.log_level),
+                                          name="msd-coordinator")
+        self.coordinator.start()
+        status, value = q.get(timeout=120)
+        if status != "ok":
+            self.coordinator.join(5)
+            raise RuntimeError(f"coordinator failed to start: {value}")
+        self.address = value
+        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level),
+                                   name="msd-worker-host")
+        self.host.start()
+        return self
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the host agent's worker processes (children of the host)."""
+        path = f"/proc/{self.host.pid}/task/{self.host.pid}/children"
+        try:
+            with open(path) as f:
+                return [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+
+    def __exit__(self, *exc) -> None:
+        for p in (self.host, self.coordinator):
+            if p is not None and p.is_alive():
+                p.terminate()
+        for p in (self.host, self.coordinator):
+            if p is not None:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)

@@ -1,0 +1,303 @@
+"""DataClient: what a trainer rank imports to receive its batches.
+
+A background thread owns both sockets (a DEALER to the coordinator, a PULL data socket that
+workers push pieces to), keeps heartbeats flowing while the trainer computes, deduplicates pieces
+by (step, doc_key, offset, length) and assembles micro-batches as soon as a step's recipe and its
+pieces are in. The iterator hands them out in training order. The client decides nothing about
+what data it gets; it only assembles what the coordinator planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from . import wire
+from .assemble import assemble_micro_batch
+from .errors import PeerLostError, ProtocolError, RejectedError
+from .sockets import make_socket
+
+log = logging.getLogger("msd.client")
+
+STATE_VERSION = 1
+HELLO_RETRY_S = 2.0
+MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
+_ids = itertools.count()
+
+
+class _End:
+    """Marker: the coordinator ended the stream."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+class DataClient:
+    """Receives the packed micro-batches of one trainer rank, in training order.
+
+    Args:
+        coordinator: the coordinator's address, e.g. "tcp://10.0.0.1:5555".
+        rank: this process's global trainer rank.
+        host: the address workers use to reach this process (advertised to them); the data
+            socket binds on `bind_host` (default: the same) at a free port.
+        timeout_s: how long `next()` waits for a micro-batch before raising PeerLostError.
+        as_torch: return torch tensors (default: when torch is importable) or numpy arrays.
+    """
+
+    def __init__(self, coordinator: str, rank: int, *, host: str = "127.0.0.1", bind_host: str | None = None,
+                 timeout_s: float = 300.0, as_torch: bool | None = None) -> None:
+        self.coordinator = coordinator
+        self.rank = rank
+        self.host = host
+        self.bind_host = bind_host or host
+        self.timeout_s = timeout_s
+        if as_torch is None:
+            try:
+                import torch  # noqa: F401
+
+                as_torch = True
+            except ImportError:
+                as_torch = False
+        self.as_torch = as_torch
+        self.next_step = 0
+        self.next_micro_batch = 0
+        self.plan_digest: str | None = None
+        self.batch_info: dict[str, Any] | None = None
+        self._ctx = zmq.Context()
+        self._queue: queue.Queue = queue.Queue()
+        self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
+        self._wake: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._receiver: _Receiver | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> None:
+        """Connect and register (done by the first `next()` when not called explicitly)."""
+        if self._thread is not None:
+            return
+        if self._closed:
+            raise RuntimeError("DataClient is closed")
+        ready = threading.Event()
+        self._receiver = _Receiver(self, ready)
+        self._thread = threading.Thread(target=self._receiver.run, name=f"msd-client-{self.rank}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._wake = make_socket(self._ctx, zmq.PAIR)
+        self._wake.connect(self._wake_addr)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        self.start()
+        try:
+            item = self._queue.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
+                                f"(waiting for step {self.next_step})") from None
+        if isinstance(item, BaseException):
+            self._queue.put(item)  # sticky: every later call raises the same error
+            raise item
+        if isinstance(item, _End):
+            self._queue.put(item)
+            raise StopIteration
+        step, m, batch = item
+        self.next_step, self.next_micro_batch = (step, m + 1)
+        if self.next_micro_batch == self.batch_info["micro_batches"]:
+            self.next_step, self.next_micro_batch = step + 1, 0
+            self._command(["consumed", step])
+        return _to_torch(batch) if self.as_torch else batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Small, JSON-serialisable: the next micro-batch this rank will consume, and the plan digest."""
+        return {"version": STATE_VERSION, "rank": self.rank, "next_step": self.next_step,
+                "next_micro_batch": self.next_micro_batch, "plan_digest": self.plan_digest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a state_dict(); call before iterating."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict() must be called before the first batch is requested")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported DataClient state version {state.get('version')!r}")
+        self.next_step = int(state["next_step"])
+        self.next_micro_batch = int(state["next_micro_batch"])
+        self.plan_digest = state.get("plan_digest")
+
+    def close(self) -> None:
+        """Deregister the rank (it may be claimed again) and release sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._command(["close"])
+            self._thread.join(timeout=10)
+            self._wake.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "DataClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _command(self, cmd: list) -> None:
+        self._wake.send_json(cmd)
+
+
+class _Receiver:
+    """The client's I/O thread. Owns every socket except the main thread's end of the wake pipe."""
+
+    def __init__(self, client: DataClient, ready: threading.Event) -> None:
+        self.c = client
+        self.ready = ready
+        self.headers: dict[int, dict[str, Any]] = {}
+        self.pieces: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
+        self.step = client.next_step  # next micro-batch to assemble
+        self.micro_batch = client.next_micro_batch
+        self.registered = False
+        self.duplicates = 0
+
+    def run(self) -> None:
+        c = self.c
+        ctx = c._ctx
+        wake = make_socket(ctx, zmq.PAIR)
+        wake.bind(c._wake_addr)
+        control = make_socket(ctx, zmq.DEALER)
+        data = make_socket(ctx, zmq.PULL, hwm=10_000)
+        port = data.bind_to_random_port(f"tcp://{c.bind_host}")
+        self.address = f"tcp://{c.host}:{port}"
+        control.connect(c.coordinator)
+        self.control = control
+        self.ready.set()
+        poller = zmq.Poller()
+        for s in (wake, control, data):
+            poller.register(s, zmq.POLLIN)
+        incarnation = int.from_bytes(os.urandom(6), "little")
+        heartbeat_s, last_hello, last_beat = 1.0, 0.0, 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if not self.registered and now - last_hello > HELLO_RETRY_S:
+                    self._send(P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=c.rank,
+                                      data_address=self.address, resume_step=self.step, incarnation=incarnation))
+                    last_hello = now
+                if self.registered and now - last_beat > heartbeat_s:
+                    self._send(P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
+                    last_beat = now
+                events = dict(poller.poll(timeout=int(heartbeat_s * 250)))
+                if wake in events:
+                    cmd = wake.recv_json()
+                    if cmd[0] == "consumed":
+                        self._send(P.make(P.CONSUMED, rank=c.rank, step=cmd[1]))
+                    elif cmd[0] == "close":
+                        if self.registered:
+                            self._send(P.make(P.TRAINER_BYE, rank=c.rank))
+                        return
+                if control in events:
+                    heartbeat_s = self._on_control(control.recv_multipart(copy=False), heartbeat_s)
+                if data in events:
+                    # Drain what is there: many small piece messages may queue up behind one poll.
+                    for _ in range(1000):
+                        try:
+                            frames = data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_pieces(frames)
+                self._assemble()
+        except Exception as e:  # surface I/O-thread failures to the trainer instead of hanging it
+            log.exception("rank %d: client I/O thread failed", c.rank)
+            c._queue.put(e)
+        finally:
+            for s in (wake, control, data):
+                s.close(linger=0 if s is not control else 1000)
+
+    def _send(self, header: dict[str, Any]) -> None:
+        try:
+            self.control.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, header["type"])
+
+    def _on_control(self, frames, heartbeat_s: float) -> float:
+        try:
+            msg, _ = wire.decode(frames, P.TRAINER_CONTROL_INBOX)
+        except ProtocolError as e:
+            log.warning("rank %d: dropped message from coordinator: %s", self.c.rank, e)
+            return heartbeat_s
+        kind = msg["type"]
+        if kind == "trainer_welcome":
+            c = self.c
+            if c.plan_digest is not None and c.plan_digest != msg["plan_digest"]:
+                c._queue.put(RejectedError(f"plan digest {msg['plan_digest']} differs from the checkpoint's "
+                                           f"{c.plan_digest}: the job file changed"))
+            c.plan_digest = msg["plan_digest"]
+            c.batch_info = msg["batch"]
+            self.registered = True
+            return float(msg["heartbeat_s"])
+        if kind == "step_header":
+            if msg["rank"] == self.c.rank and self.step <= msg["step"] < self.step + MAX_BUFFERED_STEPS:
+                self.headers[msg["step"]] = msg
+        elif kind == "reject":
+            self.c._queue.put(RejectedError(f"rank {self.c.rank}: coordinator refused: {msg['reason']}"))
+        elif kind == "shutdown":
+            self.c._queue.put(_End(msg["reason"]))
+        return heartbeat_s
+
+    def _on_pieces(self, frames) -> None:
+        try:
+            msg, data = wire.decode(frames, P.TRAINER_DATA_INBOX)
+            if msg["rank"] != self.c.rank:
+                raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.c.rank}")
+            total = sum(item[3] for item in msg["items"])
+            tokens = wire.frame_array(data[0], msg["dtype"], total)
+        except ProtocolError as e:
+            log.warning("rank %d: dropped data message: %s", self.c.rank, e)
+            return
+        step = msg["step"]
+        if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
+            self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
+            return
+        store = self.pieces.setdefault(step, {})
+        at = 0
+        for _, key, offset, length in msg["items"]:
+            ref = (key, offset, length)
+            if ref in store:
+                self.duplicates += 1
+            else:
+                store[ref] = tokens[at: at + length]
+            at += length
+
+    def _assemble(self) -> None:
+        info = self.c.batch_info
+        while info is not None and self.step in self.headers:
+            header = self.headers[self.step]
+            have = self.pieces.get(self.step, {})
+            sequences = header["micro_batches"][self.micro_batch]
+            if any((k, o, n) not in have for seq in sequences for k, o, n in seq):
+                return
+            batch = assemble_micro_batch(sequences, have, info["seq_len"], info["pad_id"])
+            batch["step"], batch["micro_batch"] = self.step, self.micro_batch
+            if self.micro_batch == 0:
+                batch["plan"] = header["plan"]
+            self.c._queue.put((self.step, self.micro_batch, batch))
+            self.micro_batch += 1
+            if self.micro_batch == len(header["micro_batches"]):
+                del self.headers[self.step]
+                self.pieces.pop(self.step, None)
+                self.step, self.micro_batch = self.step + 1, 0

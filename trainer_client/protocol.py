@@ -1,0 +1,237 @@
+"""Every wire message of megascale-data, declared once, with its schema.
+
+This module owns the message catalogue and PROTOCOL_VERSION. It lives in the trainer client
+because the client is the lightest of the three parts and must not import the coordinator or
+the worker; both of those import this module instead.
+
+A message is a msgpack map (frame 0) with key "type", optionally followed by raw array frames.
+`validate()` checks a decoded header against the schema of its type and the set of types a
+socket role may receive, so a message in the wrong direction or with a bad field is rejected in
+one place, before any handler sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
+# a hostile or broken peer cannot make a process allocate without bound.
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+MAX_FRAMES = 8
+MAX_FRAME_BYTES = 512 * 1024 * 1024
+MAX_LIST_LEN = 1_000_000
+MAX_STR_LEN = 1 << 20
+
+INT64_MAX = (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+
+Check = Callable[[Any, str], None]
+
+
+def _fail(path: str, what: str) -> None:
+    raise ProtocolError(f"field {path!r}: {what}")
+
+
+def integer(lo: int = 0, hi: int = INT64_MAX) -> Check:
+    def check(value: Any, path: str) -> None:
+        if type(value) is not int:
+            _fail(path, f"expected int, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            _fail(path, f"{value} outside [{lo}, {hi}]")
+
+    return check
+
+
+def number() -> Check:
+    def check(value: Any, path: str) -> None:
+        if type(value) not in (int, float) or value != value:
+            _fail(path, f"expected a finite number, got {value!r}")
+
+    return check
+
+
+def text(max_len: int = 4096) -> Check:
+    def check(value: Any, path: str) -> None:
+        if type(value) is not str:
+            _fail(path, f"expected str, got {type(value).__name__}")
+        if len(value) > max_len:
+            _fail(path, f"string longer than {max_len}")
+
+    return check
+
+
+def boolean() -> Check:
+    def check(value: Any, path: str) -> None:
+        if type(value) is not bool:
+            _fail(path, f"expected bool, got {type(value).__name__}")
+
+    return check
+
+
+def seq(item: Check, max_len: int = MAX_LIST_LEN, length: int | None = None) -> Check:
+    def check(value: Any, path: str) -> None:
+        if type(value) is not list:
+            _fail(path, f"expected list, got {type(value).__name__}")
+        if len(value) > max_len or (length is not None and len(value) != length):
+            _fail(path, f"list of length {len(value)} not allowed")
+        for i, v in enumerate(value):
+            item(v, f"{path}[{i}]")
+
+    return check
+
+
+def tup(*items: Check) -> Check:
+    """A fixed-length list whose positions have their own checks (compact records)."""
+
+    def check(value: Any, path: str) -> None:
+        if type(value) is not list or len(value) != len(items):
+            _fail(path, f"expected a list of {len(items)} items")
+        for i, (c, v) in enumerate(zip(items, value)):
+            c(v, f"{path}[{i}]")
+
+    return check
+
+
+def anything() -> Check:
+    """Free-form JSON-like data (job description, plan summary); sizes are bounded by msgpack."""
+
+    def check(value: Any, path: str) -> None:
+        return None
+
+    return check
+
+
+def mapping(**fields: Check) -> Check:
+    def check(value: Any, path: str) -> None:
+        _check_fields(value, fields, path)
+
+    return check
+
+
+def _check_fields(value: Any, fields: dict[str, Check], path: str) -> None:
+    if type(value) is not dict:
+        _fail(path, f"expected map, got {type(value).__name__}")
+    for name, c in fields.items():
+        if name not in value:
+            _fail(f"{path}.{name}" if path else name, "missing")
+        c(value[name], f"{path}.{name}" if path else name)
+
+
+# Compact record layouts (lists, not maps: they repeat thousands of times per step).
+# piece ref: [doc_key, doc_offset, length]
+PIECE_REF = tup(integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
+# deliver item: [rank, micro_batch, doc_key, doc_offset, length]
+DELIVER_ITEM = tup(integer(), integer(), integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
+# sent piece: [micro_batch, doc_key, doc_offset, length]
+SENT_PIECE = tup(integer(), integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
+TOKEN_DTYPES = ("|u1", "<u2", "<i2", "<i4", "<u4", "<i8")
+
+
+@dataclass(frozen=True)
+class MessageType:
+    name: str
+    fields: dict[str, Check]
+    frames: int = 0  # number of raw frames that must follow the header
+
+
+def _msg(name: str, frames: int = 0, **fields: Check) -> MessageType:
+    return MessageType(name, fields, frames)
+
+
+# worker -> coordinator
+WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(), incarnation=integer())
+WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer())
+PREPARED = _msg(
+    "prepared",
+    worker_id=integer(),
+    task_id=integer(),
+    lengths=seq(integer()),
+    # [[index into the task's records, reason]] for records skipped as corrupt
+    skipped=seq(tup(integer(), text(MAX_STR_LEN))),
+    busy_s=number(),
+)
+TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
+DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
+
+# coordinator -> worker
+WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number())
+PREPARE = _msg("prepare", task_id=integer(), source=integer(0, 0xFFFF), records=seq(integer(0, (1 << 48) - 1)))
+DELIVER = _msg(
+    "deliver",
+    delivery_id=integer(),
+    step=integer(),
+    addresses=seq(tup(integer(), text())),
+    items=seq(DELIVER_ITEM),
+    # doc keys whose prepared copy is used up after this delivery (one entry per prepared copy)
+    release=seq(integer(0, UINT64_MAX)),
+)
+REJECT = _msg("reject", reason=text(MAX_STR_LEN))
+SHUTDOWN = _msg("shutdown", reason=text())
+
+# trainer -> coordinator
+TRAINER_HELLO = _msg(
+    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer()
+)
+CONSUMED = _msg("consumed", rank=integer(), step=integer())
+TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
+TRAINER_BYE = _msg("trainer_bye", rank=integer())
+
+# coordinator -> trainer
+TRAINER_WELCOME = _msg("trainer_welcome", rank=integer(), batch=anything(), plan_digest=text(), heartbeat_s=number())
+STEP_HEADER = _msg(
+    "step_header",
+    step=integer(),
+    rank=integer(),
+    # micro_batches[m][s] = list of piece refs packed, in order, into sequence s of micro-batch m
+    micro_batches=seq(seq(seq(PIECE_REF))),
+    plan=anything(),
+)
+
+# worker -> trainer (one frame: the pieces' tokens, concatenated in item order)
+PIECES = _msg("pieces", frames=1, step=integer(), rank=integer(), dtype=text(8), items=seq(SENT_PIECE))
+
+ALL_TYPES = {
+    m.name: m
+    for m in (
+        WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
+        SHUTDOWN, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER, PIECES,
+    )
+}
+
+# What each socket role may receive; anything else is rejected at decode.
+COORDINATOR_INBOX = frozenset(
+    m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED,
+                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE)
+)
+WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN))
+TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, REJECT, SHUTDOWN))
+TRAINER_DATA_INBOX = frozenset({PIECES.name})
+
+
+def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType:
+    """Check a decoded header against its schema; return its type or raise ProtocolError."""
+    if type(header) is not dict:
+        raise ProtocolError(f"header is {type(header).__name__}, expected map")
+    name = header.get("type")
+    if name not in allowed:
+        raise ProtocolError(f"message type {name!r} not accepted on this socket")
+    kind = ALL_TYPES[name]
+    _check_fields(header, kind.fields, "")
+    if n_frames != kind.frames:
+        raise ProtocolError(f"{name}: expected {kind.frames} data frames, got {n_frames}")
+    if name == PIECES.name and header["dtype"] not in TOKEN_DTYPES:
+        raise ProtocolError(f"pieces: dtype {header['dtype']!r} not one of {TOKEN_DTYPES}")
+    return kind
+
+
+def make(kind: MessageType, **fields: Any) -> dict[str, Any]:
+    """Build a header for `kind`. Only the field names are checked here (a cheap guard against
+    sender bugs); receivers validate everything, since they cannot trust the sender."""
+    if fields.keys() != kind.fields.keys():
+        raise ProtocolError(f"{kind.name}: fields {sorted(fields)} != schema {sorted(kind.fields)}")
+    return {"type": kind.name, **fields}

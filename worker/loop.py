@@ -1,0 +1,219 @@
+"""One worker process: a plain synchronous loop around a poller.
+
+It registers with the coordinator, receives the source definitions, then serves two kinds of
+work: PREPARE (read + tokenize records, keep the tokens in a bounded cache, reply with lengths
+only) and DELIVER (send token ranges of cached records straight to trainer ranks, one message
+per rank, then acknowledge). Everything it holds is a cache the coordinator can rebuild
+elsewhere, so the process may be killed at any moment. It exits when its host agent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import zmq
+
+from trainer_client import protocol as P
+from trainer_client import wire
+from trainer_client.errors import ProtocolError
+from trainer_client.sockets import make_socket
+
+from .readers import RecordError, SourceReader, open_source
+
+log = logging.getLogger("msd.worker")
+
+HELLO_RETRY_S = 2.0
+SEND_TIMEOUT_MS = 30_000
+
+
+class Worker:
+    def __init__(self, coordinator: str, parent_pid: int | None = None) -> None:
+        self.coordinator = coordinator
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.control = make_socket(self.ctx, zmq.DEALER)
+        self.control.connect(coordinator)
+        self.data: dict[str, zmq.Socket] = {}  # trainer data address -> PUSH socket
+        self.worker_id: int | None = None
+        self.heartbeat_s = 1.0
+        self.readers: dict[int, SourceReader] = {}
+        self.specs: list[dict[str, Any]] = []
+        self.cache: dict[int, list] = {}  # doc_key -> [tokens, prepared copies outstanding]
+        self.incarnation = int.from_bytes(os.urandom(6), "little")
+        self.running = True
+
+    def close(self) -> None:
+        for s in self.data.values():
+            s.close(linger=1000)
+        self.control.close(linger=0)
+        self.ctx.term()
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        last_hello = last_beat = 0.0
+        while self.running:
+            now = time.monotonic()
+            if self.worker_id is None and now - last_hello > HELLO_RETRY_S:
+                self._send(P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=socket.gethostname(),
+                                  pid=os.getpid(), incarnation=self.incarnation))
+                last_hello = now
+            if self.worker_id is not None and now - last_beat > self.heartbeat_s:
+                self._send(P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache)))
+                last_beat = now
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.info("host agent is gone; exiting")
+                return
+            if not poller.poll(timeout=int(self.heartbeat_s * 250)):
+                continue
+            frames = self.control.recv_multipart(copy=False)
+            try:
+                header, _ = wire.decode(frames, P.WORKER_INBOX)
+            except ProtocolError as e:
+                log.warning("dropped message from coordinator: %s", e)
+                continue
+            self._handle(header)
+
+    def _send(self, header: dict[str, Any]) -> None:
+        try:
+            self.control.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("coordinator not reading; %s dropped", header["type"])
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "welcome":
+            self._on_welcome(msg)
+        elif kind == "prepare":
+            if self.worker_id is not None:
+                self._on_prepare(msg)
+        elif kind == "deliver":
+            if self.worker_id is not None:
+                self._on_deliver(msg)
+        elif kind == "reject":
+            log.error("coordinator rejected this worker: %s", msg["reason"])
+            self.running = False
+        elif kind == "shutdown":
+            log.info("coordinator asked us to stop: %s", msg["reason"])
+            self.running = False
+
+    def _on_welcome(self, msg: dict[str, Any]) -> None:
+        job = msg["job"]
+        if not isinstance(job, dict) or not isinstance(job.get("sources"), list):
+            log.error("welcome without a usable job description; ignored")
+            return
+        self.worker_id = msg["worker_id"]
+        self.heartbeat_s = float(msg["heartbeat_s"])
+        self.specs = job["sources"]
+        self.readers.clear()
+        self.cache.clear()
+        log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
+
+    def _reader(self, source: int) -> SourceReader:
+        reader = self.readers.get(source)
+        if reader is None:
+            reader = self.readers[source] = open_source(self.specs[source])
+        return reader
+
+    # ------------------------------------------------------------------ work
+
+    def _on_prepare(self, msg: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        s = msg["source"]
+        try:
+            reader = self._reader(s)
+        except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
+            self._send(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
+                              reason=f"cannot open source {s}: {e}"))
+            return
+        lengths: list[int] = []
+        skipped: list[list] = []
+        for i, record in enumerate(msg["records"]):
+            key = (s << 48) | record
+            entry = self.cache.get(key)
+            if entry is not None:
+                entry[1] += 1
+                lengths.append(len(entry[0]))
+                continue
+            try:
+                tokens = reader.read(record)
+            except RecordError as e:
+                log.warning("skipped record: %s", e)
+                lengths.append(0)
+                skipped.append([i, str(e)])
+                continue
+            except IndexError as e:
+                lengths.append(0)
+                skipped.append([i, str(e)])
+                continue
+            self.cache[key] = [tokens, 1]
+            lengths.append(len(tokens))
+        self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], lengths=lengths,
+                          skipped=skipped, busy_s=time.perf_counter() - started))
+
+    def _on_deliver(self, msg: dict[str, Any]) -> None:
+        addresses = dict((r, a) for r, a in msg["addresses"])
+        by_rank: dict[int, list[list]] = defaultdict(list)
+        for item in msg["items"]:
+            by_rank[item[0]].append(item)
+        for rank, items in sorted(by_rank.items()):
+            address = addresses.get(rank)
+            if address is None:
+                log.warning("step %d: no address for rank %d; its pieces were not sent", msg["step"], rank)
+                continue
+            arrays, sent = [], []
+            for _, m, key, offset, length in items:
+                entry = self.cache.get(key)
+                if entry is None or offset + length > len(entry[0]):
+                    log.error("step %d: piece %x[%d:+%d] not in cache; not sent", msg["step"], key, offset, length)
+                    continue
+                arrays.append(entry[0][offset: offset + length])
+                sent.append([m, key, offset, length])
+            if not sent:
+                continue
+            dtype = np.result_type(*[a.dtype for a in arrays])
+            tokens = np.concatenate(arrays).astype(dtype.newbyteorder("<"), copy=False)
+            header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str, items=sent)
+            try:
+                self._data_socket(address).send_multipart(wire.encode(header, tokens), copy=False)
+            except zmq.Again:
+                log.error("step %d: rank %d at %s did not take its pieces within %ds", msg["step"], rank, address,
+                          SEND_TIMEOUT_MS // 1000)
+        for key in msg["release"]:
+            entry = self.cache.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self.cache[key]
+        self._send(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"]))
+
+    def _data_socket(self, address: str) -> zmq.Socket:
+        sock = self.data.get(address)
+        if sock is None:
+            sock = make_socket(self.ctx, zmq.PUSH)
+            # Blocking send is our flow control (the coordinator bounds how far ahead anyone is);
+            # the timeout keeps a vanished trainer from wedging the worker forever.
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            sock.connect(address)
+            self.data[address] = sock
+        return sock
+
+
+def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO") -> None:
+    """Entry point of one worker process (spawned by the host agent)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
+    worker = Worker(coordinator, parent_pid)
+    try:
+        worker.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()

@@ -1,0 +1,126 @@
+"""JSONL shards (.jsonl, .jsonl.gz, .jsonl.zst) with a cached line-offset index for direct access.
+
+The index is built by one scan and saved beside the shard as `<shard>.msdidx.npy`, or under the
+cache dir when the data dir is read-only. It records the shard's size and mtime and is rebuilt
+when they change. Compressed streams cannot be seeked, so a compressed shard is decompressed once
+into the same place (`<name>.msd.jsonl`) and read from there: disk traded for random access.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import zstandard
+
+from .errors import SourceFormatError
+
+_CHUNK = 16 << 20
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("MSD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megascale-data")
+
+
+def _sidecar_path(shard: str, suffix: str, cache_dir: str) -> str:
+    """Beside the data when that dir is writable, else in the cache dir under a hash of the path."""
+    shard_dir = os.path.dirname(os.path.abspath(shard))
+    if os.access(shard_dir, os.W_OK):
+        return shard + suffix
+    digest = hashlib.sha1(os.path.abspath(shard).encode()).hexdigest()[:16]
+    os.makedirs(cache_dir, exist_ok=True)
+    return os.path.join(cache_dir, f"{digest}-{os.path.basename(shard)}{suffix}")
+
+
+def _atomic_write(path: str, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-msd-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' workers must read the sidecar
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _plain_path(shard: str, cache_dir: str) -> str:
+    """Path of an uncompressed copy of `shard` (the shard itself when it is not compressed)."""
+    if shard.endswith(".jsonl"):
+        return shard
+    if shard.endswith(".jsonl.gz"):
+        opener = lambda: gzip.open(shard, "rb")  # noqa: E731
+    elif shard.endswith(".jsonl.zst"):
+        opener = lambda: zstandard.ZstdDecompressor().stream_reader(open(shard, "rb"), closefd=True)  # noqa: E731
+    else:
+        raise SourceFormatError(f"{shard}: not a .jsonl, .jsonl.gz or .jsonl.zst file")
+    plain = _sidecar_path(shard, ".msd.jsonl", cache_dir)
+    if not os.path.exists(plain) or os.path.getmtime(plain) < os.path.getmtime(shard):
+        def copy(out) -> None:
+            try:
+                with opener() as src:
+                    shutil.copyfileobj(src, out, _CHUNK)
+            except (OSError, EOFError, zstandard.ZstdError) as e:
+                raise SourceFormatError(f"{shard}: cannot decompress: {e}") from None
+
+        _atomic_write(plain, copy)
+    return plain
+
+
+def _scan_offsets(path: str) -> np.ndarray:
+    """Start offset of every line, plus the end of the file (a final line without newline counts)."""
+    starts = [np.zeros(1, np.int64)]
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            nl = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64)
+            starts.append(nl + size + 1)
+            size += len(chunk)
+    offsets = np.concatenate(starts)
+    if offsets[-1] != size:  # last line lacks a newline
+        offsets = np.append(offsets, size)
+    return offsets
+
+
+class JsonlShard:
+    """Line-addressable view of one JSONL shard."""
+
+    def __init__(self, shard: str, cache_dir: str | None = None) -> None:
+        if not os.path.isfile(shard):
+            raise SourceFormatError(f"{shard}: file not found")
+        self.shard = shard
+        cache_dir = cache_dir or default_cache_dir()
+        self.path = _plain_path(shard, cache_dir)
+        self.offsets = self._load_index(_sidecar_path(shard, ".msdidx.npy", cache_dir))
+        size = int(self.offsets[-1])
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+
+    def _load_index(self, index_path: str) -> np.ndarray:
+        st = os.stat(self.path)
+        stamp = np.array([st.st_size, st.st_mtime_ns], np.int64)
+        if os.path.exists(index_path):
+            try:
+                saved = np.load(index_path, mmap_mode="r")
+                if saved.dtype == np.int64 and len(saved) >= 3 and np.array_equal(saved[:2], stamp):
+                    return saved[2:]
+            except (ValueError, OSError):
+                pass  # unreadable index: rebuild it below
+        offsets = _scan_offsets(self.path)
+        _atomic_write(index_path, lambda f: np.save(f, np.concatenate([stamp, offsets])))
+        return offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def line(self, i: int) -> bytes:
+        """Bytes of line i (0-based), without its newline."""
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        raw = self._data[start:end].tobytes()
+        return raw[:-1] if raw.endswith(b"\n") else raw

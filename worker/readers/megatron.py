@@ -1,0 +1,121 @@
+"""Megatron `.bin/.idx` indexed datasets: a memory-mapped reader and a writer, byte-compatible with
+megatron-core's `IndexedDatasetBuilder` / `IndexedDataset` (format version 1), without importing it.
+
+.idx layout (little-endian): magic b"MMIDIDX\\x00\\x00", u64 version = 1, u8 dtype code,
+u64 sequence_count, u64 document_count, i32 sequence_lengths[sequence_count],
+i64 sequence_pointers[sequence_count] (byte offsets into .bin),
+i64 document_indices[document_count] (starts at 0; document d spans sequences
+[document_indices[d], document_indices[d+1])), then, for multimodal datasets only,
+i8 sequence_modes[sequence_count].
+
+One record of ours is one document of the .idx; its tokens are its sequences concatenated.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterable
+
+import numpy as np
+
+from .errors import SourceFormatError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+_HEADER = struct.Struct("<9sQBQQ")
+
+
+class MegatronIndex:
+    """One `prefix.bin` + `prefix.idx` pair, memory-mapped. Checks the index against the data file
+    at open, so a truncated or foreign pair is refused here, naming the file."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        for p in (idx_path, bin_path):
+            if not os.path.isfile(p):
+                raise SourceFormatError(f"{p}: file not found")
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < _HEADER.size:
+            raise SourceFormatError(f"{idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[: _HEADER.size]))
+        if magic != MAGIC:
+            raise SourceFormatError(f"{idx_path}: not a Megatron index (magic {magic!r})")
+        if version != VERSION:
+            raise SourceFormatError(f"{idx_path}: unsupported index version {version}")
+        if code not in DTYPE_CODES:
+            raise SourceFormatError(f"{idx_path}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        body = _HEADER.size + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_size not in (body, body + n_seq):  # + n_seq: optional multimodal sequence_modes
+            raise SourceFormatError(
+                f"{idx_path}: size {idx_size} does not match {n_seq} sequences and {n_doc} document indices"
+            )
+        if n_doc < 1:
+            raise SourceFormatError(f"{idx_path}: empty document index")
+        off = _HEADER.size
+        self.sequence_lengths = np.frombuffer(idx, dtype="<i4", count=n_seq, offset=off)
+        off += n_seq * 4
+        self.sequence_pointers = np.frombuffer(idx, dtype="<i8", count=n_seq, offset=off)
+        off += n_seq * 8
+        self.document_indices = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off)
+        di = self.document_indices
+        if di[0] != 0 or di[-1] != n_seq or (n_doc > 1 and np.any(di[1:] < di[:-1])):
+            raise SourceFormatError(f"{idx_path}: document indices are not a monotone cover of the sequences")
+        bin_size = os.path.getsize(bin_path)
+        if n_seq:
+            last_end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if last_end > bin_size or np.any(self.sequence_lengths < 0):
+                raise SourceFormatError(
+                    f"{bin_path}: truncated or foreign data file ({bin_size} bytes, index needs {last_end})"
+                )
+        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.document_indices) - 1
+
+    def document_lengths(self) -> np.ndarray:
+        """Tokens per document (int64), computed from the index alone."""
+        cums = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
+        return cums[self.document_indices[1:]] - cums[self.document_indices[:-1]]
+
+    def document(self, d: int) -> np.ndarray:
+        """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
+        first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
+        parts = [self._sequence(s) for s in range(first, last)]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def _sequence(self, s: int) -> np.ndarray:
+        ptr, n = int(self.sequence_pointers[s]), int(self.sequence_lengths[s])
+        return np.frombuffer(self._bin, dtype=self.dtype, count=n, offset=ptr)
+
+
+def write_megatron(prefix: str, documents: Iterable[np.ndarray], dtype: np.dtype | type = np.uint16) -> int:
+    """Write documents (one sequence each) as `prefix.bin` / `prefix.idx`, exactly as megatron-core's
+    IndexedDatasetBuilder.add_document + finalize would. Returns the number of documents."""
+    dt = np.dtype(dtype)
+    lengths: list[int] = []
+    with open(prefix + ".bin", "wb") as f:
+        for doc in documents:
+            arr = np.ascontiguousarray(doc, dtype=dt)
+            f.write(arr.tobytes(order="C"))
+            lengths.append(len(arr))
+    seq_lengths = np.array(lengths, dtype="<i4")
+    pointers = np.zeros(len(lengths), dtype="<i8")
+    if lengths:
+        pointers[1:] = np.cumsum(seq_lengths[:-1], dtype=np.int64) * dt.itemsize
+    doc_indices = np.arange(len(lengths) + 1, dtype="<i8")
+    with open(prefix + ".idx", "wb") as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[dt], len(lengths), len(doc_indices)))
+        f.write(seq_lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_indices.tobytes())
+    return len(lengths)
