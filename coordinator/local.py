@@ -13,8 +13,13 @@ from typing import Any
 _SPAWN = mp.get_context("spawn")
 
 
-def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s coordinator %(levelname)s %(message)s")
+def _logging(log_level: str, log_path: str | None, who: str) -> None:
+    logging.basicConfig(level=log_level, filename=log_path,
+                        format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
+
+
+def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None) -> None:
+    _logging(log_level, log_path, "coordinator")
     from .app import Coordinator
     from .config import load_job
     from .sources import count_records
@@ -43,8 +48,8 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str)
     asyncio.run(main())
 
 
-def _host_main(address: str, procs: int, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s worker-host %(levelname)s %(message)s")
+def _host_main(address: str, procs: int, log_level: str, log_path: str | None) -> None:
+    _logging(log_level, log_path, "worker-host")
     from worker.host import HostAgent
 
     HostAgent(address, procs, log_level).run()
@@ -54,7 +59,8 @@ class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
     def __init__(self, job_path: str, workers: int = 1, log_level: str = "WARNING",
-                 bind: str = "tcp://127.0.0.1:0") -> None:
+                 bind: str = "tcp://127.0.0.1:0", log_path: str | None = None) -> None:
+        self.log_path = log_path
         self.job_path = job_path
         self.workers = workers
         self.log_level = log_level
@@ -65,7 +71,7 @@ class LocalJob:
 
     def __enter__(self) -> "LocalJob":
         q = _SPAWN.Queue()
-        self.coordinator = _SPAWN.Process(target=_coordinator_main, args=(self.job_path, self.bind, q, self.log_level),
+        self.coordinator = _SPAWN.Process(target=_coordinator_main, args=(self.job_path, self.bind, q, self.log_level, self.log_path),
                                           name="msd-coordinator")
         self.coordinator.start()
         status, value = q.get(timeout=120)
@@ -73,7 +79,7 @@ class LocalJob:
             self.coordinator.join(5)
             raise RuntimeError(f"coordinator failed to start: {value}")
         self.address = value
-        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level),
+        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path),
                                    name="msd-worker-host")
         self.host.start()
         return self

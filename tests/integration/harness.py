@@ -1,0 +1,102 @@
+"""Running a real job (coordinator + worker processes + trainer processes on loopback) and
+collecting what every rank received."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from coordinator.config import load_job
+from coordinator.local import LocalJob
+from worker.readers import open_source
+
+SPAWN = mp.get_context("spawn")
+
+
+def collect(address: str, rank: int, steps: int, out: Any) -> None:
+    """Trainer process: receive `steps` steps and send every micro-batch back to the test."""
+    from trainer_client import DataClient
+
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
+    try:
+        for batch in client:
+            out.put(("batch", rank, {k: batch[k] for k in (
+                "step", "micro_batch", "tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "doc_keys",
+                "doc_offsets", "piece_lengths", "num_tokens")}))
+            if batch["step"] + 1 >= steps and batch["micro_batch"] == client.batch_info["micro_batches"] - 1:
+                break
+        out.put(("done", rank, client.state_dict()))
+    except Exception as e:
+        out.put(("error", rank, f"{type(e).__name__}: {e}"))
+    finally:
+        client.close()
+
+
+def run_job(job_path: str, *, workers: int, ranks: int, steps: int, log_path: str | None = None,
+            during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90) -> dict[int, list[dict]]:
+    """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection)."""
+    received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
+    with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO") as cluster:
+        out = SPAWN.Queue()
+        procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        done, deadline = 0, time.monotonic() + timeout_s
+        try:
+            while done < ranks:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"job did not finish in {timeout_s}s; got "
+                                         f"{ {r: len(b) for r, b in received.items()} } micro-batches")
+                try:
+                    kind, rank, payload = out.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if kind == "error":
+                    raise AssertionError(f"rank {rank}: {payload}")
+                if kind == "done":
+                    done += 1
+                else:
+                    received[rank].append(payload)
+                    if during is not None:
+                        during(cluster, sum(len(b) for b in received.values()))
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return received
+
+
+def signature(received: dict[int, list[dict]]) -> list[tuple]:
+    """The stream that determinism promises: (step, rank, micro_batch, doc_keys, offsets, lengths)."""
+    out = []
+    for rank, batches in sorted(received.items()):
+        for b in batches:
+            out.append((b["step"], rank, b["micro_batch"], tuple(b["doc_keys"].tolist()),
+                        tuple(b["doc_offsets"].tolist()), tuple(b["piece_lengths"].tolist())))
+    return sorted(out)
+
+
+def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
+    """Assert the tokens of every piece equal the source document's tokens at that offset; return
+    the number of pieces checked."""
+    job = load_job(job_path)
+    readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+    checked = 0
+    for batches in received.values():
+        for b in batches:
+            flat = b["tokens"].reshape(-1)
+            at = 0
+            row_len = b["tokens"].shape[1]
+            for key, off, n in zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist()):
+                if at % row_len + n > row_len:  # a row ended in padding: skip to the next row
+                    at += row_len - at % row_len
+                expected = readers[key >> 48].read(key & ((1 << 48) - 1))[off: off + n].astype(np.int64)
+                np.testing.assert_array_equal(flat[at: at + n], expected, err_msg=f"piece {key:x}@{off}+{n}")
+                at += n
+                checked += 1
+    return checked

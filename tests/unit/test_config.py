@@ -1,0 +1,82 @@
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.config import ConfigError, parse_job
+from tests.conftest import job_dict, write_job
+
+
+def _problems(dataset_dir, job):
+    with pytest.raises(ConfigError) as e:
+        parse_job(job, "job.yaml", base_dir=dataset_dir)
+    return e.value.problems
+
+
+def test_valid_job_parses_with_sorted_files_and_normalised_weights(dataset_dir):
+    job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
+    assert [s.name for s in job.sources] == ["web", "code", "long"]
+    assert [s.index for s in job.sources] == [0, 1, 2]
+    web = job.sources[0]
+    assert [f.rsplit("/", 1)[1] for f in web.files] == ["web-0.jsonl", "web-1.jsonl"]
+    assert math.isclose(sum(job.weights.values()), 1.0)
+    assert job.micro_batches_per_rank == 2 and job.step_tokens == 8 * 512
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda j: j.update(bogus=1), "bogus: unknown key"),
+    (lambda j: j["mixture"]["weights"].update(web=-1), "mixture.weights.web: must not be negative"),
+    (lambda j: j["mixture"]["weights"].update(web=float("nan")), "mixture.weights.web: expected a finite number"),
+    (lambda j: j["mixture"].update(weights={"web": 0, "code": 0, "long": 0}), "mixture.weights: all weights are zero"),
+    (lambda j: j["mixture"]["weights"].update(books=0.1), "mixture.weights.books: weight for unknown source"),
+    (lambda j: j["sources"]["web"].update(paths=["nothing/*.jsonl"]), "sources.web.paths: 'nothing/*.jsonl' matches no file"),
+    (lambda j: j["sources"]["web"].update(format="csv"), "sources.web.format: unknown format 'csv'"),
+    (lambda j: j["sources"]["web"].update(tokenizer="gpt9"), "sources.web.tokenizer: unknown tokenizer 'gpt9'"),
+    (lambda j: j["sources"]["code"].update(colour="blue"), "sources.code.colour: unknown key"),
+    (lambda j: j["batch"].update(seq_len=-4), "batch.seq_len: must be >= 2"),
+    (lambda j: j["batch"].update(global_batch_size=6), "batch.global_batch_size: 6 is not a multiple"),
+])
+def test_each_problem_names_its_key(dataset_dir, mutate, expected):
+    job = job_dict()
+    mutate(job)
+    problems = _problems(dataset_dir, job)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_all_problems_are_reported_at_once(dataset_dir):
+    job = job_dict()
+    job["sources"]["web"]["format"] = "csv"
+    job["mixture"]["weights"]["books"] = 1
+    job["topology"]["dp"] = 0
+    problems = _problems(dataset_dir, job)
+    assert len(problems) >= 3
+
+
+def test_msd_validate_exit_codes(dataset_dir):
+    runner = CliRunner()
+    good = write_job(dataset_dir, job_dict(), "good.yaml")
+    r = runner.invoke(main, ["validate", good])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("\n") == 1 and "OK" in r.output and "web=jsonl" in r.output
+    bad_job = job_dict()
+    bad_job["mixture"]["weights"]["web"] = -2
+    bad_job["sources"]["long"]["format"] = "parquet9"
+    bad = write_job(dataset_dir, bad_job, "bad.yaml")
+    r = runner.invoke(main, ["validate", bad])
+    assert r.exit_code == 1
+    assert "mixture.weights.web" in r.output and "sources.long.format" in r.output
+
+
+def test_truncated_megatron_is_refused_naming_the_file(dataset_dir, tmp_path):
+    import shutil
+
+    root = tmp_path / "d"
+    shutil.copytree(dataset_dir, root)
+    bin_path = root / "code" / "code_text_document.bin"
+    with open(bin_path, "r+b") as f:
+        f.truncate(bin_path.stat().st_size - 10)
+    path = write_job(str(root), job_dict())
+    r = CliRunner().invoke(main, ["validate", path])
+    assert r.exit_code == 1
+    assert "code_text_document.bin" in r.output and "truncated" in r.output
