@@ -1,0 +1,139 @@
+"""`msd coordinator` and `msd worker` as real commands, and a coordinator under bad input."""
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import orjson
+import pytest
+import zmq
+
+from tests.conftest import job_dict, write_job
+
+from .harness import SPAWN, check_content, collect
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _msd(*args, log):
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _receive(address, ranks, steps, timeout_s=60, while_waiting=None):
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=collect, args=(address, r, steps, out)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    received, done, deadline = {r: [] for r in range(ranks)}, 0, time.monotonic() + timeout_s
+    try:
+        while done < ranks and time.monotonic() < deadline:
+            if while_waiting:
+                while_waiting()
+            try:
+                kind, rank, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            assert kind != "error", payload
+            if kind == "done":
+                done += 1
+            else:
+                received[rank].append(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert done == ranks, "trainers did not finish"
+    return received
+
+
+@pytest.fixture
+def cli_job(dataset_dir, tmp_path):
+    path = write_job(dataset_dir, job_dict(), "cli.yaml")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    log = open(tmp_path / "msd.log", "w+")
+    coord = _msd("coordinator", "--config", path, "--bind", address, "--state-dir", str(tmp_path / "state"), log=log)
+    host = _msd("worker", "--coordinator", address, "--procs", "2", log=log)
+    try:
+        yield path, address, log
+    finally:
+        for p in (host, coord):
+            p.terminate()
+        for p in (host, coord):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+def test_msd_commands_serve_a_job(cli_job):
+    path, address, log = cli_job
+    received = _receive(address, ranks=2, steps=10)
+    assert all(len(b) == 20 for b in received.values())
+    assert check_content(path, received) > 20
+
+
+def test_malformed_messages_are_dropped_and_the_job_goes_on(cli_job):
+    path, address, log = cli_job
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(address)
+    bad = [
+        [b"\x00\x01garbage"],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({"type": "prepare", "task_id": 1, "source": 0, "records": [1]})],  # wrong direction
+        [msgpack.packb({"type": "consumed", "rank": 0, "step": 5})],  # not registered
+        [msgpack.packb({"type": "trainer_hello", "version": 1, "rank": "zero", "data_address": "x",
+                        "resume_step": 0, "incarnation": 1})],
+        [msgpack.packb({"type": "worker_hello", "version": 99, "host": "h", "pid": 1, "incarnation": 1})],
+        [msgpack.packb({"type": "trainer_hello", "version": 1, "rank": 7, "data_address": "tcp://127.0.0.1:1",
+                        "resume_step": 0, "incarnation": 1})],  # rank beyond dp
+        [b"\x00" * (9 << 20)],  # oversized header
+        [msgpack.packb({"type": "consumed", "rank": 0, "step": 1}), b"extra", b"frames"],
+    ]
+    sent = []
+
+    def inject():
+        if len(sent) < 30:
+            for frames in bad:
+                rogue.send_multipart(frames)
+            sent.append(1)
+
+    received = _receive(address, ranks=2, steps=8, while_waiting=inject)
+    rogue.close()
+    ctx.term()
+    assert sent
+    assert check_content(path, received) > 10
+    log.flush()
+    log.seek(0)
+    text = log.read()
+    assert "dropped message from peer" in text and "undecodable header" in text
+    assert "rank 7 out of range" in text and "speaks protocol 99" in text
+
+
+def test_msd_demo_writes_its_summary(tmp_path):
+    out = tmp_path / "demo.json"
+    env = {**os.environ, "MSD_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "--steps", "6", "--ranks", "2", "--workers",
+                        "1", "--json", str(out)], capture_output=True, text=True, env=env, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = orjson.loads(out.read_bytes())
+    assert summary["steps"] == 6 and summary["tokens"] == 6 * 8 * 4096
+    assert summary["tokens_per_s"] > 0
+    assert 1.0 <= summary["imbalance"] <= summary["naive_imbalance"] * 1.5
+    assert set(summary["mixture"]) == {"web", "code", "long"}
+    for m in summary["mixture"].values():
+        assert abs(m["actual"] - m["target"]) < 0.05
