@@ -84,6 +84,9 @@ class Coordinator:
         self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
         n = len(job.sources)
         self.lengths: list[dict[int, int]] = [{} for _ in range(n)]
+        self.records: list[dict[int, int]] = [{} for _ in range(n)]  # position -> record index, while in flight
+        self.skipped_positions: list[list[int]] = [[] for _ in range(n)]  # forgotten once planned past
+        self.blocked_on: tuple[int, int] | None = None  # the (source, position) planning waits for
         self.holder: list[dict[int, int]] = [{} for _ in range(n)]  # position -> worker_id
         self.prepare_next = [0] * n  # next stream position to send to a worker
         self.len_sum = [0] * n
@@ -285,6 +288,8 @@ class Coordinator:
             self.lengths[s][pos] = length
             if length > 0:
                 self.holder[s][pos] = worker.worker_id
+            else:
+                self.skipped_positions[s].append(pos)
             if known is None:
                 self.len_sum[s] += length
                 self.len_count[s] += 1
@@ -301,6 +306,7 @@ class Coordinator:
         for s, pos in d.release:
             self.holder[s].pop(pos, None)
             self.lengths[s].pop(pos, None)
+            self.records[s].pop(pos, None)
 
     def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
@@ -367,17 +373,33 @@ class Coordinator:
             self._prepare_ahead()
             return
         limit = min(t.consumed for t in self.trainers.values()) + 1 + self.job.runtime.lookahead_steps
+        if self.blocked_on is not None:
+            if self._lookup(*self.blocked_on) is None:
+                self._prepare_ahead()
+                return  # planning again would fail at the same record
+            self.blocked_on = None
         while self.planner.state.next_step < limit:
             try:
-                plan = self.planner.plan_step(self._length_of)
+                plan = self.planner.plan_step(self._lookup)
             except NeedLength as need:
+                self.blocked_on = (need.source, need.position)
                 self._ensure_prepared(need.source, need.position)
                 break
             self._dispatch(plan)
+            self._forget_skipped()
         self._prepare_ahead()
 
-    def _length_of(self, source: int, position: int) -> int | None:
-        return self.lengths[source].get(position)
+    def _forget_skipped(self) -> None:
+        for s, positions in enumerate(self.skipped_positions):
+            cursor = self.planner.state.cursors[s]
+            for pos in [p for p in positions if p < cursor]:
+                self.lengths[s].pop(pos, None)
+                self.records[s].pop(pos, None)
+            self.skipped_positions[s] = [p for p in positions if p >= cursor]
+
+    def _lookup(self, source: int, position: int) -> tuple[int, int] | None:
+        length = self.lengths[source].get(position)
+        return None if length is None else (self.records[source][position], length)
 
     def _dispatch(self, plan: StepPlan) -> None:
         plan_summary = {
@@ -420,7 +442,7 @@ class Coordinator:
                 P.DELIVER, delivery_id=did, step=step,
                 addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers],
                 items=[[rank, m, p.key, p.offset, p.length] for rank, m, p in mine],
-                release=[(s << 48) | self.planner.record_at(s, pos) for s, pos in rel],
+                release=[(s << 48) | self.records[s][pos] for s, pos in rel],
             ))
 
     # ------------------------------------------------------------------ prepare-ahead
@@ -441,16 +463,19 @@ class Coordinator:
         for s in range(len(self.job.sources)):
             cursor = self.planner.state.cursors[s]
             while self.prepare_next[s] - cursor < self._window(s):
-                start = self.prepare_next[s]
-                self._issue_prepare(s, list(range(start, start + batch)))
-                self.prepare_next[s] = start + batch
+                self._prepare_next_batch(s, batch)
 
     def _ensure_prepared(self, s: int, position: int) -> None:
         batch = self.job.runtime.prepare_batch
         while self.prepare_next[s] <= position and self.workers:
-            start = self.prepare_next[s]
-            self._issue_prepare(s, list(range(start, start + batch)))
-            self.prepare_next[s] = start + batch
+            self._prepare_next_batch(s, batch)
+
+    def _prepare_next_batch(self, s: int, batch: int) -> None:
+        start = self.prepare_next[s]
+        records = self.planner.streams[s].records_at(start, batch)
+        self.records[s].update(zip(range(start, start + batch), records))
+        self.prepare_next[s] = start + batch
+        self._issue_prepare(s, list(range(start, start + batch)))
 
     def _issue_prepare(self, s: int, positions: list[int], avoid: int | None = None) -> None:
         candidates = [w for w in self.workers.values() if w.worker_id != avoid] or list(self.workers.values())
@@ -466,7 +491,7 @@ class Coordinator:
         self._next_task_id += 1
         self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id)
         worker.tasks.add(tid)
-        records = [self.planner.record_at(s, p) for p in positions]
+        records = [self.records[s][p] for p in positions]
         self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s, records=records))
 
     def status(self) -> dict[str, Any]:

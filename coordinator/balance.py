@@ -12,7 +12,6 @@ import heapq
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -39,28 +38,43 @@ CostFn = Callable[[int], float]
 
 
 def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) -> list[list[Piece]]:
-    """Greedy longest-first assignment with splitting; returns the pieces of each bin."""
+    """Greedy longest-first assignment with splitting; returns the pieces of each bin, each in
+    assignment order. Ties go to the lowest bin index."""
+    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i].length, i))
+    if n_bins == 1 and sum(p.length for p in pieces) <= capacity:
+        return [[pieces[i] for i in order]]
     bins: list[list[Piece]] = [[] for _ in range(n_bins)]
-    loads = np.zeros(n_bins)
-    room = np.full(n_bins, capacity, dtype=np.int64)
-    heap = [(-p.length, i, p) for i, p in enumerate(pieces)]
-    heapq.heapify(heap)
+    loads = [0.0] * n_bins
+    room = [capacity] * n_bins
+    by_load = [(0.0, b) for b in range(n_bins)]  # heap of bins that still have room
+    queue = [(-pieces[i].length, i, pieces[i]) for i in order]  # already a valid heap: sorted
     counter = len(pieces)
-    while heap:
-        _, _, p = heapq.heappop(heap)
-        fits = room >= p.length
-        if fits.any():
-            b = int(np.argmin(np.where(fits, loads, np.inf)))
-        else:
-            b = int(np.argmax(room))
+    while queue:
+        _, _, p = heapq.heappop(queue)
+        too_small = []
+        b = -1
+        while by_load:
+            load, cand = heapq.heappop(by_load)
+            if room[cand] >= p.length:
+                b = cand
+                break
+            too_small.append((load, cand))
+        for entry in too_small:
+            heapq.heappush(by_load, entry)
+        if b < 0:  # no bin has room for all of it: fill the roomiest bin with its head
+            b = max(range(n_bins), key=lambda i: (room[i], -i))
             if room[b] == 0:
                 raise ValueError(f"pieces hold more tokens than {n_bins} bins of {capacity}")
-            p, tail = p.split(int(room[b]))
-            heapq.heappush(heap, (-tail.length, counter, tail))
+            by_load.remove((loads[b], b))
+            heapq.heapify(by_load)
+            p, tail = p.split(room[b])
+            heapq.heappush(queue, (-tail.length, counter, tail))
             counter += 1
         bins[b].append(p)
         loads[b] += cost(p.length)
         room[b] -= p.length
+        if room[b] > 0:
+            heapq.heappush(by_load, (loads[b], b))
     return bins
 
 

@@ -8,6 +8,8 @@ because library RNG algorithms change between versions and the order must not.
 
 from __future__ import annotations
 
+import numpy as np
+
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
 
@@ -17,6 +19,15 @@ def splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """splitmix64 on a uint64 array (wrapping arithmetic), identical to the scalar version."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def epoch_key(seed: int, source_index: int, epoch: int) -> int:
@@ -42,6 +53,23 @@ class Permutation:
             left, right = right, left ^ (splitmix64(right ^ k) & self.half_mask)
         return (left << self.half) | right
 
+    def _feistel_np(self, x: np.ndarray) -> np.ndarray:
+        half, mask = np.uint64(self.half), np.uint64(self.half_mask)
+        left, right = x >> half, x & mask
+        for k in self.round_keys:
+            left, right = right, left ^ (_splitmix64_np(right ^ np.uint64(k)) & mask)
+        return (left << half) | right
+
+    def many(self, indices: np.ndarray) -> np.ndarray:
+        """The permutation of many indices at once (the planner's hot path; same values as __call__)."""
+        x = self._feistel_np(np.asarray(indices, dtype=np.uint64))
+        n = np.uint64(self.n)
+        while True:
+            out = x >= n
+            if not out.any():
+                return x.astype(np.int64)
+            x[out] = self._feistel_np(x[out])
+
     def __call__(self, i: int) -> int:
         if not 0 <= i < self.n:
             raise IndexError(i)
@@ -61,9 +89,23 @@ class SourceStream:
         self._perm: Permutation | None = None
         self._perm_epoch = -1
 
-    def record_at(self, position: int) -> int:
-        epoch, i = divmod(position, self.num_records)
+    def _permutation(self, epoch: int) -> Permutation:
         if epoch != self._perm_epoch:
             self._perm = Permutation(self.num_records, epoch_key(self.seed, self.source_index, epoch))
             self._perm_epoch = epoch
-        return self._perm(i)
+        return self._perm
+
+    def record_at(self, position: int) -> int:
+        epoch, i = divmod(position, self.num_records)
+        return self._permutation(epoch)(i)
+
+    def records_at(self, start: int, count: int) -> list[int]:
+        """Records at positions [start, start+count), computed in bulk."""
+        out: list[int] = []
+        pos, end = start, start + count
+        while pos < end:
+            epoch, i = divmod(pos, self.num_records)
+            n = min(end - pos, self.num_records - i)
+            out.extend(self._permutation(epoch).many(np.arange(i, i + n, dtype=np.uint64)).tolist())
+            pos += n
+        return out

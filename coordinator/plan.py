@@ -25,7 +25,9 @@ from .balance import Piece, assign, bin_cost, deal_in_order
 from .config import JobConfig
 from .cursor import SourceStream
 
-LengthOf = Callable[[int, int], "int | None"]  # (source, stream position) -> tokens, None if unknown
+# (source, stream position) -> (record_index, tokens) once a worker has prepared it, else None.
+# The caller computes record indices in bulk when it asks workers to prepare (SourceStream.records_at).
+Lookup = Callable[[int, int], "tuple[int, int] | None"]
 
 
 class NeedLength(Exception):
@@ -87,16 +89,16 @@ class Planner:
     def record_at(self, source: int, position: int) -> int:
         return self.streams[source].record_at(position)
 
-    def plan_step(self, length_of: LengthOf) -> StepPlan:
+    def plan_step(self, lookup: Lookup) -> StepPlan:
         """Plan the next step. Raises NeedLength (state unchanged) if a length is still unknown."""
         saved = copy.deepcopy(self.state)
         try:
-            return self._plan(length_of)
+            return self._plan(lookup)
         except BaseException:
             self.state = saved
             raise
 
-    def _plan(self, length_of: LengthOf) -> StepPlan:
+    def _plan(self, lookup: Lookup) -> StepPlan:
         st, job = self.state, self.job
         seq_len, capacity = job.batch.seq_len, job.step_tokens
         for i, w in enumerate(self.weights):
@@ -107,7 +109,7 @@ class Planner:
         filled = 0
         while filled < capacity:
             s = self._most_behind()
-            unit = st.carry[s] or self._next_record(s, length_of)
+            unit = st.carry[s] or self._next_record(s, lookup)
             take = min(unit.length - unit.offset, seq_len, capacity - filled)
             drawn.append(Piece(s, unit.position, unit.record, unit.offset, take))
             filled += take
@@ -133,16 +135,17 @@ class Planner:
                 best, best_deficit = i, deficit
         return best
 
-    def _next_record(self, s: int, length_of: LengthOf) -> _Carry:
+    def _next_record(self, s: int, lookup: Lookup) -> _Carry:
         st = self.state
         while True:
             pos = st.cursors[s]
-            length = length_of(s, pos)
-            if length is None:
+            found = lookup(s, pos)
+            if found is None:
                 raise NeedLength(s, pos)
             st.cursors[s] = pos + 1
+            record, length = found
             if length > 0:  # length 0: a record the worker skipped as corrupt
-                return _Carry(pos, self.record_at(s, pos), 0, length)
+                return _Carry(pos, record, 0, length)
 
     def _layout(self, step: int, drawn: list[Piece], source_tokens: list[int], finished) -> StepPlan:
         job = self.job

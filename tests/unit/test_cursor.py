@@ -27,3 +27,16 @@ def test_stream_reshuffles_each_epoch():
     e1 = [s.record_at(p) for p in range(50, 100)]
     assert sorted(e0) == sorted(e1) == list(range(50))
     assert e0 != e1
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 4097])
+def test_bulk_permutation_matches_scalar(n):
+    perm = Permutation(n, key=99)
+    import numpy as np
+
+    assert perm.many(np.arange(n, dtype=np.uint64)).tolist() == [perm(i) for i in range(n)]
+
+
+def test_bulk_stream_matches_scalar_across_epochs():
+    s = SourceStream(seed=3, source_index=2, num_records=37)
+    assert s.records_at(20, 100) == [s.record_at(p) for p in range(20, 120)]

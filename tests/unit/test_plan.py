@@ -26,10 +26,11 @@ def _planner(dataset_dir, **overrides):
 
 
 def _plan(planner, lengths, steps):
-    def length_of(s, pos):
-        return int(lengths[s][planner.record_at(s, pos)])
+    def lookup(s, pos):
+        record = planner.record_at(s, pos)
+        return record, int(lengths[s][record])
 
-    return [planner.plan_step(length_of) for _ in range(steps)]
+    return [planner.plan_step(lookup) for _ in range(steps)]
 
 
 def test_every_step_is_full_and_pieces_fit(dataset_dir):
@@ -86,13 +87,14 @@ def test_planning_is_deterministic_and_need_length_leaves_state_untouched(datase
     known = set()
     b = []
     while len(b) < 30:  # lengths arrive one record at a time, as if from slow workers
-        def length_of(s, pos):
+        def lookup(s, pos):
             if (s, pos) not in known:
                 return None
-            return int(lengths[s][p2.record_at(s, pos)])
+            record = p2.record_at(s, pos)
+            return record, int(lengths[s][record])
 
         try:
-            b.append([(r, m, x) for r, m, x in p2.plan_step(length_of).pieces()])
+            b.append([(r, m, x) for r, m, x in p2.plan_step(lookup).pieces()])
         except NeedLength as need:
             known.add((need.source, need.position))
     assert a == b

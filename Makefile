@@ -1,0 +1,38 @@
+# megascale-data: `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Pinned before the project is installed: this version is the local CPU wheel; any other torch
+# spec may pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-unit test-integration bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[test,torch]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/msd demo --steps 50 --ranks 2 --workers 2 --json demo-summary.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q tests/integration
+
+bench: $(STAMP)
+	$(PY) tools/bench_dataplane.py --json bench-dataplane.json
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json
