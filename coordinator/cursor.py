@@ -12,6 +12,7 @@ import numpy as np
 
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
+CHUNK = 8192
 
 
 def splitmix64(x: int) -> int:
@@ -88,6 +89,8 @@ class SourceStream:
         self.num_records = num_records
         self._perm: Permutation | None = None
         self._perm_epoch = -1
+        self._chunk_start = -1  # positions [start, start + len(chunk)) computed in one bulk call
+        self._chunk: list[int] = []
 
     def _permutation(self, epoch: int) -> Permutation:
         if epoch != self._perm_epoch:
@@ -100,12 +103,21 @@ class SourceStream:
         return self._permutation(epoch)(i)
 
     def records_at(self, start: int, count: int) -> list[int]:
-        """Records at positions [start, start+count), computed in bulk."""
+        """Records at positions [start, start+count). Computed in bulk, CHUNK positions at a time
+        (numpy's per-call overhead dominates small calls), with one chunk kept: memory stays O(1)."""
         out: list[int] = []
         pos, end = start, start + count
         while pos < end:
-            epoch, i = divmod(pos, self.num_records)
-            n = min(end - pos, self.num_records - i)
-            out.extend(self._permutation(epoch).many(np.arange(i, i + n, dtype=np.uint64)).tolist())
+            if not self._chunk_start <= pos < self._chunk_start + len(self._chunk):
+                self._load_chunk(pos)
+            i = pos - self._chunk_start
+            n = min(end - pos, len(self._chunk) - i)
+            out.extend(self._chunk[i: i + n])
             pos += n
         return out
+
+    def _load_chunk(self, pos: int) -> None:
+        epoch, i = divmod(pos, self.num_records)
+        n = min(CHUNK, self.num_records - i)  # a chunk never crosses an epoch boundary
+        self._chunk = self._permutation(epoch).many(np.arange(i, i + n, dtype=np.uint64)).tolist()
+        self._chunk_start = pos

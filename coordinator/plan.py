@@ -17,7 +17,6 @@ No I/O, no clocks, no randomness beyond the keyed streams: timing cannot change 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -74,6 +73,11 @@ class PlannerState:
     target: list[float]  # cumulative token target per source
     delivered: list[int]  # cumulative tokens per source
 
+    def copy(self) -> "PlannerState":
+        # _Carry objects are replaced, never mutated, so a shallow copy of each list suffices
+        return PlannerState(self.next_step, list(self.cursors), list(self.carry), list(self.target),
+                            list(self.delivered))
+
 
 class Planner:
     def __init__(self, job: JobConfig, num_records: list[int]) -> None:
@@ -91,7 +95,7 @@ class Planner:
 
     def plan_step(self, lookup: Lookup) -> StepPlan:
         """Plan the next step. Raises NeedLength (state unchanged) if a length is still unknown."""
-        saved = copy.deepcopy(self.state)
+        saved = self.state.copy()
         try:
             return self._plan(lookup)
         except BaseException:
