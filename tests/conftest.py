@@ -82,3 +82,17 @@ def dataset_dir(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MSD_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def train_tokenizer(path: str, texts: list[str], eod: str | None = "<|endoftext|>") -> str:
+    """A real HF byte-level BPE tokenizer, trained here on local text (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = [eod] if eod else []
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(path)
+    return path

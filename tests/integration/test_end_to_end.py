@@ -66,3 +66,16 @@ def test_worker_killed_mid_run_does_not_change_the_stream(job_path, reference):
     faulty = run_job(job_path, workers=2, ranks=2, steps=STEPS, during=kill_one)
     assert killed
     assert signature(faulty) == signature(received)
+
+
+def test_hf_tokenized_source_mixed_with_megatron(dataset_dir, tmp_path):
+    from tests.conftest import train_tokenizer
+
+    texts = [open(f"{dataset_dir}/web/web-0.jsonl", encoding="utf-8").read()[:20000]]
+    job = job_dict()
+    job["sources"]["web"]["tokenizer"] = train_tokenizer(str(tmp_path / "tok.json"), texts)
+    path = write_job(str(dataset_dir), job, "hf.yaml")
+    received = run_job(path, workers=2, ranks=2, steps=8)
+    assert check_content(path, received) > 20
+    web_pieces = [k for bs in received.values() for b in bs for k in b["doc_keys"].tolist() if k >> 48 == 0]
+    assert web_pieces
