@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -132,12 +133,12 @@ class Coordinator:
             frames = await self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
             try:
-                header, _ = wire.decode(frames[1:], P.COORDINATOR_INBOX)
+                header, arrays = wire.decode(frames[1:], P.COORDINATOR_INBOX)
             except ProtocolError as e:
                 log.warning("dropped message from peer %s: %s", identity.hex(), e)
                 continue
             try:
-                self._handle(identity, header)
+                self._handle(identity, header, arrays)
                 self._pump()
             except Exception:  # a handler bug must not take the whole job down silently
                 log.exception("error handling %s from %s", header.get("type"), identity.hex())
@@ -148,10 +149,10 @@ class Coordinator:
             self._tick(time.monotonic())
             self._pump()
 
-    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
+    def _send(self, identity: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
         # the outcome through a future that is already done for a non-blocking send.
-        fut = self.sock.send_multipart([identity, *wire.encode(header)], flags=zmq.NOBLOCK)
+        fut = self.sock.send_multipart([identity, *wire.encode(header, *arrays)], flags=zmq.NOBLOCK)
         fut.add_done_callback(lambda f: self._sent(f, identity, header["type"]))
 
     @staticmethod
@@ -172,7 +173,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ message handlers
 
-    def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _handle(self, identity: bytes, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         kind = msg["type"]
         now = time.monotonic()
         if kind == "worker_hello":
@@ -192,7 +193,7 @@ class Coordinator:
                 return
             worker.last_seen = now
             if kind == "prepared":
-                self._on_prepared(worker, msg)
+                self._on_prepared(worker, msg, arrays["lengths"].tolist())
             elif kind == "task_failed":
                 self._on_task_failed(worker, msg)
             elif kind == "delivered":
@@ -264,15 +265,15 @@ class Coordinator:
         self._send(identity, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
                                     heartbeat_s=self.heartbeat_s))
 
-    def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
+    def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: list[int]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
         worker.tasks.discard(msg["task_id"])
         if task is None or task.worker_id != worker.worker_id:
             log.debug("result of unknown or reassigned task %d ignored", msg["task_id"])
             return
-        if len(msg["lengths"]) != len(task.positions):
+        if len(lengths) != len(task.positions):
             log.warning("worker %d: task %d returned %d lengths for %d records; re-issuing", worker.worker_id,
-                        task.task_id, len(msg["lengths"]), len(task.positions))
+                        task.task_id, len(lengths), len(task.positions))
             self._issue_prepare(task.source, task.positions)
             return
         s = task.source
@@ -280,7 +281,7 @@ class Coordinator:
             self.skipped[s] += 1
             log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
                         self.skipped[s])
-        for pos, length in zip(task.positions, msg["lengths"]):
+        for pos, length in zip(task.positions, lengths):
             known = self.lengths[s].get(pos)
             if known is not None and known != length:
                 log.error("source %s position %d: length %d differs from earlier %d (non-deterministic "
@@ -413,12 +414,11 @@ class Coordinator:
             log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
                      plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
         for rank, micro_batches in enumerate(plan.layout):
-            header = P.make(
-                P.STEP_HEADER, step=plan.step, rank=rank,
-                micro_batches=[[[[p.key, p.offset, p.length] for p in seq] for seq in mb] for mb in micro_batches],
-                plan=plan_summary,
-            )
-            self._send(self.trainers[rank].identity, header)
+            seqs = [seq for mb in micro_batches for seq in mb]
+            pieces = np.array([(p.key, p.offset, p.length) for seq in seqs for p in seq], dtype="<u8").reshape(-1, 3)
+            counts = np.array([len(seq) for seq in seqs], dtype="<u4")
+            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, plan=plan_summary)
+            self._send(self.trainers[rank].identity, header, pieces, counts)
         self._send_deliveries(plan.step, list(plan.pieces()), sorted(plan.finished))
 
     def _send_deliveries(self, step: int, entries: list[tuple[int, int, Piece]],
@@ -438,12 +438,11 @@ class Coordinator:
             self.deliveries[did] = Delivery(did, wid, step, mine, rel)
             self.workers[wid].deliveries.add(did)
             ranks = sorted({rank for rank, _, _ in mine})
-            self._send(self.workers[wid].identity, P.make(
-                P.DELIVER, delivery_id=did, step=step,
-                addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers],
-                items=[[rank, m, p.key, p.offset, p.length] for rank, m, p in mine],
-                release=[(s << 48) | self.records[s][pos] for s, pos in rel],
-            ))
+            header = P.make(P.DELIVER, delivery_id=did, step=step,
+                            addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers])
+            items = np.array([(rank, m, p.key, p.offset, p.length) for rank, m, p in mine], dtype="<u8")
+            release = np.array([(s << 48) | self.records[s][pos] for s, pos in rel], dtype="<u8")
+            self._send(self.workers[wid].identity, header, items.reshape(-1, 5), release)
 
     # ------------------------------------------------------------------ prepare-ahead
 
@@ -491,8 +490,8 @@ class Coordinator:
         self._next_task_id += 1
         self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id)
         worker.tasks.add(tid)
-        records = [self.records[s][p] for p in positions]
-        self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s, records=records))
+        records = np.array([self.records[s][p] for p in positions], dtype="<u8")
+        self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s), records)
 
     def status(self) -> dict[str, Any]:
         return {

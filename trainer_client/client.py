@@ -236,7 +236,7 @@ class _Receiver:
 
     def _on_control(self, frames, heartbeat_s: float) -> float:
         try:
-            msg, _ = wire.decode(frames, P.TRAINER_CONTROL_INBOX)
+            msg, arrays = wire.decode(frames, P.TRAINER_CONTROL_INBOX)
         except ProtocolError as e:
             log.warning("rank %d: dropped message from coordinator: %s", self.c.rank, e)
             return heartbeat_s
@@ -251,21 +251,39 @@ class _Receiver:
             self.registered = True
             return float(msg["heartbeat_s"])
         if kind == "step_header":
-            if msg["rank"] == self.c.rank and self.step <= msg["step"] < self.step + MAX_BUFFERED_STEPS:
-                self.headers[msg["step"]] = msg
+            self._on_step_header(msg, arrays)
         elif kind == "reject":
             self.c._queue.put(RejectedError(f"rank {self.c.rank}: coordinator refused: {msg['reason']}"))
         elif kind == "shutdown":
             self.c._queue.put(_End(msg["reason"]))
         return heartbeat_s
 
+    def _on_step_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        info = self.c.batch_info
+        step = msg["step"]
+        if info is None or msg["rank"] != self.c.rank or not self.step <= step < self.step + MAX_BUFFERED_STEPS:
+            log.warning("rank %d: step header for rank %d step %d dropped", self.c.rank, msg["rank"], step)
+            return
+        mbs, n_mb = info["micro_batch_size"], info["micro_batches"]
+        counts = arrays["counts"].tolist()
+        if len(counts) != mbs * n_mb:
+            log.warning("rank %d: step %d header has %d sequences, expected %d; dropped", self.c.rank, step,
+                        len(counts), mbs * n_mb)
+            return
+        refs = arrays["pieces"].tolist()
+        sequences, at = [], 0
+        for n in counts:
+            sequences.append(refs[at: at + n])
+            at += n
+        micro_batches = [sequences[m * mbs: (m + 1) * mbs] for m in range(n_mb)]
+        self.headers[step] = {"micro_batches": micro_batches, "plan": msg["plan"]}
+
     def _on_pieces(self, frames) -> None:
         try:
-            msg, data = wire.decode(frames, P.TRAINER_DATA_INBOX)
+            msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
             if msg["rank"] != self.c.rank:
                 raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.c.rank}")
-            total = sum(item[3] for item in msg["items"])
-            tokens = wire.frame_array(data[0], msg["dtype"], total)
+            tokens = arrays["tokens"]
         except ProtocolError as e:
             log.warning("rank %d: dropped data message: %s", self.c.rank, e)
             return
@@ -275,7 +293,7 @@ class _Receiver:
             return
         store = self.pieces.setdefault(step, {})
         at = 0
-        for _, key, offset, length in msg["items"]:
+        for _, key, offset, length in arrays["items"].tolist():
             ref = (key, offset, length)
             if ref in store:
                 self.duplicates += 1

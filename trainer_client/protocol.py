@@ -122,25 +122,67 @@ def _check_fields(value: Any, fields: dict[str, Check], path: str) -> None:
         c(value[name], f"{path}.{name}" if path else name)
 
 
-# Compact record layouts (lists, not maps: they repeat thousands of times per step).
-# piece ref: [doc_key, doc_offset, length]
-PIECE_REF = tup(integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
-# deliver item: [rank, micro_batch, doc_key, doc_offset, length]
-DELIVER_ITEM = tup(integer(), integer(), integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
-# sent piece: [micro_batch, doc_key, doc_offset, length]
-SENT_PIECE = tup(integer(), integer(0, UINT64_MAX), integer(), integer(1, 1 << 31))
 TOKEN_DTYPES = ("|u1", "<u2", "<i2", "<i4", "<u4", "<i8")
+MAX_PIECE_LEN = 1 << 31
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """A raw frame after the header: a C-contiguous array of a fixed dtype (or, with dtype None,
+    the dtype named by the header's "dtype" field, one of TOKEN_DTYPES) and `cols` columns.
+    Rows are implied by the frame size, which must divide exactly."""
+
+    name: str
+    dtype: str | None
+    cols: int = 1
+
+
+ArrayCheck = Callable[[dict[str, Any], dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
 class MessageType:
     name: str
     fields: dict[str, Check]
-    frames: int = 0  # number of raw frames that must follow the header
+    arrays: tuple[ArraySpec, ...] = ()
+    check: ArrayCheck | None = None  # consistency of the arrays (ranges, totals), after decoding
 
 
-def _msg(name: str, frames: int = 0, **fields: Check) -> MessageType:
-    return MessageType(name, fields, frames)
+def _msg(name: str, *arrays: ArraySpec, check: ArrayCheck | None = None, **fields: Check) -> MessageType:
+    return MessageType(name, fields, arrays, check)
+
+
+def _lengths_ok(lengths: Any, what: str) -> None:
+    if lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) >= MAX_PIECE_LEN):
+        raise ProtocolError(f"{what}: piece lengths must lie in [1, {MAX_PIECE_LEN})")
+
+
+def _check_prepare(header: dict, arrays: dict) -> None:
+    if arrays["records"].size and int(arrays["records"].max()) >= 1 << 48:
+        raise ProtocolError("prepare: record index beyond 48 bits")
+
+
+def _check_prepared(header: dict, arrays: dict) -> None:
+    lengths = arrays["lengths"]
+    if lengths.size and (int(lengths.min()) < 0 or int(lengths.max()) >= MAX_PIECE_LEN):
+        raise ProtocolError("prepared: lengths must lie in [0, 2^31)")
+
+
+def _check_deliver(header: dict, arrays: dict) -> None:
+    _lengths_ok(arrays["items"][:, 4], "deliver")
+
+
+def _check_step_header(header: dict, arrays: dict) -> None:
+    _lengths_ok(arrays["pieces"][:, 2], "step_header")
+    if int(arrays["counts"].sum()) != len(arrays["pieces"]):
+        raise ProtocolError("step_header: sequence piece counts do not add up to the pieces sent")
+
+
+def _check_pieces(header: dict, arrays: dict) -> None:
+    lengths = arrays["items"][:, 3]
+    _lengths_ok(lengths, "pieces")
+    if int(lengths.sum()) != arrays["tokens"].size:
+        raise ProtocolError(f"pieces: items cover {int(lengths.sum())} tokens, frame holds {arrays['tokens'].size}")
 
 
 # worker -> coordinator
@@ -148,9 +190,10 @@ WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(
 WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer())
 PREPARED = _msg(
     "prepared",
+    ArraySpec("lengths", "<i8"),  # tokens per record, in task order; 0 for a skipped record
+    check=_check_prepared,
     worker_id=integer(),
     task_id=integer(),
-    lengths=seq(integer()),
     # [[index into the task's records, reason]] for records skipped as corrupt
     skipped=seq(tup(integer(), text(MAX_STR_LEN))),
     busy_s=number(),
@@ -160,15 +203,16 @@ DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
 
 # coordinator -> worker
 WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number())
-PREPARE = _msg("prepare", task_id=integer(), source=integer(0, 0xFFFF), records=seq(integer(0, (1 << 48) - 1)))
+PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, task_id=integer(),
+               source=integer(0, 0xFFFF))
 DELIVER = _msg(
     "deliver",
+    ArraySpec("items", "<u8", 5),  # [rank, micro_batch, doc_key, doc_offset, length]
+    ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
+    check=_check_deliver,
     delivery_id=integer(),
     step=integer(),
     addresses=seq(tup(integer(), text())),
-    items=seq(DELIVER_ITEM),
-    # doc keys whose prepared copy is used up after this delivery (one entry per prepared copy)
-    release=seq(integer(0, UINT64_MAX)),
 )
 REJECT = _msg("reject", reason=text(MAX_STR_LEN))
 SHUTDOWN = _msg("shutdown", reason=text())
@@ -185,15 +229,17 @@ TRAINER_BYE = _msg("trainer_bye", rank=integer())
 TRAINER_WELCOME = _msg("trainer_welcome", rank=integer(), batch=anything(), plan_digest=text(), heartbeat_s=number())
 STEP_HEADER = _msg(
     "step_header",
+    ArraySpec("pieces", "<u8", 3),  # [doc_key, doc_offset, length] in packing order
+    ArraySpec("counts", "<u4"),  # pieces per sequence, micro-batch major: [m * micro_batch_size + s]
+    check=_check_step_header,
     step=integer(),
     rank=integer(),
-    # micro_batches[m][s] = list of piece refs packed, in order, into sequence s of micro-batch m
-    micro_batches=seq(seq(seq(PIECE_REF))),
     plan=anything(),
 )
 
-# worker -> trainer (one frame: the pieces' tokens, concatenated in item order)
-PIECES = _msg("pieces", frames=1, step=integer(), rank=integer(), dtype=text(8), items=seq(SENT_PIECE))
+# worker -> trainer: the pieces' tokens, concatenated in item order, in the header's dtype
+PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), check=_check_pieces,
+              step=integer(), rank=integer(), dtype=text(8))
 
 ALL_TYPES = {
     m.name: m
@@ -222,10 +268,10 @@ def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType
         raise ProtocolError(f"message type {name!r} not accepted on this socket")
     kind = ALL_TYPES[name]
     _check_fields(header, kind.fields, "")
-    if n_frames != kind.frames:
-        raise ProtocolError(f"{name}: expected {kind.frames} data frames, got {n_frames}")
-    if name == PIECES.name and header["dtype"] not in TOKEN_DTYPES:
-        raise ProtocolError(f"pieces: dtype {header['dtype']!r} not one of {TOKEN_DTYPES}")
+    if n_frames != len(kind.arrays):
+        raise ProtocolError(f"{name}: expected {len(kind.arrays)} data frames, got {n_frames}")
+    if any(spec.dtype is None for spec in kind.arrays) and header["dtype"] not in TOKEN_DTYPES:
+        raise ProtocolError(f"{name}: dtype {header['dtype']!r} not one of {TOKEN_DTYPES}")
     return kind
 
 

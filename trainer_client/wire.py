@@ -17,8 +17,8 @@ from .errors import ProtocolError
 
 
 def encode(header: dict[str, Any], *arrays: np.ndarray) -> list[Any]:
-    """Frames for one message. Arrays must be C-contiguous; they are sent without a copy, so the
-    caller must not write to them afterwards."""
+    """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs.
+    Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
     for a in arrays:
         if not a.flags.c_contiguous:
@@ -47,8 +47,9 @@ def unpack_header(data: bytes | memoryview) -> Any:
         raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
 
 
-def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, Any], list[memoryview]]:
-    """Validate and decode one message; returns (header, raw data frames). Raises ProtocolError."""
+def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Validate and decode one message: (header, {array name: read-only array}). Raises
+    ProtocolError for anything malformed: frame count or size, header schema, array consistency."""
     if not frames:
         raise ProtocolError("empty message")
     if len(frames) > protocol.MAX_FRAMES:
@@ -58,13 +59,16 @@ def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, An
         if v.nbytes > protocol.MAX_FRAME_BYTES:
             raise ProtocolError(f"data frame of {v.nbytes} bytes exceeds {protocol.MAX_FRAME_BYTES}")
     header = unpack_header(views[0])
-    protocol.validate(header, allowed, len(views) - 1)
-    return header, views[1:]
-
-
-def frame_array(frame: memoryview, dtype: str, count: int) -> np.ndarray:
-    """View a raw frame as `count` items of `dtype`, after checking its size matches exactly."""
-    dt = np.dtype(dtype)
-    if frame.nbytes != count * dt.itemsize:
-        raise ProtocolError(f"data frame has {frame.nbytes} bytes, header says {count} x {dt.itemsize}")
-    return np.frombuffer(frame, dtype=dt, count=count)
+    kind = protocol.validate(header, allowed, len(views) - 1)
+    arrays: dict[str, np.ndarray] = {}
+    for spec, view in zip(kind.arrays, views[1:]):
+        dtype = np.dtype(spec.dtype or header["dtype"])
+        row_bytes = dtype.itemsize * spec.cols
+        if view.nbytes % row_bytes:
+            raise ProtocolError(f"{kind.name}.{spec.name}: {view.nbytes} bytes is not a whole number of "
+                                f"{spec.cols} x {dtype.str} rows")
+        a = np.frombuffer(view, dtype=dtype) if view.nbytes else np.zeros(0, dtype)
+        arrays[spec.name] = a.reshape(-1, spec.cols) if spec.cols > 1 else a
+    if kind.check is not None:
+        kind.check(header, arrays)
+    return header, arrays

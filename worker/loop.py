@@ -76,28 +76,28 @@ class Worker:
                 continue
             frames = self.control.recv_multipart(copy=False)
             try:
-                header, _ = wire.decode(frames, P.WORKER_INBOX)
+                header, arrays = wire.decode(frames, P.WORKER_INBOX)
             except ProtocolError as e:
                 log.warning("dropped message from coordinator: %s", e)
                 continue
-            self._handle(header)
+            self._handle(header, arrays)
 
-    def _send(self, header: dict[str, Any]) -> None:
+    def _send(self, header: dict[str, Any], *arrays: np.ndarray) -> None:
         try:
-            self.control.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
+            self.control.send_multipart(wire.encode(header, *arrays), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("coordinator not reading; %s dropped", header["type"])
 
-    def _handle(self, msg: dict[str, Any]) -> None:
+    def _handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         kind = msg["type"]
         if kind == "welcome":
             self._on_welcome(msg)
         elif kind == "prepare":
             if self.worker_id is not None:
-                self._on_prepare(msg)
+                self._on_prepare(msg, arrays["records"].tolist())
         elif kind == "deliver":
             if self.worker_id is not None:
-                self._on_deliver(msg)
+                self._on_deliver(msg, arrays["items"].tolist(), arrays["release"].tolist())
         elif kind == "reject":
             log.error("coordinator rejected this worker: %s", msg["reason"])
             self.running = False
@@ -125,7 +125,7 @@ class Worker:
 
     # ------------------------------------------------------------------ work
 
-    def _on_prepare(self, msg: dict[str, Any]) -> None:
+    def _on_prepare(self, msg: dict[str, Any], records: list[int]) -> None:
         started = time.perf_counter()
         s = msg["source"]
         try:
@@ -136,7 +136,7 @@ class Worker:
             return
         lengths: list[int] = []
         skipped: list[list] = []
-        for i, record in enumerate(msg["records"]):
+        for i, record in enumerate(records):
             key = (s << 48) | record
             entry = self.cache.get(key)
             if entry is not None:
@@ -156,13 +156,13 @@ class Worker:
                 continue
             self.cache[key] = [tokens, 1]
             lengths.append(len(tokens))
-        self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], lengths=lengths,
-                          skipped=skipped, busy_s=time.perf_counter() - started))
+        self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
+                          busy_s=time.perf_counter() - started), np.array(lengths, dtype="<i8"))
 
-    def _on_deliver(self, msg: dict[str, Any]) -> None:
+    def _on_deliver(self, msg: dict[str, Any], items: list[list[int]], release: list[int]) -> None:
         addresses = dict((r, a) for r, a in msg["addresses"])
         by_rank: dict[int, list[list]] = defaultdict(list)
-        for item in msg["items"]:
+        for item in items:
             by_rank[item[0]].append(item)
         for rank, items in sorted(by_rank.items()):
             address = addresses.get(rank)
@@ -181,13 +181,14 @@ class Worker:
                 continue
             dtype = np.result_type(*[a.dtype for a in arrays])
             tokens = np.concatenate(arrays).astype(dtype.newbyteorder("<"), copy=False)
-            header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str, items=sent)
+            header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str)
+            frames = wire.encode(header, np.array(sent, dtype="<u8"), tokens)
             try:
-                self._data_socket(address).send_multipart(wire.encode(header, tokens), copy=False)
+                self._data_socket(address).send_multipart(frames, copy=False)
             except zmq.Again:
                 log.error("step %d: rank %d at %s did not take its pieces within %ds", msg["step"], rank, address,
                           SEND_TIMEOUT_MS // 1000)
-        for key in msg["release"]:
+        for key in release:
             entry = self.cache.get(key)
             if entry is not None:
                 entry[1] -= 1

@@ -13,48 +13,69 @@ def _frames(header, *arrays):
     return [bytes(f) for f in wire.encode(header, *arrays)]
 
 
+def _pieces(items, tokens, **header):
+    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str)
+    h.update(header)
+    return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens)
+
+
 def test_pieces_round_trip_keeps_arrays_exact():
     tokens = np.arange(10, dtype="<u2")
-    header = P.make(P.PIECES, step=3, rank=1, dtype="<u2", items=[[0, (2 << 48) | 7, 5, 4], [1, 9, 0, 6]])
-    got, data = wire.decode(_frames(header, tokens), P.TRAINER_DATA_INBOX)
-    assert got == header
-    np.testing.assert_array_equal(wire.frame_array(data[0], got["dtype"], 10), tokens)
+    items = [[0, (2 << 48) | 7, 5, 4], [1, 9, 0, 6]]
+    got, arrays = wire.decode(_pieces(items, tokens), P.TRAINER_DATA_INBOX)
+    assert got == {"type": "pieces", "step": 3, "rank": 1, "dtype": "<u2"}
+    assert arrays["items"].tolist() == items
+    np.testing.assert_array_equal(arrays["tokens"], tokens)
 
 
 def test_message_for_another_role_is_rejected():
-    header = P.make(P.PREPARE, task_id=1, source=0, records=[1, 2])
+    header = P.make(P.PREPARE, task_id=1, source=0)
     with pytest.raises(ProtocolError, match="not accepted"):
-        wire.decode(_frames(header), P.TRAINER_CONTROL_INBOX)
+        wire.decode(_frames(header, np.array([1, 2], "<u8")), P.TRAINER_CONTROL_INBOX)
 
 
 @pytest.mark.parametrize("field,value,why", [
     ("step", -1, "outside"),
     ("step", "3", "expected int"),
     ("rank", True, "expected int"),
-    ("items", [[0, 1, 2]], "list of 4"),
-    ("items", [[0, -1, 0, 4]], "outside"),
     ("dtype", "<f8", "dtype"),
+    ("dtype", "O", "dtype"),
 ])
-def test_bad_fields_are_named(field, value, why):
-    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", items=[[0, 1, 0, 2]])
-    header[field] = value
+def test_bad_header_fields_are_named(field, value, why):
     with pytest.raises(ProtocolError, match=why):
-        wire.decode(_frames(header, np.zeros(2, "<u2")), P.TRAINER_DATA_INBOX)
+        wire.decode(_pieces([[0, 1, 0, 2]], np.zeros(2, "<u2"), **{field: value}), P.TRAINER_DATA_INBOX)
+
+
+def test_array_frames_are_checked():
+    # items that do not cover the tokens frame exactly
+    with pytest.raises(ProtocolError, match="cover 3 tokens"):
+        wire.decode(_pieces([[0, 1, 0, 3]], np.zeros(2, "<u2")), P.TRAINER_DATA_INBOX)
+    # zero-length piece
+    with pytest.raises(ProtocolError, match="piece lengths"):
+        wire.decode(_pieces([[0, 1, 0, 0]], np.zeros(0, "<u2")), P.TRAINER_DATA_INBOX)
+    # a frame that is not a whole number of rows
+    frames = _pieces([[0, 1, 0, 2]], np.zeros(2, "<u2"))
+    frames[1] = frames[1][:-3]
+    with pytest.raises(ProtocolError, match="whole number"):
+        wire.decode(frames, P.TRAINER_DATA_INBOX)
+    # step header whose per-sequence counts do not add up
+    h = P.make(P.STEP_HEADER, step=0, rank=0, plan={})
+    bad = _frames(h, np.array([[1, 0, 5]], "<u8"), np.array([2], "<u4"))
+    with pytest.raises(ProtocolError, match="add up"):
+        wire.decode(bad, P.TRAINER_CONTROL_INBOX)
+    # record index beyond 48 bits
+    with pytest.raises(ProtocolError, match="48 bits"):
+        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0), np.array([1 << 50], "<u8")), P.WORKER_INBOX)
 
 
 def test_missing_field_and_frame_count():
-    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", items=[])
+    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2")
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
-        wire.decode(_frames(header, np.zeros(0, "<u2")), P.TRAINER_DATA_INBOX)
-    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", items=[])
+        wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2")), P.TRAINER_DATA_INBOX)
+    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2")
     with pytest.raises(ProtocolError, match="data frames"):
         wire.decode(_frames(ok), P.TRAINER_DATA_INBOX)
-
-
-def test_frame_size_must_match_header():
-    with pytest.raises(ProtocolError, match="bytes"):
-        wire.frame_array(memoryview(b"\x00" * 7), "<u2", 4)
 
 
 def test_oversized_and_undecodable_headers():

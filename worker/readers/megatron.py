@@ -13,6 +13,7 @@ One record of ours is one document of the .idx; its tokens are its sequences con
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from typing import Iterable
@@ -43,7 +44,7 @@ class MegatronIndex:
         idx_size = os.path.getsize(idx_path)
         if idx_size < _HEADER.size:
             raise SourceFormatError(f"{idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
-        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        idx = _map(idx_path)
         magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[: _HEADER.size]))
         if magic != MAGIC:
             raise SourceFormatError(f"{idx_path}: not a Megatron index (magic {magic!r})")
@@ -75,7 +76,12 @@ class MegatronIndex:
                 raise SourceFormatError(
                     f"{bin_path}: truncated or foreign data file ({bin_size} bytes, index needs {last_end})"
                 )
-        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.zeros(0, np.uint8)
+        self._bin = _map(bin_path) if bin_size else b""
+        # .item() gives Python ints without numpy scalar overhead; no .tolist() copies, so memory
+        # stays that of the mapped index, whatever the dataset size
+        self._first_seq = self.document_indices.item
+        self._pointers = self.sequence_pointers.item
+        self._lengths = self.sequence_lengths.item
 
     def __len__(self) -> int:
         return len(self.document_indices) - 1
@@ -87,15 +93,22 @@ class MegatronIndex:
 
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
-        first, last = int(self.document_indices[d]), int(self.document_indices[d + 1])
+        first, last = self._first_seq(d), self._first_seq(d + 1)
+        if last == first + 1:
+            return np.frombuffer(self._bin, dtype=self.dtype, count=self._lengths(first), offset=self._pointers(first))
         parts = [self._sequence(s) for s in range(first, last)]
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
     def _sequence(self, s: int) -> np.ndarray:
-        ptr, n = int(self.sequence_pointers[s]), int(self.sequence_lengths[s])
-        return np.frombuffer(self._bin, dtype=self.dtype, count=n, offset=ptr)
+        return np.frombuffer(self._bin, dtype=self.dtype, count=self._lengths(s), offset=self._pointers(s))
+
+
+def _map(path: str) -> mmap.mmap:
+    """Read-only map of a whole file (a plain mmap: np.memmap's subclass overhead shows per record)."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def write_megatron(prefix: str, documents: Iterable[np.ndarray], dtype: np.dtype | type = np.uint16) -> int:
