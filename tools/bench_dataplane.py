@@ -35,10 +35,18 @@ SEQ_LEN = 8192
 GLOBAL_BATCH = 16  # sequences per step: 8 micro-batches of 1 x 8192 per rank
 
 
-def make_dataset(root: str, docs: int = 20_000) -> str:
+# Document length mixes (tokens): web-like text, and long documents (books, code files, papers).
+MIXES = {
+    "web": dict(scale=300, low=50, docs=20_000),  # mean ~650 tokens
+    "long": dict(scale=4000, low=1000, docs=3_000),  # mean ~9k tokens
+}
+
+
+def make_dataset(root: str, mix: str = "web") -> str:
+    m = MIXES[mix]
     rng = np.random.default_rng(0)
-    lengths = np.clip((rng.pareto(1.5, docs) * 300 + 50).astype(int), 50, 40_000)
-    prefix = os.path.join(root, "tokens_text_document")
+    lengths = np.clip((rng.pareto(1.5, m["docs"]) * m["scale"] + m["low"]).astype(int), m["low"], 100_000)
+    prefix = os.path.join(root, f"{mix}_text_document")
     write_megatron(prefix, (rng.integers(0, 50_000, n, dtype=np.uint16) for n in lengths), np.uint16)
     return prefix
 
