@@ -10,8 +10,8 @@ Planning step k (DESIGN.md section 4):
 3. Balance: pieces go to DP ranks, then to each rank's micro-batches, then to sequences
    (coordinator.balance), by the cost model a*len^2 + b*len.
 
-The planner never waits: if a length it needs is not known yet, `plan_step` raises NeedLength
-and leaves its state untouched, and the caller asks workers to prepare more records.
+The planner never waits: if a length it needs is not known yet, `plan_step` raises NeedLength,
+the caller asks workers to prepare more records, and the next call resumes the same step.
 No I/O, no clocks, no randomness beyond the keyed streams: timing cannot change the result.
 """
 
@@ -73,10 +73,16 @@ class PlannerState:
     target: list[float]  # cumulative token target per source
     delivered: list[int]  # cumulative tokens per source
 
-    def copy(self) -> "PlannerState":
-        # _Carry objects are replaced, never mutated, so a shallow copy of each list suffices
-        return PlannerState(self.next_step, list(self.cursors), list(self.carry), list(self.target),
-                            list(self.delivered))
+
+@dataclass
+class _Draw:
+    """The draw of the step being planned, kept across NeedLength so that planning resumes where
+    it stopped: the draw is sequential and deterministic, so resuming equals planning in one go."""
+
+    drawn: list[Piece] = field(default_factory=list)
+    finished: set[tuple[int, int]] = field(default_factory=set)
+    source_tokens: list[int] = field(default_factory=list)
+    filled: int = 0
 
 
 class Planner:
@@ -89,44 +95,38 @@ class Planner:
                 raise ValueError(f"source {job.sources[i].name!r} has no records but weight {self.weights[i]}")
         s = len(num_records)
         self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s)
+        self._draw: _Draw | None = None  # a step whose draw waits for a length
 
     def record_at(self, source: int, position: int) -> int:
         return self.streams[source].record_at(position)
 
     def plan_step(self, lookup: Lookup) -> StepPlan:
-        """Plan the next step. Raises NeedLength (state unchanged) if a length is still unknown."""
-        saved = self.state.copy()
-        try:
-            return self._plan(lookup)
-        except BaseException:
-            self.state = saved
-            raise
-
-    def _plan(self, lookup: Lookup) -> StepPlan:
+        """Plan the next step. Raises NeedLength if a length is still unknown; the next call
+        continues the same step from where this one stopped."""
         st, job = self.state, self.job
         seq_len, capacity = job.batch.seq_len, job.step_tokens
-        for i, w in enumerate(self.weights):
-            st.target[i] += w * capacity
-        drawn: list[Piece] = []
-        finished: set[tuple[int, int]] = set()
-        source_tokens = [0] * len(self.weights)
-        filled = 0
-        while filled < capacity:
+        d = self._draw
+        if d is None:
+            for i, w in enumerate(self.weights):
+                st.target[i] += w * capacity
+            d = self._draw = _Draw(source_tokens=[0] * len(self.weights))
+        while d.filled < capacity:
             s = self._most_behind()
             unit = st.carry[s] or self._next_record(s, lookup)
-            take = min(unit.length - unit.offset, seq_len, capacity - filled)
-            drawn.append(Piece(s, unit.position, unit.record, unit.offset, take))
-            filled += take
+            take = min(unit.length - unit.offset, seq_len, capacity - d.filled)
+            d.drawn.append(Piece(s, unit.position, unit.record, unit.offset, take))
+            d.filled += take
             st.delivered[s] += take
-            source_tokens[s] += take
+            d.source_tokens[s] += take
             if unit.offset + take < unit.length:
                 st.carry[s] = _Carry(unit.position, unit.record, unit.offset + take, unit.length)
             else:
                 st.carry[s] = None
-                finished.add((s, unit.position))
+                d.finished.add((s, unit.position))
+        self._draw = None
         step = st.next_step
         st.next_step += 1
-        return self._layout(step, drawn, source_tokens, finished)
+        return self._layout(step, d.drawn, d.source_tokens, d.finished)
 
     def _most_behind(self) -> int:
         st = self.state

@@ -7,7 +7,11 @@ numpy output), tokens/s delivered to the ranks as assembled micro-batches (token
 position_ids, loss_mask, cu_seqlens), measured from each rank's first batch to its last.
 Bare: one process reads the same number of tokens from the same `.bin` with numpy, in
 seq_len-sized slices, and sends them over one PUSH/PULL pair to a receiver process.
-Runs alternate (ours, bare, ours, ...) and the medians are compared; prints JSON.
+A third variant, bare_assembled, adds to the bare receiver the same batch assembly our client
+does (int64 tokens, labels, position_ids, float32 loss_mask), for one piece per sequence: the
+cheapest possible output, to separate the cost of the output format from our overheads.
+Two document-length mixes are measured (web-like, the headline; and long documents).
+Runs alternate (ours, bare, bare_assembled, ours, ...) and medians are compared; prints JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.local import LocalJob  # noqa: E402
+from trainer_client.assemble import assemble_micro_batch  # noqa: E402,F401  (imported by the receiver)
 from worker.readers.megatron import MegatronIndex, write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -91,46 +96,74 @@ def run_ours(root: str, prefix: str, steps: int) -> float:
     return sum(t for t, _ in results) / max(s for _, s in results)
 
 
-def _bare_receiver(address: str, messages: int, out) -> None:
+def _bare_receiver(address: str, messages: int, assemble: bool, out) -> None:
+    from trainer_client.assemble import assemble_micro_batch
+
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.bind(address)
+    pull.connect(address)
     tokens, first = 0, None
     for i in range(messages):
         frames = pull.recv_multipart(copy=False)
+        chunk = np.frombuffer(frames[1].buffer, dtype=np.uint16)
+        if assemble:  # the same output a trainer gets from us, for one piece per sequence (the cheapest case)
+            assemble_micro_batch([[[0, 0, len(chunk)]]], {(0, 0, len(chunk)): chunk}, len(chunk), 257)
         if first is None:
             first = time.perf_counter()
         else:
-            tokens += len(np.frombuffer(frames[1].buffer, dtype=np.uint16))
+            tokens += len(chunk)
     out.put(tokens / (time.perf_counter() - first))
     pull.close()
     ctx.term()
 
 
-def run_bare(prefix: str, total_tokens: int) -> float:
-    """Read seq_len-token slices of the .bin with numpy and push them to a receiver process."""
+def run_bare(prefix: str, total_tokens: int, assemble: bool = False) -> float:
+    """Read documents of the .bin with numpy (through the .idx, as ours does), pack them into
+    seq_len-token messages and push them over tcp loopback to a receiver process."""
     idx = MegatronIndex(prefix)
-    data = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r")
     messages = total_tokens // SEQ_LEN
-    address = f"ipc://{tempfile.mkdtemp()}/bare"
-    out = SPAWN.Queue()
-    receiver = SPAWN.Process(target=_bare_receiver, args=(address, messages, out))
-    receiver.start()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.connect(address.replace("ipc://", "ipc://"))
-    n = len(data) - SEQ_LEN
-    rng = np.random.default_rng(1)
-    starts = rng.integers(0, n, messages)
-    for s in starts:
-        chunk = np.array(data[s: s + SEQ_LEN])  # the read: a copy out of the mmap
-        push.send_multipart([b"h", chunk], copy=False)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    out = SPAWN.Queue()
+    receiver = SPAWN.Process(target=_bare_receiver, args=(f"tcp://127.0.0.1:{port}", messages, assemble, out))
+    receiver.start()
+    doc, pending, have = 0, [], 0
+    for _ in range(messages):
+        while have < SEQ_LEN:
+            d = idx.document(doc % len(idx))
+            pending.append(d)
+            have += len(d)
+            doc += 1
+        joined = np.concatenate(pending)
+        push.send_multipart([b"h", joined[:SEQ_LEN]], copy=False)
+        pending, have = [joined[SEQ_LEN:]], have - SEQ_LEN
     rate = out.get(timeout=600)
     receiver.join()
     push.close()
     ctx.term()
-    del idx
     return rate
+
+
+def measure(root: str, mix: str, steps: int, repeats: int) -> dict:
+    prefix = make_dataset(root, mix)
+    total = (steps - 3) * GLOBAL_BATCH * SEQ_LEN
+    runs: dict[str, list[float]] = {"ours": [], "bare": [], "bare_assembled": []}
+    for _ in range(repeats):  # interleaved, so drifting machine load hits every variant alike
+        runs["ours"].append(run_ours(root, prefix, steps))
+        runs["bare"].append(run_bare(prefix, total))
+        runs["bare_assembled"].append(run_bare(prefix, total, assemble=True))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    lengths = MegatronIndex(prefix).document_lengths()
+    return {
+        "mean_document_tokens": float(lengths.mean()),
+        "ours_tokens_per_s": med["ours"],
+        "bare_tokens_per_s": med["bare"],
+        "bare_assembled_tokens_per_s": med["bare_assembled"],
+        "ratio": med["ours"] / med["bare"],
+        "ratio_vs_bare_assembled": med["ours"] / med["bare_assembled"],
+        "runs": runs,
+    }
 
 
 def main() -> None:
@@ -141,12 +174,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         os.environ["MSD_CACHE_DIR"] = os.path.join(root, "cache")
-        prefix = make_dataset(root)
-        total = (args.steps - 3) * GLOBAL_BATCH * SEQ_LEN
-        ours, bare = [], []
-        for _ in range(args.repeats):
-            ours.append(run_ours(root, prefix, args.steps))
-            bare.append(run_bare(prefix, total))
+        mixes = {mix: measure(root, mix, args.steps, args.repeats) for mix in MIXES}
+    headline = mixes["web"]
     result = {
         "benchmark": "dataplane",
         "seq_len": SEQ_LEN,
@@ -154,12 +183,13 @@ def main() -> None:
         "steps": args.steps,
         "ranks": 2,
         "worker_processes": 1,
-        "ours_tokens_per_s": statistics.median(ours),
-        "bare_tokens_per_s": statistics.median(bare),
-        "ours_runs": ours,
-        "bare_runs": bare,
-        "ratio": statistics.median(ours) / statistics.median(bare),
+        "cpu_cores": os.cpu_count(),
+        # headline: the web-like mix (short documents, the harder case for per-piece overheads)
+        "ratio": headline["ratio"],
+        "ours_tokens_per_s": headline["ours_tokens_per_s"],
+        "bare_tokens_per_s": headline["bare_tokens_per_s"],
         "target_ratio": 0.5,
+        "mixes": mixes,
     }
     text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
     print(text)

@@ -79,7 +79,7 @@ def test_documents_are_covered_in_order_without_gaps_or_repeats(dataset_dir):
             assert at < full  # only the document cut by the last step may be incomplete
 
 
-def test_planning_is_deterministic_and_need_length_leaves_state_untouched(dataset_dir):
+def test_planning_is_deterministic_and_resumes_after_need_length(dataset_dir):
     job, p1, lengths = _planner(dataset_dir)
     a = [[(r, m, x) for r, m, x in plan.pieces()] for plan in _plan(p1, lengths, 30)]
 
