@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from .readers import RecordError, SourceReader, open_source
 log = logging.getLogger("msd.worker")
 
 HELLO_RETRY_S = 2.0
+_RECORD_MASK = (1 << 48) - 1
 SEND_TIMEOUT_MS = 30_000
 
 
@@ -44,7 +44,8 @@ class Worker:
         self.heartbeat_s = 1.0
         self.readers: dict[int, SourceReader] = {}
         self.specs: list[dict[str, Any]] = []
-        self.cache: dict[int, list] = {}  # doc_key -> [tokens, prepared copies outstanding]
+        # doc_key -> [tokens (None: read from the memory map when delivered), prepared copies, length]
+        self.cache: dict[int, list] = {}
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self.running = True
 
@@ -94,10 +95,10 @@ class Worker:
             self._on_welcome(msg)
         elif kind == "prepare":
             if self.worker_id is not None:
-                self._on_prepare(msg, arrays["records"].tolist())
+                self._on_prepare(msg, arrays["records"])
         elif kind == "deliver":
             if self.worker_id is not None:
-                self._on_deliver(msg, arrays["items"].tolist(), arrays["release"].tolist())
+                self._on_deliver(msg, arrays["items"], arrays["release"].tolist())
         elif kind == "reject":
             log.error("coordinator rejected this worker: %s", msg["reason"])
             self.running = False
@@ -125,64 +126,72 @@ class Worker:
 
     # ------------------------------------------------------------------ work
 
-    def _on_prepare(self, msg: dict[str, Any], records: list[int]) -> None:
+    def _on_prepare(self, msg: dict[str, Any], records: np.ndarray) -> None:
         started = time.perf_counter()
         s = msg["source"]
         try:
             reader = self._reader(s)
+            # Memory-mapped sources are "prepared" by their index alone: the tokens are read
+            # straight from the map at delivery, so nothing is copied into the cache.
+            mapped = reader.lengths(records) if reader.format == "megatron" else None
         except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
             self._send(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
                               reason=f"cannot open source {s}: {e}"))
             return
         lengths: list[int] = []
         skipped: list[list] = []
-        for i, record in enumerate(records):
-            key = (s << 48) | record
+        base = s << 48
+        for i, record in enumerate(records.tolist()):
+            key = base | record
             entry = self.cache.get(key)
             if entry is not None:
                 entry[1] += 1
-                lengths.append(len(entry[0]))
+                lengths.append(entry[2])
+                continue
+            if mapped is not None:
+                self.cache[key] = [None, 1, int(mapped[i])]
+                lengths.append(int(mapped[i]))
                 continue
             try:
                 tokens = reader.read(record)
-            except RecordError as e:
+            except (RecordError, IndexError) as e:
                 log.warning("skipped record: %s", e)
                 lengths.append(0)
                 skipped.append([i, str(e)])
                 continue
-            except IndexError as e:
-                lengths.append(0)
-                skipped.append([i, str(e)])
-                continue
-            self.cache[key] = [tokens, 1]
+            self.cache[key] = [tokens, 1, len(tokens)]
             lengths.append(len(tokens))
         self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
                           busy_s=time.perf_counter() - started), np.array(lengths, dtype="<i8"))
 
-    def _on_deliver(self, msg: dict[str, Any], items: list[list[int]], release: list[int]) -> None:
+    def _tokens(self, key: int, entry: list) -> np.ndarray:
+        return entry[0] if entry[0] is not None else self._reader(key >> 48).read(key & _RECORD_MASK)
+
+    def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: list[int]) -> None:
         addresses = dict((r, a) for r, a in msg["addresses"])
-        by_rank: dict[int, list[list]] = defaultdict(list)
-        for item in items:
-            by_rank[item[0]].append(item)
-        for rank, items in sorted(by_rank.items()):
+        for rank in np.unique(items[:, 0]).tolist():
+            rows = items[items[:, 0] == rank]
             address = addresses.get(rank)
             if address is None:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", msg["step"], rank)
                 continue
-            arrays, sent = [], []
-            for _, m, key, offset, length in items:
+            arrays, keep = [], []
+            for _, m, key, offset, length in rows.tolist():
                 entry = self.cache.get(key)
-                if entry is None or offset + length > len(entry[0]):
+                if entry is None or offset + length > entry[2]:
                     log.error("step %d: piece %x[%d:+%d] not in cache; not sent", msg["step"], key, offset, length)
+                    keep.append(False)
                     continue
-                arrays.append(entry[0][offset: offset + length])
-                sent.append([m, key, offset, length])
-            if not sent:
+                arrays.append(self._tokens(key, entry)[offset: offset + length])
+                keep.append(True)
+            if not arrays:
                 continue
-            dtype = np.result_type(*[a.dtype for a in arrays])
+            if not all(keep):
+                rows = rows[np.array(keep)]
+            dtype = np.result_type(*{a.dtype for a in arrays})
             tokens = np.concatenate(arrays).astype(dtype.newbyteorder("<"), copy=False)
             header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str)
-            frames = wire.encode(header, np.array(sent, dtype="<u8"), tokens)
+            frames = wire.encode(header, np.ascontiguousarray(rows[:, 1:]), tokens)
             try:
                 self._data_socket(address).send_multipart(frames, copy=False)
             except zmq.Again:

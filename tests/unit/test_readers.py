@@ -95,3 +95,14 @@ def test_source_reader_tokens_and_bad_records(dataset_dir):
         reader.read(60 + 2)
     with pytest.raises(RecordError, match=r"web-1\.jsonl:5: corrupt JSON"):
         reader.read(60 + 4)
+
+
+def test_megatron_lengths_vectorised_match_documents(tmp_path):
+    docs = [np.arange(n, dtype=np.uint16) for n in (3, 1, 7, 2)]
+    write_megatron(str(tmp_path / "a"), docs[:2], np.uint16)
+    write_megatron(str(tmp_path / "b"), docs[2:], np.uint16)
+    reader = open_source({"name": "m", "format": "megatron", "files": [str(tmp_path / "a"), str(tmp_path / "b")]})
+    records = np.array([3, 0, 2, 1, 2])
+    assert reader.lengths(records).tolist() == [len(reader.read(r)) for r in records.tolist()] == [2, 3, 7, 1, 7]
+    with pytest.raises(IndexError):
+        reader.lengths(np.array([4]))

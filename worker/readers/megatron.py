@@ -91,6 +91,15 @@ class MegatronIndex:
         cums = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
         return cums[self.document_indices[1:]] - cums[self.document_indices[:-1]]
 
+    def lengths_of(self, docs: np.ndarray) -> np.ndarray:
+        """Tokens of each of `docs`, vectorised over the index (no O(dataset) temporary arrays)."""
+        first = self.document_indices[docs]
+        last = self.document_indices[docs + 1]
+        out = self.sequence_lengths[first].astype(np.int64)
+        for i in np.flatnonzero(last - first != 1).tolist():  # multi-sequence (or empty) documents
+            out[i] = int(self.sequence_lengths[first[i]: last[i]].sum())
+        return out
+
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
         first, last = self._first_seq(d), self._first_seq(d + 1)
