@@ -30,6 +30,9 @@ log = logging.getLogger("msd.worker")
 HELLO_RETRY_S = 2.0
 _RECORD_MASK = (1 << 48) - 1
 SEND_TIMEOUT_MS = 30_000
+# Below this, copying a frame is cheaper than zero-copy bookkeeping (pyzmq tracks zero-copy
+# frames through a garbage-collector thread).
+ZERO_COPY_BYTES = 1 << 20
 
 
 class Worker:
@@ -193,7 +196,7 @@ class Worker:
             header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str)
             frames = wire.encode(header, np.ascontiguousarray(rows[:, 1:]), tokens)
             try:
-                self._data_socket(address).send_multipart(frames, copy=False)
+                self._data_socket(address).send_multipart(frames, copy=tokens.nbytes < ZERO_COPY_BYTES)
             except zmq.Again:
                 log.error("step %d: rank %d at %s did not take its pieces within %ds", msg["step"], rank, address,
                           SEND_TIMEOUT_MS // 1000)
