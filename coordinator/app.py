@@ -28,12 +28,12 @@ from trainer_client import wire
 from trainer_client.errors import ProtocolError
 from trainer_client.sockets import make_socket
 
-from .balance import imbalance
+from .balance import Piece, imbalance
 from .config import JobConfig
-from .balance import Piece
 from .plan import NeedLength, Planner, StepPlan
 
 log = logging.getLogger("msd.coordinator")
+STATUS_EVERY_S = 30.0
 
 
 @dataclass
@@ -144,10 +144,15 @@ class Coordinator:
                 log.exception("error handling %s from %s", header.get("type"), identity.hex())
 
     async def _tick_loop(self) -> None:
+        last_status = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._tick(time.monotonic())
+            now = time.monotonic()
+            self._tick(now)
             self._pump()
+            if now - last_status >= STATUS_EVERY_S:
+                log.info("status: %s", self.status())
+                last_status = now
 
     def _send(self, identity: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
