@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 import zmq
 import zmq.asyncio
 
@@ -509,7 +511,30 @@ class Coordinator:
         }
 
 
-def serve(job: JobConfig, num_records: list[int], bind: str) -> None:
+def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
+    """Record where this coordinator listens and which job it runs, durably (temp, fsync, rename).
+    Tools find the coordinator from here; a restart whose job digest differs is reported."""
+    os.makedirs(state_dir, exist_ok=True)
+    path = os.path.join(state_dir, "coordinator.json")
+    try:
+        with open(path, "rb") as f:
+            previous = orjson.loads(f.read())
+        if previous.get("digest") != job.digest():
+            log.warning("%s: the job file changed since the last run (digest %s, now %s)", path,
+                        previous.get("digest"), job.digest())
+    except (OSError, orjson.JSONDecodeError):
+        pass
+    record = {"address": address, "digest": job.digest(), "job": os.path.abspath(job.path), "pid": os.getpid(),
+              "protocol": P.PROTOCOL_VERSION}
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | None = None) -> None:
     """Run a coordinator until SIGINT/SIGTERM."""
     import signal
 
@@ -525,6 +550,9 @@ def serve(job: JobConfig, num_records: list[int], bind: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)
-        await coord.run()
+        ready = loop.create_future()
+        if state_dir:
+            ready.add_done_callback(lambda f: write_state_file(state_dir, job, f.result()))
+        await coord.run(ready)
 
     asyncio.run(main())

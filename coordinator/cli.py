@@ -39,7 +39,8 @@ def main() -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
 @click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for the coordinator's state (created if missing).")
+              help="Directory for the coordinator's state (created if missing). Holds coordinator.json "
+                   "(address, job digest); a restart with a changed job file is reported.")
 @click.option("--log-level", default="INFO", show_default=True)
 def coordinator(config_path: str, bind: str, state_dir: str | None, log_level: str) -> None:
     """Run the job's coordinator."""
@@ -48,11 +49,9 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, log_level: s
         job, counts = _load_and_open(config_path)
     except ConfigError as e:
         _fail_config(e)
-    if state_dir:
-        os.makedirs(state_dir, exist_ok=True)
     from .app import serve
 
-    serve(job, counts, bind)
+    serve(job, counts, bind, state_dir)
 
 
 @main.command()

@@ -66,7 +66,7 @@ def cli_job(dataset_dir, tmp_path):
     coord = _msd("coordinator", "--config", path, "--bind", address, "--state-dir", str(tmp_path / "state"), log=log)
     host = _msd("worker", "--coordinator", address, "--procs", "2", log=log)
     try:
-        yield path, address, log
+        yield path, address, log, tmp_path / "state"
     finally:
         for p in (host, coord):
             p.terminate()
@@ -79,14 +79,16 @@ def cli_job(dataset_dir, tmp_path):
 
 
 def test_msd_commands_serve_a_job(cli_job):
-    path, address, log = cli_job
+    path, address, log, state_dir = cli_job
     received = _receive(address, ranks=2, steps=10)
     assert all(len(b) == 20 for b in received.values())
     assert check_content(path, received) > 20
+    state = orjson.loads((state_dir / "coordinator.json").read_bytes())
+    assert state["address"] == address and len(state["digest"]) == 16
 
 
 def test_malformed_messages_are_dropped_and_the_job_goes_on(cli_job):
-    path, address, log = cli_job
+    path, address, log, _ = cli_job
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
