@@ -36,6 +36,10 @@ from .plan import NeedLength, Planner, StepPlan
 
 log = logging.getLogger("msd.coordinator")
 STATUS_EVERY_S = 30.0
+_MESSAGES_OF = {
+    "worker": {"worker_heartbeat", "prepared", "task_failed", "delivered"},
+    "trainer": {"consumed", "trainer_heartbeat", "trainer_bye"},
+}
 
 
 @dataclass
@@ -189,15 +193,20 @@ class Coordinator:
             return self._on_trainer_hello(identity, msg, now)
         peer = self.peers.get(identity)
         if peer is None:
-            log.warning("%s from unregistered peer %s dropped; it must say hello first", kind, identity.hex())
-            self._send(identity, P.make(P.REJECT, reason="not registered: send a hello first"))
+            log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, identity.hex())
+            self._send(identity, P.make(P.UNKNOWN_PEER, reason="not registered: send a hello first"))
             return
         role, pid = peer
+        if kind not in _MESSAGES_OF[role]:
+            log.warning("%s %d sent %s, which only a %s sends; dropped", role, pid, kind,
+                        "trainer" if role == "worker" else "worker")
+            return
+        claimed = msg["worker_id" if role == "worker" else "rank"]
+        if claimed != pid:
+            log.warning("%s %d claims to be %s %d; dropped", role, pid, role, claimed)
+            return
         if role == "worker":
             worker = self.workers[pid]
-            if msg["worker_id"] != pid:
-                log.warning("worker %d claims to be worker %d; dropped", pid, msg["worker_id"])
-                return
             worker.last_seen = now
             if kind == "prepared":
                 self._on_prepared(worker, msg, arrays["lengths"].tolist())
@@ -205,20 +214,15 @@ class Coordinator:
                 self._on_task_failed(worker, msg)
             elif kind == "delivered":
                 self._on_delivered(worker, msg["delivery_id"])
-            elif kind != "worker_heartbeat":
-                log.warning("worker %d sent unexpected %s", pid, kind)
-        else:
-            trainer = self.trainers[pid]
-            if msg["rank"] != pid:
-                log.warning("rank %d claims to be rank %d; dropped", pid, msg["rank"])
-                return
-            trainer.last_seen = now
-            if kind == "consumed":
-                trainer.consumed = max(trainer.consumed, min(msg["step"], self.planner.state.next_step - 1))
-            elif kind == "trainer_bye":
-                log.info("rank %d left", pid)
-                del self.trainers[pid]
-                del self.peers[identity]
+            return
+        trainer = self.trainers[pid]
+        trainer.last_seen = now
+        if kind == "consumed":
+            trainer.consumed = max(trainer.consumed, min(msg["step"], self.planner.state.next_step - 1))
+        elif kind == "trainer_bye":
+            log.info("rank %d left", pid)
+            del self.trainers[pid]
+            del self.peers[identity]
 
     def _on_worker_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
         if msg["version"] != P.PROTOCOL_VERSION:

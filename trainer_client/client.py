@@ -253,6 +253,10 @@ class _Receiver:
             return float(msg["heartbeat_s"])
         if kind == "step_header":
             self._on_step_header(msg, arrays)
+        elif kind == "unknown_peer":
+            log.warning("rank %d: coordinator does not know this rank (%s); registering again", self.c.rank,
+                        msg["reason"])
+            self.registered = False
         elif kind == "reject":
             self.c._queue.put(RejectedError(f"rank {self.c.rank}: coordinator refused: {msg['reason']}"))
         elif kind == "shutdown":

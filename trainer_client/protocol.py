@@ -216,6 +216,8 @@ DELIVER = _msg(
 )
 REJECT = _msg("reject", reason=text(MAX_STR_LEN))
 SHUTDOWN = _msg("shutdown", reason=text())
+# the coordinator does not know this peer (it restarted, or declared the peer dead): say hello again
+UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
 
 # trainer -> coordinator
 TRAINER_HELLO = _msg(
@@ -245,7 +247,7 @@ ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
-        SHUTDOWN, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER, PIECES,
+        SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER, PIECES,
     )
 }
 
@@ -254,8 +256,8 @@ COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE)
 )
-WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN))
-TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, REJECT, SHUTDOWN))
+WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
+TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, REJECT, SHUTDOWN, UNKNOWN_PEER))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

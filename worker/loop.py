@@ -51,6 +51,7 @@ class Worker:
         self.cache: dict[int, list] = {}
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self.running = True
+        self.forgotten_at = 0.0
 
     def close(self) -> None:
         for s in self.data.values():
@@ -66,7 +67,7 @@ class Worker:
         last_hello = last_beat = 0.0
         while self.running:
             now = time.monotonic()
-            if self.worker_id is None and now - last_hello > HELLO_RETRY_S:
+            if self.worker_id is None and (now - last_hello > HELLO_RETRY_S or last_hello < self.forgotten_at):
                 self._send(P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=socket.gethostname(),
                                   pid=os.getpid(), incarnation=self.incarnation))
                 last_hello = now
@@ -102,6 +103,13 @@ class Worker:
         elif kind == "deliver":
             if self.worker_id is not None:
                 self._on_deliver(msg, arrays["items"], arrays["release"].tolist())
+        elif kind == "unknown_peer":
+            # The coordinator forgot us (restart, or we were silent too long): everything we hold
+            # may have been re-prepared elsewhere, so start clean and register again.
+            log.warning("coordinator does not know this worker (%s); registering again", msg["reason"])
+            self.worker_id = None
+            self.cache.clear()
+            self.forgotten_at = time.monotonic()
         elif kind == "reject":
             log.error("coordinator rejected this worker: %s", msg["reason"])
             self.running = False

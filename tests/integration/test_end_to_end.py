@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -79,3 +80,24 @@ def test_hf_tokenized_source_mixed_with_megatron(dataset_dir, tmp_path):
     assert check_content(path, received) > 20
     web_pieces = [k for bs in received.values() for b in bs for k in b["doc_keys"].tolist() if k >> 48 == 0]
     assert web_pieces
+
+
+def test_worker_frozen_past_its_deadline_registers_again_and_the_stream_holds(job_path, tmp_path):
+    steps = 300
+    clean = run_job(job_path, workers=1, ranks=2, steps=steps)
+    frozen = []
+
+    def freeze_one(cluster, n_batches):
+        if n_batches >= 40 and not frozen:
+            pid = cluster.worker_pids()[0]
+            os.kill(pid, signal.SIGSTOP)  # silent for longer than 3 heartbeats (0.5 s each)
+            frozen.append(pid)
+            threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
+
+    log = str(tmp_path / "frozen.log")
+    faulty = run_job(job_path, workers=2, ranks=2, steps=steps, during=freeze_one, log_path=log)
+    assert frozen
+    assert signature(faulty) == signature(clean)
+    text = open(log).read()
+    dead_at = text.index("declared dead")
+    assert f"pid {frozen[0]})" in text[dead_at:], "the frozen worker did not register again"
