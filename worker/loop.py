@@ -175,32 +175,18 @@ class Worker:
         self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
                           busy_s=time.perf_counter() - started), np.array(lengths, dtype="<i8"))
 
-    def _tokens(self, key: int, entry: list) -> np.ndarray:
-        return entry[0] if entry[0] is not None else self._reader(key >> 48).read(key & _RECORD_MASK)
-
     def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: list[int]) -> None:
         addresses = dict((r, a) for r, a in msg["addresses"])
         for rank in np.unique(items[:, 0]).tolist():
-            rows = items[items[:, 0] == rank]
             address = addresses.get(rank)
             if address is None:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", msg["step"], rank)
                 continue
-            arrays, keep = [], []
-            for _, m, key, offset, length in rows.tolist():
-                entry = self.cache.get(key)
-                if entry is None or offset + length > entry[2]:
-                    log.error("step %d: piece %x[%d:+%d] not in cache; not sent", msg["step"], key, offset, length)
-                    keep.append(False)
-                    continue
-                arrays.append(self._tokens(key, entry)[offset: offset + length])
-                keep.append(True)
-            if not arrays:
+            rows = items[items[:, 0] == rank]
+            rows = rows[np.argsort(rows[:, 2], kind="stable")]  # by doc key: few gathers, one per source/shard
+            rows, tokens = self._gather(msg["step"], rows)
+            if not len(rows):
                 continue
-            if not all(keep):
-                rows = rows[np.array(keep)]
-            dtype = np.result_type(*{a.dtype for a in arrays})
-            tokens = np.concatenate(arrays).astype(dtype.newbyteorder("<"), copy=False)
             header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str)
             frames = wire.encode(header, np.ascontiguousarray(rows[:, 1:]), tokens)
             try:
@@ -215,6 +201,30 @@ class Worker:
                 if entry[1] <= 0:
                     del self.cache[key]
         self._send(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"]))
+
+    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of deliver rows [rank, micro_batch, doc_key, offset, length] (grouped by
+        source), concatenated in row order, and the rows actually found in the cache."""
+        keep = np.ones(len(rows), dtype=bool)
+        for j, (key, offset, length) in enumerate(rows[:, 2:].tolist()):
+            entry = self.cache.get(key)
+            if entry is None or offset + length > entry[2]:
+                log.error("step %d: piece %x[%d:+%d] not in cache; not sent", step, key, offset, length)
+                keep[j] = False
+        rows = rows[keep]
+        sources = rows[:, 2] >> 48
+        parts = []
+        for s in np.unique(sources).tolist():
+            mine = rows[sources == s]
+            reader = self._reader(s)
+            if reader.format == "megatron":  # one vectorised gather from the memory map
+                parts.append(reader.gather(mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]))
+            else:
+                parts.extend(self.cache[key][0][off: off + n] for key, off, n in mine[:, 2:].tolist())
+        if not parts:
+            return rows, np.zeros(0, np.uint16)
+        dtype = np.result_type(*{a.dtype for a in parts})
+        return rows, np.concatenate(parts).astype(dtype.newbyteorder("<"), copy=False)
 
     def _data_socket(self, address: str) -> zmq.Socket:
         sock = self.data.get(address)

@@ -106,3 +106,19 @@ def test_megatron_lengths_vectorised_match_documents(tmp_path):
     assert reader.lengths(records).tolist() == [len(reader.read(r)) for r in records.tolist()] == [2, 3, 7, 1, 7]
     with pytest.raises(IndexError):
         reader.lengths(np.array([4]))
+
+
+def test_megatron_gather_equals_slicing_documents(tmp_path):
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 60000, int(n)).astype(np.uint16) for n in rng.integers(1, 400, 50)]
+    write_megatron(str(tmp_path / "a"), docs[:30], np.uint16)
+    write_megatron(str(tmp_path / "b"), docs[30:], np.uint16)
+    reader = open_source({"name": "m", "format": "megatron", "files": [str(tmp_path / "a"), str(tmp_path / "b")]})
+    recs = rng.integers(0, 50, 40)
+    offs = np.array([int(rng.integers(0, len(docs[r]))) for r in recs])
+    lens = np.array([int(rng.integers(1, len(docs[r]) - o + 1)) for r, o in zip(recs, offs)])
+    expected = np.concatenate([docs[r][o: o + n] for r, o, n in zip(recs, offs, lens)])
+    np.testing.assert_array_equal(reader.gather(recs, offs, lens), expected)  # across both shards
+    one = recs < 30
+    np.testing.assert_array_equal(reader.gather(recs[one], offs[one], lens[one]),
+                                  np.concatenate([docs[r][o: o + n] for r, o, n in zip(recs[one], offs[one], lens[one])]))

@@ -77,6 +77,7 @@ class MegatronIndex:
                     f"{bin_path}: truncated or foreign data file ({bin_size} bytes, index needs {last_end})"
                 )
         self._bin = _map(bin_path) if bin_size else b""
+        self._all_tokens = np.frombuffer(self._bin, dtype=self.dtype, count=bin_size // self.dtype.itemsize)
         # .item() gives Python ints without numpy scalar overhead; no .tolist() copies, so memory
         # stays that of the mapped index, whatever the dataset size
         self._first_seq = self.document_indices.item
@@ -99,6 +100,23 @@ class MegatronIndex:
         for i in np.flatnonzero(last - first != 1).tolist():  # multi-sequence (or empty) documents
             out[i] = int(self.sequence_lengths[first[i]: last[i]].sum())
         return out
+
+    def gather(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens [offset, offset+length) of each document, concatenated: positions computed for
+        all pieces at once, then one slice per piece and a single copy (memcpy speed; a fancy-index
+        gather was measured several times slower). Documents of several sequences are read one
+        by one, since nothing promises their sequences are adjacent in the .bin."""
+        docs = np.asarray(docs, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        first = self.document_indices[docs]
+        single = self.document_indices[docs + 1] - first == 1
+        in_range = offsets + lengths <= self.sequence_lengths[first]
+        if not (single & in_range).all():
+            return np.concatenate([self.document(int(d))[o: o + n] for d, o, n in zip(docs, offsets, lengths)])
+        starts = (self.sequence_pointers[first] // self.dtype.itemsize + offsets).tolist()
+        tokens = self._all_tokens
+        return np.concatenate([tokens[a: a + n] for a, n in zip(starts, lengths.tolist())])
 
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""

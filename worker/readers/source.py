@@ -67,6 +67,21 @@ class SourceReader:
             out[mask] = self.shards[shard_no].lengths_of(records[mask] - self._starts[shard_no])
         return out
 
+    def gather(self, records: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens [offset, offset+length) of each record, concatenated (Megatron sources only)."""
+        if self.format != "megatron":
+            raise TypeError(f"source {self.name!r}: gather reads memory-mapped sources only")
+        records = np.asarray(records, dtype=np.int64)
+        shard_of = np.searchsorted(self._starts, records, side="right") - 1
+        # one gather per run of consecutive pieces from the same shard (callers sort by record)
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        parts = []
+        for lo, hi in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(records)]]).tolist()):
+            shard = int(shard_of[lo])
+            parts.append(self.shards[shard].gather(records[lo:hi] - self._starts[shard], offsets[lo:hi],
+                                                   lengths[lo:hi]))
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
     def read(self, record_index: int) -> np.ndarray:
         """The record's tokens. Raises RecordError (naming file and line) for a record to skip."""
         shard_no, i = self.locate(record_index)
