@@ -266,7 +266,7 @@ def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType
     if type(header) is not dict:
         raise ProtocolError(f"header is {type(header).__name__}, expected map")
     name = header.get("type")
-    if name not in allowed:
+    if type(name) is not str or name not in allowed:
         raise ProtocolError(f"message type {name!r} not accepted on this socket")
     kind = ALL_TYPES[name]
     _check_fields(header, kind.fields, "")

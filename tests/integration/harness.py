@@ -17,8 +17,9 @@ from worker.readers import open_source
 SPAWN = mp.get_context("spawn")
 
 
-def collect(address: str, rank: int, steps: int, out: Any) -> None:
-    """Trainer process: receive `steps` steps and send every micro-batch back to the test."""
+def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.0) -> None:
+    """Trainer process: receive `steps` steps and send every micro-batch back to the test,
+    spending `compute_s` per micro-batch as a trainer's compute would."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
@@ -27,6 +28,8 @@ def collect(address: str, rank: int, steps: int, out: Any) -> None:
             out.put(("batch", rank, {k: batch[k] for k in (
                 "step", "micro_batch", "tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "doc_keys",
                 "doc_offsets", "piece_lengths", "num_tokens")}))
+            if compute_s:
+                time.sleep(compute_s)
             if batch["step"] + 1 >= steps and batch["micro_batch"] == client.batch_info["micro_batches"] - 1:
                 break
         out.put(("done", rank, client.state_dict()))
@@ -37,12 +40,13 @@ def collect(address: str, rank: int, steps: int, out: Any) -> None:
 
 
 def run_job(job_path: str, *, workers: int, ranks: int, steps: int, log_path: str | None = None,
-            during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90) -> dict[int, list[dict]]:
+            during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90,
+            compute_s: float = 0.0) -> dict[int, list[dict]]:
     """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection)."""
     received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO") as cluster:
         out = SPAWN.Queue()
-        procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out)) for r in range(ranks)]
+        procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, compute_s)) for r in range(ranks)]
         for p in procs:
             p.start()
         done, deadline = 0, time.monotonic() + timeout_s

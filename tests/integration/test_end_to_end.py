@@ -53,7 +53,7 @@ def test_corrupt_lines_are_skipped_counted_and_logged(reference, dataset_dir):
     assert "web-1.jsonl:5: corrupt JSON" in text and "skipped so far" in text
 
 
-def test_worker_killed_mid_run_does_not_change_the_stream(job_path, reference):
+def test_worker_killed_mid_run_does_not_change_the_stream(job_path, reference, tmp_path):
     received, _ = reference
     killed = []
 
@@ -64,9 +64,11 @@ def test_worker_killed_mid_run_does_not_change_the_stream(job_path, reference):
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])
 
-    faulty = run_job(job_path, workers=2, ranks=2, steps=STEPS, during=kill_one)
+    log = str(tmp_path / "killed.log")
+    faulty = run_job(job_path, workers=2, ranks=2, steps=STEPS, during=kill_one, log_path=log, compute_s=0.05)
     assert killed
     assert signature(faulty) == signature(received)
+    assert "declared dead" in open(log).read()  # the run outlived the detection: recovery was exercised
 
 
 def test_hf_tokenized_source_mixed_with_megatron(dataset_dir, tmp_path):
@@ -83,7 +85,7 @@ def test_hf_tokenized_source_mixed_with_megatron(dataset_dir, tmp_path):
 
 
 def test_worker_frozen_past_its_deadline_registers_again_and_the_stream_holds(job_path, tmp_path):
-    steps = 300
+    steps = 200
     clean = run_job(job_path, workers=1, ranks=2, steps=steps)
     frozen = []
 
@@ -95,7 +97,8 @@ def test_worker_frozen_past_its_deadline_registers_again_and_the_stream_holds(jo
             threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
 
     log = str(tmp_path / "frozen.log")
-    faulty = run_job(job_path, workers=2, ranks=2, steps=steps, during=freeze_one, log_path=log)
+    # 10 ms of "compute" per micro-batch keeps the run going (>= 4 s) well past the thaw at ~3 s
+    faulty = run_job(job_path, workers=2, ranks=2, steps=steps, during=freeze_one, log_path=log, compute_s=0.01)
     assert frozen
     assert signature(faulty) == signature(clean)
     text = open(log).read()
