@@ -31,6 +31,7 @@ log = logging.getLogger("msd.client")
 STATE_VERSION = 1
 HELLO_RETRY_S = 2.0
 MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
+MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
 _ids = itertools.count()
 
 
@@ -103,6 +104,11 @@ class DataClient:
         self._wake = make_socket(self._ctx, zmq.PAIR)
         self._wake.connect(self._wake_addr)
 
+    @property
+    def data_address(self) -> str | None:
+        """The address workers push this rank's pieces to (known once started)."""
+        return self._receiver.address if self._receiver is not None else None
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
 
@@ -150,6 +156,10 @@ class DataClient:
             self._command(["close"])
             self._thread.join(timeout=10)
             self._wake.close(linger=0)
+            if self._thread.is_alive():  # never hang the trainer's exit on a stuck I/O thread
+                log.warning("rank %d: client I/O thread did not stop; closing its sockets", self.rank)
+                self._ctx.destroy(linger=0)
+                return
         self._ctx.term()
 
     def __enter__(self) -> "DataClient":
@@ -159,7 +169,10 @@ class DataClient:
         self.close()
 
     def _command(self, cmd: list) -> None:
-        self._wake.send_json(cmd)
+        try:  # NOBLOCK: if the I/O thread has died, its end of the pipe is gone and a send would block
+            self._wake.send_json(cmd, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
 
 class _Receiver:
@@ -174,6 +187,7 @@ class _Receiver:
         self.micro_batch = client.next_micro_batch
         self.registered = False
         self.duplicates = 0
+        self.buffered = 0  # pieces held in self.pieces
 
     def run(self) -> None:
         c = self.c
@@ -296,7 +310,12 @@ class _Receiver:
         if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
+        if self.buffered + len(arrays["items"]) > MAX_BUFFERED_PIECES:
+            log.warning("rank %d: %d pieces already buffered; data message for step %d dropped", self.c.rank,
+                        self.buffered, step)
+            return
         store = self.pieces.setdefault(step, {})
+        held = len(store)
         at = 0
         for _, key, offset, length in arrays["items"].tolist():
             ref = (key, offset, length)
@@ -305,6 +324,7 @@ class _Receiver:
             else:
                 store[ref] = tokens[at: at + length]
             at += length
+        self.buffered += len(store) - held
 
     def _assemble(self) -> None:
         info = self.c.batch_info
@@ -322,5 +342,5 @@ class _Receiver:
             self.micro_batch += 1
             if self.micro_batch == len(header["micro_batches"]):
                 del self.headers[self.step]
-                self.pieces.pop(self.step, None)
+                self.buffered -= len(self.pieces.pop(self.step, {}))
                 self.step, self.micro_batch = self.step + 1, 0

@@ -1,0 +1,96 @@
+"""The trainer client against a live job: refusals, checkpoint state, and a hostile data socket."""
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from coordinator.local import LocalJob
+from tests.conftest import job_dict, write_job
+from trainer_client import DataClient, RejectedError
+from trainer_client import protocol as P
+from trainer_client import wire
+
+from .harness import check_content
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def job_path(dataset_dir):
+    return write_job(dataset_dir, job_dict(topology={"dp": 1}, batch={"seq_len": 256, "micro_batch_size": 1,
+                                                                       "global_batch_size": 2}), "client.yaml")
+
+
+def test_rank_beyond_dp_is_refused(job_path):
+    with LocalJob(job_path, workers=1) as job:
+        client = DataClient(job.address, rank=3, as_torch=False, timeout_s=30)
+        try:
+            with pytest.raises(RejectedError, match="rank 3 out of range"):
+                next(client)
+        finally:
+            client.close()
+
+
+def test_state_dict_is_small_json_and_round_trips(job_path):
+    with LocalJob(job_path, workers=1) as job:
+        client = DataClient(job.address, rank=0, as_torch=False, timeout_s=30)
+        try:
+            for _ in range(5):
+                batch = next(client)
+            state = client.state_dict()
+        finally:
+            client.close()
+    assert state["next_step"] == 2 and state["next_micro_batch"] == 1  # 2 micro-batches per step
+    assert batch["step"] == 2 and batch["micro_batch"] == 0
+    import json
+
+    assert json.loads(json.dumps(state)) == state
+    fresh = DataClient("tcp://127.0.0.1:1", rank=0)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    fresh.close()
+
+
+def test_torch_tensors_by_default(job_path):
+    import torch
+
+    with LocalJob(job_path, workers=1) as job:
+        with DataClient(job.address, rank=0, timeout_s=30) as client:
+            batch = next(client)
+    assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+    assert batch["cu_seqlens"].dtype == torch.int32 and batch["doc_keys"].dtype == torch.uint64
+    assert batch["plan"]["max_over_mean"] >= 1.0
+
+
+def test_data_socket_drops_malformed_messages_and_keeps_serving(job_path):
+    with LocalJob(job_path, workers=1) as job:
+        client = DataClient(job.address, rank=0, as_torch=False, timeout_s=30)
+        received = {0: [next(client)]}
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.PUSH)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(client.data_address)
+        good_header = P.make(P.PIECES, step=1, rank=0, dtype="<u2")
+        bad = [
+            [b"garbage"],
+            [msgpack.packb({"type": "pieces"})],
+            [msgpack.packb({"type": "prepare", "task_id": 1, "source": 0}), b""],  # wrong socket
+            wire.encode(good_header, np.array([[0, 5, 0, 3]], "<u8"), np.zeros(2, "<u2")),  # 3 != 2 tokens
+            wire.encode(P.make(P.PIECES, step=1, rank=9, dtype="<u2"), np.array([[0, 5, 0, 2]], "<u8"),
+                        np.zeros(2, "<u2")),  # another rank's pieces
+            wire.encode(P.make(P.PIECES, step=10**9, rank=0, dtype="<u2"), np.array([[0, 5, 0, 2]], "<u8"),
+                        np.zeros(2, "<u2")),  # absurdly far ahead
+        ]
+        try:
+            for _ in range(50):
+                for frames in bad:
+                    rogue.send_multipart(frames)
+            for _ in range(10):
+                received[0].append(next(client))
+        finally:
+            rogue.close()
+            ctx.term()
+            client.close()
+    assert check_content(job_path, received) >= 11
+    assert [b["step"] for b in received[0][:3]] == [0, 0, 1]
