@@ -247,11 +247,10 @@ class Coordinator:
         elif rank >= self.job.dp:
             reason = f"rank {rank} out of range: topology.dp is {self.job.dp}"
         elif msg["resume_step"] != self.planner.state.next_step and rank not in self.trainers:
-            # Rewinding needs the step journal (checkpoint/resume); without it we can only start
-            # where the plan stands.
-            if not (self.planner.state.next_step == 0 and msg["resume_step"] == 0):
-                reason = (f"cannot resume at step {msg['resume_step']}: this coordinator's plan stands at step "
-                          f"{self.planner.state.next_step}")
+            # A new rank joins where the plan stands; rewinding to an earlier step needs the step
+            # journal of checkpoint/resume, which this coordinator does not keep yet.
+            reason = (f"cannot resume at step {msg['resume_step']}: this coordinator's plan stands at step "
+                      f"{self.planner.state.next_step}")
         if reason:
             log.warning("trainer rank %d rejected: %s", rank, reason)
             self._send(identity, P.make(P.REJECT, reason=reason))

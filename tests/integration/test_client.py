@@ -94,3 +94,15 @@ def test_data_socket_drops_malformed_messages_and_keeps_serving(job_path):
             client.close()
     assert check_content(job_path, received) >= 11
     assert [b["step"] for b in received[0][:3]] == [0, 0, 1]
+
+
+def test_resume_where_the_plan_does_not_stand_is_refused_clearly(job_path):
+    with LocalJob(job_path, workers=1) as job:
+        client = DataClient(job.address, rank=0, as_torch=False, timeout_s=30)
+        client.load_state_dict({"version": 1, "rank": 0, "next_step": 5, "next_micro_batch": 0,
+                                "plan_digest": None})
+        try:
+            with pytest.raises(RejectedError, match="cannot resume at step 5"):
+                next(client)
+        finally:
+            client.close()
