@@ -22,7 +22,7 @@ import zmq
 
 from . import protocol as P
 from . import wire
-from .assemble import assemble_micro_batch
+from .assemble import assemble_step
 from .errors import PeerLostError, ProtocolError, RejectedError
 from .sockets import make_socket
 
@@ -327,20 +327,22 @@ class _Receiver:
         self.buffered += len(store) - held
 
     def _assemble(self) -> None:
+        """Assemble the next step as soon as its recipe and every piece are in (a whole step in
+        one vectorised pass), and queue its micro-batches from where the client resumes."""
         info = self.c.batch_info
         while info is not None and self.step in self.headers:
             header = self.headers[self.step]
             have = self.pieces.get(self.step, {})
-            sequences = header["micro_batches"][self.micro_batch]
-            if any((k, o, n) not in have for seq in sequences for k, o, n in seq):
+            if any((k, o, n) not in have for mb in header["micro_batches"] for seq in mb for k, o, n in seq):
                 return
-            batch = assemble_micro_batch(sequences, have, info["seq_len"], info["pad_id"])
-            batch["step"], batch["micro_batch"] = self.step, self.micro_batch
-            if self.micro_batch == 0:
-                batch["plan"] = header["plan"]
-            self.c._queue.put((self.step, self.micro_batch, batch))
-            self.micro_batch += 1
-            if self.micro_batch == len(header["micro_batches"]):
-                del self.headers[self.step]
-                self.buffered -= len(self.pieces.pop(self.step, {}))
-                self.step, self.micro_batch = self.step + 1, 0
+            sequences = [seq for mb in header["micro_batches"] for seq in mb]
+            batches = assemble_step(sequences, have, info["seq_len"], info["pad_id"], info["micro_batch_size"])
+            for m in range(self.micro_batch, len(batches)):
+                batch = batches[m]
+                batch["step"], batch["micro_batch"] = self.step, m
+                if m == 0:
+                    batch["plan"] = header["plan"]
+                self.c._queue.put((self.step, m, batch))
+            del self.headers[self.step]
+            self.buffered -= len(self.pieces.pop(self.step, {}))
+            self.step, self.micro_batch = self.step + 1, 0

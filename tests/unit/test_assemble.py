@@ -23,3 +23,27 @@ def test_packed_micro_batch_fields():
     assert batch["doc_keys"].tolist() == [1, (2 << 48) | 5, (2 << 48) | 5]
     assert batch["doc_offsets"].tolist() == [0, 7, 7]
     assert batch["num_tokens"] == 10
+
+
+def test_a_step_assembles_like_its_micro_batches_one_by_one():
+    from trainer_client.assemble import assemble_step
+
+    rng = np.random.default_rng(3)
+    pieces, seqs = {}, []
+    for s in range(6):  # 3 micro-batches of 2 sequences of 16; some rows padded
+        seq, left = [], 16 - (s % 3)
+        while left > 0:
+            n = min(left, int(rng.integers(1, 7)))
+            ref = [len(pieces) + (1 << 48), int(rng.integers(0, 50)), n]
+            pieces[tuple(ref)] = rng.integers(0, 60000, n).astype(np.uint16)
+            seq.append(ref)
+            left -= n
+        seqs.append(seq)
+    step = assemble_step(seqs, pieces, 16, 257, 2)
+    assert len(step) == 3
+    for m, got in enumerate(step):
+        one = assemble_micro_batch(seqs[2 * m: 2 * m + 2], pieces, seq_len=16, pad_id=257)
+        assert got.keys() == one.keys()
+        for k in got:
+            np.testing.assert_array_equal(got[k], one[k], err_msg=k)
+        assert got["cu_seqlens"][-1] == 32 and got["tokens"].shape == (2, 16)
