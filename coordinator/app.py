@@ -30,7 +30,7 @@ from trainer_client import wire
 from trainer_client.errors import ProtocolError
 from trainer_client.sockets import make_socket
 
-from .balance import Piece, imbalance
+from .balance import imbalance
 from .config import JobConfig
 from .plan import NeedLength, Planner, StepPlan
 
@@ -75,7 +75,8 @@ class Delivery:
     delivery_id: int
     worker_id: int
     step: int
-    entries: list[tuple[int, int, Piece]]  # (rank, micro_batch, piece)
+    items: np.ndarray  # [rank, micro_batch, doc_key, offset, length] rows, as sent
+    positions: np.ndarray  # [source, stream position] of each item's record
     release: list[tuple[int, int]]  # (source, position) of prepared copies used up by it
 
 
@@ -108,6 +109,7 @@ class Coordinator:
         self._next_delivery_id = 0
         self.sock: zmq.asyncio.Socket | None = None
         self.stopped = asyncio.Event()
+        self.failed = False
         self.address: str | None = None
 
     # ------------------------------------------------------------------ sockets and loops
@@ -145,9 +147,9 @@ class Coordinator:
                 continue
             try:
                 self._handle(identity, header, arrays)
-                self._pump()
-            except Exception:  # a handler bug must not take the whole job down silently
+            except Exception:  # one message we could not handle: log it, drop it, serve the rest
                 log.exception("error handling %s from %s", header.get("type"), identity.hex())
+            self._pump_or_stop()
 
     async def _tick_loop(self) -> None:
         last_status = time.monotonic()
@@ -155,10 +157,22 @@ class Coordinator:
             await asyncio.sleep(self.heartbeat_s)
             now = time.monotonic()
             self._tick(now)
-            self._pump()
+            self._pump_or_stop()
             if now - last_status >= STATUS_EVERY_S:
                 log.info("status: %s", self.status())
                 last_status = now
+
+    def _pump_or_stop(self) -> None:
+        """Planning and dispatch keep invariants across steps; after an unexpected error there,
+        carrying on could deliver a wrong stream or stall it silently, so the coordinator stops
+        (with a non-zero exit) and the job can be restarted from its state."""
+        try:
+            self._pump()
+        except Exception:
+            log.critical("internal error while planning step %d; stopping the coordinator",
+                         self.planner.state.next_step, exc_info=True)
+            self.failed = True
+            self.stop()
 
     def _send(self, identity: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
@@ -363,11 +377,11 @@ class Coordinator:
         Trainer clients drop pieces they already have, so a repeated piece is harmless."""
         waiting = []
         for d in self.orphans:
-            needed = {(p.source, p.position) for _, _, p in d.entries} | set(d.release)
+            needed = {tuple(pos) for pos in d.positions.tolist()} | set(d.release)
             if needed & self.reprepare:
                 waiting.append(d)
             else:
-                self._send_deliveries(d.step, d.entries, d.release)
+                self._send_deliveries(d.step, d.items, d.positions, d.release)
         self.orphans = waiting
 
     # ------------------------------------------------------------------ planning and dispatch
@@ -423,36 +437,43 @@ class Coordinator:
         if plan.step % 100 == 0:
             log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
                      plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
+        tables = []  # per rank: [rank, micro_batch, doc_key, offset, length] of every piece, packing order
+        positions = []  # per rank: [source, stream position] of the same pieces
         for rank, micro_batches in enumerate(plan.layout):
             seqs = [seq for mb in micro_batches for seq in mb]
-            pieces = np.array([(p.key, p.offset, p.length) for seq in seqs for p in seq], dtype="<u8").reshape(-1, 3)
             counts = np.array([len(seq) for seq in seqs], dtype="<u4")
+            flat = np.array([p for seq in seqs for p in seq], dtype=np.int64).reshape(-1, 5)  # Piece fields
+            keys = (flat[:, 0].astype(np.uint64) << np.uint64(48)) | flat[:, 2].astype(np.uint64)
+            pieces = np.column_stack([keys, flat[:, 3], flat[:, 4]]).astype("<u8")
             header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, plan=plan_summary)
             self._send(self.trainers[rank].identity, header, pieces, counts)
-        self._send_deliveries(plan.step, list(plan.pieces()), sorted(plan.finished))
+            per_mb = counts.reshape(len(micro_batches), -1).sum(axis=1).astype(np.int64)
+            micro_batch_of = np.repeat(np.arange(len(micro_batches), dtype=np.uint64), per_mb)
+            tables.append(np.column_stack([np.full(len(keys), rank, np.uint64), micro_batch_of, pieces]))
+            positions.append(flat[:, :2])
+        self._send_deliveries(plan.step, np.concatenate(tables), np.concatenate(positions), sorted(plan.finished))
 
-    def _send_deliveries(self, step: int, entries: list[tuple[int, int, Piece]],
+    def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray,
                          release: list[tuple[int, int]]) -> None:
-        """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly."""
-        by_worker: dict[int, list[tuple[int, int, Piece]]] = defaultdict(list)
-        for entry in entries:
-            p = entry[2]
-            by_worker[self.holder[p.source][p.position]].append(entry)
+        """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly.
+        items: [rank, micro_batch, doc_key, offset, length] rows; positions: [source, position] rows."""
+        holder = self.holder
+        owners = np.array([holder[s][pos] for s, pos in positions.tolist()], dtype=np.int64)
         release_by_worker: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for s, pos in release:
-            release_by_worker[self.holder[s][pos]].append((s, pos))
-        for wid in sorted(by_worker.keys() | release_by_worker.keys()):
-            mine, rel = by_worker.get(wid, []), release_by_worker.get(wid, [])
+            release_by_worker[holder[s][pos]].append((s, pos))
+        for wid in sorted(set(owners.tolist()) | release_by_worker.keys()):
+            mask = owners == wid
+            mine, mine_pos, rel = items[mask], positions[mask], release_by_worker.get(wid, [])
             did = self._next_delivery_id
             self._next_delivery_id += 1
-            self.deliveries[did] = Delivery(did, wid, step, mine, rel)
+            self.deliveries[did] = Delivery(did, wid, step, mine, mine_pos, rel)
             self.workers[wid].deliveries.add(did)
-            ranks = sorted({rank for rank, _, _ in mine})
+            ranks = np.unique(mine[:, 0]).tolist()
             header = P.make(P.DELIVER, delivery_id=did, step=step,
                             addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers])
-            items = np.array([(rank, m, p.key, p.offset, p.length) for rank, m, p in mine], dtype="<u8")
-            release = np.array([(s << 48) | self.records[s][pos] for s, pos in rel], dtype="<u8")
-            self._send(self.workers[wid].identity, header, items.reshape(-1, 5), release)
+            release_keys = np.array([(s << 48) | self.records[s][pos] for s, pos in rel], dtype="<u8")
+            self._send(self.workers[wid].identity, header, np.ascontiguousarray(mine, dtype="<u8"), release_keys)
 
     # ------------------------------------------------------------------ prepare-ahead
 
@@ -557,5 +578,7 @@ def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | No
         if state_dir:
             ready.add_done_callback(lambda f: write_state_file(state_dir, job, f.result()))
         await coord.run(ready)
+        if coord.failed:
+            raise SystemExit(1)
 
     asyncio.run(main())

@@ -9,6 +9,8 @@ tail goes back into the queue. Ties break on the lowest index, so the result is 
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
 from typing import Callable, NamedTuple, Sequence
 
 
@@ -36,69 +38,70 @@ class Piece(NamedTuple):
 CostFn = Callable[[int], float]
 
 
-def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) -> list[list[Piece]]:
-    """Greedy longest-first assignment with splitting; returns the pieces of each bin, each in
-    assignment order. Ties go to the lowest bin index."""
+def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) -> tuple[list[list[Piece]], list[float]]:
+    """Greedy longest-first assignment with splitting: the pieces of each bin (in assignment
+    order) and each bin's cost. Ties go to the lowest bin index."""
     neg_lengths = [-p.length for p in pieces]
     order = sorted(range(len(pieces)), key=neg_lengths.__getitem__)  # stable: ties keep index order
     if n_bins == 1 and -sum(neg_lengths) <= capacity:
-        return [[pieces[i] for i in order]]
+        return [[pieces[i] for i in order]], [float(sum(cost(p.length) for p in pieces))]
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     bins: list[list[Piece]] = [[] for _ in range(n_bins)]
     loads = [0.0] * n_bins
     room = [capacity] * n_bins
-    by_load = [(0.0, b) for b in range(n_bins)]  # heap of bins that still have room
-    queue = [(-pieces[i].length, i, pieces[i]) for i in order]  # already a valid heap: sorted
+    by_load = [(0.0, b) for b in range(n_bins)]  # heap of the bins that still have room
+    queue = [(neg_lengths[i], i, pieces[i]) for i in order]  # sorted, hence already a heap
     counter = len(pieces)
     while queue:
-        _, _, p = heapq.heappop(queue)
-        too_small = []
-        b = -1
-        while by_load:
-            load, cand = heapq.heappop(by_load)
-            if room[cand] >= p.length:
-                b = cand
-                break
-            too_small.append((load, cand))
-        for entry in too_small:
-            heapq.heappush(by_load, entry)
-        if b < 0:  # no bin has room for all of it: fill the roomiest bin with its head
-            b = max(range(n_bins), key=lambda i: (room[i], -i))
-            if room[b] == 0:
-                raise ValueError(f"pieces hold more tokens than {n_bins} bins of {capacity}")
+        _, _, p = pop(queue)
+        length = p.length
+        b = by_load[0][1]
+        if room[b] < length:  # the least-loaded bin is too full: find the least-loaded that fits
+            fitting = [entry for entry in by_load if room[entry[1]] >= length]
+            if fitting:
+                b = min(fitting)[1]
+            else:  # no bin has room for all of it: fill the roomiest bin with its head
+                b = max(range(n_bins), key=lambda i: (room[i], -i))
+                if room[b] == 0:
+                    raise ValueError(f"pieces hold more tokens than {n_bins} bins of {capacity}")
+                p, tail = p.split(room[b])
+                push(queue, (-tail.length, counter, tail))
+                counter += 1
+                length = p.length
             by_load.remove((loads[b], b))
             heapq.heapify(by_load)
-            p, tail = p.split(room[b])
-            heapq.heappush(queue, (-tail.length, counter, tail))
-            counter += 1
+            bins[b].append(p)
+            loads[b] += cost(length)
+            room[b] -= length
+            if room[b] > 0:
+                push(by_load, (loads[b], b))
+            continue
         bins[b].append(p)
-        loads[b] += cost(p.length)
-        room[b] -= p.length
+        loads[b] += cost(length)
+        room[b] -= length
         if room[b] > 0:
-            heapq.heappush(by_load, (loads[b], b))
-    return bins
+            replace(by_load, (loads[b], b))
+        else:
+            pop(by_load)
+    return bins, loads
 
 
-def deal_in_order(pieces: Sequence[Piece], n_bins: int, capacity: int) -> list[list[Piece]]:
-    """The conventional loader's dealing: the stream in arrival order, cut into consecutive bins."""
-    bins: list[list[Piece]] = [[] for _ in range(n_bins)]
-    b, room = 0, capacity
-    for p in pieces:
-        while p.length and b < n_bins:
-            if p.length <= room:
-                bins[b].append(p)
-                room -= p.length
-                break
-            if room:
-                head, p = p.split(room)
-                bins[b].append(head)
-            b, room = b + 1, capacity
-        if room == 0:
-            b, room = b + 1, capacity
-    return bins
-
-
-def bin_cost(pieces: Sequence[Piece], cost: CostFn) -> float:
-    return float(sum(cost(p.length) for p in pieces))
+def costs_dealt_in_order(lengths: Sequence[int], n_bins: int, capacity: int, quadratic: float,
+                         linear: float) -> list[float]:
+    """Per-bin cost of the conventional loader's dealing: the pieces in arrival order, the stream
+    cut into consecutive bins of `capacity` tokens (a piece may straddle one cut: no piece is
+    longer than a bin)."""
+    lens = np.asarray(lengths, dtype=np.float64)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    first = (starts // capacity).astype(np.int64)
+    last = np.minimum((ends - 1) // capacity, n_bins - 1).astype(np.int64)
+    head = np.where(last > first, (first + 1) * capacity - starts, lens)
+    tail = lens - head
+    costs = np.zeros(n_bins)
+    np.add.at(costs, np.minimum(first, n_bins - 1), quadratic * head * head + linear * head)
+    np.add.at(costs, last, quadratic * tail * tail + linear * tail)
+    return costs.tolist()
 
 
 def imbalance(costs: Sequence[float]) -> float:

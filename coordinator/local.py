@@ -44,6 +44,8 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         ready = loop.create_future()
         ready.add_done_callback(lambda f: addr_queue.put(("ok", f.result())))
         await coord.run(ready)
+        if coord.failed:
+            raise SystemExit(1)
 
     asyncio.run(main())
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .balance import Piece, assign, bin_cost, deal_in_order
+from .balance import Piece, assign, costs_dealt_in_order
 from .config import JobConfig
 from .cursor import SourceStream
 
@@ -158,12 +158,12 @@ class Planner:
         n_mb = job.micro_batches_per_rank
         rank_capacity = n_mb * mbs * seq_len
         layout = []
-        rank_costs = []
-        for rank_pieces in assign(drawn, job.dp, rank_capacity, cost):
-            rank_costs.append(bin_cost(rank_pieces, cost))
+        by_rank, rank_costs = assign(drawn, job.dp, rank_capacity, cost)
+        for rank_pieces in by_rank:
             micro_batches = []
-            for mb_pieces in assign(rank_pieces, n_mb, mbs * seq_len, cost):
-                micro_batches.append(assign(mb_pieces, mbs, seq_len, cost))
+            for mb_pieces in assign(rank_pieces, n_mb, mbs * seq_len, cost)[0]:
+                micro_batches.append(assign(mb_pieces, mbs, seq_len, cost)[0])
             layout.append(micro_batches)
-        naive = [bin_cost(b, cost) for b in deal_in_order(drawn, job.dp, rank_capacity)]
+        naive = costs_dealt_in_order([p.length for p in drawn], job.dp, rank_capacity, job.cost.quadratic,
+                                     job.cost.linear)
         return StepPlan(step, layout, rank_costs, naive, source_tokens, finished)

@@ -5,7 +5,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from coordinator.balance import Piece, assign, deal_in_order, imbalance
+from coordinator.balance import Piece, assign, costs_dealt_in_order, imbalance
 from coordinator.config import parse_job
 from coordinator.plan import NeedLength, Planner
 from tests.conftest import job_dict
@@ -111,8 +111,9 @@ def test_balance_beats_arrival_order_on_attention_cost(dataset_dir):
 
 def test_assign_splits_only_when_nothing_fits():
     pieces = [Piece(0, i, i, 0, n) for i, n in enumerate([300, 300, 300, 100])]
-    bins = assign(pieces, 2, 500, lambda n: n * n)
+    bins, loads = assign(pieces, 2, 500, lambda n: n * n)
     assert [sum(p.length for p in b) for b in bins] == [500, 500]
+    assert loads == [sum(p.length ** 2 for p in b) for b in bins]
     # exactly one of the 300s must be split into two parts to make the bins exact
     parts = [p for b in bins for p in b]
     assert len(parts) == 5
@@ -120,11 +121,43 @@ def test_assign_splits_only_when_nothing_fits():
         [(2, 0, 100), (2, 100, 200)], [(2, 0, 200), (2, 200, 100)])
 
 
-def test_deal_in_order_cuts_the_stream():
-    pieces = [Piece(0, i, i, 0, n) for i, n in enumerate([300, 400, 300])]
-    bins = deal_in_order(pieces, 2, 500)
-    assert [[(p.position, p.offset, p.length) for p in b] for b in bins] == [
-        [(0, 0, 300), (1, 0, 200)], [(1, 200, 200), (2, 0, 300)]]
+def test_dealing_in_order_cuts_the_stream():
+    # bins of 500: [300, 200 of the 400] and [200 of the 400, 300]
+    assert costs_dealt_in_order([300, 400, 300], 2, 500, 1.0, 0.0) == [300**2 + 200**2, 200**2 + 300**2]
+    assert costs_dealt_in_order([500, 500], 2, 500, 1.0, 2.0) == [500**2 + 1000, 500**2 + 1000]
+
+
+def test_assign_matches_a_plain_greedy_reference():
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        n_bins, capacity = int(rng.integers(1, 9)), int(rng.integers(50, 400))
+        lengths = []
+        left = n_bins * capacity
+        while left:
+            n = min(left, int(rng.integers(1, capacity + 1)))
+            lengths.append(n)
+            left -= n
+        pieces = [Piece(0, i, i, 0, n) for i, n in enumerate(lengths)]
+        bins, loads = assign(pieces, n_bins, capacity, lambda n: float(n * n))
+        # reference: the same rule written plainly (least-loaded bin with room, lowest index on ties)
+        ref_bins, ref_loads, ref_room = [[] for _ in range(n_bins)], [0.0] * n_bins, [capacity] * n_bins
+        queue = sorted(((p.length, i, p) for i, p in enumerate(pieces)), key=lambda t: (-t[0], t[1]))
+        counter = len(pieces)
+        while queue:
+            _, _, p = queue.pop(0)
+            fits = [b for b in range(n_bins) if ref_room[b] >= p.length]
+            if fits:
+                b = min(fits, key=lambda b: (ref_loads[b], b))
+            else:
+                b = max(range(n_bins), key=lambda i: (ref_room[i], -i))
+                p, tail = p.split(ref_room[b])
+                queue.append((tail.length, counter, tail))
+                counter += 1
+                queue.sort(key=lambda t: (-t[0], t[1]))
+            ref_bins[b].append(p)
+            ref_loads[b] += p.length ** 2
+            ref_room[b] -= p.length
+        assert bins == ref_bins and loads == ref_loads, trial
 
 
 def test_zero_length_records_are_skipped(dataset_dir):
