@@ -18,7 +18,7 @@ No I/O, no clocks, no randomness beyond the keyed streams: timing cannot change 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from .balance import Piece, assign, costs_dealt_in_order
 from .config import JobConfig
@@ -47,7 +47,8 @@ class StepPlan:
     # (source, position) of records whose last token is in this step: workers may evict them after it
     finished: set[tuple[int, int]] = field(default_factory=set)
 
-    def pieces(self):
+    def pieces(self) -> Iterator[tuple[int, int, Piece]]:
+        """(rank, micro_batch, piece) for every piece of the step."""
         for rank, mbs in enumerate(self.layout):
             for m, seqs in enumerate(mbs):
                 for seq in seqs:
