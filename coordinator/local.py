@@ -54,7 +54,7 @@ def _host_main(address: str, procs: int, log_level: str, log_path: str | None) -
     _logging(log_level, log_path, "worker-host")
     from worker.host import HostAgent
 
-    HostAgent(address, procs, log_level).run()
+    HostAgent(address, procs, log_level, log_path).run()
 
 
 class LocalJob:

@@ -238,9 +238,11 @@ class Worker:
         return sock
 
 
-def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO") -> None:
+def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",
+               log_path: str | None = None) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level, filename=log_path,
+                        format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     worker = Worker(coordinator, parent_pid)
     try:
         worker.run()

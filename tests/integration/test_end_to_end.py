@@ -51,6 +51,7 @@ def test_corrupt_lines_are_skipped_counted_and_logged(reference, dataset_dir):
     text = open(log).read()
     assert "web-1.jsonl:3: corrupt JSON" in text
     assert "web-1.jsonl:5: corrupt JSON" in text and "skipped so far" in text
+    assert "worker[" in text and "skipped record: " in text  # the worker's own log line, same file
 
 
 def test_worker_killed_mid_run_does_not_change_the_stream(job_path, reference, tmp_path):
