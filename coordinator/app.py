@@ -94,7 +94,6 @@ class Coordinator:
         self.lengths: list[dict[int, int]] = [{} for _ in range(n)]
         self.records: list[dict[int, int]] = [{} for _ in range(n)]  # position -> record index, while in flight
         self.skipped_positions: list[list[int]] = [[] for _ in range(n)]  # forgotten once planned past
-        self.blocked_on: tuple[int, int] | None = None  # the (source, position) planning waits for
         self.holder: list[dict[int, int]] = [{} for _ in range(n)]  # position -> worker_id
         self.prepare_next = [0] * n  # next stream position to send to a worker
         self.len_sum = [0] * n
@@ -398,16 +397,10 @@ class Coordinator:
             self._prepare_ahead()
             return
         limit = min(t.consumed for t in self.trainers.values()) + 1 + self.job.runtime.lookahead_steps
-        if self.blocked_on is not None:
-            if self._lookup(*self.blocked_on) is None:
-                self._prepare_ahead()
-                return  # planning again would fail at the same record
-            self.blocked_on = None
         while self.planner.state.next_step < limit:
             try:
                 plan = self.planner.plan_step(self._lookup)
-            except NeedLength as need:
-                self.blocked_on = (need.source, need.position)
+            except NeedLength as need:  # the planner resumes at this record when called again
                 self._ensure_prepared(need.source, need.position)
                 break
             self._dispatch(plan)

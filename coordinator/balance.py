@@ -45,7 +45,7 @@ def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) ->
     order = sorted(range(len(pieces)), key=neg_lengths.__getitem__)  # stable: ties keep index order
     if n_bins == 1 and -sum(neg_lengths) <= capacity:
         return [[pieces[i] for i in order]], [float(sum(cost(p.length) for p in pieces))]
-    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    pop, push = heapq.heappop, heapq.heappush
     bins: list[list[Piece]] = [[] for _ in range(n_bins)]
     loads = [0.0] * n_bins
     room = [capacity] * n_bins
@@ -54,11 +54,12 @@ def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) ->
     counter = len(pieces)
     while queue:
         _, _, p = pop(queue)
-        length = p.length
         b = by_load[0][1]
-        if room[b] < length:  # the least-loaded bin is too full: find the least-loaded that fits
-            fitting = [entry for entry in by_load if room[entry[1]] >= length]
-            if fitting:
+        if room[b] >= p.length:  # the common case: the least-loaded bin has room
+            pop(by_load)
+        else:
+            fitting = [entry for entry in by_load if room[entry[1]] >= p.length]
+            if fitting:  # the least-loaded bin that has room
                 b = min(fitting)[1]
             else:  # no bin has room for all of it: fill the roomiest bin with its head
                 b = max(range(n_bins), key=lambda i: (room[i], -i))
@@ -67,22 +68,13 @@ def assign(pieces: Sequence[Piece], n_bins: int, capacity: int, cost: CostFn) ->
                 p, tail = p.split(room[b])
                 push(queue, (-tail.length, counter, tail))
                 counter += 1
-                length = p.length
             by_load.remove((loads[b], b))
             heapq.heapify(by_load)
-            bins[b].append(p)
-            loads[b] += cost(length)
-            room[b] -= length
-            if room[b] > 0:
-                push(by_load, (loads[b], b))
-            continue
         bins[b].append(p)
-        loads[b] += cost(length)
-        room[b] -= length
+        loads[b] += cost(p.length)
+        room[b] -= p.length
         if room[b] > 0:
-            replace(by_load, (loads[b], b))
-        else:
-            pop(by_load)
+            push(by_load, (loads[b], b))
     return bins, loads
 
 

@@ -290,12 +290,11 @@ class _Receiver:
                         len(counts), mbs * n_mb)
             return
         refs = arrays["pieces"].tolist()
-        sequences, at = [], 0
+        sequences, at = [], 0  # micro-batch major: consecutive groups of mbs are the micro-batches
         for n in counts:
             sequences.append(refs[at: at + n])
             at += n
-        micro_batches = [sequences[m * mbs: (m + 1) * mbs] for m in range(n_mb)]
-        self.headers[step] = {"micro_batches": micro_batches, "plan": msg["plan"]}
+        self.headers[step] = {"sequences": sequences, "plan": msg["plan"]}
 
     def _on_pieces(self, frames) -> None:
         try:
@@ -333,9 +332,9 @@ class _Receiver:
         while info is not None and self.step in self.headers:
             header = self.headers[self.step]
             have = self.pieces.get(self.step, {})
-            if any((k, o, n) not in have for mb in header["micro_batches"] for seq in mb for k, o, n in seq):
+            sequences = header["sequences"]
+            if any((k, o, n) not in have for seq in sequences for k, o, n in seq):
                 return
-            sequences = [seq for mb in header["micro_batches"] for seq in mb]
             batches = assemble_step(sequences, have, info["seq_len"], info["pad_id"], info["micro_batch_size"])
             for m in range(self.micro_batch, len(batches)):
                 batch = batches[m]

@@ -28,7 +28,6 @@ MAX_LIST_LEN = 1_000_000
 MAX_STR_LEN = 1 << 20
 
 INT64_MAX = (1 << 63) - 1
-UINT64_MAX = (1 << 64) - 1
 
 Check = Callable[[Any, str], None]
 
@@ -65,14 +64,6 @@ def text(max_len: int = 4096) -> Check:
     return check
 
 
-def boolean() -> Check:
-    def check(value: Any, path: str) -> None:
-        if type(value) is not bool:
-            _fail(path, f"expected bool, got {type(value).__name__}")
-
-    return check
-
-
 def seq(item: Check, max_len: int = MAX_LIST_LEN, length: int | None = None) -> Check:
     def check(value: Any, path: str) -> None:
         if type(value) is not list:
@@ -102,13 +93,6 @@ def anything() -> Check:
 
     def check(value: Any, path: str) -> None:
         return None
-
-    return check
-
-
-def mapping(**fields: Check) -> Check:
-    def check(value: Any, path: str) -> None:
-        _check_fields(value, fields, path)
 
     return check
 
