@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +24,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from trainer_client import memory
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
@@ -32,7 +32,8 @@ from trainer_client.sockets import make_socket
 
 from .balance import imbalance
 from .config import JobConfig
-from .plan import NeedLength, Planner, StepPlan
+from .positions import NOBODY, PositionTable
+from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 
 log = logging.getLogger("msd.coordinator")
 STATUS_EVERY_S = 30.0
@@ -64,7 +65,7 @@ class TrainerInfo:
 class PrepareTask:
     task_id: int
     source: int
-    positions: list[int]
+    positions: np.ndarray
     worker_id: int
 
 
@@ -77,7 +78,7 @@ class Delivery:
     step: int
     items: np.ndarray  # [rank, micro_batch, doc_key, offset, length] rows, as sent
     positions: np.ndarray  # [source, stream position] of each item's record
-    release: list[tuple[int, int]]  # (source, position) of prepared copies used up by it
+    release: np.ndarray  # [source, position] of prepared copies used up by it
 
 
 class Coordinator:
@@ -91,11 +92,7 @@ class Coordinator:
         self.trainers: dict[int, TrainerInfo] = {}
         self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
         n = len(job.sources)
-        self.lengths: list[dict[int, int]] = [{} for _ in range(n)]
-        self.records: list[dict[int, int]] = [{} for _ in range(n)]  # position -> record index, while in flight
-        self.skipped_positions: list[list[int]] = [[] for _ in range(n)]  # forgotten once planned past
-        self.holder: list[dict[int, int]] = [{} for _ in range(n)]  # position -> worker_id
-        self.prepare_next = [0] * n  # next stream position to send to a worker
+        self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
         self.len_sum = [0] * n
         self.len_count = [0] * n
         self.skipped = [0] * n
@@ -109,11 +106,14 @@ class Coordinator:
         self.sock: zmq.asyncio.Socket | None = None
         self.stopped = asyncio.Event()
         self.failed = False
+        self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
+        self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.address: str | None = None
 
     # ------------------------------------------------------------------ sockets and loops
 
     async def run(self, ready: asyncio.Future | None = None) -> None:
+        memory.keep_freed_memory()
         ctx = zmq.asyncio.Context()
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
         try:
@@ -287,6 +287,8 @@ class Coordinator:
         }
         self._send(identity, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
                                     heartbeat_s=self.heartbeat_s))
+        if self.end is not None:
+            self._send(identity, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
 
     def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: list[int]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
@@ -304,21 +306,20 @@ class Coordinator:
             self.skipped[s] += 1
             log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
                         self.skipped[s])
-        for pos, length in zip(task.positions, lengths):
-            known = self.lengths[s].get(pos)
-            if known is not None and known != length:
-                log.error("source %s position %d: length %d differs from earlier %d (non-deterministic "
-                          "transform?)", self.job.sources[s].name, pos, length, known)
-            self.lengths[s][pos] = length
-            if length > 0:
-                self.holder[s][pos] = worker.worker_id
-            else:
-                self.skipped_positions[s].append(pos)
-            if known is None:
-                self.len_sum[s] += length
-                self.len_count[s] += 1
-            self.reprepare.discard((s, pos))
-        self._reissue_orphans()
+        lengths = np.asarray(lengths, dtype=np.int64)
+        before = self.tables[s].set_prepared(task.positions, lengths, worker.worker_id)
+        for pos, was, now in zip(task.positions[(before >= 0) & (before != lengths)].tolist(),
+                                 before[(before >= 0) & (before != lengths)].tolist(),
+                                 lengths[(before >= 0) & (before != lengths)].tolist()):
+            log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
+                      self.job.sources[s].name, pos, now, was)
+        new = before < 0
+        self.len_sum[s] += int(lengths[new].sum())
+        self.len_count[s] += int(new.sum())
+        if self.reprepare:
+            self.reprepare.difference_update((s, p) for p in task.positions.tolist())
+        if self.orphans:
+            self._reissue_orphans()
 
     def _on_delivered(self, worker: WorkerInfo, delivery_id: int) -> None:
         d = self.deliveries.pop(delivery_id, None)
@@ -327,10 +328,8 @@ class Coordinator:
             log.debug("ack of unknown delivery %d", delivery_id)
             return
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
-        for s, pos in d.release:
-            self.holder[s].pop(pos, None)
-            self.lengths[s].pop(pos, None)
-            self.records[s].pop(pos, None)
+        for s in np.unique(d.release[:, 0]).tolist():
+            self.tables[s].release(d.release[d.release[:, 0] == s, 1])
 
     def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
@@ -360,23 +359,21 @@ class Coordinator:
         for tid in sorted(worker.tasks):
             task = self.tasks.pop(tid)
             self._issue_prepare(task.source, task.positions)
-        lost = defaultdict(list)
-        for s, holders in enumerate(self.holder):
-            for pos in [p for p, w in holders.items() if w == pid]:
-                del holders[pos]
-                lost[s].append(pos)
-                self.reprepare.add((s, pos))
+        lost = {s: t.held_by(pid) for s, t in enumerate(self.tables)}
+        for s, positions in lost.items():
+            self.reprepare.update((s, p) for p in positions.tolist())
         for did in sorted(worker.deliveries):
             self.orphans.append(self.deliveries.pop(did))
         for s, positions in lost.items():
-            self._issue_prepare(s, sorted(positions))
+            if len(positions):
+                self._issue_prepare(s, positions)
 
     def _reissue_orphans(self) -> None:
         """Send deliveries of dead workers again, once every record they read has a live holder.
         Trainer clients drop pieces they already have, so a repeated piece is harmless."""
         waiting = []
         for d in self.orphans:
-            needed = {tuple(pos) for pos in d.positions.tolist()} | set(d.release)
+            needed = {tuple(pos) for pos in d.positions.tolist()} | {tuple(pos) for pos in d.release.tolist()}
             if needed & self.reprepare:
                 waiting.append(d)
             else:
@@ -397,27 +394,52 @@ class Coordinator:
             self._prepare_ahead()
             return
         limit = min(t.consumed for t in self.trainers.values()) + 1 + self.job.runtime.lookahead_steps
-        while self.planner.state.next_step < limit:
+        while self.end is None and self.planner.state.next_step < limit:
+            if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:
+                break  # the length the last attempt stopped at is still not in: planning would stop there again
+            self.waiting = None
             try:
-                plan = self.planner.plan_step(self._lookup)
-            except NeedLength as need:  # the planner resumes at this record when called again
+                plan = self.planner.plan_step(self)
+            except NeedLength as need:  # nothing changed: plan again once the length is in
+                self.waiting = (need.source, need.position)
                 self._ensure_prepared(need.source, need.position)
                 break
+            except SourceExhausted as e:
+                log.warning("%s: the stream ends before step %d", e, e.step)
+                self.end = (e.step, str(e))
+                for t in self.trainers.values():
+                    self._send(t.identity, P.make(P.END_OF_STREAM, step=e.step, reason=str(e)))
+                break
+            finally:
+                for event in self.planner.events:
+                    log.warning("%s", event)
+                self.planner.events.clear()
             self._dispatch(plan)
-            self._forget_skipped()
+            if plan.step % 32 == 0:
+                self._forget_old()
         self._prepare_ahead()
 
-    def _forget_skipped(self) -> None:
-        for s, positions in enumerate(self.skipped_positions):
-            cursor = self.planner.state.cursors[s]
-            for pos in [p for p in positions if p < cursor]:
-                self.lengths[s].pop(pos, None)
-                self.records[s].pop(pos, None)
-            self.skipped_positions[s] = [p for p in positions if p >= cursor]
+    def _forget_old(self) -> None:
+        """Drop position-table entries nothing can refer to any more: below the planner's cursor
+        (and the document it carries), every unacknowledged delivery and every prepare in flight."""
+        floor = list(self.planner.state.cursors)
+        for s, carry in enumerate(self.planner.state.carry):
+            if carry is not None:
+                floor[s] = min(floor[s], carry[0])
+        for d in [*self.deliveries.values(), *self.orphans]:
+            for rows in (d.positions, d.release):
+                for s in np.unique(rows[:, 0]).tolist():
+                    floor[s] = min(floor[s], int(rows[rows[:, 0] == s, 1].min()))
+        for t in self.tasks.values():
+            if len(t.positions):
+                floor[t.source] = min(floor[t.source], int(t.positions.min()))
+        for s, table in enumerate(self.tables):
+            table.forget_before(floor[s])
 
-    def _lookup(self, source: int, position: int) -> tuple[int, int] | None:
-        length = self.lengths[source].get(position)
-        return None if length is None else (self.records[source][position], length)
+    def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(records, lengths) of stream positions [start, start+count): what the planner may use
+        (plan.Known). Length -1: not prepared yet."""
+        return self.tables[source].window(start, count)
 
     def _dispatch(self, plan: StepPlan) -> None:
         plan_summary = {
@@ -430,34 +452,38 @@ class Coordinator:
         if plan.step % 100 == 0:
             log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
                      plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
-        tables = []  # per rank: [rank, micro_batch, doc_key, offset, length] of every piece, packing order
-        positions = []  # per rank: [source, stream position] of the same pieces
-        for rank, micro_batches in enumerate(plan.layout):
-            seqs = [seq for mb in micro_batches for seq in mb]
-            counts = np.array([len(seq) for seq in seqs], dtype="<u4")
-            flat = np.array([p for seq in seqs for p in seq], dtype=np.int64).reshape(-1, 5)  # Piece fields
-            keys = (flat[:, 0].astype(np.uint64) << np.uint64(48)) | flat[:, 2].astype(np.uint64)
-            pieces = np.column_stack([keys, flat[:, 3], flat[:, 4]]).astype("<u8")
-            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, plan=plan_summary)
-            self._send(self.trainers[rank].identity, header, pieces, counts)
-            per_mb = counts.reshape(len(micro_batches), -1).sum(axis=1).astype(np.int64)
-            micro_batch_of = np.repeat(np.arange(len(micro_batches), dtype=np.uint64), per_mb)
-            tables.append(np.column_stack([np.full(len(keys), rank, np.uint64), micro_batch_of, pieces]))
-            positions.append(flat[:, :2])
-        self._send_deliveries(plan.step, np.concatenate(tables), np.concatenate(positions), sorted(plan.finished))
+        t = plan.pieces
+        keys = (t[:, SOURCE].astype(np.uint64) << np.uint64(48)) | t[:, RECORD].astype(np.uint64)
+        refs = np.column_stack([keys, t[:, OFFSET].astype(np.uint64), t[:, LENGTH].astype(np.uint64)])
+        bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1))
+        for rank in range(self.job.dp):
+            lo, hi = bounds[rank], bounds[rank + 1]
+            counts = np.bincount(plan.row[lo:hi], minlength=plan.rows_per_rank).astype("<u4")
+            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=plan_summary)
+            self._send(self.trainers[rank].identity, header, np.ascontiguousarray(refs[lo:hi], dtype="<u8"), counts)
+        items = np.column_stack([plan.rank.astype(np.uint64), plan.micro_batch.astype(np.uint64), refs])
+        self._send_deliveries(plan.step, items, t[:, [SOURCE, POSITION]], plan.finished)
 
-    def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray,
-                         release: list[tuple[int, int]]) -> None:
+    def _holders(self, positions: np.ndarray) -> np.ndarray:
+        """The worker holding each [source, position] row's prepared copy."""
+        owners = np.empty(len(positions), dtype=np.int64)
+        for s in np.unique(positions[:, 0]).tolist():
+            mask = positions[:, 0] == s
+            owners[mask] = self.tables[s].holders(positions[mask, 1])
+        if (owners == NOBODY).any():
+            missing = positions[owners == NOBODY][0].tolist()
+            raise RuntimeError(f"no worker holds source {missing[0]} position {missing[1]}")
+        return owners
+
+    def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray, release: np.ndarray) -> None:
         """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly.
-        items: [rank, micro_batch, doc_key, offset, length] rows; positions: [source, position] rows."""
-        holder = self.holder
-        owners = np.array([holder[s][pos] for s, pos in positions.tolist()], dtype=np.int64)
-        release_by_worker: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for s, pos in release:
-            release_by_worker[holder[s][pos]].append((s, pos))
-        for wid in sorted(set(owners.tolist()) | release_by_worker.keys()):
+        items: [rank, micro_batch, doc_key, offset, length] rows; positions and release: [source,
+        position] rows (of each item's record; of prepared copies used up after this step)."""
+        owners, release_owners = self._holders(positions), self._holders(release)
+        for wid in np.union1d(owners, release_owners).tolist():
             mask = owners == wid
-            mine, mine_pos, rel = items[mask], positions[mask], release_by_worker.get(wid, [])
+            mine, mine_pos = items[mask], positions[mask]
+            rel = release[release_owners == wid]
             did = self._next_delivery_id
             self._next_delivery_id += 1
             self.deliveries[did] = Delivery(did, wid, step, mine, mine_pos, rel)
@@ -465,18 +491,23 @@ class Coordinator:
             ranks = np.unique(mine[:, 0]).tolist()
             header = P.make(P.DELIVER, delivery_id=did, step=step,
                             addresses=[[r, self.trainers[r].address] for r in ranks if r in self.trainers])
-            release_keys = np.array([(s << 48) | self.records[s][pos] for s, pos in rel], dtype="<u8")
+            release_keys = np.empty(len(rel), dtype="<u8")
+            for s in np.unique(rel[:, 0]).tolist():
+                mask = rel[:, 0] == s
+                release_keys[mask] = (np.uint64(s) << np.uint64(48)) | self.tables[s].records(rel[mask, 1]).astype(
+                    np.uint64)
             self._send(self.workers[wid].identity, header, np.ascontiguousarray(mine, dtype="<u8"), release_keys)
 
     # ------------------------------------------------------------------ prepare-ahead
 
     def _window(self, s: int) -> int:
         """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
-        w = self.planner.weights[s]
+        step = self.planner.state.next_step
+        w = max(self.planner.weights_at(step)[s], self.planner.weights_at(step + self.job.runtime.lookahead_steps)[s])
         if w <= 0:
             return 0
         mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else self.job.batch.seq_len / 4
-        per_step = w * self.job.step_tokens / max(mean_len, 1.0)
+        per_step = w * self.job.step_tokens_at(step) / max(mean_len, 1.0)
         return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self.job.runtime.prepare_batch
 
     def _prepare_ahead(self) -> None:
@@ -485,22 +516,24 @@ class Coordinator:
         batch = self.job.runtime.prepare_batch
         for s in range(len(self.job.sources)):
             cursor = self.planner.state.cursors[s]
-            while self.prepare_next[s] - cursor < self._window(s):
-                self._prepare_next_batch(s, batch)
+            while self.tables[s].end - cursor < self._window(s) and self._left(s):
+                self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
         batch = self.job.runtime.prepare_batch
-        while self.prepare_next[s] <= position and self.workers:
-            self._prepare_next_batch(s, batch)
+        while self.tables[s].end <= position and self.workers and self._left(s):
+            self._prepare_next_batch(s, min(batch, self._left(s)))
+
+    def _left(self, s: int) -> int:
+        """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
+        limit = self.planner.limit[s]
+        return 1 << 62 if limit is None else max(0, limit - self.tables[s].end)
 
     def _prepare_next_batch(self, s: int, batch: int) -> None:
-        start = self.prepare_next[s]
-        records = self.planner.streams[s].records_at(start, batch)
-        self.records[s].update(zip(range(start, start + batch), records))
-        self.prepare_next[s] = start + batch
-        self._issue_prepare(s, list(range(start, start + batch)))
+        records = self.planner.streams[s].records_array(self.tables[s].end, batch)
+        self._issue_prepare(s, self.tables[s].issue(records))
 
-    def _issue_prepare(self, s: int, positions: list[int], avoid: int | None = None) -> None:
+    def _issue_prepare(self, s: int, positions: np.ndarray, avoid: int | None = None) -> None:
         candidates = [w for w in self.workers.values() if w.worker_id != avoid] or list(self.workers.values())
         if not candidates:
             # No live worker: remember the work; it is re-issued when a worker registers.
@@ -514,7 +547,7 @@ class Coordinator:
         self._next_task_id += 1
         self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id)
         worker.tasks.add(tid)
-        records = np.array([self.records[s][p] for p in positions], dtype="<u8")
+        records = self.tables[s].records(positions).astype("<u8")
         self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s), records)
 
     def status(self) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import yaml
 
 from trainer_client.errors import MsdError
 
+from .balance import METHODS
+
 FORMATS = ("jsonl", "megatron")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
@@ -40,6 +42,9 @@ class SourceConfig:
     text_key: str = "text"
     tokenizer: str = "byte"  # "byte" or an absolute path to a HF tokenizer.json
     eod_id: int | None = None
+    long_docs: str = "split"  # documents longer than seq_len: "split" into pieces, or "truncate"
+    epochs: int | None = None  # passes over the source; None: repeat forever (new order each epoch)
+    on_exhausted: str = "renormalize"  # when a finite source runs out: "renormalize" or "stop"
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,16 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One curriculum stage: it covers steps [previous stage's until_step, until_step)."""
+
+    weights: tuple[float, ...]  # per source index, normalised to sum 1
+    until_step: int | None = None  # None: the last stage, open-ended
+    ramp_steps: int = 0  # weights move linearly from the previous stage's over this many steps
+    seq_len: int | None = None  # None: batch.seq_len
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     lookahead_steps: int = 4  # steps planned ahead of the slowest rank's consumed step
     heartbeat_s: float = 1.0
@@ -72,10 +87,44 @@ class JobConfig:
     sources: tuple[SourceConfig, ...]
     batch: BatchConfig
     dp: int
-    weights: dict[str, float]  # normalised to sum 1
+    stages: tuple[Stage, ...]
     cost: CostConfig
+    balance_method: str = "greedy"
+    token_slack: float = 0.0  # a rank may hold up to (1 + slack) x its token capacity
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     path: str = "<job>"
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The first stage's weights by source name (the whole mixture of a single-stage job)."""
+        return {s.name: self.stages[0].weights[s.index] for s in self.sources}
+
+    def stage_at(self, step: int) -> tuple[int, Stage]:
+        """(index, stage) of the stage that plans `step`."""
+        for i, stage in enumerate(self.stages):
+            if stage.until_step is None or step < stage.until_step:
+                return i, stage
+        return len(self.stages) - 1, self.stages[-1]
+
+    def weights_at(self, step: int) -> list[float]:
+        """Source weights for `step`, with the linear ramp from the previous stage applied."""
+        i, stage = self.stage_at(step)
+        if i == 0 or stage.ramp_steps == 0:
+            return list(stage.weights)
+        start = self.stages[i - 1].until_step
+        f = min(1.0, (step - start + 1) / stage.ramp_steps)
+        prev = self.stages[i - 1].weights
+        return [(1 - f) * a + f * b for a, b in zip(prev, stage.weights)]
+
+    def seq_len_at(self, step: int) -> int:
+        return self.stage_at(step)[1].seq_len or self.batch.seq_len
+
+    def step_tokens_at(self, step: int) -> int:
+        return self.batch.global_batch_size * self.seq_len_at(step)
+
+    def row_capacity_at(self, step: int) -> int:
+        """Tokens per packed sequence at `step`, padding included (seq_len, plus the token slack)."""
+        return int(self.seq_len_at(step) * (1.0 + self.token_slack))
 
     @property
     def micro_batches_per_rank(self) -> int:
@@ -106,8 +155,9 @@ class JobConfig:
             "sources": [asdict(s) for s in self.sources],
             "batch": asdict(self.batch),
             "dp": self.dp,
-            "weights": self.weights,
+            "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
+            "balance": [self.balance_method, self.token_slack],
         }
         return hashlib.sha256(orjson.dumps(order_defining, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
@@ -159,12 +209,24 @@ def _expand(pattern: str, base: str, fmt: str) -> list[str]:
     return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
 
 
-def _source(c: _Checker, name: Any, raw: Any, index: int, base: str) -> SourceConfig | None:
+LONG_DOCS = ("split", "truncate")
+ON_EXHAUSTED = ("renormalize", "stop")
+
+
+def _choice(c: _Checker, value: Any, key: str, allowed: tuple[str, ...]) -> bool:
+    if value not in allowed:
+        c.bad(key, f"expected one of {', '.join(allowed)}, got {value!r}")
+        return False
+    return True
+
+
+def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: dict[str, Any]) -> SourceConfig | None:
     key = f"sources.{name}"
     if not isinstance(name, str) or not name:
         c.bad(key, "source names must be non-empty strings")
         return None
-    raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id"}, {"format", "paths"})
+    raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
+                               "on_exhausted"}, {"format", "paths"})
     fmt = raw.get("format")
     ok = True
     if "format" in raw and fmt not in FORMATS:
@@ -212,9 +274,16 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str) -> SourceCo
     eod_id = raw.get("eod_id")
     if eod_id is not None and c.integer(eod_id, f"{key}.eod_id", 0) is None:
         ok = False
+    long_docs = raw.get("long_docs", defaults.get("long_docs", "split"))
+    ok = _choice(c, long_docs, f"{key}.long_docs", LONG_DOCS) and ok
+    on_exhausted = raw.get("on_exhausted", defaults.get("on_exhausted", "renormalize"))
+    ok = _choice(c, on_exhausted, f"{key}.on_exhausted", ON_EXHAUSTED) and ok
+    epochs = raw.get("epochs")
+    if epochs is not None and c.integer(epochs, f"{key}.epochs") is None:
+        ok = False
     if not ok:
         return None
-    return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id)
+    return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted)
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:
@@ -240,8 +309,14 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     """Validate a decoded job file; raise ConfigError listing every problem."""
     c = _Checker()
     base = base_dir if base_dir is not None else os.path.dirname(os.path.abspath(path))
-    top = c.mapping(raw, "", {"seed", "sources", "batch", "topology", "mixture", "balance", "runtime"},
+    top = c.mapping(raw, "", {"seed", "sources", "batch", "topology", "mixture", "balance", "runtime",
+                              "long_docs", "on_exhausted"},
                     {"seed", "sources", "batch", "topology", "mixture"})
+    defaults = {}  # job-wide defaults a source may override
+    if "long_docs" in top and _choice(c, top["long_docs"], "long_docs", LONG_DOCS):
+        defaults["long_docs"] = top["long_docs"]
+    if "on_exhausted" in top and _choice(c, top["on_exhausted"], "on_exhausted", ON_EXHAUSTED):
+        defaults["on_exhausted"] = top["on_exhausted"]
     seed = top.get("seed")
     if "seed" in top and (type(seed) is not int or not 0 <= seed < 2**63):
         c.bad("seed", f"expected a non-negative integer, got {seed!r}")
@@ -257,7 +332,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
             c.bad("sources", "at most 65535 sources")
         for i, (name, spec) in enumerate(raw_sources.items()):
             names.append(str(name))
-            s = _source(c, name, spec, i, base)
+            s = _source(c, name, spec, i, base, defaults)
             if s:
                 sources.append(s)
 
@@ -273,9 +348,12 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     if mbs and gbs and dp and gbs % (dp * mbs):
         c.bad("batch.global_batch_size", f"{gbs} is not a multiple of topology.dp x micro_batch_size = {dp * mbs}")
 
-    weights = _weights(c, top.get("mixture", {}), names)
+    stages = _stages(c, top.get("mixture", {}), names)
 
-    bal = c.mapping(top.get("balance", {}), "balance", {"cost"})
+    bal = c.mapping(top.get("balance", {}), "balance", {"cost", "method", "token_slack"})
+    method = bal.get("method", "greedy")
+    _choice(c, method, "balance.method", METHODS)
+    slack = c.number(bal.get("token_slack", 0.0), "balance.token_slack")
     cost_raw = c.mapping(bal.get("cost", {}), "balance.cost", {"quadratic", "linear"})
     quadratic = c.number(cost_raw.get("quadratic", 1.0), "balance.cost.quadratic")
     linear = c.number(cost_raw.get("linear", 0.0), "balance.cost.linear")
@@ -294,19 +372,61 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         sources=tuple(sources),
         batch=BatchConfig(seq_len, mbs, gbs, pad_id),
         dp=dp,
-        weights=weights,
+        stages=stages,
         cost=CostConfig(quadratic, linear),
+        balance_method=method,
+        token_slack=slack,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch),
         path=path,
     )
 
 
-def _weights(c: _Checker, mixture: Any, names: list[str]) -> dict[str, float]:
-    m = c.mapping(mixture, "mixture", {"weights"}, {"weights"})
-    raw = c.mapping(m.get("weights", {}), "mixture.weights", set(names) | set(m.get("weights", {}) or {}))
+def _stages(c: _Checker, mixture: Any, names: list[str]) -> tuple[Stage, ...]:
+    """`mixture: {weights: ...}` (one stage), or a list of stages: every stage but the last ends
+    at its `until_step`; a stage may ramp from the previous weights and change seq_len."""
+    if not isinstance(mixture, list):
+        weights = _weights(c, mixture, names, "mixture", {"weights"})
+        return (Stage(tuple(weights.get(n, 0.0) for n in names)),)
+    if not mixture:
+        c.bad("mixture", "expected at least one stage")
+        return ()
+    stages, start = [], 0
+    for i, raw in enumerate(mixture):
+        key = f"mixture[{i}]"
+        last = i == len(mixture) - 1
+        weights = _weights(c, raw, names, key, {"weights", "until_step", "ramp_steps", "seq_len"})
+        if not isinstance(raw, dict):
+            continue
+        until = raw.get("until_step")
+        if until is None and not last:
+            c.bad(f"{key}.until_step", "required on every stage but the last")
+        elif until is not None:
+            if last:
+                c.bad(f"{key}.until_step", "the last stage runs to the end of the job: leave until_step out")
+            elif c.integer(until, f"{key}.until_step", start + 1) is None:
+                until = None
+        ramp = raw.get("ramp_steps", 0)
+        if c.integer(ramp, f"{key}.ramp_steps", 0) is None:
+            ramp = 0
+        elif ramp and i == 0:
+            c.bad(f"{key}.ramp_steps", "the first stage has no previous weights to ramp from")
+        elif ramp and isinstance(until, int) and ramp > until - start:
+            c.bad(f"{key}.ramp_steps", f"{ramp} is longer than the stage ({until - start} steps)")
+        seq_len = raw.get("seq_len")
+        if seq_len is not None and c.integer(seq_len, f"{key}.seq_len", 2) is None:
+            seq_len = None
+        stages.append(Stage(tuple(weights.get(n, 0.0) for n in names), until, ramp, seq_len))
+        if isinstance(until, int):
+            start = until
+    return tuple(stages)
+
+
+def _weights(c: _Checker, mixture: Any, names: list[str], where: str, allowed: set[str]) -> dict[str, float]:
+    m = c.mapping(mixture, where, allowed, {"weights"})
+    raw = c.mapping(m.get("weights", {}), f"{where}.weights", set(names) | set(m.get("weights", {}) or {}))
     weights: dict[str, float] = {}
     for name, w in raw.items():
-        key = f"mixture.weights.{name}"
+        key = f"{where}.weights.{name}"
         if name not in names:
             c.bad(key, f"weight for unknown source (sources: {', '.join(names)})")
             continue
@@ -314,9 +434,9 @@ def _weights(c: _Checker, mixture: Any, names: list[str]) -> dict[str, float]:
         if v is not None:
             weights[name] = v
     if raw and weights and sum(weights.values()) <= 0:
-        c.bad("mixture.weights", "all weights are zero")
+        c.bad(f"{where}.weights", "all weights are zero")
     if "weights" in m and not raw:
-        c.bad("mixture.weights", "expected at least one source weight")
+        c.bad(f"{where}.weights", "expected at least one source weight")
     total = sum(weights.values())
     return {n: weights.get(n, 0.0) / total for n in names} if total > 0 else {}
 

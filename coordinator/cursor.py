@@ -90,7 +90,7 @@ class SourceStream:
         self._perm: Permutation | None = None
         self._perm_epoch = -1
         self._chunk_start = -1  # positions [start, start + len(chunk)) computed in one bulk call
-        self._chunk: list[int] = []
+        self._chunk = np.zeros(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> Permutation:
         if epoch != self._perm_epoch:
@@ -102,22 +102,20 @@ class SourceStream:
         epoch, i = divmod(position, self.num_records)
         return self._permutation(epoch)(i)
 
-    def records_at(self, start: int, count: int) -> list[int]:
-        """Records at positions [start, start+count). Computed in bulk, CHUNK positions at a time
-        (numpy's per-call overhead dominates small calls), with one chunk kept: memory stays O(1)."""
-        out: list[int] = []
+    def records_array(self, start: int, count: int) -> np.ndarray:
+        """Records at positions [start, start+count) as an int64 array. Computed in bulk, CHUNK
+        positions at a time (numpy's per-call overhead dominates small calls; callers ask for a
+        few dozen positions at a time), with one chunk kept: memory stays O(1)."""
+        out = np.empty(count, dtype=np.int64)
         pos, end = start, start + count
         while pos < end:
             if not self._chunk_start <= pos < self._chunk_start + len(self._chunk):
-                self._load_chunk(pos)
+                epoch, i = divmod(pos, self.num_records)
+                n = min(CHUNK, self.num_records - i)  # a chunk never crosses an epoch boundary
+                self._chunk = self._permutation(epoch).many(np.arange(i, i + n, dtype=np.uint64))
+                self._chunk_start = pos
             i = pos - self._chunk_start
             n = min(end - pos, len(self._chunk) - i)
-            out.extend(self._chunk[i: i + n])
+            out[pos - start: pos - start + n] = self._chunk[i: i + n]
             pos += n
         return out
-
-    def _load_chunk(self, pos: int) -> None:
-        epoch, i = divmod(pos, self.num_records)
-        n = min(CHUNK, self.num_records - i)  # a chunk never crosses an epoch boundary
-        self._chunk = self._permutation(epoch).many(np.arange(i, i + n, dtype=np.uint64)).tolist()
-        self._chunk_start = pos

@@ -7,26 +7,41 @@ Planning step k (DESIGN.md section 4):
 2. Draw: units come from the source's keyed-permutation stream; a document longer than seq_len
    is cut into pieces of at most seq_len; a document cut by the end of a step continues at the
    start of that source's next draw. A step holds exactly global_batch_size x seq_len tokens.
-3. Balance: pieces go to DP ranks, then to each rank's micro-batches, then to sequences
-   (coordinator.balance), by the cost model a*len^2 + b*len.
+3. Balance: pieces are laid out on ranks x micro-batches x sequences by the cost model
+   a*len^2 + b*len (coordinator.balance).
 
-The planner never waits: if a length it needs is not known yet, `plan_step` raises NeedLength,
-the caller asks workers to prepare more records, and the next call resumes the same step.
-No I/O, no clocks, no randomness beyond the keyed streams: timing cannot change the result.
+The draw is computed for a whole step at once. Each source's deficit (target minus delivered)
+only decreases as it is drawn from, so "always the source furthest behind" is a k-way merge of
+per-source sequences: candidate pieces of every source, each keyed by its source's deficit just
+before it, sorted by key (ties: lowest source), cut where the step is full. This equals drawing
+one piece at a time, which the tests check against a plain sequential reference.
+
+The planner never waits: if a length it needs is not known yet, `plan_step` raises NeedLength
+and changes nothing; the caller asks workers to prepare more records and calls again. No I/O, no
+clocks, no randomness beyond the keyed streams: timing cannot change the result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+import math
+from dataclasses import dataclass
+from typing import Protocol
 
-from .balance import Piece, assign, costs_dealt_in_order
+import numpy as np
+
+from . import balance
+from .balance import Cost, Grid
 from .config import JobConfig
 from .cursor import SourceStream
 
-# (source, stream position) -> (record_index, tokens) once a worker has prepared it, else None.
-# The caller computes record indices in bulk when it asks workers to prepare (SourceStream.records_at).
-Lookup = Callable[[int, int], "tuple[int, int] | None"]
+# columns of a pieces table
+SOURCE, POSITION, RECORD, OFFSET, LENGTH = range(5)
+
+
+class Known(Protocol):
+    def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(record index, token length) of stream positions [start, start+count) of a source;
+        length -1 where it is not known yet, 0 for a record that was skipped (corrupt)."""
 
 
 class NeedLength(Exception):
@@ -39,29 +54,24 @@ class NeedLength(Exception):
 @dataclass
 class StepPlan:
     step: int
-    # layout[rank][micro_batch][sequence] -> pieces in packing order
-    layout: list[list[list[list[Piece]]]]
+    # One row per fragment, in delivery order (rank, micro-batch, sequence, packing order):
+    # columns SOURCE, POSITION, RECORD, OFFSET (within the document), LENGTH.
+    pieces: np.ndarray
+    rank: np.ndarray
+    micro_batch: np.ndarray
+    row: np.ndarray  # sequence index within the rank: micro_batch * micro_batch_size + sequence
+    rows_per_rank: int
+    row_capacity: int  # tokens per packed sequence, padding included
     rank_costs: list[float]
     naive_rank_costs: list[float]  # the same pieces dealt to ranks in arrival order
     source_tokens: list[int]
-    # (source, position) of records whose last token is in this step: workers may evict them after it
-    finished: set[tuple[int, int]] = field(default_factory=set)
+    finished: np.ndarray  # [source, position] of records whose last token is in this step
 
-    def pieces(self) -> Iterator[tuple[int, int, Piece]]:
-        """(rank, micro_batch, piece) for every piece of the step."""
-        for rank, mbs in enumerate(self.layout):
-            for m, seqs in enumerate(mbs):
-                for seq in seqs:
-                    for p in seq:
-                        yield rank, m, p
-
-
-@dataclass
-class _Carry:
-    position: int
-    record: int
-    offset: int
-    length: int
+    def rows_of_rank(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(pieces table, pieces per sequence) of one rank."""
+        lo, hi = np.searchsorted(self.rank, [rank, rank + 1])
+        counts = np.bincount(self.row[lo:hi], minlength=self.rows_per_rank)
+        return self.pieces[lo:hi], counts
 
 
 @dataclass
@@ -70,101 +80,279 @@ class PlannerState:
 
     next_step: int
     cursors: list[int]  # next stream position per source
-    carry: list[_Carry | None]  # a document cut by a step boundary, per source
+    carry: list[tuple[int, int, int, int] | None]  # (position, record, offset, end) of a cut document
     target: list[float]  # cumulative token target per source
     delivered: list[int]  # cumulative tokens per source
+    exhausted: list[bool]  # sources whose finite epochs are used up
 
 
-@dataclass
-class _Draw:
-    """The draw of the step being planned, kept across NeedLength so that planning resumes where
-    it stopped: the draw is sequential and deterministic, so resuming equals planning in one go."""
+class SourceExhausted(Exception):
+    """A source with `on_exhausted: stop` has no records left: the job's stream ends before this step."""
 
-    drawn: list[Piece] = field(default_factory=list)
-    finished: set[tuple[int, int]] = field(default_factory=set)
-    source_tokens: list[int] = field(default_factory=list)
-    filled: int = 0
+    def __init__(self, source: str, step: int) -> None:
+        super().__init__(f"source {source!r} is exhausted at step {step} (on_exhausted: stop)")
+        self.source = source
+        self.step = step
 
 
 class Planner:
     def __init__(self, job: JobConfig, num_records: list[int]) -> None:
         self.job = job
-        self.weights = [job.weights.get(s.name, 0.0) for s in job.sources]
+        self.num_records = list(num_records)
         self.streams = [SourceStream(job.seed, i, n) if n else None for i, n in enumerate(num_records)]
-        for i, n in enumerate(num_records):
-            if n == 0 and self.weights[i] > 0:
-                raise ValueError(f"source {job.sources[i].name!r} has no records but weight {self.weights[i]}")
+        for src, n in zip(job.sources, num_records):
+            if n == 0 and any(stage.weights[src.index] > 0 for stage in job.stages):
+                raise ValueError(f"source {src.name!r} has no records but a weight in the mixture")
+        # stream positions a source may use: epochs x records, or unbounded
+        self.limit = [n * src.epochs if src.epochs else None for src, n in zip(job.sources, num_records)]
+        self.truncate = [src.long_docs == "truncate" for src in job.sources]
         s = len(num_records)
-        self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s)
-        self._draw: _Draw | None = None  # a step whose draw waits for a length
+        self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s, [False] * s)
+        self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time
+        self.mean_length = [max(1.0, job.batch.seq_len / 4)] * s  # a guess, refined from what is drawn
+        self.events: list[str] = []  # things worth logging (exhausted sources), drained by the caller
 
     def record_at(self, source: int, position: int) -> int:
         return self.streams[source].record_at(position)
 
-    def plan_step(self, lookup: Lookup) -> StepPlan:
-        """Plan the next step. Raises NeedLength if a length is still unknown; the next call
-        continues the same step from where this one stopped."""
-        st, job = self.state, self.job
-        seq_len, capacity = job.batch.seq_len, job.step_tokens
-        d = self._draw
-        if d is None:
-            for i, w in enumerate(self.weights):
-                st.target[i] += w * capacity
-            d = self._draw = _Draw(source_tokens=[0] * len(self.weights))
-        while d.filled < capacity:
-            s = self._most_behind()
-            unit = st.carry[s] or self._next_record(s, lookup)
-            take = min(unit.length - unit.offset, seq_len, capacity - d.filled)
-            d.drawn.append(Piece(s, unit.position, unit.record, unit.offset, take))
-            d.filled += take
-            st.delivered[s] += take
-            d.source_tokens[s] += take
-            if unit.offset + take < unit.length:
-                st.carry[s] = _Carry(unit.position, unit.record, unit.offset + take, unit.length)
-            else:
-                st.carry[s] = None
-                d.finished.add((s, unit.position))
-        self._draw = None
-        step = st.next_step
-        st.next_step += 1
-        return self._layout(step, d.drawn, d.source_tokens, d.finished)
-
-    def _most_behind(self) -> int:
-        st = self.state
-        best, best_deficit = -1, 0.0
-        for i, w in enumerate(self.weights):
-            if w <= 0:
-                continue
-            deficit = st.target[i] - st.delivered[i]
-            if best < 0 or deficit > best_deficit:
-                best, best_deficit = i, deficit
-        return best
-
-    def _next_record(self, s: int, lookup: Lookup) -> _Carry:
-        st = self.state
-        while True:
-            pos = st.cursors[s]
-            found = lookup(s, pos)
-            if found is None:
-                raise NeedLength(s, pos)
-            st.cursors[s] = pos + 1
-            record, length = found
-            if length > 0:  # length 0: a record the worker skipped as corrupt
-                return _Carry(pos, record, 0, length)
-
-    def _layout(self, step: int, drawn: list[Piece], source_tokens: list[int], finished) -> StepPlan:
+    def grid_at(self, step: int) -> Grid:
         job = self.job
-        cost = job.cost.of
-        seq_len, mbs = job.batch.seq_len, job.batch.micro_batch_size
-        n_mb = job.micro_batches_per_rank
-        rank_capacity = n_mb * mbs * seq_len
-        layout = []
-        by_rank, rank_costs = assign(drawn, job.dp, rank_capacity, cost)
-        for rank_pieces in by_rank:
-            micro_batches = []
-            for mb_pieces in assign(rank_pieces, n_mb, mbs * seq_len, cost)[0]:
-                micro_batches.append(assign(mb_pieces, mbs, seq_len, cost)[0])
-            layout.append(micro_batches)
-        naive = costs_dealt_in_order([p.length for p in drawn], job.dp, rank_capacity, job.cost.quadratic,
-                                     job.cost.linear)
-        return StepPlan(step, layout, rank_costs, naive, source_tokens, finished)
+        return Grid(job.dp, job.micro_batches_per_rank, job.batch.micro_batch_size, job.row_capacity_at(step))
+
+    def set_weights(self, from_step: int, weights: list[float]) -> None:
+        """Weights from `from_step` on, replacing the job file's (a run-time mixture change)."""
+        if from_step < self.state.next_step:
+            raise ValueError(f"step {from_step} is already planned (the plan stands at step {self.state.next_step})")
+        total = sum(weights)
+        if total <= 0 or any(w < 0 or math.isnan(w) for w in weights):
+            raise ValueError("weights must be non-negative and not all zero")
+        self.overrides.append((from_step, [w / total for w in weights]))
+        self.overrides.sort(key=lambda o: o[0])
+
+    def weights_at(self, step: int) -> list[float]:
+        """The mixture for `step`: the job's curriculum (or a run-time override), renormalised over
+        the sources that still have records."""
+        weights = self.job.weights_at(step)
+        for from_step, override in self.overrides:
+            if from_step <= step:
+                weights = override
+        live = [0.0 if gone else w for w, gone in zip(weights, self.state.exhausted)]
+        total = sum(live)
+        return [w / total for w in live] if total > 0 else live
+
+    def plan_step(self, known: Known) -> StepPlan:
+        """Plan the next step, or raise NeedLength (and change nothing) if a length is unknown."""
+        drawn, commit = self._draw(known)
+        step = self.state.next_step
+        plan = self._layout(step, drawn)
+        commit()
+        return plan
+
+    # ------------------------------------------------------------------ the draw
+
+    def _draw(self, known: Known):
+        st, job = self.state, self.job
+        step = st.next_step
+        for s, gone in enumerate(st.exhausted):
+            if gone and job.sources[s].on_exhausted == "stop":
+                raise SourceExhausted(job.sources[s].name, step)
+        capacity, seq_len = job.step_tokens_at(step), job.seq_len_at(step)
+        weights = self.weights_at(step)
+        active = [s for s, w in enumerate(weights) if w > 0]
+        if not active:
+            raise SourceExhausted(", ".join(src.name for src in job.sources), step)
+        target = {s: st.target[s] + weights[s] * capacity for s in active}
+        budget = {s: max(target[s] - st.delivered[s], 0.0) + seq_len for s in active}
+        while True:
+            cands = {s: self._candidates(s, budget[s], seq_len, known) for s in active}
+            table = np.concatenate([cands[s].table for s in active])
+            keys = np.concatenate([target[s] - (st.delivered[s] + _exclusive_cumsum(cands[s].table[:, LENGTH]))
+                                   for s in active])
+            order = np.lexsort((table[:, SOURCE], -keys))
+            filled = np.cumsum(table[order, LENGTH])
+            cut = int(np.searchsorted(filled, capacity))  # the piece that fills the step
+            short = []
+            for s in active:
+                if cands[s].exhausted:
+                    continue  # nothing more will come from it
+                next_key = target[s] - (st.delivered[s] + int(cands[s].table[:, LENGTH].sum()))
+                # the merge is exact only if no piece not generated yet would sort before the cut
+                if cut >= len(order):
+                    short.append(s)
+                else:
+                    cut_key, cut_source = keys[order[cut]], int(table[order[cut], SOURCE])
+                    if next_key > cut_key or (next_key == cut_key and s < cut_source):
+                        short.append(s)
+            if cut >= len(order) and not short:
+                self._exhaust_all(cands, active, step)
+            if not short:
+                break
+            for s in short:
+                if cands[s].missing is not None:
+                    raise NeedLength(s, cands[s].missing)
+                budget[s] = 2 * budget[s] + seq_len
+        taken = table[order[:cut + 1]].copy()
+        last_take = capacity - (int(filled[cut - 1]) if cut else 0)
+        cut_piece = taken[-1].copy()
+        taken[-1, LENGTH] = last_take
+        ends = np.concatenate([cands[s].ends for s in active])[order[:cut + 1]]
+        finished = taken[taken[:, OFFSET] + taken[:, LENGTH] == ends][:, [SOURCE, POSITION]]
+        n_sources = len(weights)
+        counts = np.bincount(taken[:, SOURCE], minlength=n_sources)
+        source_tokens = [int(x) for x in np.bincount(taken[:, SOURCE], weights=taken[:, LENGTH],
+                                                     minlength=n_sources)]
+
+        def commit() -> None:
+            for s in active:
+                st.target[s] = target[s]
+                st.delivered[s] += source_tokens[s]
+                c = cands[s]
+                n_taken = int(counts[s])
+                if n_taken:
+                    last = c.table[n_taken - 1]
+                    new_docs = c.table[:n_taken, POSITION] >= st.cursors[s]
+                    if new_docs.any():
+                        st.cursors[s] = int(c.table[:n_taken, POSITION][new_docs][-1]) + 1
+                        # a running mean of document lengths sizes the next windows (not the result)
+                        self.mean_length[s] = 0.9 * self.mean_length[s] + 0.1 * float(c.ends[:n_taken].mean())
+                    if s == int(cut_piece[SOURCE]) and last_take < int(cut_piece[LENGTH]):
+                        st.carry[s] = (int(last[POSITION]), int(last[RECORD]), int(last[OFFSET]) + last_take,
+                                       int(c.ends[n_taken - 1]))
+                    elif int(last[OFFSET] + last[LENGTH]) < int(c.ends[n_taken - 1]):
+                        st.carry[s] = (int(last[POSITION]), int(last[RECORD]), int(last[OFFSET] + last[LENGTH]),
+                                       int(c.ends[n_taken - 1]))
+                    else:
+                        st.carry[s] = None
+                if c.exhausted and n_taken == len(c.table) and st.carry[s] is None:
+                    self._exhaust(s, step)
+            st.next_step += 1
+
+        return _Drawn(taken, finished, source_tokens), commit
+
+    def _exhaust(self, s: int, step: int) -> None:
+        src = self.job.sources[s]
+        self.state.exhausted[s] = True
+        if src.on_exhausted == "stop":
+            self.events.append(f"source {src.name!r} exhausted after {src.epochs} epoch(s) at step {step}; "
+                               f"the stream ends after step {step} (on_exhausted: stop)")
+        else:
+            self.events.append(f"source {src.name!r} exhausted after {src.epochs} epoch(s) at step {step}; "
+                               "its weight is spread over the other sources")
+
+    def _exhaust_all(self, cands: dict, active: list[int], step: int) -> None:
+        """Every source that may still be drawn ran out before the step was full."""
+        for s in active:
+            if self.job.sources[s].on_exhausted == "stop":
+                raise SourceExhausted(self.job.sources[s].name, step)
+        raise SourceExhausted(", ".join(self.job.sources[s].name for s in active), step)
+
+    def _candidates(self, s: int, budget: float, seq_len: int, known: Known) -> "_Candidates":
+        """Source s's next pieces in stream order, at least `budget` tokens of them where their
+        lengths are known and the source has records left."""
+        st = self.state
+        units_pos, units_rec, units_off, units_end = [], [], [], []
+        have = 0
+        if st.carry[s] is not None:
+            pos, rec, off, end = st.carry[s]
+            units_pos.append(np.array([pos]))
+            units_rec.append(np.array([rec]))
+            units_off.append(np.array([off]))
+            units_end.append(np.array([end]))
+            have += end - off
+        cursor, missing, exhausted = st.cursors[s], None, False
+        limit = self.limit[s]
+        seen_tokens, seen_docs = 0, 0
+        while have < budget:
+            # size the window by the mean length seen (in this draw, else a running estimate)
+            mean = seen_tokens / seen_docs if seen_docs else self.mean_length[s]
+            count = max(64, math.ceil((budget - have) / max(mean, 1.0) * 1.25))
+            if limit is not None:
+                count = min(count, limit - cursor)
+                if count <= 0:
+                    exhausted = True
+                    break
+            records, lengths = known.window(s, cursor, count)
+            unknown = np.flatnonzero(lengths < 0)
+            if len(unknown):
+                records, lengths = records[:unknown[0]], lengths[:unknown[0]]
+                missing = cursor + int(unknown[0])
+            usable = np.flatnonzero(lengths > 0)
+            ends = lengths[usable]
+            seen_tokens += int(ends.sum())
+            seen_docs += len(usable)
+            if self.truncate[s]:
+                ends = np.minimum(ends, seq_len)
+            reach = np.cumsum(ends) + have
+            stop = int(np.searchsorted(reach, budget)) + 1  # up to the document that reaches the budget
+            if stop <= len(usable):
+                usable, ends = usable[:stop], ends[:stop]
+                scanned = int(usable[-1]) + 1
+            else:
+                scanned = len(lengths)
+            units_pos.append(cursor + usable)
+            units_rec.append(records[usable])
+            units_off.append(np.zeros(len(usable), dtype=np.int64))
+            units_end.append(ends)
+            have += int(ends.sum())
+            cursor += scanned
+            if missing is not None:
+                break
+        if not units_pos:
+            empty = np.zeros((0, 5), dtype=np.int64)
+            return _Candidates(empty, np.zeros(0, dtype=np.int64), missing, exhausted)
+        pos = np.concatenate(units_pos).astype(np.int64)
+        rec = np.concatenate(units_rec).astype(np.int64)
+        off = np.concatenate(units_off).astype(np.int64)
+        end = np.concatenate(units_end).astype(np.int64)
+        # each unit -> pieces of at most seq_len
+        n_pieces = -(-(end - off) // seq_len)
+        total = int(n_pieces.sum())
+        unit = np.repeat(np.arange(len(pos)), n_pieces)
+        within = np.arange(total) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+        piece_off = off[unit] + within * seq_len
+        table = np.empty((total, 5), dtype=np.int64)
+        table[:, SOURCE] = s
+        table[:, POSITION] = pos[unit]
+        table[:, RECORD] = rec[unit]
+        table[:, OFFSET] = piece_off
+        table[:, LENGTH] = np.minimum(seq_len, end[unit] - piece_off)
+        return _Candidates(table, end[unit], missing, exhausted)
+
+    # ------------------------------------------------------------------ the layout
+
+    def _layout(self, step: int, drawn: "_Drawn") -> StepPlan:
+        job, grid = self.job, self.grid_at(step)
+        cost = Cost(job.cost.quadratic, job.cost.linear)
+        pieces = drawn.pieces
+        lay = balance.layout(job.balance_method, pieces[:, LENGTH], grid, cost)
+        out = pieces[lay.piece]
+        out[:, OFFSET] += lay.offset
+        out[:, LENGTH] = lay.length
+        rank = lay.row // grid.rows_per_rank
+        row = lay.row % grid.rows_per_rank
+        naive = balance.costs_dealt_in_order(pieces[:, LENGTH], job.dp, grid.rows_per_rank * job.seq_len_at(step),
+                                             job.cost.quadratic, job.cost.linear)
+        return StepPlan(step, out, rank, row // grid.micro_batch_size, row, grid.rows_per_rank, grid.row_capacity,
+                        lay.rank_costs(grid, cost).tolist(), naive, drawn.source_tokens, drawn.finished)
+
+
+@dataclass
+class _Candidates:
+    table: np.ndarray  # pieces table, stream order
+    ends: np.ndarray  # end (exclusive) of each piece's document, or of its truncated head
+    missing: int | None  # first stream position whose length is not known yet
+    exhausted: bool  # the source has no records left after these
+
+
+@dataclass
+class _Drawn:
+    pieces: np.ndarray  # arrival order
+    finished: np.ndarray
+    source_tokens: list[int]
+
+
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(a), dtype=np.int64)
+    if len(a) > 1:
+        np.cumsum(a[:-1], out=out[1:])
+    return out

@@ -22,6 +22,7 @@ import zmq
 
 from . import protocol as P
 from . import wire
+from . import memory
 from .assemble import assemble_step
 from .errors import PeerLostError, ProtocolError, RejectedError
 from .sockets import make_socket
@@ -58,10 +59,13 @@ class DataClient:
             socket binds on `bind_host` (default: the same) at a free port.
         timeout_s: how long `next()` waits for a micro-batch before raising PeerLostError.
         as_torch: return torch tensors (default: when torch is importable) or numpy arrays.
+        keep_freed_memory: raise glibc's mmap/trim thresholds in this process, so that each
+            step's buffers reuse memory instead of page-faulting fresh pages (trainer_client.memory;
+            up to ~300 MiB more resident memory, several times cheaper batch assembly).
     """
 
     def __init__(self, coordinator: str, rank: int, *, host: str = "127.0.0.1", bind_host: str | None = None,
-                 timeout_s: float = 300.0, as_torch: bool | None = None) -> None:
+                 timeout_s: float = 300.0, as_torch: bool | None = None, keep_freed_memory: bool = True) -> None:
         self.coordinator = coordinator
         self.rank = rank
         self.host = host
@@ -75,6 +79,8 @@ class DataClient:
             except ImportError:
                 as_torch = False
         self.as_torch = as_torch
+        if keep_freed_memory:
+            memory.keep_freed_memory()
         self.next_step = 0
         self.next_micro_batch = 0
         self.plan_digest: str | None = None
@@ -188,6 +194,7 @@ class _Receiver:
         self.registered = False
         self.duplicates = 0
         self.buffered = 0  # pieces held in self.pieces
+        self.end: tuple[int, str] | None = None  # (first step that will not come, why)
 
     def run(self) -> None:
         c = self.c
@@ -267,6 +274,9 @@ class _Receiver:
             return float(msg["heartbeat_s"])
         if kind == "step_header":
             self._on_step_header(msg, arrays)
+        elif kind == "end_of_stream":
+            log.info("rank %d: the stream ends before step %d: %s", self.c.rank, msg["step"], msg["reason"])
+            self.end = (msg["step"], msg["reason"])
         elif kind == "unknown_peer":
             log.warning("rank %d: coordinator does not know this rank (%s); registering again", self.c.rank,
                         msg["reason"])
@@ -294,7 +304,7 @@ class _Receiver:
         for n in counts:
             sequences.append(refs[at: at + n])
             at += n
-        self.headers[step] = {"sequences": sequences, "plan": msg["plan"]}
+        self.headers[step] = {"sequences": sequences, "plan": msg["plan"], "row_len": msg["row_len"]}
 
     def _on_pieces(self, frames) -> None:
         try:
@@ -335,7 +345,7 @@ class _Receiver:
             sequences = header["sequences"]
             if any((k, o, n) not in have for seq in sequences for k, o, n in seq):
                 return
-            batches = assemble_step(sequences, have, info["seq_len"], info["pad_id"], info["micro_batch_size"])
+            batches = assemble_step(sequences, have, header["row_len"], info["pad_id"], info["micro_batch_size"])
             for m in range(self.micro_batch, len(batches)):
                 batch = batches[m]
                 batch["step"], batch["micro_batch"] = self.step, m
@@ -345,3 +355,6 @@ class _Receiver:
             del self.headers[self.step]
             self.buffered -= len(self.pieces.pop(self.step, {}))
             self.step, self.micro_batch = self.step + 1, 0
+        if self.end is not None and self.step >= self.end[0]:
+            self.c._queue.put(_End(self.end[1]))
+            self.end = None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -220,8 +220,11 @@ STEP_HEADER = _msg(
     check=_check_step_header,
     step=integer(),
     rank=integer(),
+    row_len=integer(1, MAX_PIECE_LEN),  # tokens per packed sequence of this step, padding included
     plan=anything(),
 )
+# no step at or after `step` will be planned (a source with on_exhausted: stop ran out)
+END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 
 # worker -> trainer: the pieces' tokens, concatenated in item order, in the header's dtype
 PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), check=_check_pieces,
@@ -231,7 +234,8 @@ ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
-        SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER, PIECES,
+        SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
+        END_OF_STREAM, PIECES,
     )
 }
 
@@ -241,7 +245,8 @@ COORDINATOR_INBOX = frozenset(
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE)
 )
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
-TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, REJECT, SHUTDOWN, UNKNOWN_PEER))
+TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, REJECT, SHUTDOWN,
+                                                    UNKNOWN_PEER))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

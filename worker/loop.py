@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from trainer_client import memory
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
@@ -243,6 +244,7 @@ def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str =
     """Entry point of one worker process (spawned by the host agent)."""
     logging.basicConfig(level=log_level, filename=log_path,
                         format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
+    memory.keep_freed_memory()
     worker = Worker(coordinator, parent_pid)
     try:
         worker.run()

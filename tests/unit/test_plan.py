@@ -1,16 +1,18 @@
-"""The planner, driven with synthetic lengths (no sockets): quotas, packing, coverage, balance."""
+"""The planner, driven with synthetic lengths (no sockets): the draw against a plain sequential
+reference, quotas, curriculum stages, exhausted sources, packing, coverage, balance."""
 
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from coordinator.balance import Piece, assign, costs_dealt_in_order, imbalance
+from coordinator.balance import imbalance
 from coordinator.config import parse_job
-from coordinator.plan import NeedLength, Planner
+from coordinator.plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted
 from tests.conftest import job_dict
 
 SEQ_LEN = 512
+COUNTS = [50, 70, 30]
 
 
 def _lengths(num_records, seed=0):
@@ -19,53 +21,160 @@ def _lengths(num_records, seed=0):
     return [(rng.pareto(1.2, n) * 120 + 8).astype(int) for n in num_records]
 
 
-def _planner(dataset_dir, **overrides):
-    job = parse_job(job_dict(**overrides), "job.yaml", base_dir=dataset_dir)
-    counts = [50, 70, 30]
+class Known:
+    """Lengths of every position (or of those in `allowed`), as the coordinator would know them."""
+
+    def __init__(self, planner, lengths, allowed=None):
+        self.planner, self.lengths, self.allowed = planner, lengths, allowed
+
+    def window(self, s, start, count):
+        records = np.array([self.planner.record_at(s, p) for p in range(start, start + count)], dtype=np.int64)
+        lengths = self.lengths[s][records].astype(np.int64)
+        if self.allowed is not None:
+            lengths = np.where([(s, p) in self.allowed for p in range(start, start + count)], lengths, -1)
+        return records, lengths
+
+
+def _job(dataset_dir, **overrides):
+    return parse_job(job_dict(**overrides), "job.yaml", base_dir=dataset_dir)
+
+
+def _planner(dataset_dir, counts=COUNTS, **overrides):
+    job = _job(dataset_dir, **overrides)
     return job, Planner(job, counts), _lengths(counts)
 
 
 def _plan(planner, lengths, steps):
-    def lookup(s, pos):
-        record = planner.record_at(s, pos)
-        return record, int(lengths[s][record])
-
-    return [planner.plan_step(lookup) for _ in range(steps)]
+    known = Known(planner, lengths)
+    return [planner.plan_step(known) for _ in range(steps)]
 
 
-def test_every_step_is_full_and_pieces_fit(dataset_dir):
+def _reference_draw(job, counts, lengths, steps):
+    """The draw written plainly, one piece at a time: the source furthest behind its target gives
+    the next piece (lowest index on ties); documents cut at seq_len and at the end of a step."""
+    planner = Planner(job, counts)  # only for record_at
+    n = len(counts)
+    target, delivered, cursor = [0.0] * n, [0] * n, [0] * n
+    carry = [None] * n
+    out = []
+    for step in range(steps):
+        weights = job.weights_at(step)
+        cap, seq_len = job.step_tokens_at(step), job.seq_len_at(step)
+        for s in range(n):
+            target[s] += weights[s] * cap
+        filled, drawn = 0, []
+        while filled < cap:
+            s = max((s for s in range(n) if weights[s] > 0), key=lambda s: (target[s] - delivered[s], -s))
+            if carry[s] is None:
+                while True:
+                    rec = planner.record_at(s, cursor[s])
+                    cursor[s] += 1
+                    if lengths[s][rec] > 0:
+                        end = int(lengths[s][rec])
+                        if job.sources[s].long_docs == "truncate":
+                            end = min(end, seq_len)
+                        carry[s] = (cursor[s] - 1, rec, 0, end)
+                        break
+            pos, rec, off, end = carry[s]
+            take = min(end - off, seq_len, cap - filled)
+            drawn.append((s, pos, rec, off, take))
+            filled += take
+            delivered[s] += take
+            carry[s] = (pos, rec, off + take, end) if off + take < end else None
+        out.append(sorted(drawn))
+    return out
+
+
+def _ranges(pieces):
+    """(source, position, record) -> (first offset, tokens) of each document in a step, checking
+    that its pieces tile one contiguous range."""
+    by_doc = defaultdict(list)
+    for s, pos, rec, off, n in pieces:
+        by_doc[(s, pos, rec)].append((off, n))
+    out = {}
+    for doc, parts in by_doc.items():
+        parts.sort()
+        for (o1, n1), (o2, _) in zip(parts, parts[1:]):
+            assert o1 + n1 == o2, (doc, parts)
+        out[doc] = (parts[0][0], sum(n for _, n in parts))
+    return out
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"mixture": [{"until_step": 7, "weights": {"web": 0.7, "code": 0.3}},
+                 {"until_step": 20, "weights": {"web": 0.2, "code": 0.3, "long": 0.5}, "ramp_steps": 5},
+                 {"weights": {"web": 0.4, "long": 0.6}, "seq_len": 1024}]},
+    {"long_docs": "truncate"},
+])
+def test_vectorised_draw_equals_the_sequential_reference(dataset_dir, overrides):
+    job, planner, lengths = _planner(dataset_dir, **overrides)
+    plans = _plan(planner, lengths, 40)
+    reference = _reference_draw(job, COUNTS, lengths, 40)
+    for plan, ref in zip(plans, reference):
+        assert _ranges(plan.pieces.tolist()) == _ranges(ref), plan.step
+
+
+def test_every_step_is_full_and_rows_hold_at_most_their_capacity(dataset_dir):
     job, planner, lengths = _planner(dataset_dir)
     for plan in _plan(planner, lengths, 100):
-        assert len(plan.layout) == job.dp
-        for rank in plan.layout:
-            assert len(rank) == job.micro_batches_per_rank
-            for mb in rank:
-                assert len(mb) == job.batch.micro_batch_size
-                for seq in mb:
-                    assert sum(p.length for p in seq) == SEQ_LEN
-                    assert all(0 < p.length <= SEQ_LEN for p in seq)
+        t = plan.pieces
+        assert int(t[:, LENGTH].sum()) == job.step_tokens
+        assert (t[:, LENGTH] > 0).all() and (t[:, LENGTH] <= SEQ_LEN).all()
+        rows = plan.rank * plan.rows_per_rank + plan.row
+        per_row = np.bincount(rows, weights=t[:, LENGTH], minlength=job.dp * plan.rows_per_rank)
+        assert (per_row == SEQ_LEN).all()  # no slack: every sequence exactly full
+        assert (plan.micro_batch == plan.row // job.batch.micro_batch_size).all()
+        assert (np.diff(rows) >= 0).all()  # delivery order: rank, then row
 
 
 def test_quota_error_diffusion_stays_within_one_piece(dataset_dir):
     job, planner, lengths = _planner(dataset_dir)
     weights = [job.weights[s.name] for s in job.sources]
-    delivered = [0, 0, 0]
+    delivered = np.zeros(3)
     for k, plan in enumerate(_plan(planner, lengths, 300), start=1):
-        for _, _, p in plan.pieces():
-            delivered[p.source] += p.length
+        delivered += np.bincount(plan.pieces[:, SOURCE], weights=plan.pieces[:, LENGTH], minlength=3)
         for s, w in enumerate(weights):
             assert abs(delivered[s] - w * k * job.step_tokens) <= SEQ_LEN, (k, s, delivered)
+
+
+def test_curriculum_stages_ramp_and_change_seq_len(dataset_dir):
+    stages = [{"until_step": 10, "weights": {"web": 1.0}},
+              {"until_step": 30, "weights": {"code": 1.0}, "ramp_steps": 10},
+              {"weights": {"long": 1.0}, "seq_len": 1024}]
+    job, planner, lengths = _planner(dataset_dir, mixture=stages)
+    plans = _plan(planner, lengths, 40)
+    share = [np.bincount(p.pieces[:, SOURCE], weights=p.pieces[:, LENGTH], minlength=3) / p.pieces[:, LENGTH].sum()
+             for p in plans]
+    assert all(share[k][0] == 1.0 for k in range(10))
+    # the ramp: code's share follows the linear target over steps 10..19 (within a piece each side)
+    for k in range(10, 20):
+        assert abs(share[k][1] - (k - 9) / 10) <= 2 * SEQ_LEN / job.step_tokens, (k, share[k])
+    assert all(share[k][1] > 0.9 for k in range(21, 30))
+    assert all(p.row_capacity == 1024 and p.pieces[:, LENGTH].sum() == 8 * 1024 for p in plans[30:])
+    assert all(share[k][2] > 0.85 for k in range(32, 40))
+    assert all(p.pieces[:, LENGTH].max() <= 512 for p in plans[:30])
+
+
+def test_cumulative_tokens_follow_the_curriculum_targets(dataset_dir):
+    stages = [{"until_step": 50, "weights": {"web": 0.7, "code": 0.3}},
+              {"weights": {"web": 0.2, "code": 0.3, "long": 0.5}, "ramp_steps": 40}]
+    job, planner, lengths = _planner(dataset_dir, mixture=stages)
+    target, delivered = np.zeros(3), np.zeros(3)
+    for plan in _plan(planner, lengths, 200):
+        target += np.array(job.weights_at(plan.step)) * job.step_tokens
+        delivered += np.bincount(plan.pieces[:, SOURCE], weights=plan.pieces[:, LENGTH], minlength=3)
+        assert (np.abs(delivered - target) <= SEQ_LEN).all(), (plan.step, delivered, target)
 
 
 def test_documents_are_covered_in_order_without_gaps_or_repeats(dataset_dir):
     job, planner, lengths = _planner(dataset_dir)
     covered = defaultdict(list)  # (source, position) -> [(offset, length)]
+    finished = set()
     for plan in _plan(planner, lengths, 200):
-        for _, _, p in plan.pieces():
-            covered[(p.source, p.position)].append((p.offset, p.length))
-    finished_positions = set()
-    for plan in _plan(Planner(job, [50, 70, 30]), lengths, 200):
-        finished_positions |= plan.finished
+        for s, pos, rec, off, n in plan.pieces.tolist():
+            covered[(s, pos)].append((off, n))
+        finished |= set(map(tuple, plan.finished.tolist()))
     for (s, pos), ranges in covered.items():
         ranges.sort()
         at = 0
@@ -73,31 +182,28 @@ def test_documents_are_covered_in_order_without_gaps_or_repeats(dataset_dir):
             assert off == at, (s, pos, ranges)
             at += n
         full = int(lengths[s][planner.record_at(s, pos)])
-        if (s, pos) in finished_positions:
+        if (s, pos) in finished:
             assert at == full
         else:
-            assert at < full  # only the document cut by the last step may be incomplete
+            assert at < full  # only a document cut by the last step may be incomplete
 
 
-def test_planning_is_deterministic_and_resumes_after_need_length(dataset_dir):
+def test_planning_changes_nothing_on_need_length_and_resumes_identically(dataset_dir):
     job, p1, lengths = _planner(dataset_dir)
-    a = [[(r, m, x) for r, m, x in plan.pieces()] for plan in _plan(p1, lengths, 30)]
+    a = [plan.pieces.tolist() for plan in _plan(p1, lengths, 30)]
 
     _, p2, _ = _planner(dataset_dir)
-    known = set()
-    b = []
-    while len(b) < 30:  # lengths arrive one record at a time, as if from slow workers
-        def lookup(s, pos):
-            if (s, pos) not in known:
-                return None
-            record = p2.record_at(s, pos)
-            return record, int(lengths[s][record])
-
+    allowed = set()
+    known = Known(p2, lengths, allowed)
+    b, misses = [], 0
+    while len(b) < 30:  # lengths arrive a few records at a time, as if from slow workers
         try:
-            b.append([(r, m, x) for r, m, x in p2.plan_step(lookup).pieces()])
+            b.append(p2.plan_step(known).pieces.tolist())
         except NeedLength as need:
-            known.add((need.source, need.position))
+            misses += 1
+            allowed.update((need.source, need.position + i) for i in range(3))
     assert a == b
+    assert misses > 10
 
 
 def test_balance_beats_arrival_order_on_attention_cost(dataset_dir):
@@ -109,62 +215,72 @@ def test_balance_beats_arrival_order_on_attention_cost(dataset_dir):
     assert ours < 1.15
 
 
-def test_assign_splits_only_when_nothing_fits():
-    pieces = [Piece(0, i, i, 0, n) for i, n in enumerate([300, 300, 300, 100])]
-    bins, loads = assign(pieces, 2, 500, lambda n: n * n)
-    assert [sum(p.length for p in b) for b in bins] == [500, 500]
-    assert loads == [sum(p.length ** 2 for p in b) for b in bins]
-    # exactly one of the 300s must be split into two parts to make the bins exact
-    parts = [p for b in bins for p in b]
-    assert len(parts) == 5
-    assert sorted((p.position, p.offset, p.length) for p in parts if p.position == 2) in (
-        [(2, 0, 100), (2, 100, 200)], [(2, 0, 200), (2, 200, 100)])
-
-
-def test_dealing_in_order_cuts_the_stream():
-    # bins of 500: [300, 200 of the 400] and [200 of the 400, 300]
-    assert costs_dealt_in_order([300, 400, 300], 2, 500, 1.0, 0.0) == [300**2 + 200**2, 200**2 + 300**2]
-    assert costs_dealt_in_order([500, 500], 2, 500, 1.0, 2.0) == [500**2 + 1000, 500**2 + 1000]
-
-
-def test_assign_matches_a_plain_greedy_reference():
-    rng = np.random.default_rng(11)
-    for trial in range(30):
-        n_bins, capacity = int(rng.integers(1, 9)), int(rng.integers(50, 400))
-        lengths = []
-        left = n_bins * capacity
-        while left:
-            n = min(left, int(rng.integers(1, capacity + 1)))
-            lengths.append(n)
-            left -= n
-        pieces = [Piece(0, i, i, 0, n) for i, n in enumerate(lengths)]
-        bins, loads = assign(pieces, n_bins, capacity, lambda n: float(n * n))
-        # reference: the same rule written plainly (least-loaded bin with room, lowest index on ties)
-        ref_bins, ref_loads, ref_room = [[] for _ in range(n_bins)], [0.0] * n_bins, [capacity] * n_bins
-        queue = sorted(((p.length, i, p) for i, p in enumerate(pieces)), key=lambda t: (-t[0], t[1]))
-        counter = len(pieces)
-        while queue:
-            _, _, p = queue.pop(0)
-            fits = [b for b in range(n_bins) if ref_room[b] >= p.length]
-            if fits:
-                b = min(fits, key=lambda b: (ref_loads[b], b))
-            else:
-                b = max(range(n_bins), key=lambda i: (ref_room[i], -i))
-                p, tail = p.split(ref_room[b])
-                queue.append((tail.length, counter, tail))
-                counter += 1
-                queue.sort(key=lambda t: (-t[0], t[1]))
-            ref_bins[b].append(p)
-            ref_loads[b] += p.length ** 2
-            ref_room[b] -= p.length
-        assert bins == ref_bins and loads == ref_loads, trial
-
-
 def test_zero_length_records_are_skipped(dataset_dir):
     job, planner, lengths = _planner(dataset_dir)
     lengths[0][:] = 0
     lengths[0][3] = 40  # only one usable web record
     for plan in _plan(planner, lengths, 5):
-        for _, _, p in plan.pieces():
-            if p.source == 0:
-                assert p.record == 3
+        web = plan.pieces[plan.pieces[:, SOURCE] == 0]
+        assert (web[:, RECORD] == 3).all()
+
+
+def test_truncate_keeps_only_the_head_of_long_documents(dataset_dir):
+    job, planner, lengths = _planner(dataset_dir, long_docs="truncate")
+    for plan in _plan(planner, lengths, 50):
+        assert (plan.pieces[:, OFFSET] + plan.pieces[:, LENGTH] <= SEQ_LEN).all()
+
+
+def test_finite_epochs_renormalise_and_log(dataset_dir):
+    job_raw = job_dict()
+    job_raw["sources"]["long"]["epochs"] = 1
+    job = parse_job(job_raw, "job.yaml", base_dir=dataset_dir)
+    planner = Planner(job, COUNTS)
+    lengths = _lengths(COUNTS)
+    plans = _plan(planner, lengths, 120)
+    long_positions = [pos for p in plans for pos in p.pieces[p.pieces[:, SOURCE] == 2][:, POSITION].tolist()]
+    assert set(long_positions) == set(range(COUNTS[2]))  # one pass over all 30 records, no more
+    assert planner.state.exhausted == [False, False, True]
+    assert any("exhausted" in e for e in planner.events)
+    after = plans[-1].pieces
+    assert set(after[:, SOURCE].tolist()) <= {0, 1}
+    web, code = (after[after[:, SOURCE] == s][:, LENGTH].sum() for s in (0, 1))
+    assert abs(web / (web + code) - 0.5 / 0.8) < 0.2
+
+
+def test_on_exhausted_stop_ends_the_stream(dataset_dir):
+    job_raw = job_dict()
+    job_raw["sources"]["long"].update(epochs=1, on_exhausted="stop")
+    job = parse_job(job_raw, "job.yaml", base_dir=dataset_dir)
+    planner = Planner(job, COUNTS)
+    known = Known(planner, _lengths(COUNTS))
+    with pytest.raises(SourceExhausted) as e:
+        for _ in range(1000):
+            planner.plan_step(known)
+    assert e.value.source == "long" and e.value.step == planner.state.next_step
+    with pytest.raises(SourceExhausted):  # and it stays ended
+        planner.plan_step(known)
+
+
+def test_run_time_weights_apply_from_their_step_only(dataset_dir):
+    job, planner, lengths = _planner(dataset_dir)
+    _plan(planner, lengths, 5)
+    with pytest.raises(ValueError, match="already planned"):
+        planner.set_weights(3, [1, 0, 0])
+    planner.set_weights(8, [0, 0, 1])
+    plans = _plan(planner, lengths, 10)
+    assert set(plans[2].pieces[:, SOURCE].tolist()) != {2}
+    assert all(set(p.pieces[:, SOURCE].tolist()) == {2} for p in plans[4:])
+
+
+@pytest.mark.parametrize("method", ["greedy", "karmarkar_karp", "none"])
+@pytest.mark.parametrize("slack", [0.0, 0.5])
+def test_every_method_lays_out_the_whole_step(dataset_dir, method, slack):
+    job, planner, lengths = _planner(dataset_dir, balance={"method": method, "token_slack": slack})
+    width = int(SEQ_LEN * (1 + slack))
+    for plan in _plan(planner, lengths, 30):
+        t = plan.pieces
+        assert plan.row_capacity == width
+        assert int(t[:, LENGTH].sum()) == job.step_tokens
+        rows = plan.rank * plan.rows_per_rank + plan.row
+        assert np.bincount(rows, weights=t[:, LENGTH]).max() <= width
+        assert (np.diff(rows) >= 0).all()

@@ -59,7 +59,7 @@ def test_array_frames_are_checked():
     with pytest.raises(ProtocolError, match="whole number"):
         wire.decode(frames, P.TRAINER_DATA_INBOX)
     # step header whose per-sequence counts do not add up
-    h = P.make(P.STEP_HEADER, step=0, rank=0, plan={})
+    h = P.make(P.STEP_HEADER, step=0, rank=0, row_len=8, plan={})
     bad = _frames(h, np.array([[1, 0, 5]], "<u8"), np.array([2], "<u4"))
     with pytest.raises(ProtocolError, match="add up"):
         wire.decode(bad, P.TRAINER_CONTROL_INBOX)

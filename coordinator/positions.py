@@ -1,0 +1,101 @@
+"""What the coordinator knows about one source's stream positions, as flat arrays.
+
+Position p of a source's stream names one prepared instance of a record. For every position
+handed to a worker so far and not yet forgotten, the table keeps the record index, its token
+length (-1 until a worker reports it, 0 for a record skipped as corrupt) and the worker holding
+the prepared copy (-1 for none). Positions are issued in order, so the live ones form one
+window [base, end): lookups are slices and fancy indexing, never per-position Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+UNKNOWN = -1
+NOBODY = -1
+
+
+class PositionTable:
+    def __init__(self) -> None:
+        self.base = 0  # positions below were forgotten
+        self.end = 0  # next position to issue
+        self._record = np.zeros(0, dtype=np.int64)
+        self._length = np.zeros(0, dtype=np.int64)
+        self._holder = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.end - self.base
+
+    def issue(self, records: np.ndarray) -> np.ndarray:
+        """Positions for the next records of the stream (their lengths still unknown)."""
+        n = len(records)
+        size = self.end - self.base
+        if size + n > len(self._record):
+            cap = max(1024, 2 * (size + n))
+            for name in ("_record", "_length", "_holder"):
+                old = getattr(self, name)
+                new = np.full(cap, UNKNOWN, dtype=np.int64)
+                new[:size] = old[:size]
+                setattr(self, name, new)
+        self._record[size:size + n] = records
+        self._length[size:size + n] = UNKNOWN
+        self._holder[size:size + n] = NOBODY
+        positions = np.arange(self.end, self.end + n, dtype=np.int64)
+        self.end += n
+        return positions
+
+    def _index(self, positions: np.ndarray) -> np.ndarray:
+        i = np.asarray(positions, dtype=np.int64) - self.base
+        if i.size and (i.min() < 0 or i.max() >= self.end - self.base):
+            raise KeyError(f"positions outside the live window [{self.base}, {self.end})")
+        return i
+
+    def records(self, positions: np.ndarray) -> np.ndarray:
+        return self._record[self._index(positions)]
+
+    def lengths(self, positions: np.ndarray) -> np.ndarray:
+        return self._length[self._index(positions)]
+
+    def holders(self, positions: np.ndarray) -> np.ndarray:
+        return self._holder[self._index(positions)]
+
+    def set_prepared(self, positions: np.ndarray, lengths: np.ndarray, worker: int) -> np.ndarray:
+        """Record what a worker prepared; returns the lengths known before (-1 where none)."""
+        i = self._index(positions)
+        before = self._length[i].copy()
+        self._length[i] = lengths
+        self._holder[i] = np.where(np.asarray(lengths) > 0, worker, NOBODY)
+        return before
+
+    def release(self, positions: np.ndarray) -> None:
+        """The prepared copies at these positions are used up (their delivery was acknowledged)."""
+        self._holder[self._index(positions)] = NOBODY
+
+    def held_by(self, worker: int) -> np.ndarray:
+        """Positions whose prepared copy the worker holds, dropping its claim on them."""
+        size = self.end - self.base
+        i = np.flatnonzero(self._holder[:size] == worker)
+        self._holder[i] = NOBODY
+        return i + self.base
+
+    def window(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(records, lengths) of positions [start, start+count); -1 for positions not issued."""
+        records = np.full(count, UNKNOWN, dtype=np.int64)
+        lengths = np.full(count, UNKNOWN, dtype=np.int64)
+        lo, hi = max(start, self.base), min(start + count, self.end)
+        if lo < hi:
+            records[lo - start:hi - start] = self._record[lo - self.base:hi - self.base]
+            lengths[lo - start:hi - start] = self._length[lo - self.base:hi - self.base]
+        return records, lengths
+
+    def forget_before(self, position: int) -> None:
+        """Drop positions below `position` (nothing refers to them any more). Copies only when
+        the dropped prefix is large, so the cost is amortised."""
+        position = min(position, self.end)
+        if position - self.base < max(1024, (self.end - self.base) // 2):
+            return
+        keep = self.end - position
+        shift = position - self.base
+        for a in (self._record, self._length, self._holder):
+            a[:keep] = a[shift:shift + keep]
+        self.base = position

@@ -1,0 +1,166 @@
+"""Layout methods on synthetic piece lengths: the greedy against a plainly written reference,
+splitting, the arrival-order baseline, slack, and Karmarkar-Karp."""
+
+import numpy as np
+import pytest
+
+from coordinator.balance import (Cost, Grid, costs_dealt_in_order, greedy, greedy_exact, imbalance, in_order,
+                                 karmarkar_karp)
+
+SQUARE = Cost(1.0, 0.0)
+
+
+def _fill(rng, total, cap):
+    lengths, left = [], total
+    while left:
+        n = min(left, int(rng.integers(1, cap + 1)))
+        lengths.append(n)
+        left -= n
+    return np.array(lengths)
+
+
+def _reference(lengths, grid):
+    """The greedy rule written plainly: longest first; the cheapest rank having a row with room for
+    the whole piece (lowest index on ties), in it the cheapest micro-batch then row that fits;
+    otherwise the head fills the roomiest row of the rank with the most room in one row."""
+    rpr, mbs = grid.rows_per_rank, grid.micro_batch_size
+    room = [grid.row_capacity] * (grid.ranks * rpr)
+    row_cost = [0.0] * len(room)
+    mb_cost = [0.0] * (len(room) // mbs)
+    rank_cost = [0.0] * grid.ranks
+    queue = sorted(((-int(n), i, i, 0) for i, n in enumerate(lengths)))
+    out = []
+    while queue:
+        neg, tie, i, off = queue.pop(0)
+        n = -neg
+        rank_room = [max(room[r * rpr:(r + 1) * rpr]) for r in range(grid.ranks)]
+        fits = [r for r in range(grid.ranks) if rank_room[r] >= n]
+        if fits:
+            r = min(fits, key=lambda r: (rank_cost[r], r))
+            rows = [x for x in range(r * rpr, (r + 1) * rpr) if room[x] >= n]
+            row = min(rows, key=lambda x: (mb_cost[x // mbs], row_cost[x], x))
+            take = n
+        else:
+            r = max(range(grid.ranks), key=lambda r: (rank_room[r], -r))
+            row = max(range(r * rpr, (r + 1) * rpr), key=lambda x: (room[x], -x))
+            take = room[row]
+            queue.append((-(n - take), tie, i, off + take))
+            queue.sort()
+        out.append((i, off, take, row))
+        c = float(take * take)
+        room[row] -= take
+        row_cost[row] += c
+        mb_cost[row // mbs] += c
+        rank_cost[r] += c
+    out.sort(key=lambda t: t[3])  # stable: placement order within a row
+    return out
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (3, 1), (2, 2)])
+def test_exact_greedy_matches_the_plain_reference(rows):
+    rng = np.random.default_rng(11)
+    n_mb, mbs = rows
+    for trial in range(40):
+        grid = Grid(int(rng.integers(1, 9)), n_mb, mbs, int(rng.integers(50, 400)))
+        lengths = _fill(rng, grid.ranks * grid.rows_per_rank * grid.row_capacity, grid.row_capacity)
+        lay = greedy_exact(lengths, grid, SQUARE)
+        ours = list(zip(lay.piece.tolist(), lay.offset.tolist(), lay.length.tolist(), lay.row.tolist()))
+        assert ours == _reference(lengths, grid), trial
+
+
+def test_greedy_splits_only_when_nothing_fits():
+    lay = greedy_exact(np.array([300, 300, 300, 100]), Grid(2, 1, 1, 500), SQUARE)
+    assert np.bincount(lay.row, weights=lay.length).tolist() == [500, 500]
+    assert len(lay.piece) == 5  # exactly one of the 300s is split to make both rows exact
+    split = [(o, n) for p, o, n in zip(lay.piece.tolist(), lay.offset.tolist(), lay.length.tolist()) if p == 2]
+    assert sorted(split) in ([(0, 200), (200, 100)], [(0, 100), (100, 200)])
+
+
+def test_rank_costs_come_from_the_fragments():
+    lengths = np.array([400, 300, 200, 100])
+    grid = Grid(2, 1, 1, 500)
+    lay = greedy(lengths, grid, Cost(2.0, 3.0))
+    expect = np.zeros(2)
+    for n, row in zip(lay.length.tolist(), lay.row.tolist()):
+        expect[row] += 2.0 * n * n + 3.0 * n
+    assert lay.rank_costs(grid, Cost(2.0, 3.0)).tolist() == expect.tolist()
+
+
+def test_in_order_fills_rows_one_after_another():
+    lay = in_order(np.array([300, 400, 300]), Grid(2, 1, 1, 500))
+    assert list(zip(lay.piece.tolist(), lay.offset.tolist(), lay.length.tolist(), lay.row.tolist())) == [
+        (0, 0, 300, 0), (1, 0, 200, 0), (1, 200, 200, 1), (2, 0, 300, 1)]
+
+
+def test_dealing_in_order_cuts_the_stream():
+    assert costs_dealt_in_order([300, 400, 300], 2, 500, 1.0, 0.0) == [300**2 + 200**2, 200**2 + 300**2]
+    assert costs_dealt_in_order([500, 500], 2, 500, 1.0, 2.0) == [500**2 + 1000, 500**2 + 1000]
+
+
+def _long_tailed(rng, total, seq_len):
+    lengths, left = [], total
+    while left:
+        n = min(left, seq_len, int(rng.pareto(1.1) * 300 + 20))
+        lengths.append(n)
+        left -= n
+    return np.array(lengths)
+
+
+def test_slack_brings_greedy_to_the_lower_bound():
+    rng = np.random.default_rng(3)
+    seq_len, ranks, rows = 4096, 16, 4
+    ratios = {0.0: [], 0.5: []}
+    for _ in range(10):
+        lengths = _long_tailed(rng, ranks * rows * seq_len, seq_len)
+        costs = SQUARE.of(lengths)
+        bound = max(costs.sum() / ranks, costs.max())
+        for slack in ratios:
+            grid = Grid(ranks, rows, 1, int(seq_len * (1 + slack)))
+            lay = greedy(lengths, grid, SQUARE)
+            assert lay.length.sum() == lengths.sum()
+            ratios[slack].append(lay.rank_costs(grid, SQUARE).max() / bound)
+    assert np.mean(ratios[0.5]) <= 1.03
+    assert np.mean(ratios[0.5]) <= np.mean(ratios[0.0])
+
+
+def test_karmarkar_karp_balances_at_least_as_well_as_dealing():
+    rng = np.random.default_rng(5)
+    seq_len, ranks, rows = 2048, 8, 4
+    for _ in range(5):
+        lengths = _long_tailed(rng, ranks * rows * seq_len, seq_len)
+        grid = Grid(ranks, rows, 1, int(seq_len * 1.5))
+        lay = karmarkar_karp(lengths, grid, SQUARE)
+        assert lay.length.sum() == lengths.sum()
+        assert np.bincount(lay.row, weights=lay.length).max() <= grid.row_capacity
+        kk = imbalance(lay.rank_costs(grid, SQUARE).tolist())
+        dealt = imbalance(costs_dealt_in_order(lengths, ranks, rows * seq_len, 1.0, 0.0))
+        assert kk <= dealt
+
+
+def _valid(lay, lengths, grid):
+    """Every token of every piece placed exactly once, no row over capacity."""
+    assert (lay.length > 0).all()
+    assert np.bincount(lay.row, weights=lay.length, minlength=grid.ranks * grid.rows_per_rank).max() \
+        <= grid.row_capacity
+    for i, n in enumerate(lengths.tolist()):
+        parts = sorted(zip(lay.offset[lay.piece == i].tolist(), lay.length[lay.piece == i].tolist()))
+        at = 0
+        for off, m in parts:
+            assert off == at
+            at += m
+        assert at == n, (i, parts)
+
+
+@pytest.mark.parametrize("ranks,n_mb,mbs,slack", [(2, 8, 1, 0.0), (64, 2, 1, 0.0), (64, 2, 1, 0.5),
+                                                  (16, 4, 2, 0.0), (512, 2, 1, 0.5)])
+def test_fast_greedy_is_valid_and_as_balanced_as_the_exact_one(ranks, n_mb, mbs, slack):
+    rng = np.random.default_rng(ranks)
+    seq_len = 4096
+    for _ in range(3):
+        lengths = _long_tailed(rng, ranks * n_mb * mbs * seq_len, seq_len)
+        grid = Grid(ranks, n_mb, mbs, int(seq_len * (1 + slack)))
+        fast, exact = greedy(lengths, grid, SQUARE), greedy_exact(lengths, grid, SQUARE)
+        _valid(fast, lengths, grid)
+        fast_imb = imbalance(fast.rank_costs(grid, SQUARE).tolist())
+        exact_imb = imbalance(exact.rank_costs(grid, SQUARE).tolist())
+        assert fast_imb <= exact_imb * 1.02 + 0.005, (fast_imb, exact_imb)
