@@ -37,6 +37,7 @@ from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner,
 
 log = logging.getLogger("msd.coordinator")
 STATUS_EVERY_S = 30.0
+MAX_BURST = 256  # messages handled before the next planning pass
 _MESSAGES_OF = {
     "worker": {"worker_heartbeat", "prepared", "task_failed", "delivered"},
     "trainer": {"consumed", "trainer_heartbeat", "trainer_bye"},
@@ -137,18 +138,28 @@ class Coordinator:
 
     async def _receive_loop(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            try:
-                header, arrays = wire.decode(frames[1:], P.COORDINATOR_INBOX)
-            except ProtocolError as e:
-                log.warning("dropped message from peer %s: %s", identity.hex(), e)
-                continue
-            try:
-                self._handle(identity, header, arrays)
-            except Exception:  # one message we could not handle: log it, drop it, serve the rest
-                log.exception("error handling %s from %s", header.get("type"), identity.hex())
+            self._receive(await self.sock.recv_multipart(copy=False))
+            # Take what else has arrived before planning: one plan-and-dispatch pass per burst of
+            # messages instead of one per message (the per-pass cost does not depend on the count).
+            for _ in range(MAX_BURST):
+                try:
+                    frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False).result()
+                except zmq.Again:
+                    break
+                self._receive(frames)
             self._pump_or_stop()
+
+    def _receive(self, frames: list) -> None:
+        identity = frames[0].bytes
+        try:
+            header, arrays = wire.decode(frames[1:], P.COORDINATOR_INBOX)
+        except ProtocolError as e:
+            log.warning("dropped message from peer %s: %s", identity.hex(), e)
+            return
+        try:
+            self._handle(identity, header, arrays)
+        except Exception:  # one message we could not handle: log it, drop it, serve the rest
+            log.exception("error handling %s from %s", header.get("type"), identity.hex())
 
     async def _tick_loop(self) -> None:
         last_status = time.monotonic()

@@ -89,6 +89,7 @@ def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
     """Assert the tokens of every piece equal the source document's tokens at that offset; return
     the number of pieces checked."""
     job = load_job(job_path)
+    pad_id = job.batch.pad_id
     readers = [open_source(spec) for spec in job.worker_job()["sources"]]
     checked = 0
     for batches in received.values():
@@ -97,9 +98,12 @@ def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
             at = 0
             row_len = b["tokens"].shape[1]
             for key, off, n in zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist()):
-                if at % row_len + n > row_len:  # a row ended in padding: skip to the next row
-                    at += row_len - at % row_len
                 expected = readers[key >> 48].read(key & ((1 << 48) - 1))[off: off + n].astype(np.int64)
+                # a row holds its pieces, then padding: the piece is here, or the row ended
+                fits = at % row_len + n <= row_len
+                if at % row_len and (not fits or not np.array_equal(flat[at: at + n], expected)):
+                    assert (flat[at: at + row_len - at % row_len] == pad_id).all(), f"row not padded before {key:x}"
+                    at += row_len - at % row_len
                 np.testing.assert_array_equal(flat[at: at + n], expected, err_msg=f"piece {key:x}@{off}+{n}")
                 at += n
                 checked += 1

@@ -105,3 +105,32 @@ def test_worker_frozen_past_its_deadline_registers_again_and_the_stream_holds(jo
     text = open(log).read()
     dead_at = text.index("declared dead")
     assert f"pid {frozen[0]})" in text[dead_at:], "the frozen worker did not register again"
+
+
+def test_curriculum_slack_and_end_of_stream(dataset_dir, tmp_path):
+    """Stages change the mixture and the sequence length mid-run; token slack pads rows; a source
+    with on_exhausted: stop ends the stream, and every rank's iterator stops at the same step."""
+    job = job_dict(
+        mixture=[{"until_step": 6, "weights": {"web": 0.5, "code": 0.5}},
+                 {"weights": {"web": 0.3, "code": 0.3, "long": 0.4}, "seq_len": 1024, "ramp_steps": 3}],
+        balance={"method": "greedy", "token_slack": 0.5},
+    )
+    job["sources"]["long"].update(epochs=1, on_exhausted="stop")
+    path = write_job(dataset_dir, job, "stages.yaml")
+    received = run_job(path, workers=2, ranks=2, steps=1000, log_path=str(tmp_path / "job.log"))
+    assert check_content(path, received) > 50
+    last = {r: max(b["step"] for b in bs) for r, bs in received.items()}
+    assert last[0] == last[1] and 6 < last[0] < 1000  # ended by the exhausted source, on both ranks
+    for batches in received.values():
+        for b in batches:
+            width = 768 if b["step"] < 6 else 1536  # seq_len x (1 + slack)
+            assert b["tokens"].shape == (2, width)
+            assert b["num_tokens"] == int(b["piece_lengths"].sum()) <= b["tokens"].size
+            assert b["piece_lengths"].max() <= (512 if b["step"] < 6 else 1024)
+    per_step = {}
+    for batches in received.values():
+        for b in batches:
+            per_step[b["step"]] = per_step.get(b["step"], 0) + b["num_tokens"]
+    assert all(per_step[k] == (8 * 512 if k < 6 else 8 * 1024) for k in per_step)  # global tokens fixed
+    with open(tmp_path / "job.log") as f:
+        assert "exhausted" in f.read()
