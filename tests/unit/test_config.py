@@ -36,6 +36,21 @@ def test_valid_job_parses_with_sorted_files_and_normalised_weights(dataset_dir):
     (lambda j: j["sources"]["code"].update(colour="blue"), "sources.code.colour: unknown key"),
     (lambda j: j["batch"].update(seq_len=-4), "batch.seq_len: must be >= 2"),
     (lambda j: j["batch"].update(global_batch_size=6), "batch.global_batch_size: 6 is not a multiple"),
+    (lambda j: j.update(mixture=[{"weights": {"web": 1}}, {"weights": {"code": 1}}]),
+     "mixture[0].until_step: required on every stage but the last"),
+    (lambda j: j.update(mixture=[{"until_step": 10, "weights": {"web": 1}}, {"until_step": 5, "weights": {"code": 1}},
+                                 {"weights": {"long": 1}}]), "mixture[1].until_step: must be >= 11"),
+    (lambda j: j.update(mixture=[{"until_step": 10, "weights": {"web": 1}, "ramp_steps": 3}, {"weights": {"web": 1}}]),
+     "mixture[0].ramp_steps: the first stage has no previous weights"),
+    (lambda j: j.update(mixture=[{"until_step": 10, "weights": {"web": 1}}, {"weights": {"web": 1}, "until_step": 20}]),
+     "mixture[1].until_step: the last stage runs to the end"),
+    (lambda j: j.update(mixture=[{"until_step": 10, "weights": {"web": 1}}, {"weights": {"pdf": 1}}]),
+     "mixture[1].weights.pdf: weight for unknown source"),
+    (lambda j: j.update(balance={"method": "magic"}), "balance.method: expected one of greedy, karmarkar_karp, none"),
+    (lambda j: j.update(balance={"token_slack": -0.5}), "balance.token_slack: must not be negative"),
+    (lambda j: j["sources"]["long"].update(long_docs="drop"), "sources.long.long_docs: expected one of split, truncate"),
+    (lambda j: j["sources"]["long"].update(epochs=0), "sources.long.epochs: must be >= 1"),
+    (lambda j: j.update(on_exhausted="panic"), "on_exhausted: expected one of renormalize, stop"),
 ])
 def test_each_problem_names_its_key(dataset_dir, mutate, expected):
     job = job_dict()
@@ -80,3 +95,13 @@ def test_truncated_megatron_is_refused_naming_the_file(dataset_dir, tmp_path):
     r = CliRunner().invoke(main, ["validate", path])
     assert r.exit_code == 1
     assert "code_text_document.bin" in r.output and "truncated" in r.output
+
+
+def test_curriculum_weights_ramp_between_stages(dataset_dir):
+    job = job_dict(mixture=[{"until_step": 10, "weights": {"web": 1.0}},
+                            {"weights": {"code": 3, "long": 1}, "ramp_steps": 4, "seq_len": 1024}])
+    cfg = parse_job(job, "job.yaml", base_dir=dataset_dir)
+    assert cfg.weights_at(9) == [1.0, 0.0, 0.0]
+    assert cfg.weights_at(10) == pytest.approx([0.75, 0.75 * 0.25, 0.25 * 0.25])  # a quarter of the way
+    assert cfg.weights_at(13) == pytest.approx([0.0, 0.75, 0.25])
+    assert cfg.seq_len_at(9) == 512 and cfg.seq_len_at(10) == 1024 and cfg.step_tokens_at(10) == 8 * 1024
