@@ -24,9 +24,10 @@ import sysconfig
 import time
 
 import numpy as np
-import orjson
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
 from coordinator import balance  # noqa: E402
 from coordinator.balance import Cost, Grid  # noqa: E402
@@ -197,11 +198,7 @@ def main() -> None:
         "target_plan_ms": 20.0,
         "results": results,
     }
-    text = orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode()
-    print(text)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
+    emit(summary, args.json_path)
 
 
 if __name__ == "__main__":

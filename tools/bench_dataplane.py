@@ -25,11 +25,12 @@ import tempfile
 import time
 
 import numpy as np
-import orjson
 import yaml
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
 from coordinator.local import LocalJob  # noqa: E402
 from trainer_client.assemble import assemble_micro_batch  # noqa: E402,F401  (imported by the receiver)
@@ -191,11 +192,7 @@ def main() -> None:
         "target_ratio": 0.5,
         "mixes": mixes,
     }
-    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
-    print(text)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json_path)
 
 
 if __name__ == "__main__":
