@@ -83,10 +83,15 @@ class Delivery:
 
 
 class Coordinator:
-    def __init__(self, job: JobConfig, num_records: list[int], bind: str = "tcp://127.0.0.1:5555") -> None:
+    def __init__(self, job: JobConfig, num_records: list[int], bind: str = "tcp://127.0.0.1:5555",
+                 state_dir: str | None = None) -> None:
         self.job = job
         self.bind = bind
         self.planner = Planner(job, num_records)
+        self.state_dir = state_dir
+        for at_step, weights in read_mixture_journal(state_dir):  # run-time changes of an earlier run
+            self.planner.set_weights(at_step, weights)
+            log.info("mixture journal: weights %s from step %d", weights, at_step)
         self.digest = job.digest()
         self.heartbeat_s = job.runtime.heartbeat_s
         self.workers: dict[int, WorkerInfo] = {}
@@ -215,6 +220,8 @@ class Coordinator:
             return self._on_worker_hello(identity, msg, now)
         if kind == "trainer_hello":
             return self._on_trainer_hello(identity, msg, now)
+        if kind == "mix_request":
+            return self._on_mix_request(identity, msg)
         peer = self.peers.get(identity)
         if peer is None:
             log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, identity.hex())
@@ -300,6 +307,34 @@ class Coordinator:
                                     heartbeat_s=self.heartbeat_s))
         if self.end is not None:
             self._send(identity, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
+
+    def _on_mix_request(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """New weights from a later step on (msd mix): checked, journaled, then applied."""
+        at_step, raw = msg["at_step"], msg["weights"]
+        names = [s.name for s in self.job.sources]
+        problems = []
+        if not isinstance(raw, dict) or not raw:
+            problems.append("weights: expected a non-empty map of source name -> weight")
+            raw = {}
+        for name, w in raw.items():
+            if name not in names:
+                problems.append(f"{name}: unknown source (sources: {', '.join(names)})")
+            elif type(w) not in (int, float) or not math.isfinite(w) or w < 0:
+                problems.append(f"{name}: weight must be a finite number >= 0, got {w!r}")
+        if not problems and sum(raw.values()) <= 0:
+            problems.append("weights: all zero")
+        if at_step < self.planner.state.next_step:
+            problems.append(f"step {at_step} is already planned (the plan stands at step "
+                            f"{self.planner.state.next_step}); choose a later step")
+        if problems:
+            self._send(identity, P.make(P.MIX_REPLY, ok=0, reason="; ".join(problems), at_step=at_step))
+            return
+        weights = [float(raw.get(name, 0.0)) for name in names]
+        if self.state_dir:
+            append_mixture_journal(self.state_dir, at_step, weights)
+        self.planner.set_weights(at_step, weights)
+        log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
+        self._send(identity, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
 
     def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: list[int]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
@@ -572,6 +607,41 @@ class Coordinator:
         }
 
 
+MIXTURE_JOURNAL = "mixture.journal"
+
+
+def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:
+    """The run-time mixture changes recorded in the state dir, in the order they were made."""
+    if not state_dir:
+        return []
+    path = os.path.join(state_dir, MIXTURE_JOURNAL)
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for i, line in enumerate(lines, start=1):
+        try:
+            entry = orjson.loads(line)
+            out.append((int(entry["at_step"]), [float(w) for w in entry["weights"]]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            if i == len(lines):  # a write cut short by a crash: it was never acknowledged
+                log.warning("%s:%d: incomplete last entry ignored", path, i)
+            else:
+                raise ValueError(f"{path}:{i}: corrupt journal entry") from None
+    return out
+
+
+def append_mixture_journal(state_dir: str, at_step: int, weights: list[float]) -> None:
+    """Append one change durably (fsync) before it is applied and acknowledged."""
+    os.makedirs(state_dir, exist_ok=True)
+    with open(os.path.join(state_dir, MIXTURE_JOURNAL), "ab") as f:
+        f.write(orjson.dumps({"at_step": at_step, "weights": weights}) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     """Record where this coordinator listens and which job it runs, durably (temp, fsync, rename).
     Tools find the coordinator from here; a restart whose job digest differs is reported."""
@@ -607,7 +677,7 @@ def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | No
         pass
 
     async def main() -> None:
-        coord = Coordinator(job, num_records, bind)
+        coord = Coordinator(job, num_records, bind, state_dir)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)

@@ -1,4 +1,4 @@
-"""The `msd` command line: coordinator, worker, validate, demo."""
+"""The `msd` command line: coordinator, worker, validate, demo, mix."""
 
 from __future__ import annotations
 
@@ -33,6 +33,29 @@ def _fail_config(e: ConfigError) -> None:
 def main() -> None:
     """megascale-data: one coordinator plans every global batch; stateless workers read and
     transform samples once and push them straight to the trainer ranks."""
+
+
+@main.command()
+@click.option("--coordinator", "address", required=True, help="The coordinator's control address.")
+@click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
+@click.option("--timeout-s", type=float, default=10.0, show_default=True)
+@click.argument("weights", nargs=-1, required=True)
+def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) -> None:
+    """Set new mixture weights (SOURCE=WEIGHT ...) from step AT_STEP on. The step must lie beyond
+    what is already planned; the coordinator journals the change in its --state-dir, so a
+    restarted coordinator plans the same stream."""
+    from .mix import parse_weights, request_mix
+
+    try:
+        parsed = parse_weights(weights)
+    except ValueError as e:
+        click.echo(f"msd mix: {e}", err=True)
+        sys.exit(2)
+    ok, reason = request_mix(address, at_step, parsed, timeout_s)
+    if not ok:
+        click.echo(f"msd mix: refused: {reason}", err=True)
+        sys.exit(1)
+    click.echo(f"weights {parsed} apply from step {at_step}")
 
 
 @main.command()

@@ -230,20 +230,25 @@ END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), check=_check_pieces,
               step=integer(), rank=integer(), dtype=text(8))
 
+# tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on
+MIX_REQUEST = _msg("mix_request", at_step=integer(), weights=anything())
+MIX_REPLY = _msg("mix_reply", ok=integer(0, 1), reason=text(MAX_STR_LEN), at_step=integer())
+
 ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
-        END_OF_STREAM, PIECES,
+        END_OF_STREAM, PIECES, MIX_REQUEST, MIX_REPLY,
     )
 }
 
 # What each socket role may receive; anything else is rejected at decode.
 COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED,
-                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE)
+                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST)
 )
+TOOL_INBOX = frozenset({MIX_REPLY.name})
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, REJECT, SHUTDOWN,
                                                     UNKNOWN_PEER))
