@@ -1,12 +1,16 @@
 """Assembling packed micro-batches from their recipe (the step header) and the received pieces.
 
-Pure numpy; no sockets. Layout of a sequence: its pieces back to back, then padding. Labels are
-the next token within the same piece; the last position of each piece has no label inside the
-piece (the next token belongs to another document or to a piece elsewhere), so its loss_mask is 0,
-as is every padding position. position_ids restart at 0 at every piece (and at the padding).
+Pure numpy; no sockets. Layout of a sequence ("row"): its pieces back to back, then padding.
+Labels are the next token within the same piece; the last position of each piece has no label
+inside the piece (the next token belongs to another document or to a piece elsewhere), so its
+loss_mask is 0, as is every padding position. position_ids restart at 0 at every piece (and at
+the padding).
 
-A whole step is assembled at once, vectorised over all its sequences: a fixed handful of numpy
-passes per step, whatever its piece count (this runs on the trainer host, for every step).
+`StepAssembler` holds one step of one rank: the recipe fixes where every piece goes, so each
+piece's tokens are copied into the step's token buffer as they arrive (in any order, from any
+number of messages), and the other fields, which depend only on the recipe, are derived in a
+fixed handful of numpy passes when the last piece is in. A whole step is assembled at once: this
+runs on the trainer host, for every step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,111 @@ import numpy as np
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
 
+class StepAssembler:
+    def __init__(self, refs: np.ndarray, counts: np.ndarray, row_len: int, pad_id: int, micro_batch_size: int) -> None:
+        """refs: [doc_key, offset, length] per piece in packing order; counts: pieces per row,
+        micro-batch major (consecutive groups of micro_batch_size rows form the micro-batches)."""
+        self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, 3)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
+        rows = len(self.counts)
+        lengths = self.refs[:, 2].astype(np.int64)
+        row_of = np.repeat(np.arange(rows), self.counts)
+        ends = np.cumsum(lengths)
+        row_first = np.cumsum(self.counts) - self.counts  # index of each row's first piece
+        before_row = np.concatenate([[0], ends])[row_first]  # tokens of all earlier rows' pieces
+        starts = ends - lengths - np.repeat(before_row, self.counts)  # offset within the row
+        used = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
+        if (used > row_len).any():
+            r = int(np.argmax(used > row_len))
+            raise ValueError(f"row {r} holds {int(used[r])} tokens, more than its length {row_len}")
+        self.lengths = lengths
+        self.dst = row_of * row_len + starts  # where each piece's first token goes
+        self.used = used
+        # ref -> the pieces it fills: the same range of a record may occur twice in one step (a
+        # small source repeats within a step), and one copy of its tokens fills both
+        self.index: dict[tuple[int, int, int], list[int]] = {}
+        for i, ref in enumerate(map(tuple, self.refs.tolist())):
+            self.index.setdefault(ref, []).append(i)
+        self.tokens = np.full(rows * row_len, pad_id, dtype=np.int64)
+        self.have = np.zeros(len(lengths), dtype=bool)
+        self.missing = len(lengths)
+
+    def add(self, items: np.ndarray, tokens: np.ndarray) -> int:
+        """Copy in the pieces of one message: items [doc_key, offset, length] rows whose tokens are
+        concatenated in `tokens`. Returns how many were already here or not in the recipe."""
+        ignored = 0
+        at = 0
+        index, have, dst, out = self.index, self.have, self.dst, self.tokens
+        for key, offset, length in items.tolist():
+            where = index.get((key, offset, length))
+            if where is None or have[where[0]]:
+                ignored += 1
+            else:
+                for i in where:
+                    d = int(dst[i])
+                    out[d: d + length] = tokens[at: at + length]
+                    have[i] = True
+                self.missing -= len(where)
+            at += length
+        return ignored
+
+    @property
+    def done(self) -> bool:
+        return self.missing == 0
+
+    def batches(self) -> list[dict[str, Any]]:
+        """The step's micro-batches; their arrays are views into one allocation per field."""
+        rows, row_len = len(self.counts), self.row_len
+        pad = row_len - self.used  # padding at the end of each row
+        # segments in flat order: each row's pieces, then its padding if any
+        piece_row = np.repeat(np.arange(rows), self.counts)
+        seg_row = np.concatenate([piece_row, np.flatnonzero(pad > 0)])
+        seg_len = np.concatenate([self.lengths, pad[pad > 0]])
+        seg_pad = np.concatenate([np.zeros(len(self.lengths), bool), np.ones(int((pad > 0).sum()), bool)])
+        order = np.argsort(seg_row, kind="stable")  # pieces keep their order, padding last in its row
+        seg_row, seg_len, seg_pad = seg_row[order], seg_len[order], seg_pad[order]
+        ends = np.cumsum(seg_len)
+        starts = ends - seg_len
+        total = rows * row_len
+        tokens = self.tokens
+        labels = np.empty(total, dtype=np.int64)
+        labels[:-1] = tokens[1:]
+        labels[ends - 1] = self.pad_id  # the last position of every segment has no label inside it
+        loss_mask = np.ones(total, dtype=np.float32)
+        loss_mask[ends - 1] = 0.0
+        for s, n in zip(starts[seg_pad].tolist(), seg_len[seg_pad].tolist()):  # one per padded row
+            labels[s: s + n] = self.pad_id
+            loss_mask[s: s + n] = 0.0
+        position_ids = np.arange(total, dtype=np.int64)
+        position_ids -= np.repeat(starts, seg_len)
+        shape = (rows, row_len)
+        tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
+        mbs = self.mbs
+        seg_mb = seg_row // mbs
+        seg_bounds = np.searchsorted(seg_mb, np.arange(rows // mbs + 1))
+        piece_bounds = np.concatenate([[0], np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1))])
+        out = []
+        for m in range(rows // mbs):
+            s0, s1 = seg_bounds[m], seg_bounds[m + 1]
+            cu_seqlens = np.zeros(s1 - s0 + 1, dtype=np.int32)
+            np.cumsum(seg_len[s0:s1], out=cu_seqlens[1:])
+            p0, p1 = piece_bounds[m], piece_bounds[m + 1]
+            piece_lengths = self.lengths[p0:p1]
+            out.append({
+                "tokens": tokens[m * mbs:(m + 1) * mbs],
+                "labels": labels[m * mbs:(m + 1) * mbs],
+                "loss_mask": loss_mask[m * mbs:(m + 1) * mbs],
+                "position_ids": position_ids[m * mbs:(m + 1) * mbs],
+                "cu_seqlens": cu_seqlens,
+                "doc_keys": self.refs[p0:p1, 0].copy(),
+                "doc_offsets": self.refs[p0:p1, 1].astype(np.int64),
+                "piece_lengths": piece_lengths,
+                "num_tokens": int(piece_lengths.sum()),
+            })
+        return out
+
+
 def assemble_step(
     sequences: Sequence[Sequence[PieceRef]],
     pieces: Mapping[tuple[int, int, int], np.ndarray],
@@ -25,75 +134,15 @@ def assemble_step(
     pad_id: int,
     micro_batch_size: int,
 ) -> list[dict[str, Any]]:
-    """The micro-batches of one step: `sequences` lists every sequence of the step, micro-batch
-    major; consecutive groups of `micro_batch_size` form the micro-batches. The returned arrays of
-    all micro-batches are views into one allocation per field."""
-    rows = len(sequences)
-    # segments in flat order: every piece, and after a row's pieces its padding (if any)
-    seg_len: list[int] = []
-    seg_pad: list[bool] = []
-    chunks: list[np.ndarray] = []
-    segs_per_row: list[int] = []
-    for seq in sequences:
-        n = 0
-        for key, offset, length in seq:
-            chunks.append(pieces[(key, offset, length)])
-            seg_len.append(length)
-            seg_pad.append(False)
-            n += length
-        if n > seq_len:
-            raise ValueError(f"sequence holds {n} tokens, more than seq_len {seq_len}")
-        if n < seq_len:
-            chunks.append(np.full(seq_len - n, pad_id, dtype=np.int64))
-            seg_len.append(seq_len - n)
-            seg_pad.append(True)
-        segs_per_row.append(len(seq) + (n < seq_len))
-    total = rows * seq_len
-    lengths = np.array(seg_len, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-
-    tokens = np.empty(total, dtype=np.int64)
-    if chunks:
-        np.concatenate(chunks, out=tokens, casting="safe")
-    labels = np.empty(total, dtype=np.int64)
-    labels[:-1] = tokens[1:]
-    labels[ends - 1] = pad_id  # the last position of every segment has no label inside it
-    loss_mask = np.ones(total, dtype=np.float32)
-    loss_mask[ends - 1] = 0.0
-    position_ids = np.arange(total, dtype=np.int64)
-    position_ids -= np.repeat(starts, lengths)
-    padded = np.array(seg_pad, dtype=bool)
-    if padded.any():
-        pad_positions = np.repeat(padded, lengths)
-        labels[pad_positions] = pad_id
-        loss_mask[pad_positions] = 0.0
-
-    shape = (rows, seq_len)
-    tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
-    out = []
-    seg_row_end = np.cumsum(segs_per_row).tolist()
-    for m in range(rows // micro_batch_size):
-        r0, r1 = m * micro_batch_size, (m + 1) * micro_batch_size
-        s0 = seg_row_end[r0 - 1] if r0 else 0
-        s1 = seg_row_end[r1 - 1]
-        mb_lengths = lengths[s0:s1]
-        cu_seqlens = np.zeros(len(mb_lengths) + 1, dtype=np.int32)
-        np.cumsum(mb_lengths, out=cu_seqlens[1:])
-        refs = [ref for seq in sequences[r0:r1] for ref in seq]
-        piece_lengths = mb_lengths[~padded[s0:s1]]
-        out.append({
-            "tokens": tokens[r0:r1],
-            "labels": labels[r0:r1],
-            "loss_mask": loss_mask[r0:r1],
-            "position_ids": position_ids[r0:r1],
-            "cu_seqlens": cu_seqlens,
-            "doc_keys": np.array([ref[0] for ref in refs], dtype=np.uint64),
-            "doc_offsets": np.array([ref[1] for ref in refs], dtype=np.int64),
-            "piece_lengths": piece_lengths,
-            "num_tokens": int(piece_lengths.sum()),
-        })
-    return out
+    """The micro-batches of one step from its sequences (micro-batch major) and a map of each
+    piece's tokens: StepAssembler with every piece given at once."""
+    refs = np.array([ref for seq in sequences for ref in seq], dtype=np.uint64).reshape(-1, 3)
+    counts = np.array([len(seq) for seq in sequences], dtype=np.int64)
+    step = StepAssembler(refs, counts, seq_len, pad_id, micro_batch_size)
+    unique = list(step.index)
+    if unique:
+        step.add(np.array(unique, dtype=np.uint64), np.concatenate([pieces[k] for k in unique]))
+    return step.batches()
 
 
 def assemble_micro_batch(

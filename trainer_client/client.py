@@ -23,7 +23,7 @@ import zmq
 from . import protocol as P
 from . import wire
 from . import memory
-from .assemble import assemble_step
+from .assemble import StepAssembler
 from .errors import PeerLostError, ProtocolError, RejectedError
 from .sockets import make_socket
 
@@ -187,13 +187,13 @@ class _Receiver:
     def __init__(self, client: DataClient, ready: threading.Event) -> None:
         self.c = client
         self.ready = ready
-        self.headers: dict[int, dict[str, Any]] = {}
-        self.pieces: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}
+        self.steps: dict[int, tuple[StepAssembler, Any]] = {}  # step -> (its assembler, plan summary)
+        self.early: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # pieces that came before their recipe
         self.step = client.next_step  # next micro-batch to assemble
         self.micro_batch = client.next_micro_batch
         self.registered = False
         self.duplicates = 0
-        self.buffered = 0  # pieces held in self.pieces
+        self.buffered = 0  # pieces held in self.early
         self.end: tuple[int, str] | None = None  # (first step that will not come, why)
 
     def run(self) -> None:
@@ -294,24 +294,27 @@ class _Receiver:
             log.warning("rank %d: step header for rank %d step %d dropped", self.c.rank, msg["rank"], step)
             return
         mbs, n_mb = info["micro_batch_size"], info["micro_batches"]
-        counts = arrays["counts"].tolist()
-        if len(counts) != mbs * n_mb:
+        if len(arrays["counts"]) != mbs * n_mb:
             log.warning("rank %d: step %d header has %d sequences, expected %d; dropped", self.c.rank, step,
-                        len(counts), mbs * n_mb)
+                        len(arrays["counts"]), mbs * n_mb)
             return
-        refs = arrays["pieces"].tolist()
-        sequences, at = [], 0  # micro-batch major: consecutive groups of mbs are the micro-batches
-        for n in counts:
-            sequences.append(refs[at: at + n])
-            at += n
-        self.headers[step] = {"sequences": sequences, "plan": msg["plan"], "row_len": msg["row_len"]}
+        if step in self.steps:
+            return  # a repeated header: the plan of a step never changes
+        try:
+            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs)
+        except ValueError as e:
+            log.warning("rank %d: step %d header dropped: %s", self.c.rank, step, e)
+            return
+        self.steps[step] = (assembler, msg["plan"])
+        for items, tokens in self.early.pop(step, []):  # pieces that came before their recipe
+            self.buffered -= len(items)
+            self.duplicates += assembler.add(items, tokens)
 
     def _on_pieces(self, frames) -> None:
         try:
             msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
             if msg["rank"] != self.c.rank:
                 raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.c.rank}")
-            tokens = arrays["tokens"]
         except ProtocolError as e:
             log.warning("rank %d: dropped data message: %s", self.c.rank, e)
             return
@@ -319,41 +322,29 @@ class _Receiver:
         if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
-        if self.buffered + len(arrays["items"]) > MAX_BUFFERED_PIECES:
+        items = arrays["items"][:, 1:]  # [doc_key, offset, length]; the micro-batch is in the recipe
+        if step in self.steps:
+            self.duplicates += self.steps[step][0].add(items, arrays["tokens"])
+            return
+        if self.buffered + len(items) > MAX_BUFFERED_PIECES:
             log.warning("rank %d: %d pieces already buffered; data message for step %d dropped", self.c.rank,
                         self.buffered, step)
             return
-        store = self.pieces.setdefault(step, {})
-        held = len(store)
-        at = 0
-        for _, key, offset, length in arrays["items"].tolist():
-            ref = (key, offset, length)
-            if ref in store:
-                self.duplicates += 1
-            else:
-                store[ref] = tokens[at: at + length]
-            at += length
-        self.buffered += len(store) - held
+        self.early.setdefault(step, []).append((items, arrays["tokens"]))
+        self.buffered += len(items)
 
     def _assemble(self) -> None:
-        """Assemble the next step as soon as its recipe and every piece are in (a whole step in
-        one vectorised pass), and queue its micro-batches from where the client resumes."""
-        info = self.c.batch_info
-        while info is not None and self.step in self.headers:
-            header = self.headers[self.step]
-            have = self.pieces.get(self.step, {})
-            sequences = header["sequences"]
-            if any((k, o, n) not in have for seq in sequences for k, o, n in seq):
-                return
-            batches = assemble_step(sequences, have, header["row_len"], info["pad_id"], info["micro_batch_size"])
+        """Finish the next step as soon as every piece of its recipe is in (a whole step in one
+        vectorised pass), and queue its micro-batches from where the client resumes."""
+        while self.step in self.steps and self.steps[self.step][0].done:
+            assembler, plan = self.steps.pop(self.step)
+            batches = assembler.batches()
             for m in range(self.micro_batch, len(batches)):
                 batch = batches[m]
                 batch["step"], batch["micro_batch"] = self.step, m
                 if m == 0:
-                    batch["plan"] = header["plan"]
+                    batch["plan"] = plan
                 self.c._queue.put((self.step, m, batch))
-            del self.headers[self.step]
-            self.buffered -= len(self.pieces.pop(self.step, {}))
             self.step, self.micro_batch = self.step + 1, 0
         if self.end is not None and self.step >= self.end[0]:
             self.c._queue.put(_End(self.end[1]))

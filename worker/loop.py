@@ -143,38 +143,36 @@ class Worker:
         s = msg["source"]
         try:
             reader = self._reader(s)
-            # Memory-mapped sources are "prepared" by their index alone: the tokens are read
-            # straight from the map at delivery, so nothing is copied into the cache.
+            # Memory-mapped sources are "prepared" by their index alone: their tokens are read
+            # straight from the map at delivery, so there is nothing to cache or count.
             mapped = reader.lengths(records) if reader.format == "megatron" else None
         except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
             self._send(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
-                              reason=f"cannot open source {s}: {e}"))
+                              reason=f"cannot prepare records of source {s}: {e}"))
             return
-        lengths: list[int] = []
         skipped: list[list] = []
-        base = s << 48
-        for i, record in enumerate(records.tolist()):
-            key = base | record
-            entry = self.cache.get(key)
-            if entry is not None:
-                entry[1] += 1
-                lengths.append(entry[2])
-                continue
-            if mapped is not None:
-                self.cache[key] = [None, 1, int(mapped[i])]
-                lengths.append(int(mapped[i]))
-                continue
-            try:
-                tokens = reader.read(record)
-            except (RecordError, IndexError) as e:
-                log.warning("skipped record: %s", e)
-                lengths.append(0)
-                skipped.append([i, str(e)])
-                continue
-            self.cache[key] = [tokens, 1, len(tokens)]
-            lengths.append(len(tokens))
+        if mapped is not None:
+            lengths = mapped.astype("<i8")
+        else:
+            lengths = np.zeros(len(records), dtype="<i8")
+            base = s << 48
+            for i, record in enumerate(records.tolist()):
+                key = base | record
+                entry = self.cache.get(key)
+                if entry is not None:
+                    entry[1] += 1
+                    lengths[i] = entry[2]
+                    continue
+                try:
+                    tokens = reader.read(record)
+                except (RecordError, IndexError) as e:
+                    log.warning("skipped record: %s", e)
+                    skipped.append([i, str(e)])
+                    continue
+                self.cache[key] = [tokens, 1, len(tokens)]
+                lengths[i] = len(tokens)
         self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
-                          busy_s=time.perf_counter() - started), np.array(lengths, dtype="<i8"))
+                          busy_s=time.perf_counter() - started), lengths)
 
     def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: list[int]) -> None:
         addresses = dict((r, a) for r, a in msg["addresses"])
@@ -195,7 +193,7 @@ class Worker:
             except zmq.Again:
                 log.error("step %d: rank %d at %s did not take its pieces within %ds", msg["step"], rank, address,
                           SEND_TIMEOUT_MS // 1000)
-        for key in release:
+        for key in release if self.cache else ():  # only JSONL records are cached; mapped ones never are
             entry = self.cache.get(key)
             if entry is not None:
                 entry[1] -= 1
@@ -205,27 +203,34 @@ class Worker:
 
     def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of deliver rows [rank, micro_batch, doc_key, offset, length] (grouped by
-        source), concatenated in row order, and the rows actually found in the cache."""
-        keep = np.ones(len(rows), dtype=bool)
-        for j, (key, offset, length) in enumerate(rows[:, 2:].tolist()):
-            entry = self.cache.get(key)
-            if entry is None or offset + length > entry[2]:
-                log.error("step %d: piece %x[%d:+%d] not in cache; not sent", step, key, offset, length)
-                keep[j] = False
-        rows = rows[keep]
+        source), concatenated in row order, and the rows that could be served: a piece must lie
+        within its document, and a JSONL record must be in this worker's cache."""
         sources = rows[:, 2] >> 48
-        parts = []
+        kept, parts = [], []
         for s in np.unique(sources).tolist():
             mine = rows[sources == s]
             reader = self._reader(s)
-            if reader.format == "megatron":  # one vectorised gather from the memory map
+            records, offsets, lengths = mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]
+            if reader.format == "megatron":  # checked against the index, one gather from the memory map
+                ok = offsets + lengths <= reader.lengths(records).astype(np.uint64)
+            else:
+                ok = np.array([(e := self.cache.get(key)) is not None and off + n <= e[2]
+                               for key, off, n in mine[:, 2:].tolist()], dtype=bool)
+            for key, off, n in mine[~ok][:, 2:].tolist():
+                log.error("step %d: piece %x[%d:+%d] cannot be served (not prepared here, or beyond its "
+                          "document); not sent", step, key, off, n)
+            mine = mine[ok]
+            if not len(mine):
+                continue
+            kept.append(mine)
+            if reader.format == "megatron":
                 parts.append(reader.gather(mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]))
             else:
                 parts.extend(self.cache[key][0][off: off + n] for key, off, n in mine[:, 2:].tolist())
         if not parts:
-            return rows, np.zeros(0, np.uint16)
+            return rows[:0], np.zeros(0, np.uint16)
         dtype = np.result_type(*{a.dtype for a in parts})
-        return rows, np.concatenate(parts).astype(dtype.newbyteorder("<"), copy=False)
+        return np.concatenate(kept), np.concatenate(parts).astype(dtype.newbyteorder("<"), copy=False)
 
     def _data_socket(self, address: str) -> zmq.Socket:
         sock = self.data.get(address)
