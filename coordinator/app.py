@@ -88,6 +88,8 @@ class Coordinator:
         self.job = job
         self.bind = bind
         self.planner = Planner(job, num_records)
+        self.topology = job.topology
+        self.receivers = set(job.topology.receivers())  # global ranks that get data
         self.state_dir = state_dir
         for at_step, weights in read_mixture_journal(state_dir):  # run-time changes of an earlier run
             self.planner.set_weights(at_step, weights)
@@ -275,8 +277,11 @@ class Coordinator:
         reason = None
         if msg["version"] != P.PROTOCOL_VERSION:
             reason = f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}"
-        elif rank >= self.job.dp:
-            reason = f"rank {rank} out of range: topology.dp is {self.job.dp}"
+        elif rank >= self.topology.world_size:
+            reason = f"rank {rank} out of range: the topology has {self.topology.world_size} ranks"
+        elif not self.topology.receives(rank):
+            reason = (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
+                      f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient")
         elif msg["resume_step"] != self.planner.state.next_step and rank not in self.trainers:
             # A new rank joins where the plan stands; rewinding to an earlier step needs the step
             # journal of checkpoint/resume, which this coordinator does not keep yet.
@@ -301,6 +306,7 @@ class Coordinator:
             "micro_batches": self.job.micro_batches_per_rank,
             "pad_id": self.job.batch.pad_id,
             "dp": self.job.dp,
+            "topology": self.topology._asdict(),
             "sources": [s.name for s in self.job.sources],
         }
         self._send(identity, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
@@ -429,7 +435,7 @@ class Coordinator:
     # ------------------------------------------------------------------ planning and dispatch
 
     def _pump(self) -> None:
-        if not self.workers or len(self.trainers) < self.job.dp:
+        if not self.workers or not self.receivers <= self.trainers.keys():
             return
         for task in [t for t in self.tasks.values() if t.worker_id < 0]:  # queued while no worker lived
             del self.tasks[task.task_id]
@@ -502,13 +508,17 @@ class Coordinator:
         keys = (t[:, SOURCE].astype(np.uint64) << np.uint64(48)) | t[:, RECORD].astype(np.uint64)
         refs = np.column_stack([keys, t[:, OFFSET].astype(np.uint64), t[:, LENGTH].astype(np.uint64)])
         bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1))
-        for rank in range(self.job.dp):
-            lo, hi = bounds[rank], bounds[rank + 1]
+        items, positions = [], []
+        for rank in sorted(self.receivers):  # global ranks; each gets its DP rank's part of the plan
+            d = self.topology.coords(rank).dp
+            lo, hi = bounds[d], bounds[d + 1]
             counts = np.bincount(plan.row[lo:hi], minlength=plan.rows_per_rank).astype("<u4")
             header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=plan_summary)
             self._send(self.trainers[rank].identity, header, np.ascontiguousarray(refs[lo:hi], dtype="<u8"), counts)
-        items = np.column_stack([plan.rank.astype(np.uint64), plan.micro_batch.astype(np.uint64), refs])
-        self._send_deliveries(plan.step, items, t[:, [SOURCE, POSITION]], plan.finished)
+            items.append(np.column_stack([np.full(hi - lo, rank, dtype=np.uint64),
+                                          plan.micro_batch[lo:hi].astype(np.uint64), refs[lo:hi]]))
+            positions.append(t[lo:hi][:, [SOURCE, POSITION]])
+        self._send_deliveries(plan.step, np.concatenate(items), np.concatenate(positions), plan.finished)
 
     def _holders(self, positions: np.ndarray) -> np.ndarray:
         """The worker holding each [source, position] row's prepared copy."""

@@ -20,6 +20,8 @@ import yaml
 
 from trainer_client.errors import MsdError
 
+from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
+
 from .balance import METHODS
 
 FORMATS = ("jsonl", "megatron")
@@ -87,6 +89,7 @@ class JobConfig:
     sources: tuple[SourceConfig, ...]
     batch: BatchConfig
     dp: int
+    topology: Topology
     stages: tuple[Stage, ...]
     cost: CostConfig
     balance_method: str = "greedy"
@@ -154,7 +157,7 @@ class JobConfig:
             "seed": self.seed,
             "sources": [asdict(s) for s in self.sources],
             "batch": asdict(self.batch),
-            "dp": self.dp,
+            "topology": list(self.topology),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
             "balance": [self.balance_method, self.token_slack],
@@ -343,8 +346,17 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     gbs = c.integer(b.get("global_batch_size", 1), "batch.global_batch_size")
     pad_id = c.integer(b.get("pad_id", 257), "batch.pad_id", 0)
 
-    t = c.mapping(top.get("topology", {}), "topology", {"dp"}, {"dp"})
+    t = c.mapping(top.get("topology", {}), "topology", {"dp", "pp", "cp", "tp", "order", "delivery"}, {"dp"})
     dp = c.integer(t.get("dp", 1), "topology.dp")
+    pp = c.integer(t.get("pp", 1), "topology.pp") or 1
+    cp = c.integer(t.get("cp", 1), "topology.cp") or 1
+    tp = c.integer(t.get("tp", 1), "topology.tp") or 1
+    order = t.get("order", DEFAULT_ORDER)
+    if not isinstance(order, str) or sorted(order.split("-")) != sorted(AXES):
+        c.bad("topology.order", f"expected the four axes {', '.join(AXES)} joined by '-', fastest first; got {order!r}")
+        order = DEFAULT_ORDER
+    delivery = t.get("delivery", "tp_leader")
+    _choice(c, delivery, "topology.delivery", DELIVERY)
     if mbs and gbs and dp and gbs % (dp * mbs):
         c.bad("batch.global_batch_size", f"{gbs} is not a multiple of topology.dp x micro_batch_size = {dp * mbs}")
 
@@ -372,6 +384,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         sources=tuple(sources),
         batch=BatchConfig(seq_len, mbs, gbs, pad_id),
         dp=dp,
+        topology=Topology(dp, pp, cp, tp, order, delivery),
         stages=stages,
         cost=CostConfig(quadratic, linear),
         balance_method=method,

@@ -33,6 +33,7 @@ from coordinator import balance  # noqa: E402
 from coordinator.balance import Cost, Grid  # noqa: E402
 from coordinator.config import BatchConfig, CostConfig, JobConfig, SourceConfig, Stage  # noqa: E402
 from coordinator.plan import LENGTH, Planner  # noqa: E402
+from trainer_client.topology import Topology  # noqa: E402
 
 SQUARE = Cost(1.0, 0.0)
 STEP_TOKENS = 4 * 1024 * 1024
@@ -96,7 +97,8 @@ def make_job(mix: str, dp: int, seq_len: int, method: str, slack: float) -> JobC
     names = ["files"] if mix == "files" else ["short", "long"]
     weights = (1.0,) if mix == "files" else (0.6, 0.4)
     sources = tuple(SourceConfig(n, i, "megatron", ()) for i, n in enumerate(names))
-    return JobConfig(seed=7, sources=sources, batch=BatchConfig(seq_len, 1, gbs), dp=dp, stages=(Stage(weights),),
+    return JobConfig(seed=7, sources=sources, batch=BatchConfig(seq_len, 1, gbs), dp=dp,
+                     topology=Topology(dp), stages=(Stage(weights),),
                      cost=CostConfig(1.0, 0.0), balance_method=method, token_slack=slack)
 
 

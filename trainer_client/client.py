@@ -24,6 +24,7 @@ from . import protocol as P
 from . import wire
 from . import memory
 from .assemble import StepAssembler
+from .topology import Topology, cp_share
 from .errors import PeerLostError, ProtocolError, RejectedError
 from .sockets import make_socket
 
@@ -333,6 +334,19 @@ class _Receiver:
         self.early.setdefault(step, []).append((items, arrays["tokens"]))
         self.buffered += len(items)
 
+    def _for_this_rank(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What this global rank gets of its DP rank's micro-batch: its CP share, and the fields
+        of its pipeline stage (trainer_client.topology)."""
+        info = self.c.batch_info
+        topo = Topology(**info["topology"])
+        if topo.world_size == topo.dp:
+            return batch
+        coords = topo.coords(self.c.rank)
+        if topo.cp > 1:
+            batch = cp_share(batch, topo.cp, coords.cp, info["pad_id"])
+        keep = set(topo.fields(self.c.rank))
+        return {k: v for k, v in batch.items() if k in keep}
+
     def _assemble(self) -> None:
         """Finish the next step as soon as every piece of its recipe is in (a whole step in one
         vectorised pass), and queue its micro-batches from where the client resumes."""
@@ -340,7 +354,7 @@ class _Receiver:
             assembler, plan = self.steps.pop(self.step)
             batches = assembler.batches()
             for m in range(self.micro_batch, len(batches)):
-                batch = batches[m]
+                batch = self._for_this_rank(batches[m])
                 batch["step"], batch["micro_batch"] = self.step, m
                 if m == 0:
                     batch["plan"] = plan

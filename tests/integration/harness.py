@@ -25,9 +25,7 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
     try:
         for batch in client:
-            out.put(("batch", rank, {k: batch[k] for k in (
-                "step", "micro_batch", "tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "doc_keys",
-                "doc_offsets", "piece_lengths", "num_tokens")}))
+            out.put(("batch", rank, {k: v for k, v in batch.items() if k != "plan"}))
             if compute_s:
                 time.sleep(compute_s)
             if batch["step"] + 1 >= steps and batch["micro_batch"] == client.batch_info["micro_batches"] - 1:

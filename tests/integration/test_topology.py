@@ -1,0 +1,97 @@
+"""Hybrid-parallel delivery with real processes: a dp=2, cp=2, tp=2 job (8 trainer processes)
+delivers exactly the batches of the dp=2 job, split by CP and repeated over TP."""
+
+import numpy as np
+import pytest
+
+from tests.conftest import job_dict, write_job
+from trainer_client.topology import Topology
+
+from .harness import run_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STEPS = 6
+
+
+def _by_step(batches):
+    return {(b["step"], b["micro_batch"]): b for b in batches}
+
+
+def test_dp2_cp2_tp2_reassembles_to_the_dp2_batches(dataset_dir):
+    plain = run_job(write_job(dataset_dir, job_dict(), "dp2.yaml"), workers=1, ranks=2, steps=STEPS)
+    topo = Topology(dp=2, cp=2, tp=2, delivery="all")
+    hybrid_job = job_dict(topology={"dp": 2, "cp": 2, "tp": 2, "delivery": "all"})
+    hybrid = run_job(write_job(dataset_dir, hybrid_job, "dp2cp2tp2.yaml"), workers=1, ranks=8, steps=STEPS,
+                     timeout_s=240)
+    for d in range(2):
+        want = _by_step(plain[d])
+        assert len(want) == STEPS * 2
+        shares = {}
+        for rank in range(8):
+            c = topo.coords(rank)
+            if c.dp != d:
+                continue
+            got = _by_step(hybrid[rank])
+            assert got.keys() == want.keys()
+            if c.tp == 1:  # TP ranks get identical batches
+                twin = _by_step(hybrid[topo.rank_of(c._replace(tp=0))])
+                for key in got:
+                    for name in ("tokens", "labels", "position_ids", "cp_index"):
+                        np.testing.assert_array_equal(got[key][name], twin[key][name])
+                continue
+            shares[c.cp] = got
+        for key, full in want.items():
+            for name in ("tokens", "labels", "position_ids", "loss_mask"):
+                flat = np.asarray(full[name]).reshape(-1)
+                rebuilt = np.full(flat.shape, -7, dtype=flat.dtype)
+                covered = np.zeros(flat.shape, dtype=int)
+                for cp_rank, got in shares.items():
+                    part, index = np.asarray(got[key][name]).reshape(-1), got[key]["cp_index"]
+                    real = index >= 0
+                    rebuilt[index[real]] = part[real]
+                    covered[index[real]] += 1
+                assert (covered == 1).all(), (key, name)  # every position on exactly one CP rank
+                np.testing.assert_array_equal(rebuilt, flat, err_msg=f"{key} {name}")
+            for cp_rank, got in shares.items():
+                b = got[key]
+                np.testing.assert_array_equal(b["doc_keys"], full["doc_keys"])
+                np.testing.assert_array_equal(b["doc_offsets"], full["doc_offsets"])
+                # every CP rank holds an equal share of every (padded) segment
+                assert np.all(np.diff(b["cp_cu_seqlens"]) * 2 == np.diff(b["cu_seqlens_padded"]))
+                np.testing.assert_array_equal(b["cu_seqlens"], full["cu_seqlens"])
+
+
+def test_topology_coordinates_follow_megatron_order():
+    topo = Topology(dp=2, pp=2, cp=2, tp=2)
+    assert [tuple(topo.coords(r)) for r in (0, 1, 2, 4, 8)] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (1, 0, 0, 0), (0, 1, 0, 0)]
+    assert all(topo.rank_of(topo.coords(r)) == r for r in range(16))
+    assert topo.fields(0)[:3] == ("tokens", "position_ids", "cu_seqlens")  # first stage
+    assert topo.fields(8)[:2] == ("labels", "loss_mask")  # last stage
+    assert topo.fields(1) == ()  # tp_leader: only TP rank 0 receives
+    assert topo.receivers() == [0, 2, 4, 6, 8, 10, 12, 14]
+    three = Topology(dp=1, pp=3)
+    assert three.fields(1) == () and three.fields(1, want_metadata=True)[0] == "cu_seqlens"
+
+
+def test_pipeline_stages_get_their_fields(dataset_dir):
+    plain = run_job(write_job(dataset_dir, job_dict(), "dp2b.yaml"), workers=1, ranks=2, steps=3)
+    topo = Topology(dp=2, pp=2)
+    staged = run_job(write_job(dataset_dir, job_dict(topology={"dp": 2, "pp": 2}), "dp2pp2.yaml"), workers=1,
+                     ranks=4, steps=3)
+    for rank in range(4):
+        c = topo.coords(rank)
+        want = _by_step(plain[c.dp])
+        got = _by_step(staged[rank])
+        assert got.keys() == want.keys()
+        for key, b in got.items():
+            first = ("tokens", "position_ids")
+            last = ("labels", "loss_mask")
+            for name in first + last:
+                if name in (first if c.pp == 0 else last):
+                    np.testing.assert_array_equal(b[name], want[key][name])
+                else:
+                    assert name not in b
+            np.testing.assert_array_equal(b["cu_seqlens"], want[key]["cu_seqlens"])
+            np.testing.assert_array_equal(b["doc_keys"], want[key]["doc_keys"])
