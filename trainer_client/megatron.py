@@ -2,7 +2,7 @@
 
     from trainer_client import DataClient
     from trainer_client.megatron import get_batch
-    data_iterator = DataClient(addr, rank=dp_rank)
+    data_iterator = DataClient(addr, rank=global_rank)   # a rank that receives data (see topology)
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
 
 Sequences are packed, so attention must be document-masked: use `packed_seq_params(batch)`
