@@ -32,6 +32,7 @@ from trainer_client.sockets import make_socket
 
 from .balance import imbalance
 from .config import JobConfig
+from .journal import StepJournal
 from .positions import NOBODY, PositionTable
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 
@@ -101,6 +102,15 @@ class Coordinator:
         self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
+        self.journal = StepJournal(state_dir, self.digest)
+        restored = self.journal.latest
+        if restored is not None:  # a restart: carry on where the last run's plan stood
+            self.planner.state = restored
+            log.info("state restored from %s: the plan stands at step %d (steps %d.. can be resumed)", state_dir,
+                     restored.next_step, self.journal.oldest)
+        else:
+            self.journal.record(self.planner.state)
+        self._reset_tables()
         self.len_sum = [0] * n
         self.len_count = [0] * n
         self.skipped = [0] * n
@@ -136,6 +146,7 @@ class Coordinator:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._broadcast_shutdown("coordinator stopping")
+            self.journal.close()
         finally:
             self.sock.close(linger=500)
             ctx.term()
@@ -282,15 +293,18 @@ class Coordinator:
         elif not self.topology.receives(rank):
             reason = (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
                       f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient")
-        elif msg["resume_step"] != self.planner.state.next_step and rank not in self.trainers:
-            # A new rank joins where the plan stands; rewinding to an earlier step needs the step
-            # journal of checkpoint/resume, which this coordinator does not keep yet.
-            reason = (f"cannot resume at step {msg['resume_step']}: this coordinator's plan stands at step "
+        elif msg["resume_step"] > self.planner.state.next_step:
+            reason = (f"cannot resume at step {msg['resume_step']}: the plan stands at step "
                       f"{self.planner.state.next_step}")
+        elif msg["resume_step"] < self.planner.state.next_step and self.journal.state_before(msg["resume_step"]) is None:
+            reason = (f"cannot resume at step {msg['resume_step']}: the coordinator keeps steps from "
+                      f"{self.journal.oldest} on (the journal was compacted)")
         if reason:
             log.warning("trainer rank %d rejected: %s", rank, reason)
             self._send(identity, P.make(P.REJECT, reason=reason))
             return
+        if msg["resume_step"] < self.planner.state.next_step:
+            self._rewind(msg["resume_step"])
         old = self.trainers.get(rank)
         if old is not None and old.identity != identity:
             self.peers.pop(old.identity, None)
@@ -446,6 +460,7 @@ class Coordinator:
             self._prepare_ahead()
             return
         limit = min(t.consumed for t in self.trainers.values()) + 1 + self.job.runtime.lookahead_steps
+        planned = []
         while self.end is None and self.planner.state.next_step < limit:
             if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:
                 break  # the length the last attempt stopped at is still not in: planning would stop there again
@@ -466,6 +481,10 @@ class Coordinator:
                 for event in self.planner.events:
                     log.warning("%s", event)
                 self.planner.events.clear()
+            self.journal.record(self.planner.state)
+            planned.append(plan)
+        self.journal.flush()  # the steps are durable before any of their deliveries goes out
+        for plan in planned:
             self._dispatch(plan)
             if plan.step % 32 == 0:
                 self._forget_old()
@@ -553,6 +572,35 @@ class Coordinator:
                 release_keys[mask] = (np.uint64(s) << np.uint64(48)) | self.tables[s].records(rel[mask, 1]).astype(
                     np.uint64)
             self._send(self.workers[wid].identity, header, np.ascontiguousarray(mine, dtype="<u8"), release_keys)
+
+    # ------------------------------------------------------------------ resume
+
+    def _reset_tables(self) -> None:
+        """Start every source's position table at the first position the plan still needs."""
+        st = self.planner.state
+        for s, table in enumerate(self.tables):
+            carry = st.carry[s]
+            table.reset(min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s])
+
+    def _rewind(self, step: int) -> None:
+        """Plan again from `step` (a trainer resumes from an older checkpoint). The planner is
+        deterministic, so the steps planned again are the ones planned before; what was prepared
+        or in flight for them is dropped, and the workers start clean (they register again)."""
+        log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step)
+        self.planner.state = self.journal.state_before(step)
+        self.journal.history = {k: v for k, v in self.journal.history.items() if k <= step}
+        self.deliveries.clear()
+        self.orphans.clear()
+        self.reprepare.clear()
+        self.tasks.clear()
+        self.waiting = None
+        if self.end is not None and self.end[0] > step:
+            self.end = None
+        for w in list(self.workers.values()):
+            self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
+            self.peers.pop(w.identity, None)
+        self.workers.clear()
+        self._reset_tables()
 
     # ------------------------------------------------------------------ prepare-ahead
 

@@ -18,7 +18,8 @@ def _logging(log_level: str, log_path: str | None, who: str) -> None:
                         format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
 
 
-def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None) -> None:
+def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None,
+                      state_dir: str | None = None) -> None:
     _logging(log_level, log_path, "coordinator")
     from .app import Coordinator
     from .config import load_job
@@ -38,7 +39,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         return
 
     async def main() -> None:
-        coord = Coordinator(job, counts, bind)
+        coord = Coordinator(job, counts, bind, state_dir)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, coord.stop)
         ready = loop.create_future()
@@ -61,8 +62,9 @@ class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
     def __init__(self, job_path: str, workers: int = 1, log_level: str = "WARNING",
-                 bind: str = "tcp://127.0.0.1:0", log_path: str | None = None) -> None:
+                 bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None) -> None:
         self.log_path = log_path
+        self.state_dir = state_dir
         self.job_path = job_path
         self.workers = workers
         self.log_level = log_level
@@ -72,19 +74,28 @@ class LocalJob:
         self.host: mp.Process | None = None
 
     def __enter__(self) -> "LocalJob":
+        self.address = self._start_coordinator(self.bind)
+        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path),
+                                   name="msd-worker-host")
+        self.host.start()
+        return self
+
+    def _start_coordinator(self, bind: str) -> str:
         q = _SPAWN.Queue()
-        self.coordinator = _SPAWN.Process(target=_coordinator_main, args=(self.job_path, self.bind, q, self.log_level, self.log_path),
-                                          name="msd-coordinator")
+        self.coordinator = _SPAWN.Process(target=_coordinator_main, name="msd-coordinator",
+                                          args=(self.job_path, bind, q, self.log_level, self.log_path, self.state_dir))
         self.coordinator.start()
         status, value = q.get(timeout=120)
         if status != "ok":
             self.coordinator.join(5)
             raise RuntimeError(f"coordinator failed to start: {value}")
-        self.address = value
-        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path),
-                                   name="msd-worker-host")
-        self.host.start()
-        return self
+        return value
+
+    def restart_coordinator(self) -> None:
+        """SIGKILL the coordinator and start a new one on the same address and state dir."""
+        self.coordinator.kill()
+        self.coordinator.join(10)
+        self._start_coordinator(self.address)
 
     def worker_pids(self) -> list[int]:
         """PIDs of the host agent's worker processes (children of the host)."""

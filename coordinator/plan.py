@@ -85,6 +85,18 @@ class PlannerState:
     delivered: list[int]  # cumulative tokens per source
     exhausted: list[bool]  # sources whose finite epochs are used up
 
+    def to_json(self) -> dict:
+        return {"next_step": self.next_step, "cursors": list(self.cursors),
+                "carry": [list(c) if c is not None else None for c in self.carry],
+                "target": list(self.target), "delivered": list(self.delivered), "exhausted": list(self.exhausted)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PlannerState":
+        return cls(int(d["next_step"]), [int(x) for x in d["cursors"]],
+                   [tuple(int(v) for v in c) if c is not None else None for c in d["carry"]],
+                   [float(x) for x in d["target"]], [int(x) for x in d["delivered"]],
+                   [bool(x) for x in d["exhausted"]])
+
 
 class SourceExhausted(Exception):
     """A source with `on_exhausted: stop` has no records left: the job's stream ends before this step."""
@@ -161,6 +173,10 @@ class Planner:
         active = [s for s, w in enumerate(weights) if w > 0]
         if not active:
             raise SourceExhausted(", ".join(src.name for src in job.sources), step)
+        for s in active:  # a carried-over document must be prepared too (after a rewind it may not be)
+            carry = st.carry[s]
+            if carry is not None and known.window(s, carry[0], 1)[1][0] < 0:
+                raise NeedLength(s, carry[0])
         target = {s: st.target[s] + weights[s] * capacity for s in active}
         budget = {s: max(target[s] - st.delivered[s], 0.0) + seq_len for s in active}
         while True:

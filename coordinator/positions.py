@@ -23,6 +23,10 @@ class PositionTable:
         self._length = np.zeros(0, dtype=np.int64)
         self._holder = np.zeros(0, dtype=np.int64)
 
+    def reset(self, start: int) -> None:
+        """Forget everything; the next position issued is `start` (after the plan was rewound)."""
+        self.base = self.end = start
+
     def __len__(self) -> int:
         return self.end - self.base
 

@@ -17,12 +17,16 @@ from worker.readers import open_source
 SPAWN = mp.get_context("spawn")
 
 
-def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.0) -> None:
-    """Trainer process: receive `steps` steps and send every micro-batch back to the test,
-    spending `compute_s` per micro-batch as a trainer's compute would."""
+def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.0,
+            resume: dict | None = None) -> None:
+    """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
+    every micro-batch back to the test, spending `compute_s` per micro-batch as a trainer's
+    compute would."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
+    if resume is not None:
+        client.load_state_dict(resume)
     try:
         for batch in client:
             out.put(("batch", rank, {k: v for k, v in batch.items() if k != "plan"}))
@@ -41,36 +45,47 @@ def run_job(job_path: str, *, workers: int, ranks: int, steps: int, log_path: st
             during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90,
             compute_s: float = 0.0) -> dict[int, list[dict]]:
     """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection)."""
-    received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO") as cluster:
-        out = SPAWN.Queue()
-        procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, compute_s)) for r in range(ranks)]
+        return run_ranks(cluster, ranks=ranks, steps=steps, during=during, timeout_s=timeout_s, compute_s=compute_s)[0]
+
+
+def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
+              timeout_s: float = 90, compute_s: float = 0.0,
+              resume: dict[int, dict] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+    """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
+    received, and each one's final state_dict."""
+    received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
+    states: dict[int, dict] = {}
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, compute_s,
+                                                 (resume or {}).get(r))) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    done, deadline = 0, time.monotonic() + timeout_s
+    try:
+        while done < ranks:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job did not finish in {timeout_s}s; got "
+                                     f"{ {r: len(b) for r, b in received.items()} } micro-batches")
+            try:
+                kind, rank, payload = out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "error":
+                raise AssertionError(f"rank {rank}: {payload}")
+            if kind == "done":
+                done += 1
+                states[rank] = payload
+            else:
+                received[rank].append(payload)
+                if during is not None:
+                    during(cluster, sum(len(b) for b in received.values()))
+    finally:
         for p in procs:
-            p.start()
-        done, deadline = 0, time.monotonic() + timeout_s
-        try:
-            while done < ranks:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"job did not finish in {timeout_s}s; got "
-                                         f"{ {r: len(b) for r, b in received.items()} } micro-batches")
-                try:
-                    kind, rank, payload = out.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if kind == "error":
-                    raise AssertionError(f"rank {rank}: {payload}")
-                if kind == "done":
-                    done += 1
-                else:
-                    received[rank].append(payload)
-                    if during is not None:
-                        during(cluster, sum(len(b) for b in received.values()))
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    return received
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return received, states
 
 
 def signature(received: dict[int, list[dict]]) -> list[tuple]:

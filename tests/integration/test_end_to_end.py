@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 
 from tests.conftest import job_dict, write_job
@@ -134,3 +135,42 @@ def test_curriculum_slack_and_end_of_stream(dataset_dir, tmp_path):
     assert all(per_step[k] == (8 * 512 if k < 6 else 8 * 1024) for k in per_step)  # global tokens fixed
     with open(tmp_path / "job.log") as f:
         assert "exhausted" in f.read()
+
+
+def test_trainers_resume_from_an_older_checkpoint_and_get_the_same_batches(job_path):
+    """All ranks stop at step 12; restarted from a checkpoint of step 5 they receive exactly
+    what they received the first time from step 5 on (the coordinator plans those steps again)."""
+    from coordinator.local import LocalJob
+
+    from .harness import run_ranks
+
+    with LocalJob(job_path, workers=2, log_level="INFO") as cluster:
+        first, states = run_ranks(cluster, ranks=2, steps=12)
+        resume = {r: dict(states[r], next_step=5, next_micro_batch=0) for r in range(2)}
+        again, _ = run_ranks(cluster, ranks=2, steps=12, resume=resume)
+    want = {r: [b for b in first[r] if b["step"] >= 5] for r in range(2)}
+    assert all(len(again[r]) == len(want[r]) == 7 * 2 for r in range(2))
+    assert signature(again) == signature(want)
+    for r in range(2):
+        for a, b in zip(again[r], want[r]):
+            np.testing.assert_array_equal(a["tokens"], b["tokens"])
+
+
+def test_coordinator_killed_and_restarted_from_its_state_dir_keeps_the_stream(job_path, reference, tmp_path):
+    """SIGKILL the coordinator mid-run; a new one on the same address and --state-dir takes over:
+    workers and ranks register again by themselves and the stream is the fault-free one."""
+    from coordinator.local import LocalJob
+
+    from .harness import run_ranks
+
+    killed = []
+
+    def kill_once(cluster, batches):
+        if batches >= 16 and not killed:
+            killed.append(batches)
+            cluster.restart_coordinator()
+
+    with LocalJob(job_path, workers=2, log_level="INFO", state_dir=str(tmp_path / "state")) as cluster:
+        received, _ = run_ranks(cluster, ranks=2, steps=STEPS, during=kill_once, timeout_s=120)
+    assert killed
+    assert signature(received) == signature(reference[0])
