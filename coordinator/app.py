@@ -303,9 +303,15 @@ class Coordinator:
             log.warning("trainer rank %d rejected: %s", rank, reason)
             self._send(identity, P.make(P.REJECT, reason=reason))
             return
+        old = self.trainers.get(rank)
+        if old is not None and old.identity != identity and now - old.last_seen < 3 * self.heartbeat_s:
+            # Another client holds this rank and is alive: two trainers must never share a rank.
+            # The newcomer keeps asking; the rank is its once the holder leaves or goes silent.
+            log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
+            self._send(identity, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
+            return
         if msg["resume_step"] < self.planner.state.next_step:
             self._rewind(msg["resume_step"])
-        old = self.trainers.get(rank)
         if old is not None and old.identity != identity:
             self.peers.pop(old.identity, None)
         if identity in self.peers and self.peers[identity] != ("trainer", rank):

@@ -275,6 +275,8 @@ class _Receiver:
             return float(msg["heartbeat_s"])
         if kind == "step_header":
             self._on_step_header(msg, arrays)
+        elif kind == "rank_taken":
+            log.warning("rank %d: %s; asking again", self.c.rank, msg["reason"])
         elif kind == "end_of_stream":
             log.info("rank %d: the stream ends before step %d: %s", self.c.rank, msg["step"], msg["reason"])
             self.end = (msg["step"], msg["reason"])

@@ -223,6 +223,8 @@ STEP_HEADER = _msg(
     row_len=integer(1, MAX_PIECE_LEN),  # tokens per packed sequence of this step, padding included
     plan=anything(),
 )
+# the rank is held by another live client: keep saying hello (it is yours once that one is gone)
+RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
 # no step at or after `step` will be planned (a source with on_exhausted: stop ran out)
 END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 
@@ -239,7 +241,7 @@ ALL_TYPES = {
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
-        END_OF_STREAM, PIECES, MIX_REQUEST, MIX_REPLY,
+        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY,
     )
 }
 
@@ -250,8 +252,8 @@ COORDINATOR_INBOX = frozenset(
 )
 TOOL_INBOX = frozenset({MIX_REPLY.name})
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
-TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, REJECT, SHUTDOWN,
-                                                    UNKNOWN_PEER))
+TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
+                                                    SHUTDOWN, UNKNOWN_PEER))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

@@ -106,3 +106,22 @@ def test_resume_where_the_plan_does_not_stand_is_refused_clearly(job_path):
                 next(client)
         finally:
             client.close()
+
+
+def test_a_second_client_for_a_live_rank_gets_nothing_until_the_first_leaves(job_path):
+    with LocalJob(job_path, workers=1) as job:
+        first = DataClient(job.address, rank=0, as_torch=False, timeout_s=30)
+        second = DataClient(job.address, rank=0, as_torch=False, timeout_s=3)
+        try:
+            got = [next(first) for _ in range(3)]
+            with pytest.raises(Exception, match="no micro-batch"):
+                next(second)  # refused while the first is alive: no data at all
+            assert second.state_dict()["next_step"] == 0
+            first.close()  # the rank is free: the second takes it over, from its own step 0
+            second.timeout_s = 30
+            again = next(second)
+        finally:
+            first.close()
+            second.close()
+    assert [b["step"] for b in got] == [0, 0, 1]
+    assert again["step"] == 0 and np.array_equal(again["tokens"], got[0]["tokens"])
