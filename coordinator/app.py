@@ -31,7 +31,9 @@ from trainer_client.errors import ProtocolError
 from trainer_client.sockets import make_socket
 
 from .balance import imbalance
-from .config import JobConfig
+from trainer_client.errors import MsdError
+
+from .config import JobConfig, config_diff
 from .journal import StepJournal
 from .positions import NOBODY, PositionTable
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
@@ -85,7 +87,7 @@ class Delivery:
 
 class Coordinator:
     def __init__(self, job: JobConfig, num_records: list[int], bind: str = "tcp://127.0.0.1:5555",
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, allow_config_change: bool = False) -> None:
         self.job = job
         self.bind = bind
         self.planner = Planner(job, num_records)
@@ -102,7 +104,8 @@ class Coordinator:
         self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
-        self.journal = StepJournal(state_dir, self.digest)
+        changed = check_job_change(state_dir, job, allow_config_change)
+        self.journal = StepJournal(state_dir, self.digest, accept_changed_job=changed)
         restored = self.journal.latest
         if restored is not None:  # a restart: carry on where the last run's plan stood
             self.planner.state = restored
@@ -672,6 +675,49 @@ class Coordinator:
 
 
 MIXTURE_JOURNAL = "mixture.journal"
+JOB_RECORD = "job.json"
+
+
+class JobChanged(MsdError):
+    def __init__(self, state_dir: str, diff: list[str]) -> None:
+        self.diff = diff
+        super().__init__(f"{state_dir}: the job file changed since this state was written; refusing to continue "
+                         "(--allow-config-change to continue anyway):\n" + "\n".join(f"  {d}" for d in diff))
+
+
+def check_job_change(state_dir: str | None, job: JobConfig, allow: bool) -> bool:
+    """Compare the job with the one the state dir was written for, and record the job there.
+    A changed topology is an elastic resume (the global stream does not depend on it). Any other
+    change raises JobChanged with the differences, unless allowed. Returns whether the stream
+    definition changed (and was allowed)."""
+    if not state_dir:
+        return False
+    os.makedirs(state_dir, exist_ok=True)
+    path = os.path.join(state_dir, JOB_RECORD)
+    current = {"stream": job.stream_definition(), "topology": job.topology._asdict()}
+    changed = False
+    try:
+        with open(path, "rb") as f:
+            previous = orjson.loads(f.read())
+    except FileNotFoundError:
+        previous = None
+    if previous is not None:
+        diff = config_diff(previous.get("stream"), current["stream"])
+        if diff and not allow:
+            raise JobChanged(state_dir, diff)
+        if diff:
+            log.warning("the job changed (allowed by --allow-config-change): %s", "; ".join(diff))
+            changed = True
+        topo = config_diff(previous.get("topology"), current["topology"], "topology")
+        if topo:
+            log.warning("elastic resume: %s; the same global stream continues over the new ranks", "; ".join(topo))
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(current, option=orjson.OPT_INDENT_2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return changed
 
 
 def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:
@@ -729,7 +775,8 @@ def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     os.replace(tmp, path)
 
 
-def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | None = None) -> None:
+def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | None = None,
+          allow_config_change: bool = False) -> None:
     """Run a coordinator until SIGINT/SIGTERM."""
     import signal
 
@@ -741,7 +788,7 @@ def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | No
         pass
 
     async def main() -> None:
-        coord = Coordinator(job, num_records, bind, state_dir)
+        coord = Coordinator(job, num_records, bind, state_dir, allow_config_change)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)

@@ -62,19 +62,25 @@ def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) 
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
 @click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for the coordinator's state (created if missing). Holds coordinator.json "
-                   "(address, job digest); a restart with a changed job file is reported.")
+              help="Directory for the coordinator's state (created if missing): the step journal, the "
+                   "mixture journal, the job it was written for. A restart on it continues the same stream.")
+@click.option("--allow-config-change", is_flag=True, default=False,
+              help="Continue from --state-dir although the job file changed (beyond its topology).")
 @click.option("--log-level", default="INFO", show_default=True)
-def coordinator(config_path: str, bind: str, state_dir: str | None, log_level: str) -> None:
+def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, log_level: str) -> None:
     """Run the job's coordinator."""
     _setup_logging(log_level, "coordinator")
     try:
         job, counts = _load_and_open(config_path)
     except ConfigError as e:
         _fail_config(e)
-    from .app import serve
+    from .app import JobChanged, serve
 
-    serve(job, counts, bind, state_dir)
+    try:
+        serve(job, counts, bind, state_dir, allow_config_change)
+    except JobChanged as e:
+        click.echo(str(e), err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -151,18 +151,34 @@ class JobConfig:
             ],
         }
 
-    def digest(self) -> str:
-        """Fingerprint of everything that defines the stream of batches (not runtime knobs)."""
-        order_defining = {
+    def stream_definition(self) -> dict[str, Any]:
+        """Everything that defines the global stream of batches (which documents, which tokens,
+        in which step), as plain JSON: not the topology (the same global batches can be laid
+        out over any number of ranks) and not runtime knobs."""
+        return orjson.loads(orjson.dumps({
             "seed": self.seed,
             "sources": [asdict(s) for s in self.sources],
             "batch": asdict(self.batch),
-            "topology": list(self.topology),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
-            "balance": [self.balance_method, self.token_slack],
-        }
-        return hashlib.sha256(orjson.dumps(order_defining, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+            "balance": {"method": self.balance_method, "token_slack": self.token_slack},
+        }))
+
+    def digest(self) -> str:
+        """Fingerprint of the stream definition."""
+        return hashlib.sha256(orjson.dumps(self.stream_definition(), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def config_diff(old: Any, new: Any, path: str = "") -> list[str]:
+    """`key: old -> new` for every leaf that differs between two JSON-like values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += config_diff(old.get(k, "<absent>"), new.get(k, "<absent>"), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in config_diff(a, b, f"{path}[{i}]")]
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
 class _Checker:

@@ -24,8 +24,11 @@ COMPACT_AFTER = 100_000
 
 
 class StepJournal:
-    def __init__(self, state_dir: str | None, digest: str) -> None:
+    def __init__(self, state_dir: str | None, digest: str, accept_changed_job: bool = False) -> None:
+        """accept_changed_job: entries written for another job digest are taken (the caller
+        allowed the change); the journal is then rewritten to its last state under this digest."""
         self.state_dir = state_dir
+        self.accept_changed_job = accept_changed_job
         self.digest = digest
         self.history: dict[int, dict] = {}  # step -> planner state before it (JSON form)
         self._pending: list[bytes] = []
@@ -35,6 +38,8 @@ class StepJournal:
             self.path = os.path.join(state_dir, JOURNAL)
             self._load()
             self._file = open(self.path, "ab")
+            if accept_changed_job and self.history:
+                self.compact()
 
     def _load(self) -> None:
         try:
@@ -52,7 +57,7 @@ class StepJournal:
                     log.warning("%s:%d: incomplete last entry ignored", self.path, i)
                     continue
                 raise ValueError(f"{self.path}:{i}: corrupt journal entry") from None
-            if entry.get("digest") != self.digest:
+            if entry.get("digest") != self.digest and not self.accept_changed_job:
                 raise ValueError(f"{self.path}:{i}: written for plan digest {entry.get('digest')}, this job's is "
                                  f"{self.digest}: the job file changed (use a new --state-dir)")
             self.history[int(state["next_step"])] = state

@@ -174,3 +174,52 @@ def test_coordinator_killed_and_restarted_from_its_state_dir_keeps_the_stream(jo
         received, _ = run_ranks(cluster, ranks=2, steps=STEPS, during=kill_once, timeout_s=120)
     assert killed
     assert signature(received) == signature(reference[0])
+
+
+def _tokens_per_document(received, steps):
+    """step -> {doc_key: tokens of it in the step}, over all ranks (the global batch's content)."""
+    out = {}
+    for batches in received.values():
+        for b in batches:
+            if b["step"] in steps:
+                per = out.setdefault(b["step"], {})
+                for key, n in zip(b["doc_keys"].tolist(), b["piece_lengths"].tolist()):
+                    per[key] = per.get(key, 0) + n
+    return out
+
+
+def test_elastic_resume_over_more_ranks_continues_the_global_stream(dataset_dir, job_path, reference, tmp_path):
+    """Stop a dp=2 job at step 10; restart it with dp=4 on the same --state-dir: steps 10.. hold
+    the same documents as the uninterrupted dp=2 run, now spread over four ranks."""
+    from coordinator.local import LocalJob
+
+    from .harness import run_ranks
+
+    state = str(tmp_path / "state")
+    with LocalJob(job_path, workers=1, state_dir=state) as cluster:
+        _, states = run_ranks(cluster, ranks=2, steps=10)
+    wide = write_job(dataset_dir, job_dict(topology={"dp": 4}), "e2e-dp4.yaml")
+    resume = {r: dict(states[0], rank=r, next_step=10, next_micro_batch=0) for r in range(4)}
+    with LocalJob(wide, workers=1, state_dir=state, log_path=str(tmp_path / "wide.log"), log_level="INFO") as cluster:
+        widened, _ = run_ranks(cluster, ranks=4, steps=16, resume=resume)
+    steps = set(range(10, 16))
+    assert _tokens_per_document(widened, steps) == _tokens_per_document(reference[0], steps)
+    assert all(b["tokens"].shape == (2, 512) for bs in widened.values() for b in bs)  # 1 micro-batch of 2 rows
+    assert "elastic resume: topology.dp: 2 -> 4" in open(tmp_path / "wide.log").read()
+
+
+def test_a_changed_job_is_refused_at_restart_with_what_changed(dataset_dir, tmp_path):
+    from coordinator.app import JobChanged, check_job_change
+    from coordinator.config import parse_job
+
+    state = str(tmp_path / "state")
+    job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
+    assert check_job_change(state, job, allow=False) is False
+    assert check_job_change(state, parse_job(job_dict(topology={"dp": 4}), "job.yaml", base_dir=dataset_dir),
+                            allow=False) is False  # elastic: allowed
+    changed = parse_job(job_dict(seed=99, batch={"seq_len": 1024, "micro_batch_size": 2, "global_batch_size": 8}),
+                        "job.yaml", base_dir=dataset_dir)
+    with pytest.raises(JobChanged) as e:
+        check_job_change(state, changed, allow=False)
+    assert "seed: 1234 -> 99" in str(e.value) and "batch.seq_len: 512 -> 1024" in str(e.value)
+    assert check_job_change(state, changed, allow=True) is True
