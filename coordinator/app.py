@@ -39,7 +39,6 @@ from .positions import NOBODY, PositionTable
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 
 log = logging.getLogger("msd.coordinator")
-STATUS_EVERY_S = 30.0
 MAX_BURST = 256  # messages handled before the next planning pass
 _MESSAGES_OF = {
     "worker": {"worker_heartbeat", "prepared", "task_failed", "delivered"},
@@ -129,6 +128,7 @@ class Coordinator:
         self.failed = False
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
+        self.messages_received = self.messages_sent = 0
         self.address: str | None = None
 
     # ------------------------------------------------------------------ sockets and loops
@@ -171,6 +171,7 @@ class Coordinator:
             self._pump_or_stop()
 
     def _receive(self, frames: list) -> None:
+        self.messages_received += 1
         identity = frames[0].bytes
         try:
             header, arrays = wire.decode(frames[1:], P.COORDINATOR_INBOX)
@@ -189,8 +190,11 @@ class Coordinator:
             now = time.monotonic()
             self._tick(now)
             self._pump_or_stop()
-            if now - last_status >= STATUS_EVERY_S:
-                log.info("status: %s", self.status())
+            if now - last_status >= self.job.runtime.status_every_s:
+                status = self.status()
+                log.info("status: %s", status)
+                if self.state_dir:
+                    write_json_atomically(os.path.join(self.state_dir, "status.json"), status)
                 last_status = now
 
     def _pump_or_stop(self) -> None:
@@ -208,6 +212,7 @@ class Coordinator:
     def _send(self, identity: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
         # the outcome through a future that is already done for a non-blocking send.
+        self.messages_sent += 1
         fut = self.sock.send_multipart([identity, *wire.encode(header, *arrays)], flags=zmq.NOBLOCK)
         fut.add_done_callback(lambda f: self._sent(f, identity, header["type"]))
 
@@ -597,7 +602,7 @@ class Coordinator:
         or in flight for them is dropped, and the workers start clean (they register again)."""
         log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step)
         self.planner.state = self.journal.state_before(step)
-        self.journal.history = {k: v for k, v in self.journal.history.items() if k <= step}
+        self.journal.forget_after(step)
         self.deliveries.clear()
         self.orphans.clear()
         self.reprepare.clear()
@@ -665,6 +670,9 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         return {
+            "time": time.time(),
+            "messages_received": self.messages_received,
+            "messages_sent": self.messages_sent,
             "next_step": self.planner.state.next_step,
             "consumed": {r: t.consumed for r, t in self.trainers.items()},
             "workers": len(self.workers),
@@ -711,12 +719,7 @@ def check_job_change(state_dir: str | None, job: JobConfig, allow: bool) -> bool
         topo = config_diff(previous.get("topology"), current["topology"], "topology")
         if topo:
             log.warning("elastic resume: %s; the same global stream continues over the new ranks", "; ".join(topo))
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(orjson.dumps(current, option=orjson.OPT_INDENT_2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomically(path, current)
     return changed
 
 
@@ -752,6 +755,16 @@ def append_mixture_journal(state_dir: str, at_step: int, weights: list[float]) -
         os.fsync(f.fileno())
 
 
+def write_json_atomically(path: str, value: Any) -> None:
+    """Temp file, fsync, rename: readers see the old or the new content, never a torn one."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     """Record where this coordinator listens and which job it runs, durably (temp, fsync, rename).
     Tools find the coordinator from here; a restart whose job digest differs is reported."""
@@ -767,12 +780,7 @@ def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
         pass
     record = {"address": address, "digest": job.digest(), "job": os.path.abspath(job.path), "pid": os.getpid(),
               "protocol": P.PROTOCOL_VERSION}
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomically(path, record)
 
 
 def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | None = None,

@@ -81,6 +81,7 @@ class RuntimeConfig:
     lookahead_steps: int = 4  # steps planned ahead of the slowest rank's consumed step
     heartbeat_s: float = 1.0
     prepare_batch: int = 64  # records per prepare task
+    status_every_s: float = 30.0  # status line in the log (and status.json in --state-dir)
 
 
 @dataclass(frozen=True)
@@ -386,12 +387,14 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     quadratic = c.number(cost_raw.get("quadratic", 1.0), "balance.cost.quadratic")
     linear = c.number(cost_raw.get("linear", 0.0), "balance.cost.linear")
 
-    rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch"})
+    rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
+                                                       "status_every_s"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
         c.bad("runtime.heartbeat_s", "must be > 0")
     prepare_batch = c.integer(rt.get("prepare_batch", 64), "runtime.prepare_batch")
+    status_every = c.number(rt.get("status_every_s", 30.0), "runtime.status_every_s")
 
     if c.problems:
         raise ConfigError(path, c.problems)
@@ -405,7 +408,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         cost=CostConfig(quadratic, linear),
         balance_method=method,
         token_slack=slack,
-        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch),
+        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every),
         path=path,
     )
 

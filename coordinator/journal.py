@@ -6,7 +6,9 @@ The state is O(number of sources) (cursors, the document each source carries ove
 targets and deliveries, exhausted sources), so a step costs one short JSON line. Lines are
 appended to `steps.journal` and fsynced once per planning pass (a step boundary); when the
 journal holds `COMPACT_AFTER` steps it is rewritten, atomically, to its last state, and older
-steps can no longer be resumed (a clear error names the oldest step that can).
+steps can no longer be resumed (a clear error names the oldest step that can). Memory holds
+the last MEMORY_STEPS states only; an older one is read back from the file when a trainer
+resumes there (without a state dir, only those in memory can be resumed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .plan import PlannerState
 log = logging.getLogger("msd.journal")
 JOURNAL = "steps.journal"
 COMPACT_AFTER = 100_000
+MEMORY_STEPS = 1024
 
 
 class StepJournal:
@@ -30,7 +33,9 @@ class StepJournal:
         self.state_dir = state_dir
         self.accept_changed_job = accept_changed_job
         self.digest = digest
-        self.history: dict[int, dict] = {}  # step -> planner state before it (JSON form)
+        self.history: dict[int, dict] = {}  # step -> planner state before it (JSON form), recent steps
+        self.first_on_disk: int | None = None  # the oldest step the journal file holds
+        self.entries = 0  # lines in the journal file
         self._pending: list[bytes] = []
         self._file = None
         if state_dir:
@@ -60,7 +65,12 @@ class StepJournal:
             if entry.get("digest") != self.digest and not self.accept_changed_job:
                 raise ValueError(f"{self.path}:{i}: written for plan digest {entry.get('digest')}, this job's is "
                                  f"{self.digest}: the job file changed (use a new --state-dir)")
-            self.history[int(state["next_step"])] = state
+            step = int(state["next_step"])
+            self.history[step] = state
+            if self.first_on_disk is None or step < self.first_on_disk:
+                self.first_on_disk = step
+            self.entries += 1
+        self._trim()
 
     @property
     def latest(self) -> PlannerState | None:
@@ -68,20 +78,49 @@ class StepJournal:
 
     @property
     def oldest(self) -> int | None:
+        if self.first_on_disk is not None:
+            return self.first_on_disk
         return min(self.history) if self.history else None
+
+    def _trim(self) -> None:
+        while len(self.history) > MEMORY_STEPS:
+            del self.history[min(self.history)]
 
     def record(self, state: PlannerState) -> None:
         """The planner's state before step state.next_step (call after planning each step)."""
         j = state.to_json()
         self.history[state.next_step] = j
+        if len(self.history) > 2 * MEMORY_STEPS:
+            self._trim()
         if self._file is not None:
             self._pending.append(orjson.dumps({"digest": self.digest, "state": j}) + b"\n")
-        if len(self.history) > COMPACT_AFTER:
-            self.compact()
+            if self.first_on_disk is None:
+                self.first_on_disk = state.next_step
+            self.entries += 1
+            if self.entries > COMPACT_AFTER:
+                self.compact()
 
     def state_before(self, step: int) -> PlannerState | None:
         j = self.history.get(step)
+        if j is None and self._file is not None and self.first_on_disk is not None and step >= self.first_on_disk:
+            j = self._read_from_disk(step)
         return PlannerState.from_json(j) if j is not None else None
+
+    def _read_from_disk(self, step: int) -> dict | None:
+        self.flush()
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    entry = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if int(entry["state"]["next_step"]) == step:
+                    return entry["state"]
+        return None
+
+    def forget_after(self, step: int) -> None:
+        """Drop states of steps after `step` (the plan was rewound there; they come again)."""
+        self.history = {k: v for k, v in self.history.items() if k <= step}
 
     def flush(self) -> None:
         """Make the recorded steps durable (before their deliveries go out)."""
@@ -97,6 +136,7 @@ class StepJournal:
         last = max(self.history)
         self.history = {last: self.history[last]}
         self._pending.clear()  # the rewritten file holds the latest state
+        self.first_on_disk, self.entries = last, 1
         if self._file is None:
             return
         tmp = self.path + ".tmp"

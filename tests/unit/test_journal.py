@@ -65,3 +65,17 @@ def test_without_a_state_dir_the_history_is_in_memory_only(tmp_path):
     j.record(_state(0))
     j.flush()
     assert j.state_before(0) == _state(0)
+
+
+def test_memory_keeps_recent_steps_and_older_ones_come_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(J, "MEMORY_STEPS", 4)
+    j = StepJournal(str(tmp_path), "d1")
+    for k in range(20):
+        j.record(_state(k))
+    j.flush()
+    assert len(j.history) <= 8 and 0 not in j.history
+    assert j.state_before(2) == _state(2) and j.oldest == 0  # read back from the file
+    memory_only = StepJournal(None, "d1")
+    for k in range(20):
+        memory_only.record(_state(k))
+    assert memory_only.state_before(2) is None and memory_only.oldest >= 12
