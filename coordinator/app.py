@@ -24,7 +24,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from trainer_client import memory
+from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
@@ -136,7 +136,11 @@ class Coordinator:
     async def run(self, ready: asyncio.Future | None = None) -> None:
         memory.keep_freed_memory()
         ctx = zmq.asyncio.Context()
+        auth = None
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
+        if self.job.curve_keys:  # only workers and trainers holding an authorised key get through
+            auth = security.start_authenticator(ctx, self.job.curve_keys)
+            security.as_server(self.sock, security.load(self.job.curve_keys, "coordinator"))
         try:
             self.sock.bind(self.bind)
             self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -152,6 +156,8 @@ class Coordinator:
             self.journal.close()
         finally:
             self.sock.close(linger=500)
+            if auth is not None:
+                auth.stop()
             ctx.term()
 
     def stop(self) -> None:

@@ -1,9 +1,8 @@
-"""The `msd` command line: coordinator, worker, validate, demo, mix."""
+"""The `msd` command line: coordinator, worker, validate, demo, mix, keys."""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import click
@@ -86,13 +85,38 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
 @main.command()
 @click.option("--coordinator", "address", required=True, help="Coordinator address, e.g. tcp://HEAD:5555.")
 @click.option("--procs", default=1, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
+@click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Key directory (msd keys generate) when the job sets security.curve.")
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(address: str, procs: int, log_level: str) -> None:
+def worker(address: str, procs: int, keys_dir: str | None, log_level: str) -> None:
     """Run a worker host agent with N worker processes."""
     _setup_logging(log_level, "worker-host")
     from worker.host import HostAgent
 
-    HostAgent(address, procs, log_level.upper()).run()
+    HostAgent(address, procs, log_level.upper(), keys_dir=keys_dir).run()
+
+
+@main.group()
+def keys() -> None:
+    """CURVE keys for an encrypted, authenticated job (security.curve in the job file)."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+def keys_generate(directory: str) -> None:
+    """Write key pairs for the coordinator, workers and trainers into DIRECTORY, and the public
+    keys the coordinator and trainers accept into DIRECTORY/authorized/."""
+    from trainer_client.security import generate
+
+    try:
+        written = generate(directory)
+    except FileExistsError as e:
+        click.echo(f"msd keys generate: {e}", err=True)
+        sys.exit(1)
+    for path in written:
+        click.echo(path)
+    click.echo("Secret keys (*.key_secret): give each host only its role's. Set security.curve: "
+               f"{directory} in the job file; start workers with --keys and clients with keys_dir=.")
 
 
 @main.command()

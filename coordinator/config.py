@@ -93,6 +93,7 @@ class JobConfig:
     topology: Topology
     stages: tuple[Stage, ...]
     cost: CostConfig
+    curve_keys: str | None = None  # security.curve: a key directory (msd keys generate); None: plain
     balance_method: str = "greedy"
     token_slack: float = 0.0  # a rank may hold up to (1 + slack) x its token capacity
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -330,7 +331,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     c = _Checker()
     base = base_dir if base_dir is not None else os.path.dirname(os.path.abspath(path))
     top = c.mapping(raw, "", {"seed", "sources", "batch", "topology", "mixture", "balance", "runtime",
-                              "long_docs", "on_exhausted"},
+                              "long_docs", "on_exhausted", "security"},
                     {"seed", "sources", "batch", "topology", "mixture"})
     defaults = {}  # job-wide defaults a source may override
     if "long_docs" in top and _choice(c, top["long_docs"], "long_docs", LONG_DOCS):
@@ -396,6 +397,17 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     prepare_batch = c.integer(rt.get("prepare_batch", 64), "runtime.prepare_batch")
     status_every = c.number(rt.get("status_every_s", 30.0), "runtime.status_every_s")
 
+    sec = c.mapping(top.get("security", {}), "security", {"curve"})
+    curve = sec.get("curve")
+    if curve is not None:
+        if not isinstance(curve, str):
+            c.bad("security.curve", f"expected the path of a key directory (msd keys generate DIR), got {curve!r}")
+            curve = None
+        else:
+            curve = os.path.join(base, os.path.expanduser(curve))
+            if not os.path.isfile(os.path.join(curve, "coordinator.key_secret")):
+                c.bad("security.curve", f"{curve}: no coordinator.key_secret (make keys with: msd keys generate DIR)")
+
     if c.problems:
         raise ConfigError(path, c.problems)
     return JobConfig(
@@ -406,6 +418,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         topology=Topology(dp, pp, cp, tp, order, delivery),
         stages=stages,
         cost=CostConfig(quadratic, linear),
+        curve_keys=curve,
         balance_method=method,
         token_slack=slack,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every),

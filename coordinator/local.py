@@ -51,19 +51,21 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
     asyncio.run(main())
 
 
-def _host_main(address: str, procs: int, log_level: str, log_path: str | None) -> None:
+def _host_main(address: str, procs: int, log_level: str, log_path: str | None, keys_dir: str | None = None) -> None:
     _logging(log_level, log_path, "worker-host")
     from worker.host import HostAgent
 
-    HostAgent(address, procs, log_level, log_path).run()
+    HostAgent(address, procs, log_level, log_path, keys_dir).run()
 
 
 class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
     def __init__(self, job_path: str, workers: int = 1, log_level: str = "WARNING",
-                 bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None) -> None:
+                 bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None,
+                 worker_keys: str | None = None) -> None:
         self.log_path = log_path
+        self.worker_keys = worker_keys
         self.state_dir = state_dir
         self.job_path = job_path
         self.workers = workers
@@ -75,7 +77,8 @@ class LocalJob:
 
     def __enter__(self) -> "LocalJob":
         self.address = self._start_coordinator(self.bind)
-        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path),
+        self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path,
+                                                           self.worker_keys),
                                    name="msd-worker-host")
         self.host.start()
         return self

@@ -22,7 +22,7 @@ import zmq
 
 from . import protocol as P
 from . import wire
-from . import memory
+from . import memory, security
 from .assemble import StepAssembler
 from .topology import Topology, cp_share
 from .errors import PeerLostError, ProtocolError, RejectedError
@@ -63,10 +63,14 @@ class DataClient:
         keep_freed_memory: raise glibc's mmap/trim thresholds in this process, so that each
             step's buffers reuse memory instead of page-faulting fresh pages (trainer_client.memory;
             up to ~300 MiB more resident memory, several times cheaper batch assembly).
+        keys_dir: the job's key directory (msd keys generate) when it sets security.curve: the
+            client then speaks CURVE to the coordinator and accepts data only from workers whose
+            public key is authorised.
     """
 
     def __init__(self, coordinator: str, rank: int, *, host: str = "127.0.0.1", bind_host: str | None = None,
-                 timeout_s: float = 300.0, as_torch: bool | None = None, keep_freed_memory: bool = True) -> None:
+                 timeout_s: float = 300.0, as_torch: bool | None = None, keep_freed_memory: bool = True,
+                 keys_dir: str | None = None) -> None:
         self.coordinator = coordinator
         self.rank = rank
         self.host = host
@@ -87,6 +91,8 @@ class DataClient:
         self.plan_digest: str | None = None
         self.batch_info: dict[str, Any] | None = None
         self._ctx = zmq.Context()
+        self.keys_dir = keys_dir
+        self._auth = security.start_authenticator(self._ctx, keys_dir) if keys_dir else None
         # SimpleQueue (C) rather than Queue: its hand-off costs far less than Condition.notify per batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
@@ -167,6 +173,8 @@ class DataClient:
                 log.warning("rank %d: client I/O thread did not stop; closing its sockets", self.rank)
                 self._ctx.destroy(linger=0)
                 return
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def __enter__(self) -> "DataClient":
@@ -204,6 +212,10 @@ class _Receiver:
         wake.bind(c._wake_addr)
         control = make_socket(ctx, zmq.DEALER)
         data = make_socket(ctx, zmq.PULL, hwm=10_000)
+        if c.keys_dir:
+            keys = security.load(c.keys_dir, "trainer")
+            security.as_client(control, keys, security.public_key(c.keys_dir, "coordinator"))
+            security.as_server(data, keys)
         port = data.bind_to_random_port(f"tcp://{c.bind_host}")
         self.address = f"tcp://{c.host}:{port}"
         control.connect(c.coordinator)

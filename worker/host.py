@@ -21,13 +21,15 @@ MAX_BACKOFF_S = 30.0
 
 
 class HostAgent:
-    def __init__(self, coordinator: str, procs: int, log_level: str = "INFO", log_path: str | None = None) -> None:
+    def __init__(self, coordinator: str, procs: int, log_level: str = "INFO", log_path: str | None = None,
+                 keys_dir: str | None = None) -> None:
         if procs < 1:
             raise ValueError("--procs must be >= 1")
         self.coordinator = coordinator
         self.procs = procs
         self.log_level = log_level
         self.log_path = log_path
+        self.keys_dir = keys_dir
         self.ctx = mp.get_context("spawn")
         self.children: list[mp.Process | None] = [None] * procs
         self.restarts = [0] * procs
@@ -35,7 +37,8 @@ class HostAgent:
         self.stopping = False
 
     def _start(self, slot: int) -> None:
-        p = self.ctx.Process(target=run_worker, args=(self.coordinator, os.getpid(), self.log_level, self.log_path),
+        p = self.ctx.Process(target=run_worker, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
+                                                      self.keys_dir),
                              name=f"msd-worker-{slot}", daemon=True)
         p.start()
         self.children[slot] = p

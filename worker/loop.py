@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from trainer_client import memory
+from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
@@ -37,11 +37,16 @@ ZERO_COPY_BYTES = 1 << 20
 
 
 class Worker:
-    def __init__(self, coordinator: str, parent_pid: int | None = None) -> None:
+    def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None) -> None:
         self.coordinator = coordinator
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.control = make_socket(self.ctx, zmq.DEALER)
+        # CURVE: this host's worker key pair; the coordinator's and trainers' public keys
+        self.keys = security.load(keys_dir, "worker") if keys_dir else None
+        self.trainer_key = security.public_key(keys_dir, "trainer") if keys_dir else None
+        if self.keys:
+            security.as_client(self.control, self.keys, security.public_key(keys_dir, "coordinator"))
         self.control.connect(coordinator)
         self.data: dict[str, zmq.Socket] = {}  # trainer data address -> PUSH socket
         self.worker_id: int | None = None
@@ -236,6 +241,8 @@ class Worker:
         sock = self.data.get(address)
         if sock is None:
             sock = make_socket(self.ctx, zmq.PUSH)
+            if self.keys:
+                security.as_client(sock, self.keys, self.trainer_key)
             # Blocking send is our flow control (the coordinator bounds how far ahead anyone is);
             # the timeout keeps a vanished trainer from wedging the worker forever.
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
@@ -245,12 +252,12 @@ class Worker:
 
 
 def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",
-               log_path: str | None = None) -> None:
+               log_path: str | None = None, keys_dir: str | None = None) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
     logging.basicConfig(level=log_level, filename=log_path,
                         format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     memory.keep_freed_memory()
-    worker = Worker(coordinator, parent_pid)
+    worker = Worker(coordinator, parent_pid, keys_dir)
     try:
         worker.run()
     except KeyboardInterrupt:

@@ -1,0 +1,55 @@
+"""CURVE: with security.curve every connection is encrypted, and a worker or a trainer client
+without an authorised key gets nothing."""
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.local import LocalJob
+from tests.conftest import job_dict, write_job
+from trainer_client import DataClient, PeerLostError
+
+from .harness import check_content
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    good, other = tmp_path_factory.mktemp("keys"), tmp_path_factory.mktemp("other-keys")
+    for d in (good, other):
+        r = CliRunner().invoke(main, ["keys", "generate", str(d)])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["keys", "generate", str(good)])
+    assert r.exit_code == 1 and "exist already" in r.output
+    return str(good), str(other)
+
+
+def _job(dataset_dir, keys_dir):
+    return write_job(dataset_dir, job_dict(topology={"dp": 1}, security={"curve": keys_dir}), "curve.yaml")
+
+
+def test_authorised_workers_and_clients_are_served(dataset_dir, keys):
+    good, _ = keys
+    path = _job(dataset_dir, good)
+    with LocalJob(path, workers=1, worker_keys=good) as job:
+        with DataClient(job.address, rank=0, as_torch=False, timeout_s=30, keys_dir=good) as client:
+            received = {0: [next(client) for _ in range(6)]}
+    assert check_content(path, received) > 5
+
+
+def test_a_client_without_an_authorised_key_gets_no_data(dataset_dir, keys):
+    good, other = keys
+    with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=good) as job:
+        for keys_dir in (None, other):  # plain, or a key the coordinator does not know
+            with DataClient(job.address, rank=0, as_torch=False, timeout_s=4, keys_dir=keys_dir) as intruder:
+                with pytest.raises(PeerLostError):
+                    next(intruder)
+
+
+def test_a_worker_without_an_authorised_key_gets_no_work(dataset_dir, keys):
+    good, other = keys
+    with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=other) as job:
+        with DataClient(job.address, rank=0, as_torch=False, timeout_s=5, keys_dir=good) as client:
+            with pytest.raises(PeerLostError):  # registered, but no worker could join to serve it
+                next(client)
