@@ -53,6 +53,7 @@ class WorkerInfo:
     last_seen: float
     tasks: set[int] = field(default_factory=set)
     deliveries: set[int] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)  # its deliveries acknowledged, not yet consumed by all ranks
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Delivery:
     items: np.ndarray  # [rank, micro_batch, doc_key, offset, length] rows, as sent
     positions: np.ndarray  # [source, stream position] of each item's record
     release: np.ndarray  # [source, position] of prepared copies used up by it
+    ranks: list[int] = field(default_factory=list)  # the ranks it sends to
 
 
 class Coordinator:
@@ -119,6 +121,7 @@ class Coordinator:
         self.tasks: dict[int, PrepareTask] = {}
         self.deliveries: dict[int, Delivery] = {}
         self.orphans: list[Delivery] = []  # deliveries of dead workers, waiting for re-prepare
+        self.acked: dict[int, Delivery] = {}  # acknowledged deliveries of steps some rank has not consumed
         self.reprepare: set[tuple[int, int]] = set()  # positions lost with a dead worker
         self._next_worker_id = 0
         self._next_task_id = 0
@@ -416,6 +419,11 @@ class Coordinator:
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
         for s in np.unique(d.release[:, 0]).tolist():
             self.tables[s].release(d.release[d.release[:, 0] == s, 1])
+        # The ack says the worker queued the pieces, not that they arrived: a worker killed right
+        # after it loses what its socket had not sent yet. Keep the delivery until its ranks have
+        # consumed the step, to send it again if its worker dies before that.
+        self.acked[delivery_id] = d
+        worker.acked.add(delivery_id)
 
     def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
@@ -450,9 +458,19 @@ class Coordinator:
             self.reprepare.update((s, p) for p in positions.tolist())
         for did in sorted(worker.deliveries):
             self.orphans.append(self.deliveries.pop(did))
+        for did in sorted(worker.acked):  # acknowledged, but maybe never sent: again, from new copies
+            d = self.acked.pop(did)
+            self.orphans.append(d)
+            for rows in (d.positions, d.release):
+                for s in np.unique(rows[:, 0]).tolist():
+                    positions = np.unique(rows[rows[:, 0] == s, 1])
+                    gone = positions[self.tables[s].holders(positions) == NOBODY]
+                    lost[s] = np.union1d(lost[s], gone)
+                    self.reprepare.update((s, p) for p in gone.tolist())
         for s, positions in lost.items():
             if len(positions):
                 self._issue_prepare(s, positions)
+        self._reissue_orphans()  # those whose records all have live holders can go at once
 
     def _reissue_orphans(self) -> None:
         """Send deliveries of dead workers again, once every record they read has a live holder.
@@ -469,6 +487,7 @@ class Coordinator:
     # ------------------------------------------------------------------ planning and dispatch
 
     def _pump(self) -> None:
+        self._forget_consumed()
         if not self.workers or not self.receivers <= self.trainers.keys():
             return
         for task in [t for t in self.tasks.values() if t.worker_id < 0]:  # queued while no worker lived
@@ -510,6 +529,15 @@ class Coordinator:
                 self._forget_old()
         self._prepare_ahead()
 
+    def _forget_consumed(self) -> None:
+        """Acknowledged deliveries whose step every one of their ranks has consumed are done."""
+        for did, d in list(self.acked.items()):
+            if all(r in self.trainers and self.trainers[r].consumed >= d.step for r in d.ranks):
+                del self.acked[did]
+                worker = self.workers.get(d.worker_id)
+                if worker is not None:
+                    worker.acked.discard(did)
+
     def _forget_old(self) -> None:
         """Drop position-table entries nothing can refer to any more: below the planner's cursor
         (and the document it carries), every unacknowledged delivery and every prepare in flight."""
@@ -517,7 +545,7 @@ class Coordinator:
         for s, carry in enumerate(self.planner.state.carry):
             if carry is not None:
                 floor[s] = min(floor[s], carry[0])
-        for d in [*self.deliveries.values(), *self.orphans]:
+        for d in [*self.deliveries.values(), *self.orphans, *self.acked.values()]:
             for rows in (d.positions, d.release):
                 for s in np.unique(rows[:, 0]).tolist():
                     floor[s] = min(floor[s], int(rows[rows[:, 0] == s, 1].min()))
@@ -581,7 +609,7 @@ class Coordinator:
             rel = release[release_owners == wid]
             did = self._next_delivery_id
             self._next_delivery_id += 1
-            self.deliveries[did] = Delivery(did, wid, step, mine, mine_pos, rel)
+            self.deliveries[did] = Delivery(did, wid, step, mine, mine_pos, rel, np.unique(mine[:, 0]).tolist())
             self.workers[wid].deliveries.add(did)
             ranks = np.unique(mine[:, 0]).tolist()
             header = P.make(P.DELIVER, delivery_id=did, step=step,
@@ -611,6 +639,7 @@ class Coordinator:
         self.journal.forget_after(step)
         self.deliveries.clear()
         self.orphans.clear()
+        self.acked.clear()
         self.reprepare.clear()
         self.tasks.clear()
         self.waiting = None

@@ -18,6 +18,7 @@ from .loop import run_worker
 log = logging.getLogger("msd.worker.host")
 
 MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 10.0  # a process that lived this long before dying restarts without back-off
 
 
 class HostAgent:
@@ -33,6 +34,7 @@ class HostAgent:
         self.ctx = mp.get_context("spawn")
         self.children: list[mp.Process | None] = [None] * procs
         self.restarts = [0] * procs
+        self.started_at = [0.0] * procs
         self.next_start = [0.0] * procs
         self.stopping = False
 
@@ -42,6 +44,7 @@ class HostAgent:
                              name=f"msd-worker-{slot}", daemon=True)
         p.start()
         self.children[slot] = p
+        self.started_at[slot] = time.monotonic()
         log.info("started worker process %d (pid %d)", slot, p.pid)
 
     def run(self) -> None:
@@ -55,6 +58,8 @@ class HostAgent:
                     if p is not None and p.is_alive():
                         continue
                     if p is not None:
+                        if now - self.started_at[slot] >= HEALTHY_AFTER_S:
+                            self.restarts[slot] = 0  # it ran fine for a while: not a crash loop
                         self.restarts[slot] += 1
                         backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (self.restarts[slot] - 1))
                         log.warning("worker process %d exited with %s; restarting in %.1fs", slot, p.exitcode, backoff)

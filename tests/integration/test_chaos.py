@@ -33,7 +33,7 @@ def test_random_worker_kills_through_300_steps(dataset_dir, tmp_path):
                 kills.append(victim)
             next_kill[0] = now + rng.uniform(0.5, 2.0)
 
-    log = str(tmp_path / "chaos.log")
+    log = os.environ.get("MSD_CHAOS_LOG") or str(tmp_path / "chaos.log")
     faulty = run_job(path, workers=3, ranks=2, steps=STEPS, during=chaos, log_path=log, timeout_s=300,
                      compute_s=0.01)
     assert len(kills) >= 5, kills
