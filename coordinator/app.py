@@ -307,9 +307,10 @@ class Coordinator:
             reason = f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}"
         elif rank >= self.topology.world_size:
             reason = f"rank {rank} out of range: the topology has {self.topology.world_size} ranks"
-        elif not self.topology.receives(rank):
+        elif not self.topology.fields(rank, want_metadata=bool(msg["metadata_only"])):
             reason = (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
-                      f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient")
+                      f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient "
+                      "(a middle pipeline stage may ask for the metadata: metadata_only=True)")
         elif msg["resume_step"] > self.planner.state.next_step:
             reason = (f"cannot resume at step {msg['resume_step']}: the plan stands at step "
                       f"{self.planner.state.next_step}")
@@ -576,7 +577,8 @@ class Coordinator:
         refs = np.column_stack([keys, t[:, OFFSET].astype(np.uint64), t[:, LENGTH].astype(np.uint64)])
         bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1))
         items, positions = [], []
-        for rank in sorted(self.receivers):  # global ranks; each gets its DP rank's part of the plan
+        # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too)
+        for rank in sorted(self.receivers | (self.trainers.keys() - self.receivers)):
             d = self.topology.coords(rank).dp
             lo, hi = bounds[d], bounds[d + 1]
             counts = np.bincount(plan.row[lo:hi], minlength=plan.rows_per_rank).astype("<u4")

@@ -62,17 +62,22 @@ def make_job(root: str) -> str:
 
 
 def _rank(address: str, rank: int, deadline: float, out) -> None:
-    from trainer_client import DataClient
+    from trainer_client import DataClient, PeerLostError
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=120)
     steps = 0
-    for batch in client:
-        if batch["micro_batch"] == client.batch_info["micro_batches"] - 1:
-            steps += 1
-        if time.time() > deadline:
-            break
-    out.put((rank, steps))
-    client.close()
+    try:
+        for batch in client:
+            if batch["micro_batch"] == client.batch_info["micro_batches"] - 1:
+                steps += 1
+            if time.time() > deadline:
+                break
+    except PeerLostError:  # after the deadline the other ranks leave, and planning stops for all
+        if time.time() < deadline:
+            raise
+    finally:
+        out.put((rank, steps))
+        client.close()
 
 
 def rss_kib(pid: int) -> int | None:

@@ -205,7 +205,8 @@ UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
 
 # trainer -> coordinator
 TRAINER_HELLO = _msg(
-    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer()
+    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer(),
+    metadata_only=integer(0, 1),  # a middle pipeline stage asking for the packing metadata
 )
 CONSUMED = _msg("consumed", rank=integer(), step=integer())
 TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())

@@ -19,6 +19,7 @@ log = logging.getLogger("msd.worker.host")
 
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 10.0  # a process that lived this long before dying restarts without back-off
+KILLED = (-signal.SIGKILL, -signal.SIGTERM)  # stopped from outside (operator, OOM killer): no back-off
 
 
 class HostAgent:
@@ -58,8 +59,8 @@ class HostAgent:
                     if p is not None and p.is_alive():
                         continue
                     if p is not None:
-                        if now - self.started_at[slot] >= HEALTHY_AFTER_S:
-                            self.restarts[slot] = 0  # it ran fine for a while: not a crash loop
+                        if now - self.started_at[slot] >= HEALTHY_AFTER_S or p.exitcode in KILLED:
+                            self.restarts[slot] = 0  # it ran fine for a while, or was killed: not a crash loop
                         self.restarts[slot] += 1
                         backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (self.restarts[slot] - 1))
                         log.warning("worker process %d exited with %s; restarting in %.1fs", slot, p.exitcode, backoff)

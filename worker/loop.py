@@ -222,8 +222,10 @@ class Worker:
                 ok = np.array([(e := self.cache.get(key)) is not None and off + n <= e[2]
                                for key, off, n in mine[:, 2:].tolist()], dtype=bool)
             for key, off, n in mine[~ok][:, 2:].tolist():
-                log.error("step %d: piece %x[%d:+%d] cannot be served (not prepared here, or beyond its "
-                          "document); not sent", step, key, off, n)
+                entry = self.cache.get(key) if reader.format != "megatron" else None
+                why = ("beyond its document" if reader.format == "megatron" else
+                       "not prepared here" if entry is None else f"beyond its document of {entry[2]} tokens")
+                log.error("step %d: piece %x[%d:+%d] cannot be served (%s); not sent", step, key, off, n, why)
             mine = mine[ok]
             if not len(mine):
                 continue

@@ -29,7 +29,7 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.
         client.load_state_dict(resume)
     try:
         for batch in client:
-            out.put(("batch", rank, {k: v for k, v in batch.items() if k != "plan"}))
+            out.put(("batch", rank, {**{k: v for k, v in batch.items() if k != "plan"}, "received_at": time.time()}))
             if compute_s:
                 time.sleep(compute_s)
             if batch["step"] + 1 >= steps and batch["micro_batch"] == client.batch_info["micro_batches"] - 1:

@@ -3,6 +3,7 @@
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -167,13 +168,17 @@ def test_coordinator_killed_and_restarted_from_its_state_dir_keeps_the_stream(jo
 
     def kill_once(cluster, batches):
         if batches >= 16 and not killed:
-            killed.append(batches)
+            started = time.time()
             cluster.restart_coordinator()
+            killed.append(time.time() - started)
 
     with LocalJob(job_path, workers=2, log_level="INFO", state_dir=str(tmp_path / "state")) as cluster:
         received, _ = run_ranks(cluster, ranks=2, steps=STEPS, during=kill_once, timeout_s=120)
     assert killed
     assert signature(received) == signature(reference[0])
+    # the ranks stalled no longer than the restart plus two heartbeats (1 s each), plus scheduling
+    stalls = [b2["received_at"] - b1["received_at"] for bs in received.values() for b1, b2 in zip(bs, bs[1:])]
+    assert max(stalls) <= killed[0] + 2 * 1.0 + 1.0, (max(stalls), killed)
 
 
 def _tokens_per_document(received, steps):

@@ -95,3 +95,31 @@ def test_pipeline_stages_get_their_fields(dataset_dir):
                     assert name not in b
             np.testing.assert_array_equal(b["cu_seqlens"], want[key]["cu_seqlens"])
             np.testing.assert_array_equal(b["doc_keys"], want[key]["doc_keys"])
+
+
+def test_a_middle_stage_gets_the_metadata_only_when_it_asks(dataset_dir):
+    from coordinator.local import LocalJob
+    from trainer_client import DataClient, RejectedError
+
+    path = write_job(dataset_dir, job_dict(topology={"dp": 1, "pp": 3}, batch={"seq_len": 512, "micro_batch_size": 1,
+                                                                                "global_batch_size": 2}), "pp3.yaml")
+    with LocalJob(path, workers=1) as job:
+        with DataClient(job.address, rank=1, as_torch=False, timeout_s=20) as plain_middle:
+            with pytest.raises(RejectedError, match="metadata_only"):
+                next(plain_middle)
+        clients = [DataClient(job.address, rank=r, as_torch=False, timeout_s=30, metadata_only=(r == 1))
+                   for r in range(3)]
+        try:
+            for c in clients:
+                c.start()  # all stages must be registered before anything is planned
+            got = [[next(c) for c in clients] for _ in range(4)]
+        finally:
+            for c in clients:
+                c.close()
+    for first, middle, last in got:
+        assert "tokens" in first and "labels" not in first
+        assert "labels" in last and "tokens" not in last
+        assert not {"tokens", "labels", "position_ids", "loss_mask"} & middle.keys()
+        np.testing.assert_array_equal(middle["cu_seqlens"], first["cu_seqlens"])
+        np.testing.assert_array_equal(middle["doc_keys"], last["doc_keys"])
+        assert middle["step"] == first["step"] and middle["micro_batch"] == first["micro_batch"]
