@@ -476,10 +476,12 @@ class Coordinator:
     def _reissue_orphans(self) -> None:
         """Send deliveries of dead workers again, once every record they read has a live holder.
         Trainer clients drop pieces they already have, so a repeated piece is harmless."""
+        # In step order, and none after one that must wait: a later step's delivery may release a
+        # record an earlier step still reads (the worker would drop it before the earlier one came).
         waiting = []
-        for d in self.orphans:
+        for d in sorted(self.orphans, key=lambda d: (d.step, d.delivery_id)):
             needed = {tuple(pos) for pos in d.positions.tolist()} | {tuple(pos) for pos in d.release.tolist()}
-            if needed & self.reprepare:
+            if waiting or needed & self.reprepare:
                 waiting.append(d)
             else:
                 self._send_deliveries(d.step, d.items, d.positions, d.release)

@@ -17,10 +17,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 STEPS = 300
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug, open: when workers die in quick succession a worker is sometimes sent a piece of a "
-    "JSONL record it no longer holds ('cannot be served (not prepared here)'), and a rank can wait "
-    "for that piece forever; seen in about 1 run in 6. The single-kill tests pass reliably."))
 def test_random_worker_kills_through_300_steps(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job_dict(runtime={"heartbeat_s": 0.3}), "chaos.yaml")
     clean = run_job(path, workers=3, ranks=2, steps=STEPS, timeout_s=180)
