@@ -57,9 +57,6 @@ class PositionTable:
     def records(self, positions: np.ndarray) -> np.ndarray:
         return self._record[self._index(positions)]
 
-    def lengths(self, positions: np.ndarray) -> np.ndarray:
-        return self._length[self._index(positions)]
-
     def holders(self, positions: np.ndarray) -> np.ndarray:
         return self._holder[self._index(positions)]
 

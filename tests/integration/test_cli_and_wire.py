@@ -1,6 +1,5 @@
 """`msd coordinator` and `msd worker` as real commands, and a coordinator under bad input."""
 
-import multiprocessing as mp
 import os
 import queue
 import socket
