@@ -36,6 +36,7 @@ from trainer_client.errors import MsdError
 from .config import JobConfig, config_diff
 from .journal import StepJournal
 from .positions import NOBODY, PositionTable
+from .workforce import HostInfo, Workforce
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 
 log = logging.getLogger("msd.coordinator")
@@ -43,7 +44,9 @@ MAX_BURST = 256  # messages handled before the next planning pass
 _MESSAGES_OF = {
     "worker": {"worker_heartbeat", "prepared", "task_failed", "delivered"},
     "trainer": {"consumed", "trainer_heartbeat", "trainer_bye"},
+    "host": {"host_heartbeat"},
 }
+_ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
 
 
 @dataclass
@@ -54,6 +57,10 @@ class WorkerInfo:
     tasks: set[int] = field(default_factory=set)
     deliveries: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)  # its deliveries acknowledged, not yet consumed by all ranks
+    agent: int = 0  # its host agent
+    pid: int = 0
+    busy_s: float = 0.0  # total time it reports busy (heartbeats)
+    backlog_s: float = 0.0  # estimated seconds of its prepare tasks in flight
 
 
 @dataclass
@@ -63,6 +70,7 @@ class TrainerInfo:
     address: str
     last_seen: float
     consumed: int = -1  # last step this rank has fully consumed
+    waited_s: float = 0.0  # total time its trainer waited for data (reported with `consumed`)
 
 
 @dataclass
@@ -71,6 +79,7 @@ class PrepareTask:
     source: int
     positions: np.ndarray
     worker_id: int
+    estimate_s: float = 0.0
 
 
 @dataclass
@@ -102,7 +111,8 @@ class Coordinator:
         self.heartbeat_s = job.runtime.heartbeat_s
         self.workers: dict[int, WorkerInfo] = {}
         self.trainers: dict[int, TrainerInfo] = {}
-        self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer", id)
+        self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer"|"host", id)
+        self.workforce = Workforce(len(job.sources), job.runtime.allocation)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
         changed = check_job_change(state_dir, job, allow_config_change)
@@ -252,6 +262,8 @@ class Coordinator:
             return self._on_trainer_hello(identity, msg, now)
         if kind == "mix_request":
             return self._on_mix_request(identity, msg)
+        if kind == "host_hello":
+            return self._on_host_hello(identity, msg, now)
         peer = self.peers.get(identity)
         if peer is None:
             log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, identity.hex())
@@ -259,18 +271,23 @@ class Coordinator:
             return
         role, pid = peer
         if kind not in _MESSAGES_OF[role]:
-            log.warning("%s %d sent %s, which only a %s sends; dropped", role, pid, kind,
-                        "trainer" if role == "worker" else "worker")
+            log.warning("%s %d sent %s, which a %s does not send; dropped", role, pid, kind, role)
             return
-        claimed = msg["worker_id" if role == "worker" else "rank"]
+        claimed = msg[_ID_FIELD[role]]
         if claimed != pid:
             log.warning("%s %d claims to be %s %d; dropped", role, pid, role, claimed)
+            return
+        if role == "host":
+            host = self.workforce.hosts[pid]
+            host.last_seen, host.procs = now, msg["procs"]
             return
         if role == "worker":
             worker = self.workers[pid]
             worker.last_seen = now
-            if kind == "prepared":
-                self._on_prepared(worker, msg, arrays["lengths"].tolist())
+            if kind == "worker_heartbeat":
+                worker.busy_s = max(worker.busy_s, msg["busy_s"])
+            elif kind == "prepared":
+                self._on_prepared(worker, msg, arrays["lengths"], arrays["patches"])
             elif kind == "task_failed":
                 self._on_task_failed(worker, msg)
             elif kind == "delivered":
@@ -280,6 +297,7 @@ class Coordinator:
         trainer.last_seen = now
         if kind == "consumed":
             trainer.consumed = max(trainer.consumed, min(msg["step"], self.planner.state.next_step - 1))
+            trainer.waited_s = max(trainer.waited_s, msg["waited_s"])
         elif kind == "trainer_bye":
             log.info("rank %d left", pid)
             del self.trainers[pid]
@@ -295,10 +313,28 @@ class Coordinator:
             self._forget_peer(identity, "re-registered")
         wid = self._next_worker_id
         self._next_worker_id += 1
-        self.workers[wid] = WorkerInfo(wid, identity, now)
+        self.workers[wid] = WorkerInfo(wid, identity, now, agent=msg["agent"], pid=msg["pid"])
         self.peers[identity] = ("worker", wid)
         log.info("worker %d registered (host %s pid %d)", wid, msg["host"], msg["pid"])
         self._send(identity, P.make(P.WELCOME, worker_id=wid, job=self.job.worker_job(), heartbeat_s=self.heartbeat_s))
+
+    def _on_host_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
+        if msg["version"] != P.PROTOCOL_VERSION:
+            self._send(identity, P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}"))
+            return
+        if identity in self.peers:
+            self._forget_peer(identity, "re-registered")
+        aid = msg["agent_id"]
+        old = self.workforce.hosts.pop(aid, None)
+        if old is not None:
+            self.peers.pop(old.identity, None)
+        host = HostInfo(aid, identity, msg["host"], msg["procs"], msg["min_procs"], msg["max_procs"], bool(msg["auto"]),
+                        now)
+        self.workforce.hosts[aid] = host
+        self.peers[identity] = ("host", aid)
+        log.info("worker host %s registered: %d process(es)%s", host.host, host.procs,
+                 f", auto up to {host.max_procs}" if host.auto else "")
+        self._send(identity, P.make(P.SCALE, procs=host.procs, retire=[], reason="registered"))
 
     def _on_trainer_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
@@ -346,6 +382,7 @@ class Coordinator:
             "dp": self.job.dp,
             "topology": self.topology._asdict(),
             "sources": [s.name for s in self.job.sources],
+            "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
         }
         self._send(identity, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
                                     heartbeat_s=self.heartbeat_s))
@@ -380,9 +417,11 @@ class Coordinator:
         log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
         self._send(identity, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
 
-    def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: list[int]) -> None:
+    def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: np.ndarray, patches: np.ndarray) -> None:
         task = self.tasks.pop(msg["task_id"], None)
         worker.tasks.discard(msg["task_id"])
+        if task is not None and task.worker_id == worker.worker_id:
+            worker.backlog_s = max(0.0, worker.backlog_s - task.estimate_s)
         if task is None or task.worker_id != worker.worker_id:
             log.debug("result of unknown or reassigned task %d ignored", msg["task_id"])
             return
@@ -397,7 +436,8 @@ class Coordinator:
             log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
                         self.skipped[s])
         lengths = np.asarray(lengths, dtype=np.int64)
-        before = self.tables[s].set_prepared(task.positions, lengths, worker.worker_id)
+        self.workforce.record(s, msg["busy_s"], len(lengths), int(lengths.sum()))
+        before = self.tables[s].set_prepared(task.positions, lengths, worker.worker_id, patches)
         for pos, was, now in zip(task.positions[(before >= 0) & (before != lengths)].tolist(),
                                  before[(before >= 0) & (before != lengths)].tolist(),
                                  lengths[(before >= 0) & (before != lengths)].tolist()):
@@ -429,6 +469,8 @@ class Coordinator:
     def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
         task = self.tasks.pop(msg["task_id"], None)
         worker.tasks.discard(msg["task_id"])
+        if task is not None:
+            worker.backlog_s = max(0.0, worker.backlog_s - task.estimate_s)
         log.error("worker %d failed task %d: %s", worker.worker_id, msg["task_id"], msg["reason"])
         if task is not None:
             self._issue_prepare(task.source, task.positions, avoid=worker.worker_id)
@@ -443,11 +485,38 @@ class Coordinator:
         for t in [t for t in self.trainers.values() if now - t.last_seen > deadline]:
             log.warning("rank %d silent for %.1fs: released (it may register again)", t.rank, now - t.last_seen)
             self._forget_peer(t.identity, "dead")
+        for h in [h for h in self.workforce.hosts.values() if now - h.last_seen > deadline]:
+            log.warning("worker host %s silent for %.1fs: forgotten", h.host, now - h.last_seen)
+            self._forget_peer(h.identity, "dead")
+        self._scale_hosts(now)
+
+    def _scale_hosts(self, now: float) -> None:
+        for host, procs in self.workforce.decide(now, self.workers, self.trainers):
+            log.info("worker host %s: %d -> %d processes (trainers wait %.0f%% of the time, workers %.0f%% busy)",
+                     host.host, host.procs, procs, 100 * self.workforce.last_wait, 100 * self.workforce.last_busy)
+            host.procs = procs
+            self._send(host.identity, P.make(P.SCALE, procs=procs, retire=[], reason="trainers wait for data"))
+        for host in self.workforce.hosts.values():
+            for wid in sorted(host.retiring):
+                w = self.workers.get(wid)
+                if w is None:  # died meanwhile: its agent restarts it, so the count stays
+                    host.retiring.discard(wid)
+                elif not (w.tasks or w.deliveries or w.acked or any(t.count_held(wid) for t in self.tables)):
+                    host.retiring.discard(wid)
+                    host.procs -= 1
+                    log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
+                             host.procs)
+                    self._send(host.identity, P.make(P.SCALE, procs=host.procs, retire=[w.pid], reason="idle"))
+                    self.peers.pop(w.identity, None)
+                    del self.workers[wid]
 
     def _forget_peer(self, identity: bytes, why: str) -> None:
         role, pid = self.peers.pop(identity)
         if role == "trainer":
             self.trainers.pop(pid, None)
+            return
+        if role == "host":
+            self.workforce.hosts.pop(pid, None)
             return
         worker = self.workers.pop(pid)
         log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", pid, why)
@@ -557,6 +626,10 @@ class Coordinator:
                 floor[t.source] = min(floor[t.source], int(t.positions.min()))
         for s, table in enumerate(self.tables):
             table.forget_before(floor[s])
+
+    def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Image patches of prepared records (plan.Known)."""
+        return self.tables[source].patches(positions)
 
     def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(records, lengths) of stream positions [start, start+count): what the planner may use
@@ -691,7 +764,10 @@ class Coordinator:
         self._issue_prepare(s, self.tables[s].issue(records))
 
     def _issue_prepare(self, s: int, positions: np.ndarray, avoid: int | None = None) -> None:
-        candidates = [w for w in self.workers.values() if w.worker_id != avoid] or list(self.workers.values())
+        retiring = self.workforce.retiring()
+        candidates = ([w for w in self.workers.values() if w.worker_id != avoid and w.worker_id not in retiring]
+                      or [w for w in self.workers.values() if w.worker_id not in retiring]
+                      or list(self.workers.values()))
         if not candidates:
             # No live worker: remember the work; it is re-issued when a worker registers.
             log.warning("no worker to prepare %d records of source %d; waiting", len(positions), s)
@@ -699,11 +775,13 @@ class Coordinator:
             self._next_task_id += 1
             self.tasks[tid] = PrepareTask(tid, s, positions, -1)
             return
-        worker = min(candidates, key=lambda w: (len(w.tasks), w.worker_id))
+        worker = self.workforce.choose(s, candidates, self.planner.weights_at(self.planner.state.next_step))
         tid = self._next_task_id
         self._next_task_id += 1
-        self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id)
+        estimate = self.workforce.estimate(s, len(positions))
+        self.tasks[tid] = PrepareTask(tid, s, positions, worker.worker_id, estimate)
         worker.tasks.add(tid)
+        worker.backlog_s += estimate
         records = self.tables[s].records(positions).astype("<u8")
         self._send(worker.identity, P.make(P.PREPARE, task_id=tid, source=s), records)
 
@@ -718,6 +796,7 @@ class Coordinator:
             "tasks_in_flight": len(self.tasks),
             "deliveries_unacked": len(self.deliveries),
             "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
+            **self.workforce.status([s.name for s in self.job.sources]),
         }
 
 

@@ -40,12 +40,29 @@ class Grid(NamedTuple):
 
 
 class Cost(NamedTuple):
+    """cost(piece) = quadratic*len^2 + linear*len, plus for image-text pieces
+    patch_quadratic*patches^2 + patch_linear*patches. A piece's patches are taken as
+    patch_ratio[piece] x its length (exact for a whole document; a fragment of a split one is
+    charged its share), so every piece has its own quadratic and linear coefficient."""
+
     quadratic: float
     linear: float
+    patch_ratio: "np.ndarray | None" = None  # per piece of the step: patches per token; None: text only
+    patch_quadratic: float = 0.0
+    patch_linear: float = 0.0
 
-    def of(self, lengths: np.ndarray) -> np.ndarray:
+    def coefficients(self, pieces: np.ndarray) -> tuple:
+        """(quadratic, linear) of the given pieces: floats for a text-only step, else arrays."""
+        if self.patch_ratio is None:
+            return self.quadratic, self.linear
+        r = self.patch_ratio[pieces]
+        return self.quadratic + self.patch_quadratic * r * r, self.linear + self.patch_linear * r
+
+    def of(self, lengths: np.ndarray, pieces: "np.ndarray | None" = None) -> np.ndarray:
+        """Cost of fragments of the given lengths, of the given pieces (default: piece i is fragment i)."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        return self.quadratic * lengths * lengths + self.linear * lengths
+        q, lin = self.coefficients(np.arange(len(lengths)) if pieces is None else pieces)
+        return q * lengths * lengths + lin * lengths
 
 
 class Layout(NamedTuple):
@@ -58,7 +75,8 @@ class Layout(NamedTuple):
     row: np.ndarray  # rank * rows_per_rank + micro_batch * micro_batch_size + sequence
 
     def rank_costs(self, grid: Grid, cost: Cost) -> np.ndarray:
-        return np.bincount(self.row // grid.rows_per_rank, weights=cost.of(self.length), minlength=grid.ranks)
+        return np.bincount(self.row // grid.rows_per_rank, weights=cost.of(self.length, self.piece),
+                           minlength=grid.ranks)
 
 
 def layout(method: str, lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
@@ -80,9 +98,12 @@ class _Rows:
     """Rows of every rank with their room and costs, and the rule for picking a row inside a rank."""
 
     def __init__(self, grid: Grid, cost: Cost) -> None:
-        self.grid = grid
+        self.grid, self.cost = grid, cost
         self.rpr, self.mbs = grid.rows_per_rank, grid.micro_batch_size
         self.q, self.lin = float(cost.quadratic), float(cost.linear)
+        # per-piece coefficients of an image-text step (None: every piece has q and lin)
+        self.qs, self.lins = ((None, None) if cost.patch_ratio is None else
+                              (list(map(float, a)) for a in cost.coefficients(np.arange(len(cost.patch_ratio)))))
         n_rows = grid.ranks * grid.rows_per_rank
         self.room = [grid.row_capacity] * n_rows
         self.row_cost = [0.0] * n_rows
@@ -115,7 +136,8 @@ class _Rows:
     def place(self, piece: int, offset: int, length: int, row: int) -> int:
         """Put a fragment into a row; returns the row's rank."""
         self.out.append((piece, offset, length, row))
-        c = self.q * length * length + self.lin * length
+        q, lin = (self.q, self.lin) if self.qs is None else (self.qs[piece], self.lins[piece])
+        c = q * length * length + lin * length
         rpr = self.grid.rows_per_rank
         rank = row // rpr
         self.room[row] -= length
@@ -153,8 +175,8 @@ def greedy(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
     lengths = np.asarray(lengths, dtype=np.int64)
     _check_fits(lengths, grid)
     n = len(lengths)
-    order = np.argsort(-lengths, kind="stable")
-    costs = cost.of(lengths[order])
+    order = np.argsort(-_sort_key(lengths, cost), kind="stable")
+    costs = cost.of(lengths[order], order)
     tail_cost = np.cumsum(costs[::-1])[::-1]  # cost of pieces i.. (longest-first order)
     head = int(np.searchsorted(-tail_cost, -TAIL_COST_SHARE * tail_cost[0])) if n else 0
     tail_tokens = int(lengths[order[head:]].sum())
@@ -169,6 +191,12 @@ def greedy(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
     state = _ArrayRows.from_rows(rows)
     state.water_fill(order[head:], lengths)
     return state.result()
+
+
+def _sort_key(lengths: np.ndarray, cost: Cost) -> np.ndarray:
+    """What "longest first" orders by: the length, or for a step with image-text pieces (whose
+    cost is not a function of length alone) the cost."""
+    return lengths if cost.patch_ratio is None else cost.of(lengths)
 
 
 def _check_fits(lengths: np.ndarray, grid: Grid) -> None:
@@ -192,7 +220,7 @@ class _ArrayRows:
     @classmethod
     def from_rows(cls, rows: "_Rows") -> "_ArrayRows":
         g = rows.grid
-        self = cls(g, Cost(rows.q, rows.lin))
+        self = cls(g, rows.cost)
         self.room[:] = np.array(rows.room, dtype=np.int64).reshape(g.ranks, -1)
         self.row_cost[:] = np.array(rows.row_cost).reshape(g.ranks, -1)
         self.mb_cost[:] = np.array(rows.mb_cost).reshape(g.ranks, -1)
@@ -214,7 +242,7 @@ class _ArrayRows:
         if int(room.sum()) == total:
             budget = room.copy()
         else:  # level ranks first, then the rows within each rank
-            density = max(float(self.cost.of(need).sum()) / total, 1e-12)  # cost per tail token
+            density = max(float(self.cost.of(need, pieces).sum()) / total, 1e-12)  # cost per tail token
             per_rank = _water_level(self.rank_cost[None, :], self.room.sum(axis=1)[None, :], np.array([total]),
                                     density)[0]
             budget = _water_level(self.row_cost, self.room, per_rank, density).ravel()
@@ -236,7 +264,7 @@ class _ArrayRows:
         rpr = self.grid.rows_per_rank
         # rows repeat within the call: add costs with np.add.at via a per-row loop-free path
         frag_len = frag_end - frag_start
-        c = self.cost.of(frag_len)
+        c = self.cost.of(frag_len, pieces[piece_i])
         r, col = flat // rpr, flat % rpr
         np.subtract.at(self.room, (r, col), frag_len)
         np.add.at(self.row_cost, (r, col), c)
@@ -300,22 +328,27 @@ def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, rows: "_Rows | Non
     would take even the cheapest rank past `cost_cap` is split so that its head fills that rank
     to the cap (pieces of a few dominant documents cannot be balanced otherwise).
 
-    Ranks that cannot take the current piece are parked in a heap by room: popped lengths never
-    grow (a split tail is shorter than its piece), so a parked rank comes back exactly when the
-    pieces become small enough, and each placement costs O(log ranks + rows per rank)."""
+    Ranks that cannot take the current piece are parked in a heap by room, and come back as soon
+    as a piece fits their room (checked before every piece), so each placement costs O(log ranks
+    + rows per rank). Pieces go costliest first: by length, or by cost when image patches make
+    cost more than a function of length (then a later piece may be longer; parked ranks whose
+    room is too small for it simply stay parked)."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    keys = _sort_key(lengths, cost)
     if rows is None:
         _check_fits(lengths, grid)
         rows = _Rows(grid, cost)
-        order = np.argsort(-lengths, kind="stable")
+        order = np.argsort(-keys, kind="stable")
     else:
         pieces = np.asarray(pieces, dtype=np.int64)
-        order = pieces[np.lexsort((pieces, -lengths[pieces]))]
-    queue = [(-n, i, i, 0) for i, n in zip(order.tolist(), lengths[order].tolist())]  # sorted: a heap
+        order = pieces[np.lexsort((pieces, -keys[pieces]))]
+    # (-sort key, tie, piece, offset, length), sorted: a heap
+    queue = [(-k, i, i, 0, n) for i, k, n in zip(order.tolist(), keys[order].tolist(), lengths[order].tolist())]
     # locals: this loop runs once per piece, thousands of times per step at scale
     rank_cost, rank_room, room, row_cost, mb_cost = rows.rank_cost, rows.rank_room, rows.room, rows.row_cost, rows.mb_cost
     out = rows.out
     q, lin = rows.q, rows.lin
+    qs, lins = rows.qs, rows.lins
     rpr, mbs = grid.rows_per_rank, grid.micro_batch_size
     state = [_AVAILABLE if rank_room[r] > 0 else _FULL for r in range(grid.ranks)]
     version = [0] * grid.ranks
@@ -325,8 +358,9 @@ def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, rows: "_Rows | Non
     parked: list[tuple[int, int, int]] = []  # (-room, rank, version)
     pop, push, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     while queue:
-        neg, tie, piece, offset = pop(queue)
-        length = -neg
+        _, tie, piece, offset, length = pop(queue)
+        if qs is not None:
+            q, lin = qs[piece], lins[piece]
         while parked and -parked[0][0] >= length:  # ranks that have room again for pieces this small
             _, r, v = pop(parked)
             if state[r] == _PARKED and v == version[r]:
@@ -354,7 +388,9 @@ def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, rows: "_Rows | Non
                 head = _head_for(cost_cap - key[rank], q, lin - room_cost)
                 if MIN_SPLIT <= head <= length - MIN_SPLIT:
                     take = head
-                    push(queue, (-(length - take), tie, piece, offset + take))
+                    rest = length - take
+                    push(queue, (-(rest if qs is None else q * rest * rest + lin * rest), tie, piece, offset + take,
+                                 rest))
                     length = take
             if rpr == 1:
                 row = rank
@@ -373,7 +409,8 @@ def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, rows: "_Rows | Non
             rank = parked[0][1]
             row = rows.roomiest_row(rank)
             take = room[row]
-            push(queue, (-(length - take), tie, piece, offset + take))
+            rest = length - take
+            push(queue, (-(rest if qs is None else q * rest * rest + lin * rest), tie, piece, offset + take, rest))
         # place the fragment (as _Rows.place, inlined)
         out.append((piece, offset, take, row))
         c = q * take * take + lin * take
@@ -474,11 +511,11 @@ def in_order(lengths: np.ndarray, grid: Grid) -> Layout:
                   np.minimum(frag_start // max(row_len, 1), n_rows - 1))
 
 
-def costs_dealt_in_order(lengths: Sequence[int], n_bins: int, capacity: int, quadratic: float,
-                         linear: float) -> list[float]:
+def costs_dealt_in_order(lengths: Sequence[int], n_bins: int, capacity: int, quadratic: "float | np.ndarray",
+                         linear: "float | np.ndarray") -> list[float]:
     """Per-bin cost of the conventional loader's dealing: the pieces in arrival order, the stream
     cut into consecutive bins of `capacity` tokens (a piece may straddle one cut: no piece is
-    longer than a bin)."""
+    longer than a bin). The coefficients are floats, or arrays with one per piece."""
     lens = np.asarray(lengths, dtype=np.float64)
     ends = np.cumsum(lens)
     starts = ends - lens

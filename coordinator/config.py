@@ -24,8 +24,10 @@ from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
 
 from .balance import METHODS
 
-FORMATS = ("jsonl", "megatron")
+FORMATS = ("jsonl", "megatron", "parquet", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "webdataset": (".tar",)}
+ALLOCATIONS = ("adaptive", "fixed")
 
 
 class ConfigError(MsdError):
@@ -40,13 +42,21 @@ class SourceConfig:
     name: str
     index: int
     format: str
-    files: tuple[str, ...]  # JSONL shard paths, or Megatron prefixes; sorted, absolute
-    text_key: str = "text"
+    files: tuple[str, ...]  # shard paths, or Megatron prefixes; sorted, absolute
+    text_key: str = "text"  # JSONL key / Parquet column of the text; WebDataset: caption JSON key
     tokenizer: str = "byte"  # "byte" or an absolute path to a HF tokenizer.json
     eod_id: int | None = None
     long_docs: str = "split"  # documents longer than seq_len: "split" into pieces, or "truncate"
     epochs: int | None = None  # passes over the source; None: repeat forever (new order each epoch)
     on_exhausted: str = "renormalize"  # when a finite source runs out: "renormalize" or "stop"
+    tokens_key: str | None = None  # Parquet: a list-of-int column of token ids, used as stored
+    image_token_id: int | None = None  # WebDataset: the placeholder id, one per image patch
+    max_pixels: int = 256 * 256  # WebDataset: images are scaled down to at most this many pixels
+    patch_size: int = 16  # WebDataset: square patches of patch_size x patch_size pixels
+
+    @property
+    def has_images(self) -> bool:
+        return self.format == "webdataset"
 
 
 @dataclass(frozen=True)
@@ -59,11 +69,16 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class CostConfig:
+    """cost of a piece = quadratic*len^2 + linear*len + patch_quadratic*patches^2 + patch_linear*patches"""
+
     quadratic: float = 1.0
     linear: float = 0.0
+    patch_quadratic: float = 0.0
+    patch_linear: float = 0.0
 
-    def of(self, length: int) -> float:
-        return self.quadratic * length * length + self.linear * length
+    def of(self, length: int, patches: int = 0) -> float:
+        return (self.quadratic * length * length + self.linear * length
+                + self.patch_quadratic * patches * patches + self.patch_linear * patches)
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,10 @@ class RuntimeConfig:
     heartbeat_s: float = 1.0
     prepare_batch: int = 64  # records per prepare task
     status_every_s: float = 30.0  # status line in the log (and status.json in --state-dir)
+    # how prepare work is given to workers: "adaptive" (any worker, by measured cost and
+    # backlog) or "fixed" (each worker serves one source, workers split equally: the per-source
+    # loader design, kept for comparison)
+    allocation: str = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -139,6 +158,11 @@ class JobConfig:
     def step_tokens(self) -> int:
         return self.batch.global_batch_size * self.batch.seq_len
 
+    @property
+    def patch_bytes(self) -> int:
+        """Bytes of one image patch (every image source has the same patch_size); 0 without images."""
+        return next((s.patch_size * s.patch_size * 3 for s in self.sources if s.has_images), 0)
+
     def source(self, name: str) -> SourceConfig:
         return next(s for s in self.sources if s.name == name)
 
@@ -148,7 +172,8 @@ class JobConfig:
             "seed": self.seed,
             "sources": [
                 {"name": s.name, "index": s.index, "format": s.format, "files": list(s.files),
-                 "text_key": s.text_key, "tokenizer": s.tokenizer, "eod_id": s.eod_id}
+                 "text_key": s.text_key, "tokens_key": s.tokens_key, "tokenizer": s.tokenizer, "eod_id": s.eod_id,
+                 "image_token_id": s.image_token_id, "max_pixels": s.max_pixels, "patch_size": s.patch_size}
                 for s in self.sources
             ],
         }
@@ -247,7 +272,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         c.bad(key, "source names must be non-empty strings")
         return None
     raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
-                               "on_exhausted"}, {"format", "paths"})
+                               "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size"},
+                    {"format", "paths"})
     fmt = raw.get("format")
     ok = True
     if "format" in raw and fmt not in FORMATS:
@@ -269,11 +295,10 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
                     c.bad(f"{key}.paths", f"{p!r} matches {what}")
                     ok = False
                 files.extend(matched)
-            if fmt == "jsonl":
-                for f in files:
-                    if not f.endswith(JSONL_SUFFIXES):
-                        c.bad(f"{key}.paths", f"{f}: not one of {', '.join(JSONL_SUFFIXES)}")
-                        ok = False
+            for f in files if fmt in SUFFIXES else ():
+                if not f.endswith(SUFFIXES[fmt]):
+                    c.bad(f"{key}.paths", f"{f}: not one of {', '.join(SUFFIXES[fmt])}")
+                    ok = False
     tokenizer = raw.get("tokenizer", "byte")
     if fmt == "megatron" and ("tokenizer" in raw or "text_key" in raw):
         c.bad(key, "megatron sources are pre-tokenized: tokenizer and text_key do not apply")
@@ -288,10 +313,38 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
             ok = False
         else:
             ok = _check_hf_tokenizer(c, key, tokenizer, raw.get("eod_id")) and ok
-    text_key = raw.get("text_key", "text")
+    text_key = raw.get("text_key", "caption" if fmt == "webdataset" else "text")
     if not isinstance(text_key, str) or not text_key:
         c.bad(f"{key}.text_key", "expected a non-empty string")
         ok = False
+    tokens_key = raw.get("tokens_key")
+    if tokens_key is not None and (fmt != "parquet" or not isinstance(tokens_key, str) or not tokens_key):
+        c.bad(f"{key}.tokens_key", "a non-empty column name, for parquet sources only")
+        ok = False
+    elif tokens_key is not None and ("tokenizer" in raw or "text_key" in raw):
+        c.bad(key, "tokens_key names pre-tokenized ids: tokenizer and text_key do not apply")
+        ok = False
+    image_token_id = raw.get("image_token_id")
+    max_pixels = raw.get("max_pixels", 256 * 256)
+    patch_size = raw.get("patch_size", 16)
+    if fmt == "webdataset":
+        if image_token_id is None:
+            c.bad(f"{key}.image_token_id", "required for webdataset sources (the id of one patch placeholder)")
+            ok = False
+        elif c.integer(image_token_id, f"{key}.image_token_id", 0) is None:
+            ok = False
+        patch_size = c.integer(patch_size, f"{key}.patch_size", 1)
+        max_pixels = c.integer(max_pixels, f"{key}.max_pixels", 1)
+        if patch_size is None or max_pixels is None:
+            ok = False
+        elif max_pixels < patch_size * patch_size:
+            c.bad(f"{key}.max_pixels", f"{max_pixels} is less than one patch ({patch_size}x{patch_size})")
+            ok = False
+    else:
+        for k in ("image_token_id", "max_pixels", "patch_size"):
+            if k in raw:
+                c.bad(f"{key}.{k}", "applies to webdataset sources only")
+                ok = False
     eod_id = raw.get("eod_id")
     if eod_id is not None and c.integer(eod_id, f"{key}.eod_id", 0) is None:
         ok = False
@@ -304,7 +357,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         ok = False
     if not ok:
         return None
-    return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted)
+    return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
+                        tokens_key, image_token_id, max_pixels, patch_size)
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:
@@ -384,18 +438,21 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     method = bal.get("method", "greedy")
     _choice(c, method, "balance.method", METHODS)
     slack = c.number(bal.get("token_slack", 0.0), "balance.token_slack")
-    cost_raw = c.mapping(bal.get("cost", {}), "balance.cost", {"quadratic", "linear"})
-    quadratic = c.number(cost_raw.get("quadratic", 1.0), "balance.cost.quadratic")
-    linear = c.number(cost_raw.get("linear", 0.0), "balance.cost.linear")
+    cost_raw = c.mapping(bal.get("cost", {}), "balance.cost", {"quadratic", "linear", "patch_quadratic",
+                                                                "patch_linear"})
+    cost = CostConfig(*(c.number(cost_raw.get(k, default), f"balance.cost.{k}") for k, default in
+                        (("quadratic", 1.0), ("linear", 0.0), ("patch_quadratic", 0.0), ("patch_linear", 0.0))))
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
-                                                       "status_every_s"})
+                                                       "status_every_s", "allocation"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
         c.bad("runtime.heartbeat_s", "must be > 0")
     prepare_batch = c.integer(rt.get("prepare_batch", 64), "runtime.prepare_batch")
     status_every = c.number(rt.get("status_every_s", 30.0), "runtime.status_every_s")
+    allocation = rt.get("allocation", "adaptive")
+    _choice(c, allocation, "runtime.allocation", ALLOCATIONS)
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -408,6 +465,11 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
             if not os.path.isfile(os.path.join(curve, "coordinator.key_secret")):
                 c.bad("security.curve", f"{curve}: no coordinator.key_secret (make keys with: msd keys generate DIR)")
 
+    image_sources = [s for s in sources if s.has_images]
+    if len({s.patch_size for s in image_sources}) > 1:
+        c.bad("sources", "every webdataset source must have the same patch_size (one pixel_patches array per batch)")
+    if image_sources and cp > 1:
+        c.bad("topology.cp", "context parallelism with image-text sources is not supported yet")
     if c.problems:
         raise ConfigError(path, c.problems)
     return JobConfig(
@@ -417,11 +479,11 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         dp=dp,
         topology=Topology(dp, pp, cp, tp, order, delivery),
         stages=stages,
-        cost=CostConfig(quadratic, linear),
+        cost=cost,
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
-        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every),
+        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation),
         path=path,
     )
 

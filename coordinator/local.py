@@ -51,19 +51,22 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
     asyncio.run(main())
 
 
-def _host_main(address: str, procs: int, log_level: str, log_path: str | None, keys_dir: str | None = None) -> None:
+def _host_main(address: str, procs: int | None, log_level: str, log_path: str | None, keys_dir: str | None = None,
+               max_procs: int | None = None) -> None:
     _logging(log_level, log_path, "worker-host")
     from worker.host import HostAgent
 
-    HostAgent(address, procs, log_level, log_path, keys_dir).run()
+    HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run()
 
 
 class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
-    def __init__(self, job_path: str, workers: int = 1, log_level: str = "WARNING",
+    def __init__(self, job_path: str, workers: int | None = 1, log_level: str = "WARNING",
                  bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None,
-                 worker_keys: str | None = None) -> None:
+                 worker_keys: str | None = None, max_procs: int | None = None) -> None:
+        """workers: processes on the (one, local) worker host; None: `--procs auto` up to max_procs."""
+        self.max_procs = max_procs
         self.log_path = log_path
         self.worker_keys = worker_keys
         self.state_dir = state_dir
@@ -78,7 +81,7 @@ class LocalJob:
     def __enter__(self) -> "LocalJob":
         self.address = self._start_coordinator(self.bind)
         self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path,
-                                                           self.worker_keys),
+                                                           self.worker_keys, self.max_procs),
                                    name="msd-worker-host")
         self.host.start()
         return self

@@ -43,6 +43,9 @@ class Known(Protocol):
         """(record index, token length) of stream positions [start, start+count) of a source;
         length -1 where it is not known yet, 0 for a record that was skipped (corrupt)."""
 
+    def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Image patches of the records at these (prepared) positions of an image-text source."""
+
 
 class NeedLength(Exception):
     def __init__(self, source: int, position: int) -> None:
@@ -156,7 +159,7 @@ class Planner:
         """Plan the next step, or raise NeedLength (and change nothing) if a length is unknown."""
         drawn, commit = self._draw(known)
         step = self.state.next_step
-        plan = self._layout(step, drawn)
+        plan = self._layout(step, drawn, known)
         commit()
         return plan
 
@@ -243,7 +246,7 @@ class Planner:
                     self._exhaust(s, step)
             st.next_step += 1
 
-        return _Drawn(taken, finished, source_tokens), commit
+        return _Drawn(taken, finished, source_tokens, ends), commit
 
     def _exhaust(self, s: int, step: int) -> None:
         src = self.job.sources[s]
@@ -336,10 +339,19 @@ class Planner:
 
     # ------------------------------------------------------------------ the layout
 
-    def _layout(self, step: int, drawn: "_Drawn") -> StepPlan:
+    def _layout(self, step: int, drawn: "_Drawn", known: Known) -> StepPlan:
         job, grid = self.job, self.grid_at(step)
-        cost = Cost(job.cost.quadratic, job.cost.linear)
         pieces = drawn.pieces
+        cost = Cost(job.cost.quadratic, job.cost.linear)
+        image_sources = [s.index for s in job.sources if s.has_images]
+        if image_sources and (job.cost.patch_quadratic or job.cost.patch_linear):
+            ratio = np.zeros(len(pieces))
+            for s in image_sources:
+                mine = pieces[:, SOURCE] == s
+                if mine.any():
+                    ratio[mine] = np.minimum(1.0, known.patches(s, pieces[mine, POSITION])
+                                             / np.maximum(drawn.doc_lengths[mine], 1))
+            cost = Cost(job.cost.quadratic, job.cost.linear, ratio, job.cost.patch_quadratic, job.cost.patch_linear)
         lay = balance.layout(job.balance_method, pieces[:, LENGTH], grid, cost)
         out = pieces[lay.piece]
         out[:, OFFSET] += lay.offset
@@ -347,7 +359,7 @@ class Planner:
         rank = lay.row // grid.rows_per_rank
         row = lay.row % grid.rows_per_rank
         naive = balance.costs_dealt_in_order(pieces[:, LENGTH], job.dp, grid.rows_per_rank * job.seq_len_at(step),
-                                             job.cost.quadratic, job.cost.linear)
+                                             *cost.coefficients(np.arange(len(pieces))))
         return StepPlan(step, out, rank, row // grid.micro_batch_size, row, grid.rows_per_rank, grid.row_capacity,
                         lay.rank_costs(grid, cost).tolist(), naive, drawn.source_tokens, drawn.finished)
 
@@ -365,6 +377,7 @@ class _Drawn:
     pieces: np.ndarray  # arrival order
     finished: np.ndarray
     source_tokens: list[int]
+    doc_lengths: np.ndarray  # tokens of each piece's document (or of its truncated head)
 
 
 def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Position p of a source's stream names one prepared instance of a record. For every position
 handed to a worker so far and not yet forgotten, the table keeps the record index, its token
-length (-1 until a worker reports it, 0 for a record skipped as corrupt) and the worker holding
-the prepared copy (-1 for none). Positions are issued in order, so the live ones form one
+length (-1 until a worker reports it, 0 for a record skipped as corrupt), its image patches (0
+for text) and the worker holding the prepared copy (-1 for none). Positions are issued in order, so the live ones form one
 window [base, end): lookups are slices and fancy indexing, never per-position Python.
 """
 
@@ -22,6 +22,7 @@ class PositionTable:
         self._record = np.zeros(0, dtype=np.int64)
         self._length = np.zeros(0, dtype=np.int64)
         self._holder = np.zeros(0, dtype=np.int64)
+        self._patches = np.zeros(0, dtype=np.int64)
 
     def reset(self, start: int) -> None:
         """Forget everything; the next position issued is `start` (after the plan was rewound)."""
@@ -36,7 +37,7 @@ class PositionTable:
         size = self.end - self.base
         if size + n > len(self._record):
             cap = max(1024, 2 * (size + n))
-            for name in ("_record", "_length", "_holder"):
+            for name in ("_record", "_length", "_holder", "_patches"):
                 old = getattr(self, name)
                 new = np.full(cap, UNKNOWN, dtype=np.int64)
                 new[:size] = old[:size]
@@ -44,6 +45,7 @@ class PositionTable:
         self._record[size:size + n] = records
         self._length[size:size + n] = UNKNOWN
         self._holder[size:size + n] = NOBODY
+        self._patches[size:size + n] = 0
         positions = np.arange(self.end, self.end + n, dtype=np.int64)
         self.end += n
         return positions
@@ -60,17 +62,26 @@ class PositionTable:
     def holders(self, positions: np.ndarray) -> np.ndarray:
         return self._holder[self._index(positions)]
 
-    def set_prepared(self, positions: np.ndarray, lengths: np.ndarray, worker: int) -> np.ndarray:
+    def patches(self, positions: np.ndarray) -> np.ndarray:
+        return self._patches[self._index(positions)]
+
+    def set_prepared(self, positions: np.ndarray, lengths: np.ndarray, worker: int,
+                     patches: np.ndarray | None = None) -> np.ndarray:
         """Record what a worker prepared; returns the lengths known before (-1 where none)."""
         i = self._index(positions)
         before = self._length[i].copy()
         self._length[i] = lengths
+        if patches is not None and len(patches):
+            self._patches[i] = patches
         self._holder[i] = np.where(np.asarray(lengths) > 0, worker, NOBODY)
         return before
 
     def release(self, positions: np.ndarray) -> None:
         """The prepared copies at these positions are used up (their delivery was acknowledged)."""
         self._holder[self._index(positions)] = NOBODY
+
+    def count_held(self, worker: int) -> int:
+        return int(np.count_nonzero(self._holder[:self.end - self.base] == worker))
 
     def held_by(self, worker: int) -> np.ndarray:
         """Positions whose prepared copy the worker holds, dropping its claim on them."""
@@ -97,6 +108,6 @@ class PositionTable:
             return
         keep = self.end - position
         shift = position - self.base
-        for a in (self._record, self._length, self._holder):
+        for a in (self._record, self._length, self._holder, self._patches):
             a[:keep] = a[shift:shift + keep]
         self.base = position

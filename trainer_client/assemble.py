@@ -23,9 +23,13 @@ PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
 
 class StepAssembler:
-    def __init__(self, refs: np.ndarray, counts: np.ndarray, row_len: int, pad_id: int, micro_batch_size: int) -> None:
+    def __init__(self, refs: np.ndarray, counts: np.ndarray, row_len: int, pad_id: int, micro_batch_size: int,
+                 patch_bytes: int = 0) -> None:
         """refs: [doc_key, offset, length] per piece in packing order; counts: pieces per row,
-        micro-batch major (consecutive groups of micro_batch_size rows form the micro-batches)."""
+        micro-batch major (consecutive groups of micro_batch_size rows form the micro-batches).
+        patch_bytes > 0: the job has image-text sources, and batches carry their patches."""
+        self.patch_bytes = patch_bytes
+        self.patches: dict[int, np.ndarray] = {}  # piece -> its image patches (the placeholders it starts with)
         self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, 3)
         self.counts = np.asarray(counts, dtype=np.int64)
         self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
@@ -52,14 +56,21 @@ class StepAssembler:
         self.have = np.zeros(len(lengths), dtype=bool)
         self.missing = len(lengths)
 
-    def add(self, items: np.ndarray, tokens: np.ndarray) -> int:
+    def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
+            patches: np.ndarray | None = None) -> int:
         """Copy in the pieces of one message: items [doc_key, offset, length] rows whose tokens are
-        concatenated in `tokens`. Returns how many were already here or not in the recipe."""
+        concatenated in `tokens`, and (image-text pieces) the patches of each item's image
+        placeholders, concatenated in `patches`. Returns how many were already here or not in
+        the recipe."""
         ignored = 0
-        at = 0
+        at = at_patch = 0
         index, have, dst, out = self.index, self.have, self.dst, self.tokens
-        for key, offset, length in items.tolist():
+        with_patches = patch_counts is not None and len(patch_counts) > 0
+        if with_patches:
+            patches = patches.reshape(-1, self.patch_bytes)
+        for n, (key, offset, length) in enumerate(items.tolist()):
             where = index.get((key, offset, length))
+            n_patches = int(patch_counts[n]) if with_patches else 0
             if where is None or have[where[0]]:
                 ignored += 1
             else:
@@ -67,8 +78,11 @@ class StepAssembler:
                     d = int(dst[i])
                     out[d: d + length] = tokens[at: at + length]
                     have[i] = True
+                    if n_patches:
+                        self.patches[i] = patches[at_patch: at_patch + n_patches]
                 self.missing -= len(where)
             at += length
+            at_patch += n_patches
         return ignored
 
     @property
@@ -107,6 +121,7 @@ class StepAssembler:
         seg_bounds = np.searchsorted(seg_mb, np.arange(rows // mbs + 1))
         piece_bounds = np.concatenate([[0], np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1))])
         out = []
+        dst = self.dst
         for m in range(rows // mbs):
             s0, s1 = seg_bounds[m], seg_bounds[m + 1]
             cu_seqlens = np.zeros(s1 - s0 + 1, dtype=np.int32)
@@ -124,7 +139,25 @@ class StepAssembler:
                 "piece_lengths": piece_lengths,
                 "num_tokens": int(piece_lengths.sum()),
             })
+            if self.patch_bytes:
+                out[-1].update(self._images(range(p0, p1), dst, m * mbs))
         return out
+
+    def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
+        """pixel_patches [n, patch_bytes] of a micro-batch's pieces in packing order, the patches
+        of each image (piece) in turn, and the (sequence, position) of each patch's placeholder."""
+        with_images = [i for i in pieces if i in self.patches]
+        counts = np.array([len(self.patches[i]) for i in with_images], dtype=np.int64)
+        if not with_images:
+            return {"pixel_patches": np.zeros((0, self.patch_bytes), np.uint8),
+                    "patches_per_image": counts, "image_positions": np.zeros((0, 2), np.int64)}
+        starts = np.repeat(dst[with_images], counts) + (np.arange(int(counts.sum())) - np.repeat(
+            np.cumsum(counts) - counts, counts))
+        return {
+            "pixel_patches": np.concatenate([self.patches[i] for i in with_images]),
+            "patches_per_image": counts,
+            "image_positions": np.column_stack([starts // self.row_len - first_row, starts % self.row_len]),
+        }
 
 
 def assemble_step(

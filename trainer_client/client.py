@@ -89,6 +89,7 @@ class DataClient:
         if keep_freed_memory:
             memory.keep_freed_memory()
         self.next_step = 0
+        self.waited_s = 0.0  # time __next__ spent waiting for data (the data-wait share of a training run)
         self.next_micro_batch = 0
         self.plan_digest: str | None = None
         self.batch_info: dict[str, Any] | None = None
@@ -130,8 +131,13 @@ class DataClient:
 
     def __next__(self) -> dict[str, Any]:
         self.start()
+        started = time.perf_counter()
         try:
-            item = self._queue.get(timeout=self.timeout_s)
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
+                item = self._queue.get(timeout=self.timeout_s)
+                self.waited_s += time.perf_counter() - started
         except queue.Empty:
             raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
                                 f"(waiting for step {self.next_step})") from None
@@ -145,7 +151,7 @@ class DataClient:
         self.next_step, self.next_micro_batch = (step, m + 1)
         if self.next_micro_batch == self.batch_info["micro_batches"]:
             self.next_step, self.next_micro_batch = step + 1, 0
-            self._command(["consumed", step])
+            self._command(["consumed", step, self.waited_s])
         return _to_torch(batch) if self.as_torch else batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -200,7 +206,7 @@ class _Receiver:
         self.c = client
         self.ready = ready
         self.steps: dict[int, tuple[StepAssembler, Any]] = {}  # step -> (its assembler, plan summary)
-        self.early: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # pieces that came before their recipe
+        self.early: dict[int, list[tuple[np.ndarray, ...]]] = {}  # pieces that came before their recipe
         self.step = client.next_step  # next micro-batch to assemble
         self.micro_batch = client.next_micro_batch
         self.registered = False
@@ -244,7 +250,7 @@ class _Receiver:
                 if wake in events:
                     cmd = wake.recv_json()
                     if cmd[0] == "consumed":
-                        self._send(P.make(P.CONSUMED, rank=c.rank, step=cmd[1]))
+                        self._send(P.make(P.CONSUMED, rank=c.rank, step=cmd[1], waited_s=float(cmd[2])))
                     elif cmd[0] == "close":
                         if self.registered:
                             self._send(P.make(P.TRAINER_BYE, rank=c.rank))
@@ -320,14 +326,15 @@ class _Receiver:
         if step in self.steps:
             return  # a repeated header: the plan of a step never changes
         try:
-            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs)
+            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs,
+                                      info.get("patch_bytes", 0))
         except ValueError as e:
             log.warning("rank %d: step %d header dropped: %s", self.c.rank, step, e)
             return
         self.steps[step] = (assembler, msg["plan"])
-        for items, tokens in self.early.pop(step, []):  # pieces that came before their recipe
+        for items, *payload in self.early.pop(step, []):  # pieces that came before their recipe
             self.buffered -= len(items)
-            self.duplicates += assembler.add(items, tokens)
+            self.duplicates += assembler.add(items, *payload)
 
     def _on_pieces(self, frames) -> None:
         try:
@@ -342,14 +349,19 @@ class _Receiver:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
         items = arrays["items"][:, 1:]  # [doc_key, offset, length]; the micro-batch is in the recipe
+        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"])
+        if len(payload[1]) and msg["patch_bytes"] != (self.c.batch_info or {}).get("patch_bytes"):
+            log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.c.rank,
+                        msg["patch_bytes"], (self.c.batch_info or {}).get("patch_bytes"))
+            return
         if step in self.steps:
-            self.duplicates += self.steps[step][0].add(items, arrays["tokens"])
+            self.duplicates += self.steps[step][0].add(items, *payload)
             return
         if self.buffered + len(items) > MAX_BUFFERED_PIECES:
             log.warning("rank %d: %d pieces already buffered; data message for step %d dropped", self.c.rank,
                         self.buffered, step)
             return
-        self.early.setdefault(step, []).append((items, arrays["tokens"]))
+        self.early.setdefault(step, []).append((items, *payload))
         self.buffered += len(items)
 
     def _for_this_rank(self, batch: dict[str, Any]) -> dict[str, Any]:

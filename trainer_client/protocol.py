@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -147,9 +147,11 @@ def _check_prepare(header: dict, arrays: dict) -> None:
 
 
 def _check_prepared(header: dict, arrays: dict) -> None:
-    lengths = arrays["lengths"]
+    lengths, patches = arrays["lengths"], arrays["patches"]
     if lengths.size and (int(lengths.min()) < 0 or int(lengths.max()) >= MAX_PIECE_LEN):
         raise ProtocolError("prepared: lengths must lie in [0, 2^31)")
+    if patches.size and (len(patches) != len(lengths) or int(patches.min()) < 0 or (patches > lengths).any()):
+        raise ProtocolError("prepared: patches must be empty, or one count per record within its length")
 
 
 def _check_deliver(header: dict, arrays: dict) -> None:
@@ -167,26 +169,42 @@ def _check_pieces(header: dict, arrays: dict) -> None:
     _lengths_ok(lengths, "pieces")
     if int(lengths.sum()) != arrays["tokens"].size:
         raise ProtocolError(f"pieces: items cover {int(lengths.sum())} tokens, frame holds {arrays['tokens'].size}")
+    counts, patches = arrays["patch_counts"], arrays["patches"]
+    if counts.size or patches.size:
+        if len(counts) != len(lengths) or (counts > lengths).any() or header["patch_bytes"] < 1:
+            raise ProtocolError("pieces: patch_counts must give one count per item, within its length")
+        if int(counts.sum()) * header["patch_bytes"] != patches.size:
+            raise ProtocolError(f"pieces: {int(counts.sum())} patches of {header['patch_bytes']} bytes, frame holds "
+                                f"{patches.size}")
 
 
 # worker -> coordinator
-WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(), incarnation=integer())
-WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer())
+WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(), incarnation=integer(),
+                    agent=integer())  # the host agent that started it (its agent_id)
+WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer(),
+                        busy_s=number())  # busy_s: total time spent preparing and delivering
 PREPARED = _msg(
     "prepared",
     ArraySpec("lengths", "<i8"),  # tokens per record, in task order; 0 for a skipped record
+    ArraySpec("patches", "<i8"),  # image patches per record (empty for a source without images)
     check=_check_prepared,
     worker_id=integer(),
     task_id=integer(),
     # [[index into the task's records, reason]] for records skipped as corrupt
     skipped=seq(tup(integer(), text(MAX_STR_LEN))),
-    busy_s=number(),
+    busy_s=number(),  # seconds spent on the task: the coordinator's per-source cost estimate
 )
+# host agent -> coordinator: its process count and limits (`msd worker --procs auto --max-procs N`)
+HOST_HELLO = _msg("host_hello", version=integer(), agent_id=integer(), host=text(), procs=integer(),
+                  min_procs=integer(), max_procs=integer(), auto=integer(0, 1))
+HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer())
 TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
 DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
 
 # coordinator -> worker
 WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number())
+# coordinator -> host agent: run this many worker processes (within its limits)
+SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text())  # retire: pids to stop
 PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, task_id=integer(),
                source=integer(0, 0xFFFF))
 DELIVER = _msg(
@@ -208,7 +226,7 @@ TRAINER_HELLO = _msg(
     "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer(),
     metadata_only=integer(0, 1),  # a middle pipeline stage asking for the packing metadata
 )
-CONSUMED = _msg("consumed", rank=integer(), step=integer())
+CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number())  # waited_s: total time waiting for data
 TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
 TRAINER_BYE = _msg("trainer_bye", rank=integer())
 
@@ -230,8 +248,10 @@ RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
 END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 
 # worker -> trainer: the pieces' tokens, concatenated in item order, in the header's dtype
-PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), check=_check_pieces,
-              step=integer(), rank=integer(), dtype=text(8))
+# (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
+PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
+              ArraySpec("patches", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
+              patch_bytes=integer(0, 1 << 24))
 
 # tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on
 MIX_REQUEST = _msg("mix_request", at_step=integer(), weights=anything())
@@ -241,6 +261,7 @@ ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
+        HOST_HELLO, HOST_HEARTBEAT, SCALE,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY,
     )
@@ -248,10 +269,11 @@ ALL_TYPES = {
 
 # What each socket role may receive; anything else is rejected at decode.
 COORDINATOR_INBOX = frozenset(
-    m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED,
+    m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST)
 )
 TOOL_INBOX = frozenset({MIX_REPLY.name})
+HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER))
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
                                                     SHUTDOWN, UNKNOWN_PEER))

@@ -1,8 +1,14 @@
-"""The per-host agent (`msd worker`): starts N worker processes and keeps them running.
+"""The per-host agent (`msd worker`): starts worker processes and keeps them running.
 
 Workers are spawned, not forked (forking a process that holds a zmq context crashes), each with
 its own context. A worker that dies is restarted with exponential back-off; the agent stops its
 workers when it is stopped, and workers exit on their own if the agent disappears.
+
+The agent registers with the coordinator (`host_hello`: its process count and limits) and
+heartbeats. With `--procs auto` it starts one process and the coordinator grows or shrinks the
+count within [1, max_procs] by `scale` messages: a grown host starts processes, a shrunk one
+stops the processes the coordinator names (ones it has stopped giving work and that hold
+nothing), so no prepared record is lost by scaling down.
 """
 
 from __future__ import annotations
@@ -11,7 +17,15 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
+
+import zmq
+
+from trainer_client import protocol as P
+from trainer_client import security, wire
+from trainer_client.errors import ProtocolError
+from trainer_client.sockets import make_socket
 
 from .loop import run_worker
 
@@ -20,69 +34,145 @@ log = logging.getLogger("msd.worker.host")
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 10.0  # a process that lived this long before dying restarts without back-off
 KILLED = (-signal.SIGKILL, -signal.SIGTERM)  # stopped from outside (operator, OOM killer): no back-off
+HELLO_RETRY_S = 2.0
+HEARTBEAT_S = 1.0
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.process: mp.Process | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+        self.next_start = 0.0
 
 
 class HostAgent:
-    def __init__(self, coordinator: str, procs: int, log_level: str = "INFO", log_path: str | None = None,
-                 keys_dir: str | None = None) -> None:
-        if procs < 1:
+    def __init__(self, coordinator: str, procs: int | None, log_level: str = "INFO", log_path: str | None = None,
+                 keys_dir: str | None = None, max_procs: int | None = None) -> None:
+        """procs: a fixed process count, or None for `auto` (1 to max_procs, set by the coordinator)."""
+        if procs is not None and procs < 1:
             raise ValueError("--procs must be >= 1")
+        self.auto = procs is None
+        self.max_procs = max_procs or (os.cpu_count() or 1) if self.auto else procs
+        if self.max_procs < 1:
+            raise ValueError("--max-procs must be >= 1")
+        self.min_procs = 1 if self.auto else procs
+        self.target = self.min_procs
         self.coordinator = coordinator
-        self.procs = procs
-        self.log_level = log_level
-        self.log_path = log_path
-        self.keys_dir = keys_dir
+        self.log_level, self.log_path, self.keys_dir = log_level, log_path, keys_dir
+        self.agent_id = int.from_bytes(os.urandom(6), "little")
         self.ctx = mp.get_context("spawn")
-        self.children: list[mp.Process | None] = [None] * procs
-        self.restarts = [0] * procs
-        self.started_at = [0.0] * procs
-        self.next_start = [0.0] * procs
+        self.slots: list[_Slot] = []
         self.stopping = False
+        self.registered = False
 
-    def _start(self, slot: int) -> None:
+    def _start(self, slot: _Slot) -> None:
         p = self.ctx.Process(target=run_worker, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
-                                                      self.keys_dir),
-                             name=f"msd-worker-{slot}", daemon=True)
+                                                      self.keys_dir, self.agent_id),
+                             name="msd-worker", daemon=True)
         p.start()
-        self.children[slot] = p
-        self.started_at[slot] = time.monotonic()
-        log.info("started worker process %d (pid %d)", slot, p.pid)
+        slot.process, slot.started_at = p, time.monotonic()
+        log.info("started a worker process (pid %d); %d running", p.pid, self.running)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.slots if s.process is not None and s.process.is_alive())
+
+    def _keep_alive(self, now: float) -> None:
+        while len(self.slots) < self.target:
+            self.slots.append(_Slot())
+        for slot in self.slots:
+            p = slot.process
+            if p is not None and p.is_alive():
+                continue
+            if p is not None:
+                if now - slot.started_at >= HEALTHY_AFTER_S or p.exitcode in KILLED:
+                    slot.restarts = 0  # it ran fine for a while, or was killed: not a crash loop
+                slot.restarts += 1
+                backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
+                log.warning("worker process %d exited with %s; restarting in %.1fs", p.pid, p.exitcode, backoff)
+                slot.process = None
+                slot.next_start = now + backoff
+            elif now >= slot.next_start:
+                self._start(slot)
+
+    def _scale(self, procs: int, retire: list[int], reason: str) -> None:
+        procs = max(self.min_procs, min(self.max_procs, procs))
+        for slot in [s for s in self.slots if s.process is not None and s.process.pid in retire]:
+            log.info("stopping worker process %d (%s)", slot.process.pid, reason)
+            slot.process.terminate()
+            slot.process.join(timeout=5)
+            self.slots.remove(slot)
+        while len(self.slots) > procs:  # shrink by slots the coordinator did not name: idle ones last started
+            slot = self.slots.pop()
+            if slot.process is not None:
+                slot.process.terminate()
+        if procs != self.target:
+            log.info("worker processes: %d -> %d (%s)", self.target, procs, reason)
+        self.target = procs
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        for slot in range(self.procs):
-            self._start(slot)
+        zctx = zmq.Context()
+        control = make_socket(zctx, zmq.DEALER)
+        if self.keys_dir:
+            security.as_client(control, security.load(self.keys_dir, "worker"),
+                               security.public_key(self.keys_dir, "coordinator"))
+        control.connect(self.coordinator)
+        last_hello = last_beat = 0.0
         try:
             while not self.stopping:
                 now = time.monotonic()
-                for slot, p in enumerate(self.children):
-                    if p is not None and p.is_alive():
+                self._keep_alive(now)
+                if not self.registered and now - last_hello > HELLO_RETRY_S:
+                    self._send(control, P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id,
+                                               host=socket.gethostname(), procs=self.target, min_procs=self.min_procs,
+                                               max_procs=self.max_procs, auto=int(self.auto)))
+                    last_hello = now
+                elif self.registered and now - last_beat > HEARTBEAT_S:
+                    self._send(control, P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target))
+                    last_beat = now
+                if control.poll(200):
+                    try:
+                        header, _ = wire.decode(control.recv_multipart(), P.HOST_INBOX)
+                    except ProtocolError as e:
+                        log.warning("dropped message from coordinator: %s", e)
                         continue
-                    if p is not None:
-                        if now - self.started_at[slot] >= HEALTHY_AFTER_S or p.exitcode in KILLED:
-                            self.restarts[slot] = 0  # it ran fine for a while, or was killed: not a crash loop
-                        self.restarts[slot] += 1
-                        backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (self.restarts[slot] - 1))
-                        log.warning("worker process %d exited with %s; restarting in %.1fs", slot, p.exitcode, backoff)
-                        self.children[slot] = None
-                        self.next_start[slot] = now + backoff
-                    elif now >= self.next_start[slot]:
-                        self._start(slot)
-                time.sleep(0.2)
+                    self._handle(header)
         except KeyboardInterrupt:
             pass
         finally:
+            control.close(linger=0)
+            zctx.term()
             self.shutdown()
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "scale":
+            self.registered = True
+            self._scale(msg["procs"], msg["retire"], msg["reason"])
+        elif kind == "unknown_peer":
+            self.registered = False
+        elif kind in ("reject", "shutdown"):
+            log.error("coordinator: %s; stopping", msg["reason"])
+            self.stopping = True
+
+    @staticmethod
+    def _send(sock: zmq.Socket, header: dict) -> None:
+        try:
+            sock.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the coordinator is not there yet; the next hello or heartbeat goes out later
 
     def stop(self) -> None:
         self.stopping = True
 
     def shutdown(self) -> None:
-        for p in self.children:
-            if p is not None and p.is_alive():
-                p.terminate()
-        for p in self.children:
-            if p is not None:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        for s in self.slots:
+            if s.process is not None and s.process.is_alive():
+                s.process.terminate()
+        for s in self.slots:
+            if s.process is not None:
+                s.process.join(timeout=5)
+                if s.process.is_alive():
+                    s.process.kill()

@@ -37,7 +37,9 @@ ZERO_COPY_BYTES = 1 << 20
 
 
 class Worker:
-    def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None) -> None:
+    def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None,
+                 agent_id: int = 0) -> None:
+        self.agent_id = agent_id
         self.coordinator = coordinator
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
@@ -53,11 +55,13 @@ class Worker:
         self.heartbeat_s = 1.0
         self.readers: dict[int, SourceReader] = {}
         self.specs: list[dict[str, Any]] = []
-        # doc_key -> [tokens (None: read from the memory map when delivered), prepared copies, length]
+        # doc_key -> [tokens, prepared copies, length, image patches or None] (memory-mapped records
+        # are never cached: their tokens are read from the map at delivery)
         self.cache: dict[int, list] = {}
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self.running = True
         self.forgotten_at = 0.0
+        self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
 
     def close(self) -> None:
         for s in self.data.values():
@@ -75,10 +79,11 @@ class Worker:
             now = time.monotonic()
             if self.worker_id is None and (now - last_hello > HELLO_RETRY_S or last_hello < self.forgotten_at):
                 self._send(P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=socket.gethostname(),
-                                  pid=os.getpid(), incarnation=self.incarnation))
+                                  pid=os.getpid(), incarnation=self.incarnation, agent=self.agent_id))
                 last_hello = now
             if self.worker_id is not None and now - last_beat > self.heartbeat_s:
-                self._send(P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache)))
+                self._send(P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache),
+                                  busy_s=self.busy_s))
                 last_beat = now
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.info("host agent is gone; exiting")
@@ -91,7 +96,9 @@ class Worker:
             except ProtocolError as e:
                 log.warning("dropped message from coordinator: %s", e)
                 continue
+            started = time.perf_counter()
             self._handle(header, arrays)
+            self.busy_s += time.perf_counter() - started
 
     def _send(self, header: dict[str, Any], *arrays: np.ndarray) -> None:
         try:
@@ -156,28 +163,31 @@ class Worker:
                               reason=f"cannot prepare records of source {s}: {e}"))
             return
         skipped: list[list] = []
+        patches = np.zeros(len(records) if reader.has_images else 0, dtype="<i8")
         if mapped is not None:
             lengths = mapped.astype("<i8")
         else:
             lengths = np.zeros(len(records), dtype="<i8")
             base = s << 48
-            for i, record in enumerate(records.tolist()):
+            for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
+                record = int(records[i])
                 key = base | record
                 entry = self.cache.get(key)
-                if entry is not None:
-                    entry[1] += 1
-                    lengths[i] = entry[2]
-                    continue
-                try:
-                    tokens = reader.read(record)
-                except (RecordError, IndexError) as e:
-                    log.warning("skipped record: %s", e)
-                    skipped.append([i, str(e)])
-                    continue
-                self.cache[key] = [tokens, 1, len(tokens)]
-                lengths[i] = len(tokens)
+                if entry is None:
+                    try:
+                        tokens, images = reader.read_sample(record)
+                    except (RecordError, IndexError) as e:
+                        log.warning("skipped record: %s", e)
+                        skipped.append([i, str(e)])
+                        continue
+                    entry = self.cache[key] = [tokens, 0, len(tokens), images]
+                entry[1] += 1
+                lengths[i] = entry[2]
+                if entry[3] is not None:
+                    patches[i] = len(entry[3])
+            skipped.sort()
         self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
-                          busy_s=time.perf_counter() - started), lengths)
+                          busy_s=time.perf_counter() - started), lengths, patches)
 
     def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: list[int]) -> None:
         addresses = dict((r, a) for r, a in msg["addresses"])
@@ -188,11 +198,13 @@ class Worker:
                 continue
             rows = items[items[:, 0] == rank]
             rows = rows[np.argsort(rows[:, 2], kind="stable")]  # by doc key: few gathers, one per source/shard
-            rows, tokens = self._gather(msg["step"], rows)
+            rows, tokens, patch_counts, patches = self._gather(msg["step"], rows)
             if not len(rows):
                 continue
-            header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str)
-            frames = wire.encode(header, np.ascontiguousarray(rows[:, 1:]), tokens)
+            header = P.make(P.PIECES, step=msg["step"], rank=rank, dtype=tokens.dtype.str,
+                            patch_bytes=patches.shape[1] if patches.size else 0)
+            frames = wire.encode(header, np.ascontiguousarray(rows[:, 1:]), tokens, patch_counts,
+                                 np.ascontiguousarray(patches).reshape(-1))
             try:
                 self._data_socket(address).send_multipart(frames, copy=tokens.nbytes < ZERO_COPY_BYTES)
             except zmq.Again:
@@ -206,12 +218,14 @@ class Worker:
                     del self.cache[key]
         self._send(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"]))
 
-    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens of deliver rows [rank, micro_batch, doc_key, offset, length] (grouped by
-        source), concatenated in row order, and the rows that could be served: a piece must lie
-        within its document, and a JSONL record must be in this worker's cache."""
+    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows of deliver rows [rank, micro_batch, doc_key, offset, length] (grouped by source)
+        that can be served, their tokens concatenated in row order, and for image-text records the
+        patches of the image placeholders each piece holds (placeholders are a record's first
+        tokens, one per patch): (rows, tokens, patches per row, patches). A piece must lie within
+        its document, and a record that is not memory-mapped must be in this worker's cache."""
         sources = rows[:, 2] >> 48
-        kept, parts = [], []
+        kept, parts, patch_parts, patch_counts = [], [], [], []
         for s in np.unique(sources).tolist():
             mine = rows[sources == s]
             reader = self._reader(s)
@@ -232,12 +246,26 @@ class Worker:
             kept.append(mine)
             if reader.format == "megatron":
                 parts.append(reader.gather(mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]))
-            else:
-                parts.extend(self.cache[key][0][off: off + n] for key, off, n in mine[:, 2:].tolist())
+                patch_counts.append(np.zeros(len(mine), dtype="<u4"))
+                continue
+            counts = np.zeros(len(mine), dtype="<u4")
+            for i, (key, off, n) in enumerate(mine[:, 2:].tolist()):
+                entry = self.cache[key]
+                parts.append(entry[0][off: off + n])
+                if entry[3] is not None and off < len(entry[3]):
+                    images = entry[3][off: min(off + n, len(entry[3]))]
+                    counts[i] = len(images)
+                    patch_parts.append(images)
+            patch_counts.append(counts)
         if not parts:
-            return rows[:0], np.zeros(0, np.uint16)
+            return rows[:0], np.zeros(0, np.uint16), np.zeros(0, "<u4"), np.zeros((0, 0), np.uint8)
         dtype = np.result_type(*{a.dtype for a in parts})
-        return np.concatenate(kept), np.concatenate(parts).astype(dtype.newbyteorder("<"), copy=False)
+        patch_counts = np.concatenate(patch_counts)
+        patches = np.concatenate(patch_parts) if patch_parts else np.zeros((0, 0), np.uint8)
+        if not patches.size:
+            patch_counts = patch_counts[:0]
+        return (np.concatenate(kept), np.concatenate(parts).astype(dtype.newbyteorder("<"), copy=False), patch_counts,
+                patches)
 
     def _data_socket(self, address: str) -> zmq.Socket:
         sock = self.data.get(address)
@@ -254,12 +282,12 @@ class Worker:
 
 
 def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",
-               log_path: str | None = None, keys_dir: str | None = None) -> None:
+               log_path: str | None = None, keys_dir: str | None = None, agent_id: int = 0) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
     logging.basicConfig(level=log_level, filename=log_path,
                         format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     memory.keep_freed_memory()
-    worker = Worker(coordinator, parent_pid, keys_dir)
+    worker = Worker(coordinator, parent_pid, keys_dir, agent_id)
     try:
         worker.run()
     except KeyboardInterrupt:

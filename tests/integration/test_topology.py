@@ -67,7 +67,9 @@ def test_topology_coordinates_follow_megatron_order():
     assert [tuple(topo.coords(r)) for r in (0, 1, 2, 4, 8)] == [
         (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (1, 0, 0, 0), (0, 1, 0, 0)]
     assert all(topo.rank_of(topo.coords(r)) == r for r in range(16))
-    assert topo.fields(0)[:3] == ("tokens", "position_ids", "cu_seqlens")  # first stage
+    first = topo.fields(0)  # first stage: the inputs (image patches too), and the packing metadata
+    assert first[:2] == ("tokens", "position_ids") and "pixel_patches" in first and "cu_seqlens" in first
+    assert "labels" not in first
     assert topo.fields(8)[:2] == ("labels", "loss_mask")  # last stage
     assert topo.fields(1) == ()  # tp_leader: only TP rank 0 receives
     assert topo.receivers() == [0, 2, 4, 6, 8, 10, 12, 14]

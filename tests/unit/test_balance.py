@@ -164,3 +164,32 @@ def test_fast_greedy_is_valid_and_as_balanced_as_the_exact_one(ranks, n_mb, mbs,
         fast_imb = imbalance(fast.rank_costs(grid, SQUARE).tolist())
         exact_imb = imbalance(exact.rank_costs(grid, SQUARE).tolist())
         assert fast_imb <= exact_imb * 1.02 + 0.005, (fast_imb, exact_imb)
+
+
+@pytest.mark.parametrize("method", ["greedy", "greedy_exact", "karmarkar_karp"])
+def test_image_patches_enter_the_cost_and_the_balance(method):
+    """Text and image-text pieces of the same lengths: only the patch terms tell them apart. A
+    planner blind to them piles the images up; with them, each rank gets its share."""
+    from coordinator.balance import layout
+
+    grid = Grid(ranks=4, micro_batches=1, micro_batch_size=2, row_capacity=1000)
+    lengths = np.full(16, 500)  # two pieces fill a row exactly
+    ratio = np.zeros(len(lengths))
+    ratio[1::2] = 0.9  # every other piece is an image-text sample: 90 % placeholders
+    vision = Cost(1.0, 0.0, ratio, patch_quadratic=20.0, patch_linear=0.0)
+    true = layout(method, lengths, grid, vision)
+    blind = layout(method, lengths, grid, SQUARE)
+    assert int(true.length.sum()) == int(lengths.sum())
+    with_patches = imbalance(true.rank_costs(grid, vision))
+    blind_cost = imbalance(blind.rank_costs(grid, vision))  # the blind layout, charged what it really costs
+    assert with_patches < 1.01 < 1.3 < blind_cost
+    # a piece's cost is a*len^2 + c*(ratio*len)^2
+    i = 1
+    assert vision.of(lengths[[i]], np.array([i]))[0] == pytest.approx(
+        lengths[i] ** 2 + 20.0 * (0.9 * lengths[i]) ** 2)
+
+
+def test_dealt_in_order_charges_per_piece_coefficients():
+    q = np.array([1.0, 3.0])
+    costs = costs_dealt_in_order([4, 4], 2, 4, q, np.zeros(2))
+    assert costs == [16.0, 48.0]

@@ -14,16 +14,16 @@ def _frames(header, *arrays):
 
 
 def _pieces(items, tokens, **header):
-    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str)
+    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0)
     h.update(header)
-    return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens)
+    return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"))
 
 
 def test_pieces_round_trip_keeps_arrays_exact():
     tokens = np.arange(10, dtype="<u2")
     items = [[0, (2 << 48) | 7, 5, 4], [1, 9, 0, 6]]
     got, arrays = wire.decode(_pieces(items, tokens), P.TRAINER_DATA_INBOX)
-    assert got == {"type": "pieces", "step": 3, "rank": 1, "dtype": "<u2"}
+    assert got == {"type": "pieces", "step": 3, "rank": 1, "dtype": "<u2", "patch_bytes": 0}
     assert arrays["items"].tolist() == items
     np.testing.assert_array_equal(arrays["tokens"], tokens)
 
@@ -69,11 +69,12 @@ def test_array_frames_are_checked():
 
 
 def test_missing_field_and_frame_count():
-    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2")
+    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0)
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
-        wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2")), P.TRAINER_DATA_INBOX)
-    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2")
+        wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2"), np.zeros(0, "<u4"),
+                            np.zeros(0, "|u1")), P.TRAINER_DATA_INBOX)
+    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0)
     with pytest.raises(ProtocolError, match="data frames"):
         wire.decode(_frames(ok), P.TRAINER_DATA_INBOX)
 
@@ -89,6 +90,24 @@ def test_oversized_and_undecodable_headers():
     with pytest.raises(ProtocolError):
         wire.decode([msgpack.packb({"type": "consumed", "rank": 0, "step": b"\x00"}, use_bin_type=True)],
                     P.COORDINATOR_INBOX)
+
+
+def test_pieces_with_image_patches_must_add_up():
+    items = np.array([[0, 7, 0, 4], [0, 9, 0, 2]], dtype="<u8")
+    tokens = np.zeros(6, "<u2")
+    patches = np.arange(3 * 12, dtype=np.uint8)
+
+    def frames(counts, patch_bytes=12, data=patches):
+        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes)
+        return _frames(h, items, tokens, np.array(counts, "<u4"), data)
+
+    _, arrays = wire.decode(frames([3, 0]), P.TRAINER_DATA_INBOX)
+    assert arrays["patch_counts"].tolist() == [3, 0] and arrays["patches"].size == 36
+    for bad, why in [(frames([2, 0]), "patches of 12 bytes"), (frames([3]), "one count per item"),
+                     (frames([5, 0], data=np.zeros(60, np.uint8)), "within its length"),
+                     (frames([3, 0], patch_bytes=0), "one count per item")]:
+        with pytest.raises(ProtocolError, match=why):
+            wire.decode(bad, P.TRAINER_DATA_INBOX)
 
 
 def test_make_checks_field_names():

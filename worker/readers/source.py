@@ -1,7 +1,8 @@
 """One source = an ordered list of shards addressed by a single record index.
 
 `record_index` counts the source's records from 0 across its shards in sorted path order
-(JSONL: one line is one record; Megatron: one document of the .idx).
+(JSONL: one line is one record; Megatron: one document of the .idx; Parquet: one row;
+WebDataset: one sample, i.e. one run of tar entries sharing a key).
 """
 
 from __future__ import annotations
@@ -13,28 +14,46 @@ import numpy as np
 import orjson
 
 from ..tokenizer import make_tokenizer
+from ..vision import ImageError, to_patches
 from .errors import RecordError, SourceFormatError
 from .jsonl import JsonlShard
 from .megatron import MegatronIndex
+from .parquet import ParquetShard, token_ids
+from .webdataset import WebDatasetShard
 
 
 class SourceReader:
     """Reads records of one source. `spec` is the source's entry of the job description that the
-    coordinator sends to workers: {name, format, files, text_key, tokenizer, eod_id}."""
+    coordinator sends to workers: {name, format, files, text_key, tokens_key, tokenizer, eod_id,
+    image_token_id, max_pixels, patch_size}."""
 
     def __init__(self, spec: dict[str, Any], cache_dir: str | None = None) -> None:
         self.name: str = spec["name"]
         self.format: str = spec["format"]
-        self.text_key: str = spec.get("text_key", "text")
+        self.text_key: str = spec.get("text_key") or ("caption" if self.format == "webdataset" else "text")
+        self.tokens_key: str | None = spec.get("tokens_key")
+        self.tokenizer = None
         if self.format == "megatron":
             self.shards: list[Any] = [MegatronIndex(p) for p in spec["files"]]
-            self.tokenizer = None
             dtypes = {s.dtype for s in self.shards}
             self.dtype = np.result_type(*dtypes) if dtypes else np.dtype("<u2")
-        elif self.format == "jsonl":
-            self.shards = [JsonlShard(p, cache_dir) for p in spec["files"]]
+        elif self.format in ("jsonl", "webdataset") or (self.format == "parquet" and not self.tokens_key):
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
+            if self.format == "jsonl":
+                self.shards = [JsonlShard(p, cache_dir) for p in spec["files"]]
+            elif self.format == "parquet":
+                self.shards = [ParquetShard(p, self.text_key) for p in spec["files"]]
+            else:
+                self.shards = [WebDatasetShard(p, cache_dir) for p in spec["files"]]
+                self.image_token_id = int(spec["image_token_id"])
+                self.max_pixels = int(spec.get("max_pixels") or 256 * 256)
+                self.patch_size = int(spec.get("patch_size") or 16)
+                if self.image_token_id > np.iinfo(self.dtype).max:
+                    self.dtype = np.dtype("<i4")
+        elif self.format == "parquet":  # pre-tokenized rows
+            self.shards = [ParquetShard(p, self.tokens_key) for p in spec["files"]]
+            self.dtype = np.dtype("<i4")
         else:
             raise SourceFormatError(f"source {self.name!r}: unknown format {self.format!r}")
         counts = [len(s) for s in self.shards]
@@ -82,12 +101,35 @@ class SourceReader:
                                                    lengths[lo:hi]))
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
+    @property
+    def has_images(self) -> bool:
+        return self.format == "webdataset"
+
+    @property
+    def patch_bytes(self) -> int:
+        return self.patch_size * self.patch_size * 3 if self.has_images else 0
+
     def read(self, record_index: int) -> np.ndarray:
         """The record's tokens. Raises RecordError (naming file and line) for a record to skip."""
+        return self.read_sample(record_index)[0]
+
+    def read_sample(self, record_index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, image patches or None). An image-text sample's tokens are one image_token_id
+        placeholder per patch, then the caption's tokens (ending with end-of-document)."""
         shard_no, i = self.locate(record_index)
         shard = self.shards[shard_no]
         if self.format == "megatron":
-            return shard.document(i)
+            return shard.document(i), None
+        if self.format == "parquet":
+            where = f"{shard.path}: row {i}"
+            value = shard.value(i)
+            if self.tokens_key:
+                return token_ids(value, f"{where}, column {self.tokens_key!r}"), None
+            if not isinstance(value, str):
+                raise RecordError(f"{where}: column {self.text_key!r} is not a string ({type(value).__name__})")
+            return self.tokenizer.encode(value), None
+        if self.format == "webdataset":
+            return self._image_text(shard, i)
         raw = shard.line(i)
         where = f"{shard.shard}:{i + 1}"
         try:
@@ -99,7 +141,29 @@ class SourceReader:
         text = obj.get(self.text_key)
         if not isinstance(text, str):
             raise RecordError(f"{where}: key {self.text_key!r} missing or not a string")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text), None
+
+    def _image_text(self, shard: WebDatasetShard, i: int) -> tuple[np.ndarray, np.ndarray]:
+        image, _, caption, caption_ext = shard.entries(i)
+        where = f"{shard.shard}: sample {shard.key(i)!r}"
+        try:
+            text = caption.decode("utf-8")
+            if caption_ext == "json":
+                obj = orjson.loads(caption)
+                text = obj.get(self.text_key) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    raise RecordError(f"{where}: caption JSON has no string {self.text_key!r}")
+        except (UnicodeDecodeError, orjson.JSONDecodeError) as e:
+            raise RecordError(f"{where}: caption is not valid UTF-8 text or JSON ({e})") from None
+        try:
+            patches = to_patches(image, self.max_pixels, self.patch_size)
+        except ImageError as e:
+            raise RecordError(f"{where}: {e}") from None
+        words = self.tokenizer.encode(text)
+        tokens = np.empty(len(patches) + len(words), dtype=self.dtype)
+        tokens[:len(patches)] = self.image_token_id
+        tokens[len(patches):] = words
+        return tokens, patches
 
 
 def open_source(spec: dict[str, Any], cache_dir: str | None = None) -> SourceReader:

@@ -1,0 +1,96 @@
+"""Local image-text and Parquet datasets for tests, benchmarks and examples (no network).
+
+Images are real encoded files (JPEG, PNG, WebP written by Pillow) of procedurally drawn scenes:
+gradients, shapes and text, in varied sizes and aspect ratios, so decoding and resizing cost
+what they cost on real photos of the same size. Captions are docstrings of the Python standard
+library (`demo_data`).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import tarfile
+
+import numpy as np
+import orjson
+
+from .demo_data import _docstrings, _stdlib_sources
+
+
+@functools.lru_cache(maxsize=4)
+def captions(limit: int = 5000) -> list[str]:
+    out: list[str] = []
+    for _, source in _stdlib_sources():
+        out.extend(d.split("\n\n")[0] for d in _docstrings(source))
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def draw_image(rng: np.random.Generator, width: int, height: int, fmt: str) -> bytes:
+    from PIL import Image, ImageDraw
+
+    y, x = np.mgrid[0:height, 0:width]
+    base = rng.integers(0, 256, size=(2, 3))
+    t = ((x / max(width - 1, 1) + y / max(height - 1, 1)) / 2)[..., None]
+    pixels = (base[0] * (1 - t) + base[1] * t).astype(np.uint8)
+    img = Image.fromarray(pixels, "RGB")
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 12))):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        x1, y1 = x0 + int(rng.integers(4, width // 2 + 5)), y0 + int(rng.integers(4, height // 2 + 5))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
+    out = io.BytesIO()
+    img.save(out, format={"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}[fmt], quality=90)
+    return out.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_webdataset(path: str, n: int, seed: int = 0, sizes: tuple[int, int] = (96, 640),
+                     formats: tuple[str, ...] = ("jpg", "png", "webp"), broken: dict[int, str] | None = None) -> None:
+    """A tar of n image-text samples `{i:06d}.{jpg|png|webp}` + `.txt` (every third one `.json`).
+    broken: sample index -> "no_caption" | "bad_image" | "split" (its caption comes at the end)."""
+    rng = np.random.default_rng(seed)
+    texts = captions()
+    broken = broken or {}
+    late: list[tuple[str, bytes]] = []
+    tmp = path + ".tmp"
+    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(n):
+            key = f"{i:06d}"
+            fmt = formats[i % len(formats)]
+            w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, 2))
+            image = draw_image(rng, w, h, fmt) if broken.get(i) != "bad_image" else b"not an image at all"
+            text = texts[int(rng.integers(0, len(texts)))]
+            caption = orjson.dumps({"caption": text}) if i % 3 == 2 else text.encode()
+            _add(tar, f"{key}.{fmt}", image)
+            cap_name = f"{key}.{'json' if i % 3 == 2 else 'txt'}"
+            if broken.get(i) == "split":
+                late.append((cap_name, caption))
+            elif broken.get(i) != "no_caption":
+                _add(tar, cap_name, caption)
+        for name, data in late:
+            _add(tar, name, data)
+    os.replace(tmp, path)
+
+
+def write_parquet(path: str, texts: list[str], row_group_size: int = 64, tokens: bool = False) -> None:
+    """A Parquet file with a `text` column (or, tokens=True, also a `tokens` list<int32> column
+    holding the byte tokens of each text plus end-of-document 256)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"text": pa.array(texts, pa.string())}
+    if tokens:
+        ids = [list(t.encode()) + [256] for t in texts]
+        columns["tokens"] = pa.array(ids, pa.list_(pa.int32()))
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)

@@ -1,0 +1,185 @@
+"""Worker capacity: what each source costs to prepare, which worker gets the next prepare task,
+and how many worker processes each host should run.
+
+Cost: every `prepared` reply says how long the worker spent on the task; per source we keep a
+moving estimate of seconds per record and per token (exponentially weighted, so a source whose
+cost drifts is followed).
+
+Allocation ("adaptive", the default): any worker serves any source, and a task goes to the
+worker with the least estimated work queued (the sum of its tasks' estimated seconds). Expensive
+sources thereby take as many workers as their demand (their mixture weight times the trainers'
+consumption) times their cost calls for, and no worker idles while another source is behind.
+"fixed" splits the workers equally among the sources with weight, each serving one source only:
+the per-source loader design, kept to measure the difference (tools/bench_autoscale.py).
+
+Scaling: hosts started with `--procs auto` are grown by one process while the trainers wait for
+data and the workers are busy, and shrunk by one when the workers are mostly idle. A shrink first
+stops giving work to one of the host's workers, and names it to its agent only once it holds no
+prepared record, no task and no delivery, so nothing has to be prepared again. When every host
+is at its limit and the trainers still wait, the job's shortfall is estimated and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+log = logging.getLogger("msd.coordinator")
+
+EWMA = 0.2  # weight of the newest measurement in the moving cost estimates
+DECIDE_EVERY_S = 2.0  # scaling decisions look at this much history
+GROW_WAIT_SHARE = 0.05  # trainers waiting more than this share of the time for data...
+GROW_BUSY = 0.6  # ...while workers are busy at least this share: one more process
+SHRINK_BUSY = 0.25  # workers busy less than this share...
+SHRINK_AFTER_S = 10.0  # ...for this long (and trainers not waiting): one process fewer
+REPORT_EVERY_S = 30.0
+
+
+@dataclass
+class SourceCost:
+    s_per_record: float | None = None
+    s_per_token: float | None = None
+    records: int = 0
+    busy_s: float = 0.0
+
+    def update(self, seconds: float, records: int, tokens: int) -> None:
+        self.records += records
+        self.busy_s += seconds
+        if records <= 0:
+            return
+        per_record, per_token = seconds / records, seconds / max(tokens, 1)
+        if self.s_per_record is None:
+            self.s_per_record, self.s_per_token = per_record, per_token
+        else:
+            self.s_per_record += EWMA * (per_record - self.s_per_record)
+            self.s_per_token += EWMA * (per_token - self.s_per_token)
+
+
+@dataclass
+class HostInfo:
+    agent_id: int
+    identity: bytes
+    host: str
+    procs: int
+    min_procs: int
+    max_procs: int
+    auto: bool
+    last_seen: float
+    retiring: set[int] = field(default_factory=set)  # worker ids being emptied before a stop
+
+
+class Workforce:
+    def __init__(self, n_sources: int, allocation: str) -> None:
+        self.allocation = allocation
+        self.costs = [SourceCost() for _ in range(n_sources)]
+        self.hosts: dict[int, HostInfo] = {}
+        self.needed = 0  # more processes the job needs (0: enough, or not every host is at its limit)
+        self._window_start: float | None = None
+        self._busy_at_start: dict[int, float] = {}
+        self._waited_at_start: dict[int, float] = {}
+        self._idle_since: float | None = None
+        self._last_report = 0.0
+        self.last_busy = 0.0  # workers' busy share over the last decision window
+        self.last_wait = 0.0  # the most-waiting rank's share of time waiting for data, same window
+
+    # ------------------------------------------------------------------ cost
+
+    def estimate(self, source: int, records: int) -> float:
+        """Seconds a task of `records` records of `source` is expected to take."""
+        per = self.costs[source].s_per_record
+        return records * (per if per is not None else 1e-4)
+
+    def record(self, source: int, seconds: float, records: int, tokens: int) -> None:
+        self.costs[source].update(seconds, records, tokens)
+
+    # ------------------------------------------------------------------ allocation
+
+    def choose(self, source: int, workers: list[Any], weights: list[float]) -> Any:
+        """The worker for the next task of `source`: workers have worker_id and backlog_s."""
+        candidates = workers
+        if self.allocation == "fixed":
+            serving = self.fixed_split([w.worker_id for w in workers], weights)
+            mine = [w for w in workers if serving.get(w.worker_id) == source]
+            candidates = mine or workers  # fewer workers than sources: someone must do it
+        return min(candidates, key=lambda w: (w.backlog_s, w.worker_id))
+
+    @staticmethod
+    def fixed_split(worker_ids: Iterable[int], weights: list[float]) -> dict[int, int]:
+        """worker id -> the one source it serves: the sources with weight dealt round-robin."""
+        active = [s for s, w in enumerate(weights) if w > 0] or list(range(len(weights)))
+        return {wid: active[i % len(active)] for i, wid in enumerate(sorted(worker_ids))}
+
+    # ------------------------------------------------------------------ scaling
+
+    def decide(self, now: float, workers: dict[int, Any], trainers: dict[int, Any]) -> list[tuple[HostInfo, int]]:
+        """Every DECIDE_EVERY_S: (host, new process count) to grow; also starts retiring workers
+        of over-provisioned auto hosts. Workers have busy_s and agent; trainers have waited_s."""
+        if self._window_start is None:
+            self._reset_window(now, workers, trainers)
+            return []
+        span = now - self._window_start
+        if span < DECIDE_EVERY_S:
+            return []
+        busy = sum(max(0.0, w.busy_s - self._busy_at_start.get(wid, w.busy_s)) for wid, w in workers.items())
+        self.last_busy = busy / (span * len(workers)) if workers else 0.0
+        waits = [max(0.0, t.waited_s - self._waited_at_start.get(r, t.waited_s)) for r, t in trainers.items()]
+        self.last_wait = max(waits) / span if waits else 0.0
+        self._reset_window(now, workers, trainers)
+        out: list[tuple[HostInfo, int]] = []
+        hosts = [h for h in self.hosts.values() if h.auto]
+        if self.last_wait > GROW_WAIT_SHARE and self.last_busy > GROW_BUSY:
+            self._idle_since = None
+            room = [h for h in hosts if h.procs < h.max_procs]
+            if room:
+                h = max(room, key=lambda h: (h.max_procs - h.procs, -h.agent_id))
+                out.append((h, h.procs + 1))
+                self.needed = 0
+            elif self.hosts and all(h.procs >= h.max_procs for h in self.hosts.values()):
+                # Waiting w of the time means the workers deliver (1 - w) of what is asked for.
+                n = len(workers)
+                self.needed = max(1, math.ceil(n * self.last_wait / max(1e-3, 1 - self.last_wait)))
+                if now - self._last_report > REPORT_EVERY_S:
+                    self._last_report = now
+                    log.warning("trainers wait %.0f%% of the time for data and every worker host is at its "
+                                "limit (%d processes, %.0f%% busy): the job needs about %d more worker process(es)",
+                                100 * self.last_wait, n, 100 * self.last_busy, self.needed)
+        elif self.last_busy < SHRINK_BUSY and self.last_wait < GROW_WAIT_SHARE / 2:
+            self.needed = 0
+            self._idle_since = self._idle_since if self._idle_since is not None else now
+            if now - self._idle_since >= SHRINK_AFTER_S:
+                self._idle_since = now
+                shrinkable = [h for h in hosts if h.procs - len(h.retiring) > h.min_procs]
+                if shrinkable:
+                    h = max(shrinkable, key=lambda h: (h.procs, -h.agent_id))
+                    mine = [w for w in workers.values() if w.agent == h.agent_id and w.worker_id not in h.retiring]
+                    if mine:
+                        victim = max(mine, key=lambda w: w.worker_id)  # the newest
+                        h.retiring.add(victim.worker_id)
+                        log.info("host %s: workers %.0f%% busy; retiring worker %d", h.host, 100 * self.last_busy,
+                                 victim.worker_id)
+        else:
+            self._idle_since = None
+        return out
+
+    def _reset_window(self, now: float, workers: dict[int, Any], trainers: dict[int, Any]) -> None:
+        self._window_start = now
+        self._busy_at_start = {wid: w.busy_s for wid, w in workers.items()}
+        self._waited_at_start = {r: t.waited_s for r, t in trainers.items()}
+
+    def retiring(self) -> set[int]:
+        return {wid for h in self.hosts.values() for wid in h.retiring}
+
+    def status(self, names: list[str]) -> dict[str, Any]:
+        return {
+            "allocation": self.allocation,
+            "source_cost": {n: {"s_per_record": c.s_per_record, "s_per_token": c.s_per_token,
+                                "records": c.records, "busy_s": round(c.busy_s, 3)}
+                            for n, c in zip(names, self.costs)},
+            "hosts": {h.agent_id: {"host": h.host, "procs": h.procs, "max_procs": h.max_procs, "auto": h.auto}
+                      for h in self.hosts.values()},
+            "workers_busy": round(self.last_busy, 3),
+            "trainers_waiting": round(self.last_wait, 3),
+            "workers_needed": self.needed,
+        }

@@ -1,0 +1,45 @@
+"""Image preprocessing for image-text samples: decode (Pillow), resize to fit a pixel budget keeping
+the aspect ratio, cut into square patches.
+
+Sides are rounded down to whole patches (at least one), so the image the model sees is at most
+`max_pixels` and its patches tile it exactly. Patches are uint8 rows of patch_size*patch_size*3
+values (RGB, row-major within the patch), in raster order over the image.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+
+
+class ImageError(ValueError):
+    """The bytes do not decode as an image."""
+
+
+def fit(width: int, height: int, max_pixels: int, patch_size: int) -> tuple[int, int]:
+    """Target (width, height): scaled down to at most max_pixels, sides multiples of patch_size."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    w = max(patch_size, int(width * scale) // patch_size * patch_size)
+    h = max(patch_size, int(height * scale) // patch_size * patch_size)
+    return w, h
+
+
+def to_patches(data: bytes, max_pixels: int, patch_size: int) -> np.ndarray:
+    """uint8 [n_patches, patch_size*patch_size*3] of an encoded image (JPEG, PNG, WebP)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            rgb = img.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
+        raise ImageError(f"image does not decode ({e})") from None
+    w, h = fit(rgb.width, rgb.height, max_pixels, patch_size)
+    if (w, h) != rgb.size:
+        rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)
+    p = patch_size
+    pixels = np.asarray(rgb, dtype=np.uint8)  # [h, w, 3]
+    patches = pixels.reshape(h // p, p, w // p, p, 3).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(patches.reshape(-1, p * p * 3))
