@@ -112,7 +112,7 @@ class Coordinator:
         self.workers: dict[int, WorkerInfo] = {}
         self.trainers: dict[int, TrainerInfo] = {}
         self.peers: dict[bytes, tuple[str, int]] = {}  # socket identity -> ("worker"|"trainer"|"host", id)
-        self.workforce = Workforce(len(job.sources), job.runtime.allocation)
+        self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
         changed = check_job_change(state_dir, job, allow_config_change)

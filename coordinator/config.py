@@ -101,6 +101,7 @@ class RuntimeConfig:
     # backlog) or "fixed" (each worker serves one source, workers split equally: the per-source
     # loader design, kept for comparison)
     allocation: str = "adaptive"
+    shrink_after_s: float = 10.0  # `--procs auto` hosts lose a process after workers idled this long
 
 
 @dataclass(frozen=True)
@@ -444,7 +445,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
                         (("quadratic", 1.0), ("linear", 0.0), ("patch_quadratic", 0.0), ("patch_linear", 0.0))))
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
-                                                       "status_every_s", "allocation"})
+                                                       "status_every_s", "allocation", "shrink_after_s"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -453,6 +454,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     status_every = c.number(rt.get("status_every_s", 30.0), "runtime.status_every_s")
     allocation = rt.get("allocation", "adaptive")
     _choice(c, allocation, "runtime.allocation", ALLOCATIONS)
+    shrink_after = c.number(rt.get("shrink_after_s", 10.0), "runtime.shrink_after_s")
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -483,7 +485,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
-        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation),
+        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after),
         path=path,
     )
 

@@ -31,9 +31,8 @@ log = logging.getLogger("msd.coordinator")
 EWMA = 0.2  # weight of the newest measurement in the moving cost estimates
 DECIDE_EVERY_S = 2.0  # scaling decisions look at this much history
 GROW_WAIT_SHARE = 0.05  # trainers waiting more than this share of the time for data...
-GROW_BUSY = 0.6  # ...while workers are busy at least this share: one more process
+GROW_BUSY = 0.5  # ...while workers are busy at least this share: one more process
 SHRINK_BUSY = 0.25  # workers busy less than this share...
-SHRINK_AFTER_S = 10.0  # ...for this long (and trainers not waiting): one process fewer
 REPORT_EVERY_S = 30.0
 
 
@@ -71,8 +70,9 @@ class HostInfo:
 
 
 class Workforce:
-    def __init__(self, n_sources: int, allocation: str) -> None:
+    def __init__(self, n_sources: int, allocation: str, shrink_after_s: float = 10.0) -> None:
         self.allocation = allocation
+        self.shrink_after_s = shrink_after_s  # workers idle this long (trainers not waiting): one process fewer
         self.costs = [SourceCost() for _ in range(n_sources)]
         self.hosts: dict[int, HostInfo] = {}
         self.needed = 0  # more processes the job needs (0: enough, or not every host is at its limit)
@@ -148,7 +148,7 @@ class Workforce:
         elif self.last_busy < SHRINK_BUSY and self.last_wait < GROW_WAIT_SHARE / 2:
             self.needed = 0
             self._idle_since = self._idle_since if self._idle_since is not None else now
-            if now - self._idle_since >= SHRINK_AFTER_S:
+            if now - self._idle_since >= self.shrink_after_s:
                 self._idle_since = now
                 shrinkable = [h for h in hosts if h.procs - len(h.retiring) > h.min_procs]
                 if shrinkable:

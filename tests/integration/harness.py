@@ -17,11 +17,20 @@ from worker.readers import open_source
 SPAWN = mp.get_context("spawn")
 
 
-def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.0,
+Compute = float | list[tuple[int, float]]  # seconds per micro-batch, or [(from step, seconds), ...]
+
+
+def _compute_at(compute_s: Compute, step: int) -> float:
+    if isinstance(compute_s, (int, float)):
+        return float(compute_s)
+    return next((s for start, s in reversed(compute_s) if step >= start), 0.0)
+
+
+def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 0.0,
             resume: dict | None = None) -> None:
     """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
-    every micro-batch back to the test, spending `compute_s` per micro-batch as a trainer's
-    compute would."""
+    every micro-batch back to the test, spending `compute_s` per micro-batch (or per the
+    schedule) as a trainer's compute would."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
@@ -30,8 +39,9 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.
     try:
         for batch in client:
             out.put(("batch", rank, {**{k: v for k, v in batch.items() if k != "plan"}, "received_at": time.time()}))
-            if compute_s:
-                time.sleep(compute_s)
+            pause = _compute_at(compute_s, batch["step"])
+            if pause:
+                time.sleep(pause)
             if batch["step"] + 1 >= steps and batch["micro_batch"] == client.batch_info["micro_batches"] - 1:
                 break
         out.put(("done", rank, client.state_dict()))
@@ -41,16 +51,17 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: float = 0.
         client.close()
 
 
-def run_job(job_path: str, *, workers: int, ranks: int, steps: int, log_path: str | None = None,
+def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_path: str | None = None,
             during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90,
-            compute_s: float = 0.0) -> dict[int, list[dict]]:
-    """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection)."""
-    with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO") as cluster:
+            compute_s: Compute = 0.0, max_procs: int | None = None) -> dict[int, list[dict]]:
+    """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection).
+    workers=None: the host runs `--procs auto --max-procs max_procs`."""
+    with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO", max_procs=max_procs) as cluster:
         return run_ranks(cluster, ranks=ranks, steps=steps, during=during, timeout_s=timeout_s, compute_s=compute_s)[0]
 
 
 def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
-              timeout_s: float = 90, compute_s: float = 0.0,
+              timeout_s: float = 90, compute_s: Compute = 0.0,
               resume: dict[int, dict] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
     received, and each one's final state_dict."""

@@ -1,0 +1,52 @@
+"""Worker hosts with `--procs auto`: the coordinator grows a host while trainers wait for an
+expensive source and shrinks it when workers idle, without changing the stream."""
+
+import re
+
+import pytest
+
+from coordinator.multimodal_data import write_webdataset
+from tests.conftest import write_job
+from worker.readers.megatron import write_megatron
+from worker.tokenizer import ByteTokenizer
+
+from .harness import check_content, run_job, signature
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+FAST_STEPS = 90  # trainers that take no time: workers cannot keep up, the host must grow
+STEPS = 120  # then slow trainers (0.25 s per micro-batch): workers idle, the host must shrink
+
+
+@pytest.fixture(scope="module")
+def job_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("autoscale")
+    (root / "images").mkdir()
+    write_webdataset(str(root / "images" / "a.tar"), 60, seed=3, sizes=(300, 700), formats=("jpg", "png"))
+    tok = ByteTokenizer()
+    write_megatron(str(root / "text_document"), [tok.encode("token " * (50 + 7 * i)) for i in range(200)], "uint16")
+    return write_job(str(root), {
+        "seed": 5,
+        "sources": {
+            "text": {"format": "megatron", "paths": ["text_document"]},
+            "images": {"format": "webdataset", "paths": ["images/*.tar"], "image_token_id": 300,
+                       "max_pixels": 224 * 224, "patch_size": 14},
+        },
+        "batch": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 4},
+        "topology": {"dp": 2},
+        "mixture": {"weights": {"text": 0.5, "images": 0.5}},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 3, "shrink_after_s": 3.0},
+    }, "auto.yaml")
+
+
+def test_host_grows_under_load_shrinks_when_idle_and_the_stream_is_unchanged(job_path, tmp_path):
+    log = str(tmp_path / "auto.log")
+    auto = run_job(job_path, workers=None, max_procs=2, ranks=2, steps=STEPS, log_path=log, timeout_s=240,
+                   compute_s=[(0, 0.0), (FAST_STEPS, 0.25)])
+    text = open(log).read()
+    assert re.search(r"worker host \S+: 1 -> 2 processes \(trainers wait", text), "the host never grew"
+    assert re.search(r"worker \d+ holds nothing; stopping it \(1 processes\)", text), "the host never shrank"
+    assert "worker processes: 1 -> 2" in text and "stopping worker process" in text  # the agent did both
+    reference = run_job(job_path, workers=1, ranks=2, steps=STEPS)
+    assert signature(auto) == signature(reference)
+    assert check_content(job_path, auto) > 100
