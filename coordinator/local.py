@@ -65,7 +65,8 @@ class LocalJob:
     def __init__(self, job_path: str, workers: int | None = 1, log_level: str = "WARNING",
                  bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None,
                  worker_keys: str | None = None, max_procs: int | None = None) -> None:
-        """workers: processes on the (one, local) worker host; None: `--procs auto` up to max_procs."""
+        """workers: processes on the (one, local) worker host; None: `--procs auto` up to max_procs;
+        0: no local worker host (workers come from elsewhere)."""
         self.max_procs = max_procs
         self.log_path = log_path
         self.worker_keys = worker_keys
@@ -80,6 +81,8 @@ class LocalJob:
 
     def __enter__(self) -> "LocalJob":
         self.address = self._start_coordinator(self.bind)
+        if self.workers == 0:
+            return self
         self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path,
                                                            self.worker_keys, self.max_procs),
                                    name="msd-worker-host")

@@ -27,13 +27,13 @@ def _compute_at(compute_s: Compute, step: int) -> float:
 
 
 def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 0.0,
-            resume: dict | None = None) -> None:
+            resume: dict | None = None, host: str = "127.0.0.1") -> None:
     """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
     every micro-batch back to the test, spending `compute_s` per micro-batch (or per the
     schedule) as a trainer's compute would."""
     from trainer_client import DataClient
 
-    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60)
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60, host=host)
     if resume is not None:
         client.load_state_dict(resume)
     try:
@@ -62,14 +62,15 @@ def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_p
 
 def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
               timeout_s: float = 90, compute_s: Compute = 0.0,
-              resume: dict[int, dict] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+              resume: dict[int, dict] | None = None,
+              client_host: str = "127.0.0.1") -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
     received, and each one's final state_dict."""
     received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     states: dict[int, dict] = {}
     out = SPAWN.Queue()
     procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, compute_s,
-                                                 (resume or {}).get(r))) for r in range(ranks)]
+                                                 (resume or {}).get(r), client_host)) for r in range(ranks)]
     for p in procs:
         p.start()
     done, deadline = 0, time.monotonic() + timeout_s
