@@ -796,7 +796,9 @@ class Coordinator:
             "tasks_in_flight": len(self.tasks),
             "deliveries_unacked": len(self.deliveries),
             "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
-            **self.workforce.status([s.name for s in self.job.sources]),
+            **self.workforce.status([s.name for s in self.job.sources],
+                                    self.planner.weights_at(self.planner.state.next_step),
+                                    self.job.step_tokens_at(self.planner.state.next_step)),
         }
 
 

@@ -83,6 +83,8 @@ class Workforce:
         self._last_report = 0.0
         self.last_busy = 0.0  # workers' busy share over the last decision window
         self.last_wait = 0.0  # the most-waiting rank's share of time waiting for data, same window
+        self.steps_per_s = 0.0  # the slowest rank's consumption, same window
+        self._consumed_at_start: int | None = None
 
     # ------------------------------------------------------------------ cost
 
@@ -122,10 +124,13 @@ class Workforce:
         span = now - self._window_start
         if span < DECIDE_EVERY_S:
             return []
-        busy = sum(max(0.0, w.busy_s - self._busy_at_start.get(wid, w.busy_s)) for wid, w in workers.items())
+        busy = sum(max(0.0, w.busy_s - self._busy_at_start.get(wid, 0.0)) for wid, w in workers.items())
         self.last_busy = busy / (span * len(workers)) if workers else 0.0
         waits = [max(0.0, t.waited_s - self._waited_at_start.get(r, t.waited_s)) for r, t in trainers.items()]
         self.last_wait = max(waits) / span if waits else 0.0
+        consumed = min((t.consumed for t in trainers.values()), default=None)
+        if consumed is not None and self._consumed_at_start is not None:
+            self.steps_per_s = max(0, consumed - self._consumed_at_start) / span
         self._reset_window(now, workers, trainers)
         out: list[tuple[HostInfo, int]] = []
         hosts = [h for h in self.hosts.values() if h.auto]
@@ -167,16 +172,25 @@ class Workforce:
         self._window_start = now
         self._busy_at_start = {wid: w.busy_s for wid, w in workers.items()}
         self._waited_at_start = {r: t.waited_s for r, t in trainers.items()}
+        self._consumed_at_start = min((t.consumed for t in trainers.values()), default=None)
 
     def retiring(self) -> set[int]:
         return {wid for h in self.hosts.values() for wid in h.retiring}
 
-    def status(self, names: list[str]) -> dict[str, Any]:
+    def demand(self, weights: list[float], step_tokens: int) -> list[float]:
+        """Worker processes each source keeps busy at the current consumption rate:
+        weight x tokens per step x steps/s x seconds per token (demand x cost)."""
+        return [w * step_tokens * self.steps_per_s * (c.s_per_token or 0.0) for w, c in zip(weights, self.costs)]
+
+    def status(self, names: list[str], weights: list[float], step_tokens: int) -> dict[str, Any]:
+        demand = self.demand(weights, step_tokens)
         return {
             "allocation": self.allocation,
+            "steps_per_s": round(self.steps_per_s, 3),
             "source_cost": {n: {"s_per_record": c.s_per_record, "s_per_token": c.s_per_token,
-                                "records": c.records, "busy_s": round(c.busy_s, 3)}
-                            for n, c in zip(names, self.costs)},
+                                "records": c.records, "busy_s": round(c.busy_s, 3),
+                                "workers_demanded": round(d, 3)}
+                            for n, c, d in zip(names, self.costs, demand)},
             "hosts": {h.agent_id: {"host": h.host, "procs": h.procs, "max_procs": h.max_procs, "auto": h.auto}
                       for h in self.hosts.values()},
             "workers_busy": round(self.last_busy, 3),

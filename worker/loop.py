@@ -138,6 +138,7 @@ class Worker:
         self.worker_id = msg["worker_id"]
         self.heartbeat_s = float(msg["heartbeat_s"])
         self.specs = job["sources"]
+        self.busy_s = 0.0  # counted from registration: the coordinator compares heartbeats over time
         self.readers.clear()
         self.cache.clear()
         log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
