@@ -730,27 +730,38 @@ class Coordinator:
 
     # ------------------------------------------------------------------ prepare-ahead
 
-    def _window(self, s: int) -> int:
-        """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
+    def _per_step(self, s: int) -> float:
+        """Records of source s a step uses, at the current weights and mean record length."""
         step = self.planner.state.next_step
         w = max(self.planner.weights_at(step)[s], self.planner.weights_at(step + self.job.runtime.lookahead_steps)[s])
         if w <= 0:
-            return 0
+            return 0.0
         mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else self.job.batch.seq_len / 4
-        per_step = w * self.job.step_tokens_at(step) / max(mean_len, 1.0)
-        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self.job.runtime.prepare_batch
+        return w * self.job.step_tokens_at(step) / max(mean_len, 1.0)
+
+    def _task_size(self, s: int) -> int:
+        """Records per prepare task: prepare_batch, or fewer for a source a step uses little of
+        (with many sources, a full batch each would hold far more prepared data than needed)."""
+        return max(1, min(self.job.runtime.prepare_batch, math.ceil(self._per_step(s))))
+
+    def _window(self, s: int) -> int:
+        """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
+        per_step = self._per_step(s)
+        if per_step <= 0:
+            return 0
+        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self._task_size(s)
 
     def _prepare_ahead(self) -> None:
         if not self.workers:
             return
-        batch = self.job.runtime.prepare_batch
         for s in range(len(self.job.sources)):
             cursor = self.planner.state.cursors[s]
+            batch = self._task_size(s)
             while self.tables[s].end - cursor < self._window(s) and self._left(s):
                 self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
-        batch = self.job.runtime.prepare_batch
+        batch = self._task_size(s)
         while self.tables[s].end <= position and self.workers and self._left(s):
             self._prepare_next_batch(s, min(batch, self._left(s)))
 

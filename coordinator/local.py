@@ -59,6 +59,14 @@ def _host_main(address: str, procs: int | None, log_level: str, log_path: str | 
     HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run()
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
@@ -107,13 +115,16 @@ class LocalJob:
         self._start_coordinator(self.address)
 
     def worker_pids(self) -> list[int]:
-        """PIDs of the host agent's worker processes (children of the host)."""
-        path = f"/proc/{self.host.pid}/task/{self.host.pid}/children"
-        try:
-            with open(path) as f:
-                return [int(p) for p in f.read().split()]
-        except OSError:
-            return []
+        """PIDs of the host agent's worker processes (children of its fork server)."""
+        pids = []
+        for child in _children(self.host.pid):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    if b"forkserver" in f.read():
+                        pids.extend(_children(child))
+            except OSError:
+                continue
+        return pids
 
     def __exit__(self, *exc) -> None:
         for p in (self.host, self.coordinator):

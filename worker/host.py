@@ -1,8 +1,10 @@
 """The per-host agent (`msd worker`): starts worker processes and keeps them running.
 
-Workers are spawned, not forked (forking a process that holds a zmq context crashes), each with
-its own context. A worker that dies is restarted with exponential back-off; the agent stops its
-workers when it is stopped, and workers exit on their own if the agent disappears.
+Workers are forked by a multiprocessing fork server that has imported the worker's modules
+(`worker/preload.py`), never by the agent itself (forking a process that holds a zmq context
+crashes): forked workers share those modules' memory, and each creates its own zmq context. A
+worker that dies is restarted with exponential back-off; the agent stops its workers when it
+is stopped, and workers exit on their own if the agent disappears.
 
 The agent registers with the coordinator (`host_hello`: its process count and limits) and
 heartbeats. With `--procs auto` it starts one process and the coordinator grows or shrinks the
@@ -27,8 +29,6 @@ from trainer_client import security, wire
 from trainer_client.errors import ProtocolError
 from trainer_client.sockets import make_socket
 
-from .loop import run_worker
-
 log = logging.getLogger("msd.worker.host")
 
 MAX_BACKOFF_S = 30.0
@@ -36,6 +36,13 @@ HEALTHY_AFTER_S = 10.0  # a process that lived this long before dying restarts w
 KILLED = (-signal.SIGKILL, -signal.SIGTERM)  # stopped from outside (operator, OOM killer): no back-off
 HELLO_RETRY_S = 2.0
 HEARTBEAT_S = 1.0
+
+
+def _worker_main(*args) -> None:
+    """Entry point of a worker process (imported lazily: the agent itself needs none of it)."""
+    from .loop import run_worker
+
+    run_worker(*args)
 
 
 class _Slot:
@@ -61,14 +68,15 @@ class HostAgent:
         self.coordinator = coordinator
         self.log_level, self.log_path, self.keys_dir = log_level, log_path, keys_dir
         self.agent_id = int.from_bytes(os.urandom(6), "little")
-        self.ctx = mp.get_context("spawn")
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["worker.preload"])
         self.slots: list[_Slot] = []
         self.stopping = False
         self.registered = False
 
     def _start(self, slot: _Slot) -> None:
-        p = self.ctx.Process(target=run_worker, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
-                                                      self.keys_dir, self.agent_id),
+        p = self.ctx.Process(target=_worker_main, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
+                                                        self.keys_dir, self.agent_id),
                              name="msd-worker", daemon=True)
         p.start()
         slot.process, slot.started_at = p, time.monotonic()

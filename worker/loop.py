@@ -85,7 +85,7 @@ class Worker:
                 self._send(P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache),
                                   busy_s=self.busy_s))
                 last_beat = now
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            if self.parent_pid is not None and not _alive(self.parent_pid):
                 log.info("host agent is gone; exiting")
                 return
             if not poller.poll(timeout=int(self.heartbeat_s * 250)):
@@ -280,6 +280,17 @@ class Worker:
             sock.connect(address)
             self.data[address] = sock
         return sock
+
+
+def _alive(pid: int) -> bool:
+    """Whether the host agent still runs (it is not our parent: a fork server is)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 import zstandard
 
-from .errors import SourceFormatError
+from .errors import RecordError, SourceFormatError
 
 _CHUNK = 16 << 20
 
@@ -99,8 +99,9 @@ class JsonlShard:
         cache_dir = cache_dir or default_cache_dir()
         self.path = _plain_path(shard, cache_dir)
         self.offsets = self._load_index(_sidecar_path(shard, ".msdidx.npy", cache_dir))
-        size = int(self.offsets[-1])
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        # Lines are read with pread, not through a memory map: a worker touches a few lines of
+        # many shards, and mapped pages would count in its resident memory (shared page cache).
+        self._fd: int | None = None
 
     def _load_index(self, index_path: str) -> np.ndarray:
         st = os.stat(self.path)
@@ -122,5 +123,9 @@ class JsonlShard:
     def line(self, i: int) -> bytes:
         """Bytes of line i (0-based), without its newline."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        raw = self._data[start:end].tobytes()
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        raw = os.pread(self._fd, end - start, start)
+        if len(raw) != end - start:
+            raise RecordError(f"{self.shard}:{i + 1}: file shorter than its index says (changed while in use?)")
         return raw[:-1] if raw.endswith(b"\n") else raw

@@ -1,0 +1,329 @@
+"""End-to-end training throughput and loader memory: ours against per-rank PyTorch DataLoaders
+and Megatron-Core's datasets, side by side in one run.
+
+    python tools/bench_e2e.py --json OUT [--quick] [--plots DIR]
+
+Designs (same sources, same weights, same simulated trainer):
+- `torch`: each of R ranks runs a torch DataLoader with W workers over an IterableDataset that
+  opens all S JSONL sources, draws documents by the mixing weights, tokenizes them (UTF-8 bytes,
+  the same byte tokenizer as ours) and packs them back to back (tools/e2e_ranks.py);
+  persistent workers, gc.freeze() before the workers fork.
+- `megatron`: each rank builds megatron-core's BlendedMegatronDatasetBuilder / GPTDataset /
+  BlendedDataset over S pre-tokenized Megatron sources (memory-mapped), read through a
+  DataLoader with W workers and Megatron's sampler order; no attention mask is built (THD).
+- `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4), R
+  DataClients, greedy balance with token_slack 0.5, over the JSONL sources.
+
+The simulated trainer spends, per micro-batch, `time_scale x sum over pieces of a*len^2 +
+b*len` (the cost model of a 7B model, below), then all ranks meet at a barrier (synchronous
+data parallelism), so a step takes the slowest rank's compute plus any data wait.
+
+Cost constants, Llama-2-7B-like (hidden 4096, 32 layers, 6.7e9 parameters) on an H100 at
+400 TFLOP/s sustained (about 40 % of bf16 peak): training costs 6 x 7e9 FLOPs per token
+(b = 4.2e10 / 4e14 s) and causal attention 6 x hidden x layers FLOPs per token pair
+(a = 7.9e5 / 4e14 s). `time_scale` shrinks the simulated GPU time so that the linear part of a
+rank's step takes --step-s seconds (the ratios between designs do not depend on it as long as
+the loaders keep up; where they do not, the data wait shows it).
+
+Memory: the proportional set size (PSS, /proc/PID/smaps_rollup) of every process the loader
+adds (DataLoader workers; our coordinator, host agent and workers), plus what the loader added
+to each trainer process (its PSS mid-run minus its PSS with torch imported, before the loader
+existed), sampled at the middle step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import time
+
+import numpy as np
+import orjson
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_output import emit  # noqa: E402
+import e2e_ranks  # noqa: E402
+
+from coordinator.demo_data import _stdlib_sources  # noqa: E402
+from coordinator.local import LocalJob  # noqa: E402
+from worker.readers.megatron import write_megatron  # noqa: E402
+
+SPAWN = mp.get_context("spawn")
+A_7B = 6 * 4096 * 32 / 4e14  # seconds per token^2 (causal attention, forward + backward)
+B_7B = 6 * 7e9 / 4e14  # seconds per token (everything else)
+DATA_VERSION = 2
+HEADLINE = dict(ranks=8, workers=4, sources=64, seq_len=32768)
+
+
+# ---------------------------------------------------------------- data
+
+def make_data(root: str, sources: int) -> tuple[list[str], list[str], list[float]]:
+    """S sources of real text (the standard library's files), every second one of long documents
+    (8k-48k tokens), the others short (lognormal, median ~700 tokens). Each as JSONL and as a
+    Megatron pair of the same documents. Returns (JSONL files, Megatron prefixes, mean tokens)."""
+    os.makedirs(root, exist_ok=True)
+    stamp = os.path.join(root, f".complete-v{DATA_VERSION}-{sources}")
+    jsonl = [os.path.join(root, f"s{s:03d}.jsonl") for s in range(sources)]
+    prefixes = [os.path.join(root, f"s{s:03d}_text_document") for s in range(sources)]
+    means_path = os.path.join(root, f"means-{sources}.json")
+    if os.path.exists(stamp):
+        with open(means_path, "rb") as f:
+            return jsonl, prefixes, orjson.loads(f.read())
+    text = "\n\n".join(src for _, src in _stdlib_sources()).encode("utf-8", "replace")
+    text = text.decode("utf-8", "ignore")
+    rng = np.random.default_rng(2026)
+    means = []
+    for s in range(sources):
+        long = s % 2 == 1
+        n_docs = 60 if long else 400
+        lengths = (rng.integers(8_000, 48_000, n_docs) if long
+                   else np.clip(rng.lognormal(6.5, 0.9, n_docs), 40, 12_000).astype(int))
+        docs = []
+        for n in lengths.tolist():
+            start = int(rng.integers(0, len(text) - n - 1))
+            docs.append(text[start:start + n])
+        with open(jsonl[s], "wb") as f:
+            for d in docs:
+                f.write(orjson.dumps({"text": d}) + b"\n")
+        tokens = [np.append(np.frombuffer(d.encode("utf-8"), np.uint8).astype(np.uint16), 256) for d in docs]
+        write_megatron(prefixes[s], tokens, np.uint16)
+        means.append(float(np.mean([len(t) for t in tokens])))
+    with open(means_path, "wb") as f:
+        f.write(orjson.dumps(means))
+    open(stamp, "w").close()
+    return jsonl, prefixes, means
+
+
+def write_job(root: str, files: list[str], ranks: int, seq_len: int, a: float, b: float) -> str:
+    job = {
+        "seed": 17,
+        "sources": {f"s{s:03d}": {"format": "jsonl", "paths": [f], "text_key": "text"} for s, f in enumerate(files)},
+        "batch": {"seq_len": seq_len, "micro_batch_size": 1, "global_batch_size": 2 * ranks},
+        "topology": {"dp": ranks},
+        "mixture": {"weights": {f"s{s:03d}": 1.0 for s in range(len(files))}},
+        "balance": {"method": "greedy", "token_slack": 0.5, "cost": {"quadratic": a * 1e9, "linear": b * 1e9}},
+        "runtime": {"lookahead_steps": 3, "prepare_batch": 32, "heartbeat_s": 1.0, "status_every_s": 3600},
+    }
+    path = os.path.join(root, f"job-r{ranks}-s{len(files)}-{seq_len}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(job, f, sort_keys=False)
+    return path
+
+
+# ---------------------------------------------------------------- one run
+
+def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
+               timeout_s: float = 400) -> dict:
+    ranks, workers = point["ranks"], point["workers"]
+    jsonl, prefixes, means = data
+    weights = [1.0 / len(jsonl)] * len(jsonl)
+    barrier = SPAWN.Barrier(ranks)
+    out = SPAWN.Queue()
+    cluster = None
+    if design == "ours":
+        job = write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
+        cluster = LocalJob(job, workers=max(1, workers * ranks // k)).__enter__()
+        targets = [(e2e_ranks.ours_rank, (cluster.address, r, params, barrier, out)) for r in range(ranks)]
+    elif design == "torch":
+        targets = [(e2e_ranks.torch_rank, (jsonl, weights, means, workers, r, params, barrier, out))
+                   for r in range(ranks)]
+    else:
+        targets = [(e2e_ranks.megatron_rank, (prefixes, weights, workers, r, ranks, params, barrier, out))
+                   for r in range(ranks)]
+    procs = [SPAWN.Process(target=f, args=a, daemon=False) for f, a in targets]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    steps: dict[int, dict[int, tuple]] = {}
+    pss_ranks, pss_loader, done = {}, 0, 0
+    try:
+        deadline = time.monotonic() + timeout_s
+        while done < ranks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{design} {point}: no result in {timeout_s}s")
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"{design} {point}: a rank died ({[p.exitcode for p in procs]})")
+            try:
+                msg = out.get(timeout=1)
+            except queue.Empty:
+                continue
+            if msg[0] == "step":
+                _, rank, step, t, wait, compute, largest, cost = msg
+                steps.setdefault(step, {})[rank] = (t, wait, compute, largest, cost)
+            elif msg[0] == "pss":
+                pss_ranks[msg[1]] = msg[2]
+                if cluster is not None and not pss_loader:  # our loader's own processes, same moment
+                    pids = [cluster.coordinator.pid, cluster.host.pid, *e2e_ranks.descendants(cluster.host.pid)]
+                    pss_loader = sum(e2e_ranks.pss_kb(p) for p in pids)
+            elif msg[0] == "done":
+                done += 1
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
+    result = summarize(design, steps, params, pss_loader + sum(pss_ranks.values()), time.perf_counter() - started)
+    result["pss_mb_in_trainers"] = sum(pss_ranks.values()) / 1024  # what the loader added to them (+ their
+    result["pss_mb_loader_processes"] = pss_loader / 1024  # DataLoader workers, for the baselines)
+    return result
+
+
+def summarize(design: str, steps: dict, params: dict, pss_kb: int, wall_s: float) -> dict:
+    first, last = params["warmup"] - 1, params["warmup"] + params["steps"] - 1
+    t0 = min(v[0] for v in steps[first].values())
+    t1 = max(v[0] for v in steps[last].values())
+    elapsed = t1 - t0
+    measured = [steps[s] for s in range(first + 1, last + 1)]
+    waits = [sum(st[r][1] for st in measured) for r in measured[0]]
+    imbalance, lower_bound_s, slowest_s = [], 0.0, 0.0
+    for st in measured:
+        costs = [v[4] for v in st.values()]
+        imbalance.append(max(costs) / (sum(costs) / len(costs)))
+        lower_bound_s += max(sum(costs) / len(costs), max(v[3] for v in st.values())) * params["time_scale"]
+        slowest_s += max(costs) * params["time_scale"]
+    return {
+        "design": design,
+        "steps_per_s": params["steps"] / elapsed,
+        "step_s": elapsed / params["steps"],
+        "data_wait_share": statistics.mean(waits) / elapsed,
+        "max_over_mean_rank_cost": statistics.mean(imbalance),
+        "lower_bound_step_s": lower_bound_s / params["steps"],
+        "slowest_rank_compute_step_s": slowest_s / params["steps"],
+        "loader_pss_mb": pss_kb / 1024,
+        "wall_s": wall_s,
+    }
+
+
+def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
+    data = make_data(os.path.join(root, f"s{point['sources']}"), point["sources"])
+    tokens_per_rank = 2 * point["seq_len"]
+    params = {
+        "seq_len": point["seq_len"], "micro_batches": 2, "warmup": args.warmup, "steps": args.steps, "seed": 17,
+        "a": A_7B, "b": B_7B, "time_scale": args.step_s / (B_7B * tokens_per_rank),
+    }
+    res = {"point": point, "k": k, "time_scale": params["time_scale"]}
+    for d in designs:
+        r = run_design(d, point, data, params, k, data_root(args, point))
+        res[d] = r
+        print(f"# {point} {d}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['data_wait_share']:.0f}%, "
+              f"max/mean {r['max_over_mean_rank_cost']:.2f}, PSS {r['loader_pss_mb']:.0f} MB ({r['wall_s']:.0f}s)",
+              file=sys.stderr, flush=True)
+    if "torch" in res and "ours" in res:
+        base = res["torch"]
+        res["throughput_ratio"] = res["ours"]["steps_per_s"] / base["steps_per_s"]
+        res["ideal_throughput_ratio"] = base["step_s"] / base["lower_bound_step_s"]
+        res["memory_ratio"] = base["loader_pss_mb"] / res["ours"]["loader_pss_mb"]
+    if "megatron" in res and "ours" in res:
+        res["throughput_ratio_vs_megatron"] = res["ours"]["steps_per_s"] / res["megatron"]["steps_per_s"]
+        res["memory_ratio_vs_megatron"] = res["megatron"]["loader_pss_mb"] / res["ours"]["loader_pss_mb"]
+    return res
+
+
+def data_root(args, point: dict) -> str:
+    return os.path.join(args.data_dir, f"s{point['sources']}")
+
+
+def grid(quick: bool) -> list[dict]:
+    if quick:
+        pts = [(2, 4, 32768), (8, 4, 32768), (2, 64, 32768), (8, 64, 32768), (8, 64, 4096)]
+    else:
+        pts = [(r, s, c) for c in (4096, 32768) for s in (4, 16, 64) for r in (2, 4, 8)]
+    return [dict(ranks=r, workers=4, sources=s, seq_len=c) for r, s, c in pts]
+
+
+def plot(results: list[dict], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    designs = ("torch", "megatron", "ours")
+    labels = {"torch": "per-rank PyTorch DataLoader", "megatron": "Megatron-Core datasets", "ours": "megascale-data"}
+    for axis, fixed, fixed_key in (("ranks", 64, "sources"), ("sources", 8, "ranks")):
+        pts = sorted((r for r in results if r["point"][fixed_key] == fixed and r["point"]["seq_len"] == 32768
+                      and r["k"] == 4), key=lambda r: r["point"][axis])
+        if len(pts) < 2:
+            continue
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for d in designs:
+            xs = [r["point"][axis] for r in pts if d in r]
+            left.plot(xs, [r[d]["steps_per_s"] for r in pts if d in r], marker="o", label=labels[d])
+            right.plot(xs, [r[d]["loader_pss_mb"] for r in pts if d in r], marker="o", label=labels[d])
+        for ax, title in ((left, "training steps/s"), (right, "loader memory (PSS, MB)")):
+            ax.set_xlabel(f"{axis} ({fixed_key} = {fixed}, 32k context)")
+            ax.set_xscale("log", base=2)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        right.set_yscale("log")
+        left.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"e2e_vs_{axis}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="a reduced grid, fewer steps (under 10 minutes)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--step-s", type=float, default=0.3, help="simulated seconds of a rank's linear compute per step")
+    ap.add_argument("--k", type=int, default=4, help="ours: W x R / k worker processes")
+    ap.add_argument("--k-sweep", default="1,2,4,8", help="k values tried at the headline point (full grid only)")
+    ap.add_argument("--designs", default="torch,megatron,ours")
+    ap.add_argument("--points", default=None, help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext)")
+    ap.add_argument("--plots", default=None, help="write PNG plots here")
+    ap.add_argument("--data-dir", default=os.path.join(os.environ.get("MSD_CACHE_DIR") or
+                                                       os.path.expanduser("~/.cache/megascale-data"), "bench-e2e"))
+    args = ap.parse_args()
+    args.steps = args.steps or (6 if args.quick else 12)
+    designs = args.designs.split(",")
+    started = time.perf_counter()
+    points = grid(args.quick)
+    if args.points:
+        points = [dict(ranks=int(r), workers=4, sources=int(s), seq_len=int(c))
+                  for r, s, c in (p.split("x") for p in args.points.split(","))]
+    results = [run_point(p, designs, args.k, args, args.data_dir) for p in points]
+    if not args.quick and not args.points:
+        head = dict(HEADLINE)
+        for k in (int(x) for x in args.k_sweep.split(",")):
+            if k != args.k:
+                results.append(run_point(head, ["ours"], k, args, args.data_dir))
+    headline = next((r for r in results if r["point"] == HEADLINE and r["k"] == args.k), results[-1])
+    result = {
+        "benchmark": "e2e",
+        "command": "python tools/bench_e2e.py " + " ".join(sys.argv[1:]),
+        "cpus": os.cpu_count(),
+        "cost_model": {"a_s_per_token2": A_7B, "b_s_per_token": B_7B,
+                       "model": "7B (hidden 4096, 32 layers) at 400 TFLOP/s"},
+        "headline_point": {**HEADLINE, "sequences_per_rank": 2, "k": args.k},
+        "throughput_ratio": headline.get("throughput_ratio"),
+        "ideal_throughput_ratio": headline.get("ideal_throughput_ratio"),
+        "memory_ratio": headline.get("memory_ratio"),
+        "throughput_ratio_vs_megatron": headline.get("throughput_ratio_vs_megatron"),
+        "memory_ratio_vs_megatron": headline.get("memory_ratio_vs_megatron"),
+        "min_throughput_ratio": min((r["throughput_ratio"] for r in results if "throughput_ratio" in r), default=None),
+        "grid": results,
+        "wall_s": time.perf_counter() - started,
+    }
+    if args.plots:
+        result["plots"] = plot(results, args.plots)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The trainer ranks of tools/bench_e2e.py, one function per loader design, and the two
+baselines' datasets. Each rank is a process that, for every micro-batch, sleeps the time the
+cost model gives for its pieces (a GPU step leaves the CPU free), then meets the other ranks at
+a barrier once per step (synchronous data parallelism).
+
+Per step a rank reports: its compute (cost) seconds, its largest piece's cost, the sum of its
+pieces' costs, and the seconds it waited for data. At the middle step it reports the PSS its
+loader added to it and the PSS of its own loader children (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+
+def pss_kb(pid: int) -> int:
+    """Proportional set size of a process (kB), from /proc/PID/smaps_rollup; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(p) for p in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children(p))
+    return out
+
+
+def piece_costs(lengths: np.ndarray, a: float, b: float) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return a * lengths * lengths + b * lengths
+
+
+# ---------------------------------------------------------------- the simulated trainer
+
+def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank: int, pss_before: int,
+          loader_children: bool) -> None:
+    """Consume p["warmup"] + p["steps"] steps of p["micro_batches"] micro-batches each.
+    `batches` yields (piece lengths, the batch) per micro-batch."""
+    a, b, scale = p["a"], p["b"], p["time_scale"]
+    total = p["warmup"] + p["steps"]
+    mid = p["warmup"] + p["steps"] // 2
+    it = iter(batches)
+    for step in range(total):
+        wait = compute = 0.0
+        largest = cost_sum = 0.0
+        for _ in range(p["micro_batches"]):
+            t0 = time.perf_counter()
+            lengths, _batch = next(it)
+            wait += time.perf_counter() - t0
+            c = piece_costs(lengths, a, b)
+            cost_sum += float(c.sum())
+            largest = max(largest, float(c.max()) if len(c) else 0.0)
+            dt = float(c.sum()) * scale
+            time.sleep(dt)
+            compute += dt
+        if step == mid:
+            mine = max(0, pss_kb(os.getpid()) - pss_before)
+            kids = sum(pss_kb(c) for c in descendants(os.getpid())) if loader_children else 0
+            out.put(("pss", rank, mine + kids))
+        barrier.wait()
+        out.put(("step", rank, step, time.perf_counter(), wait, compute, largest, cost_sum))
+    out.put(("done", rank))
+
+
+def _prepare_process() -> int:
+    """Import what every trainer imports (torch) before measuring what the loader adds."""
+    import torch  # noqa: F401  (a trainer has torch loaded before its data loader exists)
+
+    gc.collect()
+    return pss_kb(os.getpid())
+
+
+# ---------------------------------------------------------------- ours
+
+def ours_rank(address: str, rank: int, p: dict, barrier, out) -> None:
+    before = _prepare_process()
+    from trainer_client import DataClient
+
+    client = DataClient(address, rank=rank, as_torch=True, timeout_s=300)
+
+    def batches():
+        for batch in client:
+            yield batch["piece_lengths"].numpy() if hasattr(batch["piece_lengths"], "numpy") else batch[
+                "piece_lengths"], batch
+
+    try:
+        train(batches(), p, barrier, out, rank, before, loader_children=False)
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- per-rank PyTorch loaders
+
+def _jsonl_stream_dataset():
+    import orjson
+    import torch
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    class MultiSourceJsonl(IterableDataset):
+        """The conventional multi-source loader: every worker opens every source, draws a source
+        per document (probability weight / mean document tokens, so token shares follow the
+        weights), reads the source's next line, tokenizes it (UTF-8 bytes + end-of-document, the
+        same byte tokenizer as ours) and packs documents back to back into seq_len rows."""
+
+        def __init__(self, files: list[str], weights: list[float], mean_tokens: list[float], seq_len: int,
+                     seed: int, rank: int) -> None:
+            self.files, self.seq_len, self.seed, self.rank = files, seq_len, seed, rank
+            w = np.asarray(weights) / np.asarray(mean_tokens)
+            self.p = w / w.sum()
+
+        def __iter__(self):
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info else (0, 1)
+            rng = np.random.default_rng([self.seed, self.rank, wid])
+            handles = [open(f, "rb") for f in self.files]
+            for h in handles:  # each worker starts at its own place in each source
+                h.seek(int(rng.integers(0, max(1, os.fstat(h.fileno()).st_size))))
+                h.readline()
+            buf, pieces = [], []
+            have = 0
+            while True:
+                s = int(rng.choice(len(self.files), p=self.p))
+                line = handles[s].readline()
+                if not line:
+                    handles[s].seek(0)
+                    line = handles[s].readline()
+                text = orjson.loads(line)["text"]
+                tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+                doc = np.append(tokens, 256)
+                while len(doc):
+                    take = min(len(doc), self.seq_len - have)
+                    buf.append(doc[:take])
+                    pieces.append(take)
+                    have += take
+                    doc = doc[take:]
+                    if have == self.seq_len:
+                        yield {"tokens": torch.from_numpy(np.concatenate(buf)),
+                               "piece_lengths": torch.tensor(pieces, dtype=torch.int64)}
+                        buf, pieces, have = [], [], 0
+
+    return MultiSourceJsonl
+
+
+def torch_rank(files: list[str], weights: list[float], mean_tokens: list[float], workers: int, rank: int, p: dict,
+               barrier, out) -> None:
+    before = _prepare_process()
+    from torch.utils.data import DataLoader
+
+    dataset = _jsonl_stream_dataset()(files, weights, mean_tokens, p["seq_len"], p["seed"], rank)
+    gc.collect()
+    gc.freeze()  # the best honest setup: fewer copy-on-write pages in the forked workers
+    loader = DataLoader(dataset, batch_size=1, num_workers=workers, persistent_workers=True, prefetch_factor=4,
+                        multiprocessing_context="fork")  # the Linux default; gc.freeze pays off with fork
+
+    def batches():
+        for batch in loader:
+            yield batch["piece_lengths"][0].numpy(), batch
+
+    train(batches(), p, barrier, out, rank, before, loader_children=True)
+
+
+# ---------------------------------------------------------------- Megatron-Core
+
+class _ByteTokenizer:
+    """What GPTDataset asks of a tokenizer: the end-of-document and padding ids."""
+
+    eod, pad, vocab_size = 256, 257, 258
+    unique_identifiers = {"class": "byte"}
+
+
+def megatron_rank(prefixes: list[str], weights: list[float], workers: int, rank: int, ranks: int, p: dict,
+                  barrier, out) -> None:
+    before = _prepare_process()
+    import warnings
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    mbs = 1
+    gbs = p["micro_batches"] * mbs * ranks
+    n_samples = (p["warmup"] + p["steps"] + 1) * gbs
+    config = GPTDatasetConfig(
+        random_seed=p["seed"], sequence_length=p["seq_len"], blend=(prefixes, weights), split="100,0,0",
+        reset_position_ids=True, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        tokenizer=_ByteTokenizer(), path_to_cache=None, mid_level_dataset_surplus=0.005)
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    dataset = BlendedMegatronDatasetBuilder(GPTDataset, [n_samples, 0, 0], lambda: True, config).build()[0]
+    # Megatron's pretraining sampler: each global batch is gbs consecutive samples, micro-batch m
+    # of a step holds samples [m*mbs*dp, (m+1)*mbs*dp) of it, and DP rank r takes its slice.
+    indices = [t * gbs + m * mbs * ranks + rank * mbs + i for t in range(p["warmup"] + p["steps"])
+               for m in range(p["micro_batches"]) for i in range(mbs)]
+    gc.collect()
+    gc.freeze()
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=mbs, num_workers=workers,
+                        persistent_workers=True, prefetch_factor=4,
+                        multiprocessing_context="fork")  # the Linux default; gc.freeze pays off with fork
+
+    def batches():
+        for batch in loader:
+            tokens = batch["tokens"][0].numpy()
+            ends = np.flatnonzero(tokens == 256) + 1  # documents end with end-of-document
+            bounds = np.concatenate([[0], ends[ends < len(tokens)], [len(tokens)]])
+            yield np.diff(bounds), batch
+
+    train(batches(), p, barrier, out, rank, before, loader_children=True)
