@@ -142,7 +142,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     for p in procs:
         p.start()
     steps: dict[int, dict[int, tuple]] = {}
-    pss_ranks, pss_loader, done = {}, 0, 0
+    pss_ranks, pss_loader, done = {}, 0, 0  # kB: added to each trainer; loader processes
     try:
         deadline = time.monotonic() + timeout_s
         while done < ranks:
@@ -159,7 +159,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                 steps.setdefault(step, {})[rank] = (t, wait, compute, largest, cost)
             elif msg[0] == "pss":
                 pss_ranks[msg[1]] = msg[2]
-                if cluster is not None and not pss_loader:  # our loader's own processes, same moment
+                pss_loader += msg[3]  # a baseline rank's DataLoader workers
+                if cluster is not None and len(pss_ranks) == 1:  # our loader's own processes, same moment
                     pids = [cluster.coordinator.pid, cluster.host.pid, *e2e_ranks.descendants(cluster.host.pid)]
                     pss_loader = sum(e2e_ranks.pss_kb(p) for p in pids)
             elif msg[0] == "done":
@@ -172,8 +173,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
         if cluster is not None:
             cluster.__exit__(None, None, None)
     result = summarize(design, steps, params, pss_loader + sum(pss_ranks.values()), time.perf_counter() - started)
-    result["pss_mb_in_trainers"] = sum(pss_ranks.values()) / 1024  # what the loader added to them (+ their
-    result["pss_mb_loader_processes"] = pss_loader / 1024  # DataLoader workers, for the baselines)
+    result["pss_mb_added_to_trainers"] = sum(pss_ranks.values()) / 1024
+    result["pss_mb_loader_processes"] = pss_loader / 1024  # DataLoader workers; our coordinator, host, workers
     return result
 
 

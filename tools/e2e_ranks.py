@@ -81,7 +81,7 @@ def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank
         if step == mid:
             mine = max(0, pss_kb(os.getpid()) - pss_before)
             kids = sum(pss_kb(c) for c in descendants(os.getpid())) if loader_children else 0
-            out.put(("pss", rank, mine + kids))
+            out.put(("pss", rank, mine, kids))
         barrier.wait()
         out.put(("step", rank, step, time.perf_counter(), wait, compute, largest, cost_sum))
     out.put(("done", rank))
@@ -216,7 +216,14 @@ def megatron_rank(prefixes: list[str], weights: list[float], workers: int, rank:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    dataset = BlendedMegatronDatasetBuilder(GPTDataset, [n_samples, 0, 0], lambda: True, config).build()[0]
+    # As Megatron does: rank 0 builds the index files, the others load them once it is done
+    # (building them concurrently races on the cache files).
+    build = lambda: BlendedMegatronDatasetBuilder(GPTDataset, [n_samples, 0, 0], lambda: True, config).build()[0]  # noqa: E731
+    if rank == 0:
+        dataset = build()
+    barrier.wait()
+    if rank != 0:
+        dataset = build()
     # Megatron's pretraining sampler: each global batch is gbs consecutive samples, micro-batch m
     # of a step holds samples [m*mbs*dp, (m+1)*mbs*dp) of it, and DP rank r takes its slice.
     indices = [t * gbs + m * mbs * ranks + rank * mbs + i for t in range(p["warmup"] + p["steps"])
