@@ -264,6 +264,7 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
         for ax, title in ((left, "training steps/s"), (right, "loader memory (PSS, MB)")):
             ax.set_xlabel(f"{axis} ({fixed_key} = {fixed}, 32k context)")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_title(title)
             ax.grid(alpha=0.3)
         right.set_yscale("log")
@@ -276,7 +277,33 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def markdown(result: dict) -> str:
+    """The grid as a markdown table (docs/BENCHMARKS.md)."""
+    rows = ["| R | S | context | k | steps/s torch / megatron / ours | data wait (ours) | max/mean cost torch / megatron / ours "
+            "| PSS MB torch / megatron / ours | throughput ratio (ideal) | memory ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for g in result["grid"]:
+        p = g["point"]
+        get = lambda d, k, f: f.format(g[d][k]) if d in g else "-"  # noqa: E731
+        rows.append(
+            f"| {p['ranks']} | {p['sources']} | {p['seq_len'] // 1024}k | {g['k']} "
+            f"| {get('torch', 'steps_per_s', '{:.2f}')} / {get('megatron', 'steps_per_s', '{:.2f}')} / "
+            f"{get('ours', 'steps_per_s', '{:.2f}')} | {get('ours', 'data_wait_share', '{:.1%}')} "
+            f"| {get('torch', 'max_over_mean_rank_cost', '{:.3f}')} / "
+            f"{get('megatron', 'max_over_mean_rank_cost', '{:.3f}')} / {get('ours', 'max_over_mean_rank_cost', '{:.3f}')} "
+            f"| {get('torch', 'loader_pss_mb', '{:.0f}')} / {get('megatron', 'loader_pss_mb', '{:.0f}')} / "
+            f"{get('ours', 'loader_pss_mb', '{:.0f}')} "
+            + (f"| {g['throughput_ratio']:.3f} ({g['ideal_throughput_ratio']:.3f}) | {g['memory_ratio']:.2f} |"
+               if "throughput_ratio" in g else "| - | - |"))
+    return "\n".join(rows)
+
+
 def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] in ("--table", "--plots-from"):  # from a saved RESULT.json
+        with open(sys.argv[2], "rb") as f:
+            saved = orjson.loads(f.read())
+        print(markdown(saved) if sys.argv[1] == "--table" else plot(saved["grid"], sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a reduced grid, fewer steps (under 10 minutes)")
