@@ -110,7 +110,7 @@ def plan_pieces(job: JobConfig, lengths: list[np.ndarray], steps: int) -> tuple[
     for _ in range(steps):
         d, commit = planner._draw(known)  # the arrival-order pieces, for the baselines
         drawn.append(d.pieces[:, LENGTH].copy())
-        plans.append(planner._layout(planner.state.next_step, d))
+        plans.append(planner._layout(planner.state.next_step, d, known))
         commit()
     return drawn, plans
 
