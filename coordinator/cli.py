@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
-from .config import ConfigError, JobConfig, load_job
+if TYPE_CHECKING:
+    from .config import ConfigError, JobConfig
+
+# The job-file machinery (numpy, the planner) is imported by the commands that read a job:
+# `msd worker` runs on every CPU host and needs none of it.
 
 
 def _setup_logging(level: str, who: str) -> None:
@@ -15,6 +20,7 @@ def _setup_logging(level: str, who: str) -> None:
 
 
 def _load_and_open(path: str) -> tuple[JobConfig, list[int]]:
+    from .config import load_job
     from .sources import count_records
 
     job = load_job(path)
@@ -68,6 +74,8 @@ def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) 
 @click.option("--log-level", default="INFO", show_default=True)
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, log_level: str) -> None:
     """Run the job's coordinator."""
+    from .config import ConfigError
+
     _setup_logging(log_level, "coordinator")
     try:
         job, counts = _load_and_open(config_path)
@@ -131,6 +139,8 @@ def keys_generate(directory: str) -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
     """Check a job file and its sources; print a one-line summary or every problem."""
+    from .config import ConfigError
+
     try:
         job, counts = _load_and_open(job_file)
     except ConfigError as e:

@@ -7,8 +7,22 @@
 This package imports nothing from the coordinator or the worker; they import its protocol.
 """
 
-from .client import DataClient
+from typing import TYPE_CHECKING
+
 from .errors import MsdError, PeerLostError, ProtocolError, RejectedError
 from .protocol import PROTOCOL_VERSION
 
+if TYPE_CHECKING:
+    from .client import DataClient
+
 __all__ = ["DataClient", "MsdError", "PeerLostError", "ProtocolError", "RejectedError", "PROTOCOL_VERSION"]
+
+
+def __getattr__(name: str):
+    # DataClient (numpy, threads) is imported on first use: worker host agents import this
+    # package for its protocol only and stay small (they run on every CPU host).
+    if name == "DataClient":
+        from .client import DataClient
+
+        return DataClient
+    raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")

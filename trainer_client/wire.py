@@ -7,16 +7,18 @@ its schema (protocol.validate). Nothing here ever unpickles.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgpack
-import numpy as np
 
 from . import protocol
 from .errors import ProtocolError
 
+if TYPE_CHECKING:
+    import numpy as np
 
-def encode(header: dict[str, Any], *arrays: np.ndarray) -> list[Any]:
+
+def encode(header: dict[str, Any], *arrays: "np.ndarray") -> list[Any]:
     """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs.
     Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
@@ -47,7 +49,7 @@ def unpack_header(data: bytes | memoryview) -> Any:
         raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
 
 
-def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, Any], dict[str, "np.ndarray"]]:
     """Validate and decode one message: (header, {array name: read-only array}). Raises
     ProtocolError for anything malformed: frame count or size, header schema, array consistency."""
     if not frames:
@@ -60,7 +62,9 @@ def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, An
             raise ProtocolError(f"data frame of {v.nbytes} bytes exceeds {protocol.MAX_FRAME_BYTES}")
     header = unpack_header(views[0])
     kind = protocol.validate(header, allowed, len(views) - 1)
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, "np.ndarray"] = {}
+    if kind.arrays:
+        import numpy as np  # here, not at the top: the host agent's messages carry no arrays
     for spec, view in zip(kind.arrays, views[1:]):
         dtype = np.dtype(spec.dtype or header["dtype"])
         row_bytes = dtype.itemsize * spec.cols
