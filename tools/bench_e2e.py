@@ -208,7 +208,10 @@ def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
     data = make_data(os.path.join(root, f"s{point['sources']}"), point["sources"])
     tokens_per_rank = 2 * point["seq_len"]
     params = {
-        "seq_len": point["seq_len"], "micro_batches": 2, "warmup": args.warmup, "steps": args.steps, "seed": 17,
+        "seq_len": point["seq_len"], "micro_batches": 2, "warmup": args.warmup, "seed": 17,
+        # Fewer ranks draw fewer documents per step, so a run's cost varies more from draw to draw:
+        # steps x 8 / R keeps the number of rank-steps (and that variance) the same at every R.
+        "steps": args.steps * max(1, 8 // point["ranks"]),
         "a": A_7B, "b": B_7B, "time_scale": args.step_s / (B_7B * tokens_per_rank),
     }
     res = {"point": point, "k": k, "time_scale": params["time_scale"]}
@@ -307,7 +310,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a reduced grid, fewer steps (under 10 minutes)")
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="measured steps at R = 8 (x 8 / R at fewer ranks)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--step-s", type=float, default=0.3, help="simulated seconds of a rank's linear compute per step")
     ap.add_argument("--k", type=int, default=4, help="ours: W x R / k worker processes")
