@@ -32,6 +32,7 @@ log = logging.getLogger("msd.client")
 
 STATE_VERSION = 1
 HELLO_RETRY_S = 2.0
+READY_STEPS_AHEAD = 1  # finished steps kept ready beyond the one being consumed
 MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
 MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
 _ids = itertools.count()
@@ -378,9 +379,13 @@ class _Receiver:
         return {k: v for k, v in batch.items() if k in keep}
 
     def _assemble(self) -> None:
-        """Finish the next step as soon as every piece of its recipe is in (a whole step in one
-        vectorised pass), and queue its micro-batches from where the client resumes."""
-        while self.step in self.steps and self.steps[self.step][0].done:
+        """Finish the next step once every piece of its recipe is in (a whole step in one
+        vectorised pass), and queue its micro-batches from where the client resumes. Steps are
+        finished at most READY_STEPS_AHEAD beyond the one the trainer is consuming: a finished
+        step (int64 tokens, labels, position ids, float32 loss mask) takes ~14x the memory of
+        its received tokens, and the coordinator's look-ahead may deliver several steps early."""
+        while (self.step in self.steps and self.steps[self.step][0].done
+               and self.step <= self.c.next_step + READY_STEPS_AHEAD):
             assembler, plan = self.steps.pop(self.step)
             batches = assembler.batches()
             for m in range(self.micro_batch, len(batches)):
