@@ -161,8 +161,13 @@ class HostAgent:
             self._scale(msg["procs"], msg["retire"], msg["reason"])
         elif kind == "unknown_peer":
             self.registered = False
-        elif kind in ("reject", "shutdown"):
-            log.error("coordinator: %s; stopping", msg["reason"])
+        elif kind == "shutdown":
+            # The coordinator stops (the job ended, or it restarts): keep the host up and say
+            # hello until a coordinator answers at that address; stop with SIGTERM or Ctrl-C.
+            log.info("coordinator stopping (%s); waiting for it to come back", msg["reason"])
+            self.registered = False
+        elif kind == "reject":
+            log.error("coordinator rejected this host: %s; stopping", msg["reason"])
             self.stopping = True
 
     @staticmethod
