@@ -27,12 +27,10 @@ import zmq.asyncio
 from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
-from trainer_client.errors import ProtocolError
+from trainer_client.errors import MsdError, ProtocolError
 from trainer_client.sockets import make_socket
 
 from .balance import imbalance
-from trainer_client.errors import MsdError
-
 from .config import JobConfig, config_diff
 from .journal import StepJournal
 from .positions import NOBODY, PositionTable
@@ -417,11 +415,18 @@ class Coordinator:
         log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
         self._send(identity, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
 
+    def _take_task(self, worker: WorkerInfo, task_id: int) -> PrepareTask | None:
+        """The task a worker reports on, no longer in flight (its estimate leaves its owner's backlog)."""
+        task = self.tasks.pop(task_id, None)
+        worker.tasks.discard(task_id)
+        owner = self.workers.get(task.worker_id) if task is not None else None
+        if owner is not None:
+            owner.tasks.discard(task_id)
+            owner.backlog_s = max(0.0, owner.backlog_s - task.estimate_s)
+        return task
+
     def _on_prepared(self, worker: WorkerInfo, msg: dict[str, Any], lengths: np.ndarray, patches: np.ndarray) -> None:
-        task = self.tasks.pop(msg["task_id"], None)
-        worker.tasks.discard(msg["task_id"])
-        if task is not None and task.worker_id == worker.worker_id:
-            worker.backlog_s = max(0.0, worker.backlog_s - task.estimate_s)
+        task = self._take_task(worker, msg["task_id"])
         if task is None or task.worker_id != worker.worker_id:
             log.debug("result of unknown or reassigned task %d ignored", msg["task_id"])
             return
@@ -467,10 +472,7 @@ class Coordinator:
         worker.acked.add(delivery_id)
 
     def _on_task_failed(self, worker: WorkerInfo, msg: dict[str, Any]) -> None:
-        task = self.tasks.pop(msg["task_id"], None)
-        worker.tasks.discard(msg["task_id"])
-        if task is not None:
-            worker.backlog_s = max(0.0, worker.backlog_s - task.estimate_s)
+        task = self._take_task(worker, msg["task_id"])
         log.error("worker %d failed task %d: %s", worker.worker_id, msg["task_id"], msg["reason"])
         if task is not None:
             self._issue_prepare(task.source, task.positions, avoid=worker.worker_id)
@@ -756,8 +758,8 @@ class Coordinator:
             return
         for s in range(len(self.job.sources)):
             cursor = self.planner.state.cursors[s]
-            batch = self._task_size(s)
-            while self.tables[s].end - cursor < self._window(s) and self._left(s):
+            batch, window = self._task_size(s), self._window(s)  # fixed while tasks are issued
+            while self.tables[s].end - cursor < window and self._left(s):
                 self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
