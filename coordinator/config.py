@@ -21,6 +21,7 @@ import yaml
 from trainer_client.errors import MsdError
 
 from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
+from worker.vision import DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 
 from .balance import METHODS
 
@@ -51,8 +52,8 @@ class SourceConfig:
     on_exhausted: str = "renormalize"  # when a finite source runs out: "renormalize" or "stop"
     tokens_key: str | None = None  # Parquet: a list-of-int column of token ids, used as stored
     image_token_id: int | None = None  # WebDataset: the placeholder id, one per image patch
-    max_pixels: int = 256 * 256  # WebDataset: images are scaled down to at most this many pixels
-    patch_size: int = 16  # WebDataset: square patches of patch_size x patch_size pixels
+    max_pixels: int = DEFAULT_MAX_PIXELS  # WebDataset: images are scaled down to at most this many pixels
+    patch_size: int = DEFAULT_PATCH_SIZE  # WebDataset: square patches of patch_size x patch_size pixels
 
     @property
     def has_images(self) -> bool:
@@ -326,8 +327,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         c.bad(key, "tokens_key names pre-tokenized ids: tokenizer and text_key do not apply")
         ok = False
     image_token_id = raw.get("image_token_id")
-    max_pixels = raw.get("max_pixels", 256 * 256)
-    patch_size = raw.get("patch_size", 16)
+    max_pixels = raw.get("max_pixels", DEFAULT_MAX_PIXELS)
+    patch_size = raw.get("patch_size", DEFAULT_PATCH_SIZE)
     if fmt == "webdataset":
         if image_token_id is None:
             c.bad(f"{key}.image_token_id", "required for webdataset sources (the id of one patch placeholder)")

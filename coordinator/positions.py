@@ -3,8 +3,9 @@
 Position p of a source's stream names one prepared instance of a record. For every position
 handed to a worker so far and not yet forgotten, the table keeps the record index, its token
 length (-1 until a worker reports it, 0 for a record skipped as corrupt), its image patches (0
-for text) and the worker holding the prepared copy (-1 for none). Positions are issued in order, so the live ones form one
-window [base, end): lookups are slices and fancy indexing, never per-position Python.
+for text) and the worker holding the prepared copy (-1 for none). Positions are issued in
+order, so the live ones form one window [base, end): lookups are slices and fancy indexing,
+never per-position Python.
 """
 
 from __future__ import annotations

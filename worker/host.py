@@ -111,7 +111,7 @@ class HostAgent:
             slot.process.terminate()
             slot.process.join(timeout=5)
             self.slots.remove(slot)
-        while len(self.slots) > procs:  # shrink by slots the coordinator did not name: idle ones last started
+        while len(self.slots) > procs:  # a count lowered without names: the last started go
             slot = self.slots.pop()
             if slot.process is not None:
                 slot.process.terminate()

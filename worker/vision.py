@@ -14,6 +14,10 @@ import math
 import numpy as np
 
 
+DEFAULT_MAX_PIXELS = 256 * 256  # the job file's defaults for max_pixels and patch_size
+DEFAULT_PATCH_SIZE = 16
+
+
 class ImageError(ValueError):
     """The bytes do not decode as an image."""
 

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from ..tokenizer import make_tokenizer
-from ..vision import ImageError, to_patches
+from ..vision import DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE, ImageError, to_patches
 from .errors import RecordError, SourceFormatError
 from .jsonl import JsonlShard
 from .megatron import MegatronIndex
@@ -47,8 +47,8 @@ class SourceReader:
             else:
                 self.shards = [WebDatasetShard(p, cache_dir) for p in spec["files"]]
                 self.image_token_id = int(spec["image_token_id"])
-                self.max_pixels = int(spec.get("max_pixels") or 256 * 256)
-                self.patch_size = int(spec.get("patch_size") or 16)
+                self.max_pixels = int(spec.get("max_pixels") or DEFAULT_MAX_PIXELS)
+                self.patch_size = int(spec.get("patch_size") or DEFAULT_PATCH_SIZE)
                 if self.image_token_id > np.iinfo(self.dtype).max:
                     self.dtype = np.dtype("<i4")
         elif self.format == "parquet":  # pre-tokenized rows
