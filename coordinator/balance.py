@@ -11,6 +11,8 @@ Methods (`balance.method`):
   When no rank has room for the whole piece, its head fills the roomiest row of the roomiest rank
   and its tail goes back into the queue. Balancing ranks first and micro-batches within a rank
   second is what pipeline parallelism needs: every rank and every micro-batch waits for the slowest.
+  Pieces that no layout could balance whole are cut first (see `greedy`), and the result is never
+  worse than the plain greedy over ranks.
 - karmarkar_karp: the largest differencing method over rank costs, then the same row placement
   within each rank.
 - none: the conventional loader, as a baseline: pieces in arrival order fill rows one after another.
@@ -91,112 +93,161 @@ def layout(method: str, lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
     raise ValueError(f"unknown balance method {method!r} (known: {', '.join(METHODS)})")
 
 
-_AVAILABLE, _PARKED, _FULL = 0, 1, 2
+MIN_SPLIT = 128  # no piece is cut for balance into parts shorter than this
+CAP_MARGIN = 0.005  # pieces are cut for balance only past the lower bound plus this
+
+try:  # the inner loop, compiled (setup.py); the same rule as _greedy_loop_py, which stands in without it
+    from . import _greedy as _compiled
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _compiled = None
+COMPILED = _compiled is not None
 
 
-class _Rows:
-    """Rows of every rank with their room and costs, and the rule for picking a row inside a rank."""
+class _State:
+    """Rows of every rank with their room and costs, and the fragments placed so far."""
 
     def __init__(self, grid: Grid, cost: Cost) -> None:
         self.grid, self.cost = grid, cost
-        self.rpr, self.mbs = grid.rows_per_rank, grid.micro_batch_size
-        self.q, self.lin = float(cost.quadratic), float(cost.linear)
-        # per-piece coefficients of an image-text step (None: every piece has q and lin)
-        self.qs, self.lins = ((None, None) if cost.patch_ratio is None else
-                              (list(map(float, a)) for a in cost.coefficients(np.arange(len(cost.patch_ratio)))))
         n_rows = grid.ranks * grid.rows_per_rank
-        self.room = [grid.row_capacity] * n_rows
-        self.row_cost = [0.0] * n_rows
-        self.mb_cost = [0.0] * (grid.ranks * grid.micro_batches)
-        self.rank_cost = [0.0] * grid.ranks
-        self.rank_room = [grid.row_capacity] * grid.ranks  # the largest room of any of its rows
-        self.out: list[tuple[int, int, int, int]] = []  # (piece, offset, length, row)
+        self.room = np.full(n_rows, grid.row_capacity, dtype=np.int64)
+        self.row_cost = np.zeros(n_rows)
+        self.mb_cost = np.zeros(grid.ranks * grid.micro_batches)
+        self.rank_cost = np.zeros(grid.ranks)
+        self.frags: list[np.ndarray] = []  # [piece, offset, length, row] blocks, in placement order
 
     def fitting_row(self, rank: int, length: int) -> int:
         """The row of `rank` to take a piece of `length`: cheapest micro-batch, then cheapest row,
         among rows with room for it (-1 if none)."""
-        rpr, mbs = self.rpr, self.mbs
-        first = rank * rpr
-        if rpr == 1:
-            return first if self.room[first] >= length else -1
-        room, row_cost = self.room, self.row_cost
-        if mbs == 1:  # micro-batch == row
-            fits = [(row_cost[r], r) for r in range(first, first + rpr) if room[r] >= length]
-        else:
-            mb_cost = self.mb_cost
-            fits = [(mb_cost[r // mbs], row_cost[r], r) for r in range(first, first + rpr) if room[r] >= length]
+        rpr, mbs = self.grid.rows_per_rank, self.grid.micro_batch_size
+        fits = [(self.mb_cost[r // mbs], self.row_cost[r], r) for r in range(rank * rpr, (rank + 1) * rpr)
+                if self.room[r] >= length]
         return min(fits)[-1] if fits else -1
 
-    def roomiest_row(self, rank: int) -> int:
-        rpr = self.grid.rows_per_rank
-        first = rank * rpr
-        room = self.room
-        return max(range(first, first + rpr), key=lambda r: (room[r], -r))
-
-    def place(self, piece: int, offset: int, length: int, row: int) -> int:
-        """Put a fragment into a row; returns the row's rank."""
-        self.out.append((piece, offset, length, row))
-        q, lin = (self.q, self.lin) if self.qs is None else (self.qs[piece], self.lins[piece])
-        c = q * length * length + lin * length
-        rpr = self.grid.rows_per_rank
-        rank = row // rpr
+    def place(self, piece: int, offset: int, length: int, row: int) -> None:
+        q, lin = self.cost.coefficients(np.array([piece]))
+        c = float(np.asarray(q * length * length + lin * length).ravel()[0])
         self.room[row] -= length
         self.row_cost[row] += c
         self.mb_cost[row // self.grid.micro_batch_size] += c
-        self.rank_cost[rank] += c
-        self.rank_room[rank] = self.room[row] if rpr == 1 else max(self.room[rank * rpr:(rank + 1) * rpr])
-        return rank
+        self.rank_cost[row // self.grid.rows_per_rank] += c
+        self.frags.append(np.array([[piece, offset, length, row]], dtype=np.int64))
+
+    def fragments(self) -> np.ndarray:
+        """[piece, offset, length, row] of every fragment, in placement order."""
+        return np.concatenate(self.frags) if self.frags else np.zeros((0, 4), dtype=np.int64)
 
     def result(self) -> Layout:
-        if not self.out:
-            empty = np.zeros(0, dtype=np.int64)
-            return Layout(empty, empty, empty, empty)
-        a = np.array(self.out, dtype=np.int64)
-        order = np.argsort(a[:, 3], kind="stable")  # rows in order; pieces in placement order within a row
-        a = a[order]
+        a = self.fragments()
+        a = a[_stable_argsort(a[:, 3])]  # rows in order; fragments in placement order within a row
         return Layout(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
 
 
-CAP_MARGIN = 0.005  # pieces are split for balance only past the lower bound plus this
-TAIL_COST_SHARE = 0.02  # the smallest pieces holding this share of a step's cost are water-filled
-
-
 def greedy(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
-    """The default method: the longest-first greedy, with the long tail of small pieces placed in
-    one vectorised pass (planning has a budget of milliseconds for thousands of pieces):
-    1. head (the large pieces, which hold most of the cost): the exact greedy, one piece at a
-       time. When every row must end up full (no token slack), a rank's cost is counted together
-       with what filling its remaining room with tail pieces will add (room x the tail's cost per
-       token), so the head is balanced for the final layout, not for its own part of it;
-    2. tail (the smallest pieces, TAIL_COST_SHARE of the cost): rows get token budgets by water
-       filling (cheapest rows first, up to their room; without slack every row's budget is its
-       room), then the tail is laid out longest first into the cheapest rows, cut where a row's
-       budget ends."""
+    """The default method: the longest-first greedy (module docstring), with two additions.
+
+    1. The level no rank can beat is the larger of the mean cost and the costliest piece. A piece
+       that would take even the cheapest rank past it (plus CAP_MARGIN) is cut, its head bringing
+       that rank to the level. And when the pieces costing over half the level are so dense (cost
+       per token) that the ranks holding them could not leave room for the other tokens without
+       going past it, the densest of them are halved first (_dense_pieces_to_halve).
+    2. The plain greedy over ranks (a rank's rows taken as one bin of their tokens), its ranks'
+       pieces then laid on their rows, is the other candidate; the layout whose busiest rank costs
+       less is kept, so cutting never makes a step slower than the plain greedy would."""
     lengths = np.asarray(lengths, dtype=np.int64)
     _check_fits(lengths, grid)
     n = len(lengths)
-    order = np.argsort(-_sort_key(lengths, cost), kind="stable")
-    costs = cost.of(lengths[order], order)
-    tail_cost = np.cumsum(costs[::-1])[::-1]  # cost of pieces i.. (longest-first order)
-    head = int(np.searchsorted(-tail_cost, -TAIL_COST_SHARE * tail_cost[0])) if n else 0
-    tail_tokens = int(lengths[order[head:]].sum())
-    exact_fill = tail_tokens == grid.ranks * grid.rows_per_rank * grid.row_capacity - int(lengths[order[:head]].sum())
-    density = float(costs[head:].sum()) / tail_tokens if exact_fill and tail_tokens else 0.0
-    # The lower bound on the busiest rank's cost: no rank can do better than the mean, nor than
-    # the costliest piece. Pieces that would push a rank past it (plus a little) are split.
-    cap = max(float(costs.sum()) / grid.ranks, float(costs[0]) if n else 0.0) * (1 + CAP_MARGIN)
-    rows = _Rows(grid, cost)
-    if head:
-        greedy_exact(lengths, grid, cost, rows, order[:head].tolist(), room_cost=density, cost_cap=cap)
-    state = _ArrayRows.from_rows(rows)
-    state.water_fill(order[head:], lengths)
-    return state.result()
+    if not n:
+        return _State(grid, cost).result()
+    costs = cost.of(lengths)
+    level = max(float(costs.sum()) / grid.ranks, float(costs.max())) * (1 + CAP_MARGIN)
+    order = _greedy_order(lengths, cost)
+    halve = _dense_pieces_to_halve(lengths, costs, grid, level, order, cost.patch_ratio is None)
+    cut = _State(grid, cost)
+    if len(halve):
+        parts = np.ones(n, dtype=np.int64)
+        parts[halve] = 2
+        piece = np.repeat(np.arange(n), parts)
+        offset = np.zeros(len(piece), dtype=np.int64)
+        length = lengths[piece]
+        second = np.cumsum(parts)[halve] - 1  # where each halved piece's second half is
+        offset[second] = lengths[halve] // 2
+        length[second - 1] = offset[second]
+        length[second] -= offset[second]
+        frag_order = _greedy_order(length, cost, piece)
+        _greedy_loop(cut, piece[frag_order], offset[frag_order], length[frag_order], level)
+    else:
+        _greedy_loop(cut, order, np.zeros(n, dtype=np.int64), lengths[order], level)
+    plain = _plain_then_rows(lengths, grid, cost, order)
+    return (cut if cut.rank_cost.max() <= plain.rank_cost.max() else plain).result()
 
 
-def _sort_key(lengths: np.ndarray, cost: Cost) -> np.ndarray:
-    """What "longest first" orders by: the length, or for a step with image-text pieces (whose
-    cost is not a function of length alone) the cost."""
-    return lengths if cost.patch_ratio is None else cost.of(lengths)
+def _plain_then_rows(lengths: np.ndarray, grid: Grid, cost: Cost, order: np.ndarray) -> _State:
+    """The plain greedy over ranks, each holding its rows' tokens, then every rank's pieces on its
+    own rows by the same rule (cutting across rows, if needed, only lowers a rank's cost).
+    `order`: the pieces in greedy order."""
+    by_rank = _State(Grid(grid.ranks, 1, 1, grid.rows_per_rank * grid.row_capacity), cost)
+    _greedy_loop(by_rank, order, np.zeros(len(lengths), dtype=np.int64), lengths[order])
+    frags = by_rank.fragments()  # placed in greedy order, so each rank's are in greedy order too
+    frags = frags[_stable_argsort(frags[:, 3])]
+    bounds = np.searchsorted(frags[:, 3], np.arange(grid.ranks + 1))
+    rows = _State(grid, cost)
+    _greedy_loop(rows, frags[:, 0], frags[:, 1], frags[:, 2], groups=bounds)
+    return rows
+
+
+def _greedy_order(lengths: np.ndarray, cost: Cost, pieces: "np.ndarray | None" = None) -> np.ndarray:
+    """Fragments (default: whole pieces) in greedy order: longest (costliest) first, then by
+    piece, then by offset (fragments of one piece come in offset order)."""
+    if cost.patch_ratio is None:
+        return _stable_argsort(lengths.max() - lengths) if len(lengths) else np.zeros(0, dtype=np.int64)
+    return np.argsort(-cost.of(lengths, pieces), kind="stable")
+
+
+def _stable_argsort(values: np.ndarray) -> np.ndarray:
+    """np.argsort(kind="stable"), by radix sort when the values are small non-negative integers
+    (ranks, rows, lengths): several times faster on the planner's arrays."""
+    if values.dtype.kind in "iu" and len(values) and values.min() >= 0 and values.max() < 1 << 16:
+        values = values.astype(np.uint16)
+    return np.argsort(values, kind="stable")
+
+
+def _dense_pieces_to_halve(lengths: np.ndarray, costs: np.ndarray, grid: Grid, level: float,
+                           order: np.ndarray, cost_per_token_follows_length: bool) -> np.ndarray:
+    """Pieces to cut in two before the layout, densest first, as few as the step's tokens allow.
+
+    A rank can hold one piece costing over half the level (a dominant piece); what it can add is
+    bounded by the cost left below the level and by its token room. The other pieces' tokens must
+    fit: at best the ranks with a dominant piece take the least dense of them, up to the cost they
+    have left, and every other rank takes a full rank of tokens. When that cannot hold (a step with
+    many long, dense pieces and little token slack), the densest dominant pieces are halved: each
+    half costs a quarter, so the halves spread over ranks that still have room. `order`: the
+    pieces in greedy order, which for text (cost per token growing with length) also orders
+    them by density."""
+    capacity = grid.rows_per_rank * grid.row_capacity  # tokens per rank
+    dominant = np.flatnonzero((costs > level / 2) & (lengths >= 2 * MIN_SPLIT))
+    if not len(dominant) or len(dominant) > grid.ranks:
+        return np.zeros(0, dtype=np.int64)
+    dominant = dominant[np.argsort(-costs[dominant] / lengths[dominant], kind="stable")]  # densest first
+    others = np.ones(len(lengths), dtype=bool)
+    others[dominant] = False
+    if cost_per_token_follows_length:  # text: cost per token grows with length, so `order` reversed
+        thin = order[::-1][others[order[::-1]]]
+    else:
+        thin = np.flatnonzero(others)
+        thin = thin[np.argsort(costs[thin] / np.maximum(lengths[thin], 1), kind="stable")]  # least dense first
+    thin_cost = np.concatenate([[0.0], np.cumsum(costs[thin])])
+    thin_tokens = np.concatenate([[0], np.cumsum(lengths[thin])])
+    other_tokens = int(lengths[others].sum())
+    d_len, d_cost = lengths[dominant], costs[dominant]
+    # with the k densest halved (k = 0..D): cost and token room left beside the dominant pieces kept
+    cost_room = np.concatenate([np.cumsum((level - d_cost)[::-1])[::-1], [0.0]])
+    token_room = np.concatenate([np.cumsum((capacity - d_len)[::-1])[::-1], [0]])
+    halved_tokens = np.concatenate([[0], np.cumsum(d_len)])
+    beside = np.minimum(thin_tokens[np.searchsorted(thin_cost, cost_room, side="right") - 1], token_room)
+    free_ranks = grid.ranks - (len(dominant) - np.arange(len(dominant) + 1))
+    fits = other_tokens + halved_tokens - beside <= free_ranks * capacity
+    k = int(np.argmax(fits)) if fits.any() else len(dominant)
+    return np.sort(dominant[:k])
 
 
 def _check_fits(lengths: np.ndarray, grid: Grid) -> None:
@@ -205,109 +256,152 @@ def _check_fits(lengths: np.ndarray, grid: Grid) -> None:
                          f"of {grid.row_capacity}")
 
 
-class _ArrayRows:
-    """Row state as arrays, for the vectorised phases of the greedy."""
-
-    def __init__(self, grid: Grid, cost: Cost) -> None:
-        self.grid, self.cost = grid, cost
-        rpr = grid.rows_per_rank
-        self.room = np.full((grid.ranks, rpr), grid.row_capacity, dtype=np.int64)
-        self.row_cost = np.zeros((grid.ranks, rpr))
-        self.mb_cost = np.zeros((grid.ranks, grid.micro_batches))
-        self.rank_cost = np.zeros(grid.ranks)
-        self.frags: list[np.ndarray] = []  # [piece, offset, length, row] blocks, in placement order
-
-    @classmethod
-    def from_rows(cls, rows: "_Rows") -> "_ArrayRows":
-        g = rows.grid
-        self = cls(g, rows.cost)
-        self.room[:] = np.array(rows.room, dtype=np.int64).reshape(g.ranks, -1)
-        self.row_cost[:] = np.array(rows.row_cost).reshape(g.ranks, -1)
-        self.mb_cost[:] = np.array(rows.mb_cost).reshape(g.ranks, -1)
-        self.rank_cost[:] = rows.rank_cost
-        if rows.out:
-            self.frags.append(np.array(rows.out, dtype=np.int64))
-        return self
-
-    def water_fill(self, pieces: np.ndarray, lengths: np.ndarray) -> None:
-        """The tail of small pieces. Token budgets per row lift the cheapest rows towards a common
-        cost level (as far as their room allows), then the pieces, longest first, fill the rows
-        cheapest first, cut where a row's budget ends."""
-        if not len(pieces):
-            return
-        need = lengths[pieces]
-        total = int(need.sum())
-        room = self.room.ravel()
-        row_cost = self.row_cost.ravel()
-        if int(room.sum()) == total:
-            budget = room.copy()
-        else:  # level ranks first, then the rows within each rank
-            density = max(float(self.cost.of(need, pieces).sum()) / total, 1e-12)  # cost per tail token
-            per_rank = _water_level(self.rank_cost[None, :], self.room.sum(axis=1)[None, :], np.array([total]),
-                                    density)[0]
-            budget = _water_level(self.row_cost, self.room, per_rank, density).ravel()
-        rows = np.lexsort((np.arange(len(room)), row_cost))  # cheapest rows first
-        rows = rows[budget[rows] > 0]
-        # Deal the pieces (longest first) across the rows before cutting the stream into budgets,
-        # so every row gets a sample of all sizes: the cost per token the budgets assume.
-        k = len(rows)
-        dealt = np.lexsort((np.arange(len(pieces)) // k, np.arange(len(pieces)) % k))
-        pieces, need = pieces[dealt], need[dealt]
-        ends = np.cumsum(need)
-        starts = ends - need
-        cuts = np.cumsum(budget[rows])
-        bounds = np.union1d(np.concatenate([starts, [total]]), cuts)
-        frag_start, frag_end = bounds[:-1], bounds[1:]
-        piece_i = np.searchsorted(ends, frag_start, side="right")
-        row_i = np.searchsorted(cuts, frag_start, side="right")
-        flat = rows[row_i]
-        rpr = self.grid.rows_per_rank
-        # rows repeat within the call: add costs with np.add.at via a per-row loop-free path
-        frag_len = frag_end - frag_start
-        c = self.cost.of(frag_len, pieces[piece_i])
-        r, col = flat // rpr, flat % rpr
-        np.subtract.at(self.room, (r, col), frag_len)
-        np.add.at(self.row_cost, (r, col), c)
-        np.add.at(self.mb_cost, (r, col // self.grid.micro_batch_size), c)
-        np.add.at(self.rank_cost, r, c)
-        self.frags.append(np.column_stack([pieces[piece_i], frag_start - starts[piece_i], frag_len, flat]))
-
-    def result(self) -> Layout:
-        if not self.frags:
-            empty = np.zeros(0, dtype=np.int64)
-            return Layout(empty, empty, empty, empty)
-        a = np.concatenate(self.frags).astype(np.int64)
-        a = a[np.argsort(a[:, 3], kind="stable")]
-        return Layout(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, state: "_State | None" = None,
+                 pieces: "np.ndarray | list[int] | None" = None, cost_cap: float = math.inf) -> Layout:
+    """The greedy rule alone, over whole pieces (the module docstring). `state` and `pieces`
+    continue a partial layout with the given pieces; `cost_cap` as in _greedy_loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if state is None:
+        _check_fits(lengths, grid)
+        state = _State(grid, cost)
+        pieces = np.arange(len(lengths))
+    pieces = np.asarray(pieces, dtype=np.int64)
+    _greedy_loop(state, pieces, np.zeros(len(pieces), dtype=np.int64), lengths[pieces], cost_cap)
+    return state.result()
 
 
-def _water_level(cost: np.ndarray, room: np.ndarray, total: np.ndarray, density: float) -> np.ndarray:
-    """Integer token budgets per bin, for groups of bins at once: cost and room are [groups, bins],
-    total is [groups]. Within each group the budgets lie within the bins' room, sum to the
-    group's total, and bring the bins' costs (cost + density x tokens) as close to one common
-    level as the rooms allow (water filling: the cheapest bins are filled first)."""
-    lo = cost.min(axis=1)
-    hi = (cost + density * room).max(axis=1)
-    for _ in range(32):  # bisection on each group's level (2^-32 of the initial gap is plenty)
-        mid = 0.5 * (lo + hi)
-        low = np.clip((mid[:, None] - cost) / density, 0, room).sum(axis=1) < total
-        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
-    share = np.clip((hi[:, None] - cost) / density, 0, room)
-    budget = np.minimum(np.floor(share).astype(np.int64), room)
-    # hand out what rounding left (or took too much), one token per bin, largest remainders first
-    for g in np.flatnonzero(budget.sum(axis=1) != total).tolist():
-        b, r, frac = budget[g], room[g], share[g] - budget[g]
-        short = int(total[g] - b.sum())
-        while short:
-            step = 1 if short > 0 else -1
-            can = np.flatnonzero(b < r) if step > 0 else np.flatnonzero(b > 0)
-            can = can[np.lexsort((can, -frac[can] * step))][:abs(short)]
-            b[can] += step
-            short -= step * len(can)
-    return budget
+def _greedy_loop(state: _State, piece: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                 cost_cap: float = math.inf, groups: "np.ndarray | None" = None,
+                 compiled: bool = True) -> None:
+    """Lays out fragments (piece, offset within it, length) by the greedy rule, on `state`.
+
+    Costliest fragment first; to the cheapest rank (then lowest index) with a row that has room for
+    all of it; in it, the cheapest micro-batch then row with room. If that would take the rank
+    past `cost_cap`, the fragment is cut so its head brings the rank to the cap (both parts at
+    least MIN_SPLIT) and the rest goes back into the queue. If no rank has room for all of it, its
+    head fills the roomiest row of the rank with the roomiest row, the rest goes back. With
+    `groups` (bounds of each rank's fragments, which are then in rank order), each rank's
+    fragments are laid on its own rows only. Runs compiled where built (compiled=False: the Python
+    reference, which gives the same result)."""
+    grid, cost = state.grid, state.cost
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (piece, offset, length)]
+    if cost.patch_ratio is None:
+        qs = lins = None
+        q, lin = float(cost.quadratic), float(cost.linear)
+    else:
+        qs, lins = (np.ascontiguousarray(a, dtype=np.float64) for a in cost.coefficients(np.arange(len(cost.patch_ratio))))
+        q = lin = 0.0
+    if _compiled is not None and compiled:
+        room_for = len(piece) + 2 * grid.ranks * (grid.rows_per_rank + 1) + 16  # fragments: pieces plus cuts
+        out = np.empty((4, room_for), dtype=np.int64)
+        count = _compiled.greedy(*arrays, qs, lins, q, lin,
+                                 (grid.ranks, grid.micro_batches, grid.micro_batch_size, grid.row_capacity),
+                                 state.room, state.row_cost, state.mb_cost, state.rank_cost, float(cost_cap),
+                                 None if groups is None else np.ascontiguousarray(groups, dtype=np.int64),
+                                 out[0], out[1], out[2], out[3])
+        state.frags.append(out[:, :count].T.copy())
+        return
+    if groups is None:
+        state.frags.append(_greedy_loop_py(state, 0, grid.ranks, *(a.tolist() for a in arrays), qs, lins, q, lin,
+                                           cost_cap))
+        return
+    for r in range(grid.ranks):
+        lo, hi = int(groups[r]), int(groups[r + 1])
+        state.frags.append(_greedy_loop_py(state, r, 1, *(a[lo:hi].tolist() for a in arrays), qs, lins, q, lin,
+                                           cost_cap))
 
 
-MIN_SPLIT = 128  # no piece is cut for balance into parts shorter than this
+_AVAILABLE, _PARKED, _FULL = 0, 1, 2
+
+
+def _greedy_loop_py(state: _State, first_rank: int, ranks: int, piece: list, offset: list, length: list,
+                    qs: "np.ndarray | None", lins: "np.ndarray | None", q: float, lin: float,
+                    cost_cap: float) -> np.ndarray:
+    """The Python reference of _greedy.c (and the fallback without it), on ranks
+    [first_rank, first_rank + ranks) of `state`. Returns the fragments placed."""
+    grid = state.grid
+    rpr, mbs, n_mb = grid.rows_per_rank, grid.micro_batch_size, grid.micro_batches
+    rows = slice(first_rank * rpr, (first_rank + ranks) * rpr)
+    room, row_cost = state.room[rows].tolist(), state.row_cost[rows].tolist()
+    mb_cost = state.mb_cost[first_rank * n_mb:(first_rank + ranks) * n_mb].tolist()
+    rank_cost = state.rank_cost[first_rank:first_rank + ranks].tolist()
+    qs = None if qs is None else qs.tolist()
+    lins = None if lins is None else lins.tolist()
+
+    def key_of(p: int, n: int) -> float:
+        return float(n) if qs is None else qs[p] * n * n + lins[p] * n
+
+    queue = [(-key_of(p, n), p, o, n) for p, o, n in zip(piece, offset, length)]
+    heapq.heapify(queue)
+    rank_room = [max(room[r * rpr:(r + 1) * rpr]) for r in range(ranks)]
+    state_of = [_AVAILABLE if rank_room[r] > 0 else _FULL for r in range(ranks)]
+    version = [0] * ranks
+    available = [(rank_cost[r], r, 0) for r in range(ranks) if state_of[r] == _AVAILABLE]
+    heapq.heapify(available)
+    parked: list[tuple[int, int, int]] = []  # (-room, rank, version)
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    out = []
+    while queue:
+        _, p, o, n = pop(queue)
+        if qs is not None:
+            q, lin = qs[p], lins[p]
+        while parked and -parked[0][0] >= n:  # ranks with room again for pieces this small
+            _, r, v = pop(parked)
+            if state_of[r] == _PARKED and v == version[r]:
+                state_of[r] = _AVAILABLE
+                push(available, (rank_cost[r], r, v))
+        rank = -1
+        while available:
+            _, r, v = available[0]
+            if state_of[r] != _AVAILABLE or v != version[r]:
+                pop(available)  # stale entry
+            elif rank_room[r] >= n:
+                rank = r
+                break
+            else:
+                pop(available)
+                state_of[r] = _PARKED
+                push(parked, (-rank_room[r], r, v))
+        from_top = rank >= 0
+        if from_top:
+            take = n
+            over = rank_cost[rank] + q * float(n) * float(n) + lin * float(n) - cost_cap
+            if over > 0 and n >= 2 * MIN_SPLIT:
+                head = _head_for(cost_cap - rank_cost[rank], q, lin)
+                if MIN_SPLIT <= head <= n - MIN_SPLIT:
+                    take = head
+                    push(queue, (-key_of(p, n - take), p, o + take, n - take))
+            fits = [(mb_cost[r // mbs], row_cost[r], r) for r in range(rank * rpr, (rank + 1) * rpr)
+                    if room[r] >= take]
+            row = min(fits)[2]
+        else:  # no rank has room for all of it: its head fills the roomiest row of the roomiest rank
+            while parked and (state_of[parked[0][1]] != _PARKED or parked[0][2] != version[parked[0][1]]):
+                pop(parked)
+            if not parked:
+                raise ValueError("pieces hold more tokens than the rows")
+            rank = parked[0][1]
+            row = max(range(rank * rpr, (rank + 1) * rpr), key=lambda r: (room[r], -r))
+            take = room[row]
+            push(queue, (-key_of(p, n - take), p, o + take, n - take))
+        out.append((p, o, take, (first_rank * rpr) + row))
+        c = q * float(take) * float(take) + lin * float(take)
+        room[row] -= take
+        row_cost[row] += c
+        mb_cost[row // mbs] += c
+        rank_cost[rank] += c
+        rank_room[rank] = room[row] if rpr == 1 else max(room[rank * rpr:(rank + 1) * rpr])
+        version[rank] += 1
+        if rank_room[rank] == 0:  # the placed rank's entry is its heap's top: replace it in place
+            state_of[rank] = _FULL
+            pop(available if from_top else parked)
+        elif from_top:
+            replace(available, (rank_cost[rank], rank, version[rank]))
+        else:
+            replace(parked, (-rank_room[rank], rank, version[rank]))
+    state.room[rows], state.row_cost[rows] = room, row_cost
+    state.mb_cost[first_rank * n_mb:(first_rank + ranks) * n_mb] = mb_cost
+    state.rank_cost[first_rank:first_rank + ranks] = rank_cost
+    return np.array(out, dtype=np.int64).reshape(-1, 4)
 
 
 def _head_for(budget: float, q: float, lin: float) -> int:
@@ -317,119 +411,6 @@ def _head_for(budget: float, q: float, lin: float) -> int:
     if q > 0:
         return int((-lin + math.sqrt(lin * lin + 4 * q * budget)) / (2 * q))
     return int(budget / lin) if lin > 0 else 1 << 62
-
-
-def greedy_exact(lengths: np.ndarray, grid: Grid, cost: Cost, rows: "_Rows | None" = None,
-                 pieces: "list[int] | None" = None, room_cost: float = 0.0,
-                 cost_cap: float = math.inf) -> Layout:
-    """Longest-first greedy over ranks, then micro-batches, then rows, one piece at a time (see the
-    module docstring). `rows` and `pieces` continue a partial layout with the given pieces; with
-    `room_cost`, ranks are compared by cost + room_cost x their tokens of room left. A piece that
-    would take even the cheapest rank past `cost_cap` is split so that its head fills that rank
-    to the cap (pieces of a few dominant documents cannot be balanced otherwise).
-
-    Ranks that cannot take the current piece are parked in a heap by room, and come back as soon
-    as a piece fits their room (checked before every piece), so each placement costs O(log ranks
-    + rows per rank). Pieces go costliest first: by length, or by cost when image patches make
-    cost more than a function of length (then a later piece may be longer; parked ranks whose
-    room is too small for it simply stay parked)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    keys = _sort_key(lengths, cost)
-    if rows is None:
-        _check_fits(lengths, grid)
-        rows = _Rows(grid, cost)
-        order = np.argsort(-keys, kind="stable")
-    else:
-        pieces = np.asarray(pieces, dtype=np.int64)
-        order = pieces[np.lexsort((pieces, -keys[pieces]))]
-    # (-sort key, tie, piece, offset, length), sorted: a heap
-    queue = [(-k, i, i, 0, n) for i, k, n in zip(order.tolist(), keys[order].tolist(), lengths[order].tolist())]
-    # locals: this loop runs once per piece, thousands of times per step at scale
-    rank_cost, rank_room, room, row_cost, mb_cost = rows.rank_cost, rows.rank_room, rows.room, rows.row_cost, rows.mb_cost
-    out = rows.out
-    q, lin = rows.q, rows.lin
-    qs, lins = rows.qs, rows.lins
-    rpr, mbs = grid.rows_per_rank, grid.micro_batch_size
-    state = [_AVAILABLE if rank_room[r] > 0 else _FULL for r in range(grid.ranks)]
-    version = [0] * grid.ranks
-    # the heap key: the rank's cost, plus what filling its room will add (room_cost per token)
-    key = [rank_cost[r] + room_cost * sum(room[r * rpr:(r + 1) * rpr]) for r in range(grid.ranks)]
-    available = sorted((key[r], r, 0) for r in range(grid.ranks) if state[r] == _AVAILABLE)  # a heap
-    parked: list[tuple[int, int, int]] = []  # (-room, rank, version)
-    pop, push, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    while queue:
-        _, tie, piece, offset, length = pop(queue)
-        if qs is not None:
-            q, lin = qs[piece], lins[piece]
-        while parked and -parked[0][0] >= length:  # ranks that have room again for pieces this small
-            _, r, v = pop(parked)
-            if state[r] == _PARKED and v == version[r]:
-                state[r] = _AVAILABLE
-                push(available, (key[r], r, v))
-        rank = -1
-        while available:
-            _, r, v = available[0]
-            if state[r] != _AVAILABLE or v != version[r]:
-                pop(available)  # stale entry
-            elif rank_room[r] >= length:
-                rank = r
-                break
-            else:
-                pop(available)
-                state[r] = _PARKED
-                push(parked, (-rank_room[r], r, v))
-        from_top = rank >= 0  # the rank is the top entry of `available`
-        if from_top:
-            take = length
-            over = key[rank] + q * length * length + (lin - room_cost) * length - cost_cap
-            if over > 0 and length >= 2 * MIN_SPLIT:
-                # Even the cheapest rank would pass the cap: its share of the piece is the head
-                # that brings it to the cap; the tail goes back into the queue.
-                head = _head_for(cost_cap - key[rank], q, lin - room_cost)
-                if MIN_SPLIT <= head <= length - MIN_SPLIT:
-                    take = head
-                    rest = length - take
-                    push(queue, (-(rest if qs is None else q * rest * rest + lin * rest), tie, piece, offset + take,
-                                 rest))
-                    length = take
-            if rpr == 1:
-                row = rank
-            elif mbs == 1:  # micro-batch == row: the cheapest row with room
-                row, best = -1, 0.0
-                for r in range(rank * rpr, (rank + 1) * rpr):
-                    if room[r] >= length and (row < 0 or row_cost[r] < best):
-                        row, best = r, row_cost[r]
-            else:
-                row = rows.fitting_row(rank, length)
-        else:  # no rank has room for all of it: its head fills the roomiest row of the roomiest rank
-            while parked and (state[parked[0][1]] != _PARKED or parked[0][2] != version[parked[0][1]]):
-                pop(parked)
-            if not parked:
-                raise ValueError("pieces hold more tokens than the rows")  # guarded above; kept for safety
-            rank = parked[0][1]
-            row = rows.roomiest_row(rank)
-            take = room[row]
-            rest = length - take
-            push(queue, (-(rest if qs is None else q * rest * rest + lin * rest), tie, piece, offset + take, rest))
-        # place the fragment (as _Rows.place, inlined)
-        out.append((piece, offset, take, row))
-        c = q * take * take + lin * take
-        room[row] -= take
-        row_cost[row] += c
-        mb_cost[row // mbs] += c
-        rank_cost[rank] += c
-        key[rank] += c - room_cost * take
-        rank_room[rank] = room[row] if rpr == 1 else max(room[rank * rpr:(rank + 1) * rpr])
-        version[rank] += 1
-        # the placed rank's entry is its heap's top: replace it in place (one heap operation)
-        if rank_room[rank] == 0:
-            state[rank] = _FULL
-            pop(available if from_top else parked)
-        elif from_top:
-            heapreplace(available, (key[rank], rank, version[rank]))
-        else:
-            heapreplace(parked, (-rank_room[rank], rank, version[rank]))
-    return rows.result()
 
 
 def karmarkar_karp(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
@@ -478,7 +459,7 @@ def karmarkar_karp(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
 def _place_by_rank(lengths: np.ndarray, rank_of: np.ndarray, grid: Grid, cost: Cost, cap: int) -> Layout:
     """Rows for pieces already given a rank. Pieces of ranks over their token capacity (or that
     do not fit any row of their rank) go back to a queue placed by the greedy rule."""
-    rows = _Rows(grid, cost)
+    rows = _State(grid, cost)
     leftover: list[int] = []
     for i in np.lexsort((-lengths, rank_of)).tolist():  # per rank, longest first
         n = int(lengths[i])

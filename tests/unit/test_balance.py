@@ -193,3 +193,87 @@ def test_dealt_in_order_charges_per_piece_coefficients():
     q = np.array([1.0, 3.0])
     costs = costs_dealt_in_order([4, 4], 2, 4, q, np.zeros(2))
     assert costs == [16.0, 48.0]
+
+
+def _random_step(rng, grid, fill=1.0):
+    """Long-tailed piece lengths (at most a row) holding `fill` of the grid's tokens."""
+    lengths, left = [], int(grid.ranks * grid.rows_per_rank * grid.row_capacity * fill)
+    while left > 0:
+        n = min(left, grid.row_capacity, int(rng.pareto(1.2) * 100 + 10))
+        lengths.append(n)
+        left -= n
+    return np.array(lengths)
+
+
+def test_compiled_loop_matches_the_python_reference():
+    """coordinator._greedy (C) and balance._greedy_loop_py run the same rule: the same fragments in
+    the same order and the same costs, on grids with micro-batches, caps, per-piece (image)
+    coefficients, linear-only costs, and each rank's pieces on its own rows (groups)."""
+    from coordinator.balance import COMPILED, _greedy_loop, _State
+
+    assert COMPILED, "coordinator._greedy was not built (setup.py): the planner falls back to Python"
+    rng = np.random.default_rng(17)
+    for trial in range(120):
+        grid = Grid(int(rng.integers(1, 12)), int(rng.integers(1, 4)), int(rng.integers(1, 3)),
+                    int(rng.integers(200, 3000)))
+        lengths = _random_step(rng, grid, rng.uniform(0.5, 1.0))
+        kind = trial % 3
+        if kind == 0:
+            cost = Cost(1.0, 2.0, rng.uniform(0, 1, len(lengths)) * (rng.random(len(lengths)) < 0.3), 20.0, 3.0)
+        else:
+            cost = Cost(float(rng.choice([1.0, 2.5, 0.0])), float(rng.choice([0.0, 3.0])) or 1.0)
+        costs = cost.of(lengths)
+        cap = float(rng.choice([np.inf, max(costs.sum() / grid.ranks, costs.max())]))
+        groups = None
+        if trial % 4 == 3:  # each rank's share of the pieces, on its own rows
+            share = rng.integers(0, grid.ranks, len(lengths))
+            lengths = np.concatenate([lengths[share == r][:grid.rows_per_rank] for r in range(grid.ranks)])
+            groups = np.concatenate([[0], np.cumsum([min(int((share == r).sum()), grid.rows_per_rank)
+                                                     for r in range(grid.ranks)])])
+            cost = Cost(cost.quadratic, cost.linear)
+        results = []
+        for compiled in (True, False):
+            state = _State(grid, cost)
+            _greedy_loop(state, np.arange(len(lengths)), np.zeros(len(lengths), dtype=np.int64), lengths, cap,
+                         groups, compiled=compiled)
+            results.append((state.fragments(), state.room, state.row_cost, state.mb_cost, state.rank_cost))
+        for c, py in zip(*results):
+            assert np.array_equal(c, py), trial
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.5])
+def test_greedy_is_never_slower_than_the_plain_greedy_over_ranks(slack):
+    """The busiest rank of the default layout costs at most what it costs under the plain
+    longest-first greedy over whole ranks (no rows, no cutting for balance)."""
+    rng = np.random.default_rng(23)
+    for _ in range(30):
+        ranks, rows, seq_len = int(rng.integers(2, 40)), int(rng.integers(1, 5)), int(rng.integers(256, 4096))
+        lengths = _random_step(rng, Grid(ranks, rows, 1, seq_len))
+        grid = Grid(ranks, rows, 1, int(seq_len * (1 + slack)))
+        ours = greedy(lengths, grid, SQUARE)
+        _valid(ours, lengths, grid)
+        plain = greedy_exact(lengths, Grid(ranks, 1, 1, rows * grid.row_capacity), SQUARE)
+        assert ours.rank_costs(grid, SQUARE).max() <= plain.rank_costs(Grid(ranks, 1, 1, 0), SQUARE).max() * (1 + 1e-12)
+
+
+def test_dense_pieces_are_halved_when_the_tokens_do_not_fit_beside_them():
+    """Many full-length pieces and a mass of short ones, with slack: a full piece holds about the
+    mean cost of a rank with a third of its tokens, so the short pieces cannot all fit on the other
+    ranks. The greedy alone piles them on top of full pieces (well past the lower bound); halving
+    the densest full pieces first brings the busiest rank within 3 % of it."""
+    rng = np.random.default_rng(29)
+    ranks, seq_len, slack = 64, 4096, 0.5
+    grid = Grid(ranks, 2, 1, int(seq_len * (1 + slack)))
+    full = np.full(55, seq_len)  # 86 % of the ranks, as 4M-token steps of a 40 % long-document source at DP=512
+    short = np.clip(rng.lognormal(5.0, 0.95, 40_000), 10, seq_len - 1).astype(np.int64)  # paragraph-like
+    short = short[np.cumsum(short) <= ranks * 2 * seq_len - full.sum()]
+    lengths = np.concatenate([full, short])
+    costs = SQUARE.of(lengths)
+    bound = max(costs.sum() / ranks, costs.max())
+    lay = greedy(lengths, grid, SQUARE)
+    _valid(lay, lengths, grid)
+    halved = {int(p) for p, o, n in zip(lay.piece, lay.offset, lay.length) if p < len(full) and o == seq_len // 2}
+    alone = greedy_exact(lengths, grid, SQUARE, cost_cap=bound * 1.005)
+    assert alone.rank_costs(grid, SQUARE).max() / bound > 1.03
+    assert lay.rank_costs(grid, SQUARE).max() / bound <= 1.03
+    assert halved  # some full pieces were cut in two, at their middle
