@@ -1,10 +1,11 @@
 """Data-plane throughput: megascale-data end to end against a bare numpy + pyzmq loop.
 
-    python tools/bench_dataplane.py --json OUT [--steps N] [--repeats R]
+    python tools/bench_dataplane.py --json OUT [--steps N] [--repeats R] [--global-batch SEQUENCES]
 
 Ours: one Megatron source, one coordinator, 1 worker process, 2 trainer ranks (DataClient,
-numpy output), tokens/s delivered to the ranks as assembled micro-batches (tokens, labels,
-position_ids, loss_mask, cu_seqlens), measured from each rank's first batch to its last.
+numpy output), steps of 64 x 8192 tokens (--global-batch), tokens/s delivered to the ranks as
+assembled micro-batches (tokens, labels, position_ids, loss_mask, cu_seqlens), measured from
+each rank's first batch to its last.
 Bare: one process reads the same number of tokens from the same `.bin` with numpy, in
 seq_len-sized slices, and sends them over one PUSH/PULL pair to a receiver process.
 A third variant, bare_assembled, adds to the bare receiver the same batch assembly our client
@@ -38,7 +39,10 @@ from worker.readers.megatron import MegatronIndex, write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 SEQ_LEN = 8192
-GLOBAL_BATCH = 16  # sequences per step: 8 micro-batches of 1 x 8192 per rank
+# Sequences per step: 64 is 32 micro-batches of 1 x 8192 per rank, 0.5M tokens a step, still small
+# for LLM training (Megatron configs run 1-4M). The coordinator's and the client's per-step work
+# is a fixed cost per step; --global-batch 16 shows it (docs/BENCHMARKS.md has both).
+GLOBAL_BATCH = 64
 
 
 # Document length mixes (tokens): web-like text, and long documents (books, code files, papers).
@@ -168,11 +172,14 @@ def measure(root: str, mix: str, steps: int, repeats: int) -> dict:
 
 
 def main() -> None:
+    global GLOBAL_BATCH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences of 8192 tokens per step")
     args = ap.parse_args()
+    GLOBAL_BATCH = args.global_batch
     with tempfile.TemporaryDirectory() as root:
         os.environ["MSD_CACHE_DIR"] = os.path.join(root, "cache")
         mixes = {mix: measure(root, mix, args.steps, args.repeats) for mix in MIXES}

@@ -21,6 +21,8 @@ import numpy as np
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
+FIELD_BYTES = 8 + 8 + 4  # per token of a finished step: int64 label and position id, float32 loss mask (one allocation)
+
 
 class StepAssembler:
     def __init__(self, refs: np.ndarray, counts: np.ndarray, row_len: int, pad_id: int, micro_batch_size: int,
@@ -52,8 +54,11 @@ class StepAssembler:
         self.index: dict[tuple[int, int, int], list[int]] = {}
         for i, ref in enumerate(map(tuple, self.refs.tolist())):
             self.index.setdefault(ref, []).append(i)
-        self.tokens = np.full(rows * row_len, pad_id, dtype=np.int64)
-        self.have = np.zeros(len(lengths), dtype=bool)
+        self.tokens = np.empty(rows * row_len, dtype=np.int64)  # from the header on; the other fields once done
+        for r in np.flatnonzero(used < row_len).tolist():  # only padding needs a value now; pieces overwrite the rest
+            self.tokens[r * row_len + used[r]:(r + 1) * row_len] = pad_id
+        self.have = bytearray(len(lengths))  # plain Python containers: add() reads them once per piece
+        self.dst_of = self.dst.tolist()
         self.missing = len(lengths)
 
     def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
@@ -64,7 +69,7 @@ class StepAssembler:
         the recipe."""
         ignored = 0
         at = at_patch = 0
-        index, have, dst, out = self.index, self.have, self.dst, self.tokens
+        index, have, dst, out = self.index, self.have, self.dst_of, self.tokens
         with_patches = patch_counts is not None and len(patch_counts) > 0
         if with_patches:
             patches = patches.reshape(-1, self.patch_bytes)
@@ -75,7 +80,7 @@ class StepAssembler:
                 ignored += 1
             else:
                 for i in where:
-                    d = int(dst[i])
+                    d = dst[i]
                     out[d: d + length] = tokens[at: at + length]
                     have[i] = True
                     if n_patches:
@@ -103,29 +108,36 @@ class StepAssembler:
         ends = np.cumsum(seg_len)
         starts = ends - seg_len
         total = rows * row_len
+        fields = np.empty(FIELD_BYTES * total, np.uint8)
+        labels, position_ids = fields[:8 * total].view(np.int64), fields[8 * total:16 * total].view(np.int64)
+        loss_mask = fields[16 * total:].view(np.float32)
         tokens = self.tokens
-        labels = np.empty(total, dtype=np.int64)
         labels[:-1] = tokens[1:]
         labels[ends - 1] = self.pad_id  # the last position of every segment has no label inside it
-        loss_mask = np.ones(total, dtype=np.float32)
+        loss_mask.fill(1.0)
         loss_mask[ends - 1] = 0.0
         for s, n in zip(starts[seg_pad].tolist(), seg_len[seg_pad].tolist()):  # one per padded row
             labels[s: s + n] = self.pad_id
             loss_mask[s: s + n] = 0.0
-        position_ids = np.arange(total, dtype=np.int64)
-        position_ids -= np.repeat(starts, seg_len)
+        # position ids restart at every segment: a running count, reset at each segment's start
+        position_ids.fill(1)
+        position_ids[starts] = 1 - np.concatenate([[1], seg_len[:-1]])
+        np.cumsum(position_ids, out=position_ids)
         shape = (rows, row_len)
         tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
         mbs = self.mbs
         seg_mb = seg_row // mbs
-        seg_bounds = np.searchsorted(seg_mb, np.arange(rows // mbs + 1))
+        seg_bounds = np.searchsorted(seg_mb, np.arange(rows // mbs + 1)).tolist()
         piece_bounds = np.concatenate([[0], np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1))])
+        real_tokens = np.diff(np.concatenate([[0], np.cumsum(self.lengths)])[piece_bounds]).tolist()
+        piece_bounds = piece_bounds.tolist()
         out = []
         dst = self.dst
         for m in range(rows // mbs):
             s0, s1 = seg_bounds[m], seg_bounds[m + 1]
-            cu_seqlens = np.zeros(s1 - s0 + 1, dtype=np.int32)
-            np.cumsum(seg_len[s0:s1], out=cu_seqlens[1:])
+            cu_seqlens = np.empty(s1 - s0 + 1, dtype=np.int32)
+            cu_seqlens[0] = 0
+            cu_seqlens[1:] = ends[s0:s1] - m * mbs * row_len  # the micro-batch's segments, flattened
             p0, p1 = piece_bounds[m], piece_bounds[m + 1]
             piece_lengths = self.lengths[p0:p1]
             out.append({
@@ -137,7 +149,7 @@ class StepAssembler:
                 "doc_keys": self.refs[p0:p1, 0].copy(),
                 "doc_offsets": self.refs[p0:p1, 1].astype(np.int64),
                 "piece_lengths": piece_lengths,
-                "num_tokens": int(piece_lengths.sum()),
+                "num_tokens": real_tokens[m],
             })
             if self.patch_bytes:
                 out[-1].update(self._images(range(p0, p1), dst, m * mbs))
