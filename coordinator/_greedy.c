@@ -318,6 +318,12 @@ static PyObject *greedy(PyObject *self, PyObject *args) {
         Py_ssize_t pieces = b[held - 1].len / 8;
         GET(o_lins, pieces, 0, "lins")
         p.lins = b[held - 1].buf;
+        const int64_t *ids = b[0].buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= pieces) {
+                PyErr_Format(PyExc_ValueError, "piece %lld has no coefficients (%zd pieces)", (long long)ids[i], pieces);
+                goto fail;
+            }
     }
     GET(o_room, ranks * rpr, 1, "room")
     p.room = b[held - 1].buf;

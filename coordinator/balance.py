@@ -285,6 +285,8 @@ def _greedy_loop(state: _State, piece: np.ndarray, offset: np.ndarray, length: n
     reference, which gives the same result)."""
     grid, cost = state.grid, state.cost
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (piece, offset, length)]
+    if len(arrays[2]) and arrays[2].min() <= 0:
+        raise ValueError("fragments to lay out must hold at least one token")
     if cost.patch_ratio is None:
         qs = lins = None
         q, lin = float(cost.quadratic), float(cost.linear)
