@@ -116,12 +116,9 @@ class _State:
         self.frags: list[np.ndarray] = []  # [piece, offset, length, row] blocks, in placement order
 
     def fitting_row(self, rank: int, length: int) -> int:
-        """The row of `rank` to take a piece of `length`: cheapest micro-batch, then cheapest row,
-        among rows with room for it (-1 if none)."""
-        rpr, mbs = self.grid.rows_per_rank, self.grid.micro_batch_size
-        fits = [(self.mb_cost[r // mbs], self.row_cost[r], r) for r in range(rank * rpr, (rank + 1) * rpr)
-                if self.room[r] >= length]
-        return min(fits)[-1] if fits else -1
+        rpr = self.grid.rows_per_rank
+        return _fitting_row(self.room, self.row_cost, self.mb_cost, rank * rpr, rpr, self.grid.micro_batch_size,
+                            length)
 
     def place(self, piece: int, offset: int, length: int, row: int) -> None:
         q, lin = self.cost.coefficients(np.array([piece]))
@@ -160,8 +157,9 @@ def greedy(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
         return _State(grid, cost).result()
     costs = cost.of(lengths)
     level = max(float(costs.sum()) / grid.ranks, float(costs.max())) * (1 + CAP_MARGIN)
-    order = _greedy_order(lengths, cost)
-    halve = _dense_pieces_to_halve(lengths, costs, grid, level, order, cost.patch_ratio is None)
+    text = cost.patch_ratio is None  # else image-text pieces: cost is not a function of length alone
+    order = _greedy_order(lengths if text else costs)
+    halve = _dense_pieces_to_halve(lengths, costs, grid, level, order, text)
     cut = _State(grid, cost)
     if len(halve):
         parts = np.ones(n, dtype=np.int64)
@@ -173,7 +171,7 @@ def greedy(lengths: np.ndarray, grid: Grid, cost: Cost) -> Layout:
         offset[second] = lengths[halve] // 2
         length[second - 1] = offset[second]
         length[second] -= offset[second]
-        frag_order = _greedy_order(length, cost, piece)
+        frag_order = _greedy_order(length if text else cost.of(length, piece))
         _greedy_loop(cut, piece[frag_order], offset[frag_order], length[frag_order], level)
     else:
         _greedy_loop(cut, order, np.zeros(n, dtype=np.int64), lengths[order], level)
@@ -195,12 +193,13 @@ def _plain_then_rows(lengths: np.ndarray, grid: Grid, cost: Cost, order: np.ndar
     return rows
 
 
-def _greedy_order(lengths: np.ndarray, cost: Cost, pieces: "np.ndarray | None" = None) -> np.ndarray:
-    """Fragments (default: whole pieces) in greedy order: longest (costliest) first, then by
-    piece, then by offset (fragments of one piece come in offset order)."""
-    if cost.patch_ratio is None:
-        return _stable_argsort(lengths.max() - lengths) if len(lengths) else np.zeros(0, dtype=np.int64)
-    return np.argsort(-cost.of(lengths, pieces), kind="stable")
+def _greedy_order(keys: np.ndarray) -> np.ndarray:
+    """Fragments in greedy order: by key, largest first (the length, or for a step with image-text
+    pieces, whose cost is not a function of length alone, the cost), ties in their given order
+    (by piece, then offset)."""
+    if keys.dtype.kind in "iu":
+        return _stable_argsort(keys.max() - keys) if len(keys) else np.zeros(0, dtype=np.int64)
+    return np.argsort(-keys, kind="stable")
 
 
 def _stable_argsort(values: np.ndarray) -> np.ndarray:
@@ -231,7 +230,8 @@ def _dense_pieces_to_halve(lengths: np.ndarray, costs: np.ndarray, grid: Grid, l
     others = np.ones(len(lengths), dtype=bool)
     others[dominant] = False
     if cost_per_token_follows_length:  # text: cost per token grows with length, so `order` reversed
-        thin = order[::-1][others[order[::-1]]]
+        reverse = order[::-1]
+        thin = reverse[others[reverse]]
     else:
         thin = np.flatnonzero(others)
         thin = thin[np.argsort(costs[thin] / np.maximum(lengths[thin], 1), kind="stable")]  # least dense first
@@ -291,7 +291,8 @@ def _greedy_loop(state: _State, piece: np.ndarray, offset: np.ndarray, length: n
         qs = lins = None
         q, lin = float(cost.quadratic), float(cost.linear)
     else:
-        qs, lins = (np.ascontiguousarray(a, dtype=np.float64) for a in cost.coefficients(np.arange(len(cost.patch_ratio))))
+        qs, lins = (np.ascontiguousarray(a, dtype=np.float64)
+                    for a in cost.coefficients(np.arange(len(cost.patch_ratio))))
         q = lin = 0.0
     if _compiled is not None and compiled:
         room_for = len(piece) + 2 * grid.ranks * (grid.rows_per_rank + 1) + 16  # fragments: pieces plus cuts
@@ -373,9 +374,7 @@ def _greedy_loop_py(state: _State, first_rank: int, ranks: int, piece: list, off
                 if MIN_SPLIT <= head <= n - MIN_SPLIT:
                     take = head
                     push(queue, (-key_of(p, n - take), p, o + take, n - take))
-            fits = [(mb_cost[r // mbs], row_cost[r], r) for r in range(rank * rpr, (rank + 1) * rpr)
-                    if room[r] >= take]
-            row = min(fits)[2]
+            row = _fitting_row(room, row_cost, mb_cost, rank * rpr, rpr, mbs, take)
         else:  # no rank has room for all of it: its head fills the roomiest row of the roomiest rank
             while parked and (state_of[parked[0][1]] != _PARKED or parked[0][2] != version[parked[0][1]]):
                 pop(parked)
@@ -404,6 +403,13 @@ def _greedy_loop_py(state: _State, first_rank: int, ranks: int, piece: list, off
     state.mb_cost[first_rank * n_mb:(first_rank + ranks) * n_mb] = mb_cost
     state.rank_cost[first_rank:first_rank + ranks] = rank_cost
     return np.array(out, dtype=np.int64).reshape(-1, 4)
+
+
+def _fitting_row(room, row_cost, mb_cost, first: int, rows: int, mbs: int, length: int) -> int:
+    """Of rows [first, first + rows), the one to take a piece of `length`: the cheapest
+    micro-batch, then the cheapest row, among rows with room for it (-1 if none)."""
+    fits = [(mb_cost[r // mbs], row_cost[r], r) for r in range(first, first + rows) if room[r] >= length]
+    return min(fits)[2] if fits else -1
 
 
 def _head_for(budget: float, q: float, lin: float) -> int:

@@ -21,7 +21,7 @@ import yaml
 from trainer_client.errors import MsdError
 
 from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
-from worker.vision import DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
+from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 
 from .balance import METHODS
 
@@ -315,7 +315,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
             ok = False
         else:
             ok = _check_hf_tokenizer(c, key, tokenizer, raw.get("eod_id")) and ok
-    text_key = raw.get("text_key", "caption" if fmt == "webdataset" else "text")
+    text_key = raw.get("text_key", DEFAULT_CAPTION_KEY if fmt == "webdataset" else "text")
     if not isinstance(text_key, str) or not text_key:
         c.bad(f"{key}.text_key", "expected a non-empty string")
         ok = False

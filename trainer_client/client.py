@@ -26,7 +26,7 @@ from . import memory, security
 from .assemble import StepAssembler
 from .topology import Topology, cp_share
 from .errors import PeerLostError, ProtocolError, RejectedError
-from .sockets import make_socket
+from .sockets import make_socket, send_nowait
 
 log = logging.getLogger("msd.client")
 
@@ -275,9 +275,7 @@ class _Receiver:
                 s.close(linger=0 if s is not control else 1000)
 
     def _send(self, header: dict[str, Any]) -> None:
-        try:
-            self.control.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
-        except zmq.Again:
+        if not send_nowait(self.control, header):
             log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, header["type"])
 
     def _on_control(self, frames, heartbeat_s: float) -> float:

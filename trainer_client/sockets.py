@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zmq
 
-from . import protocol
+from . import protocol, wire
 
 DEFAULT_HWM = 1000
 LINGER_MS = 1000
@@ -29,3 +29,13 @@ def bind_free_port(sock: zmq.Socket, host: str) -> str:
     """Bind to an OS-chosen port on `host` and return the address peers should connect to."""
     port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"
+
+
+def send_nowait(sock: zmq.Socket, header: dict, *arrays) -> bool:
+    """Send one message without blocking: a peer that is not reading (or not there yet) must never
+    stall the sender. False when it could not go out now (high-water mark reached)."""
+    try:
+        sock.send_multipart(wire.encode(header, *arrays), flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

@@ -27,7 +27,7 @@ import zmq
 from trainer_client import protocol as P
 from trainer_client import security, wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket
+from trainer_client.sockets import make_socket, send_nowait
 
 log = logging.getLogger("msd.worker.host")
 
@@ -133,12 +133,13 @@ class HostAgent:
                 now = time.monotonic()
                 self._keep_alive(now)
                 if not self.registered and now - last_hello > HELLO_RETRY_S:
-                    self._send(control, P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id,
-                                               host=socket.gethostname(), procs=self.target, min_procs=self.min_procs,
-                                               max_procs=self.max_procs, auto=int(self.auto)))
+                    # not sent while the coordinator is not there yet: the next hello goes out later
+                    send_nowait(control, P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id,
+                                                host=socket.gethostname(), procs=self.target, min_procs=self.min_procs,
+                                                max_procs=self.max_procs, auto=int(self.auto)))
                     last_hello = now
                 elif self.registered and now - last_beat > HEARTBEAT_S:
-                    self._send(control, P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target))
+                    send_nowait(control, P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target))
                     last_beat = now
                 if control.poll(200):
                     try:
@@ -169,13 +170,6 @@ class HostAgent:
         elif kind == "reject":
             log.error("coordinator rejected this host: %s; stopping", msg["reason"])
             self.stopping = True
-
-    @staticmethod
-    def _send(sock: zmq.Socket, header: dict) -> None:
-        try:
-            sock.send_multipart(wire.encode(header), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the coordinator is not there yet; the next hello or heartbeat goes out later
 
     def stop(self) -> None:
         self.stopping = True

@@ -22,7 +22,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket
+from trainer_client.sockets import make_socket, send_nowait
 
 from .readers import RecordError, SourceReader, open_source
 
@@ -101,9 +101,7 @@ class Worker:
             self.busy_s += time.perf_counter() - started
 
     def _send(self, header: dict[str, Any], *arrays: np.ndarray) -> None:
-        try:
-            self.control.send_multipart(wire.encode(header, *arrays), flags=zmq.NOBLOCK)
-        except zmq.Again:
+        if not send_nowait(self.control, header, *arrays):
             log.warning("coordinator not reading; %s dropped", header["type"])
 
     def _handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

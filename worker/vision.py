@@ -14,8 +14,9 @@ import math
 import numpy as np
 
 
-DEFAULT_MAX_PIXELS = 256 * 256  # the job file's defaults for max_pixels and patch_size
+DEFAULT_MAX_PIXELS = 256 * 256  # the job file's defaults for max_pixels, patch_size and text_key
 DEFAULT_PATCH_SIZE = 16
+DEFAULT_CAPTION_KEY = "caption"  # the caption text's key in a JSON caption entry
 
 
 class ImageError(ValueError):

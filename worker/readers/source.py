@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from ..tokenizer import make_tokenizer
-from ..vision import DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE, ImageError, to_patches
+from ..vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE, ImageError, to_patches
 from .errors import RecordError, SourceFormatError
 from .jsonl import JsonlShard
 from .megatron import MegatronIndex
@@ -30,7 +30,7 @@ class SourceReader:
     def __init__(self, spec: dict[str, Any], cache_dir: str | None = None) -> None:
         self.name: str = spec["name"]
         self.format: str = spec["format"]
-        self.text_key: str = spec.get("text_key") or ("caption" if self.format == "webdataset" else "text")
+        self.text_key: str = spec.get("text_key") or (DEFAULT_CAPTION_KEY if self.format == "webdataset" else "text")
         self.tokens_key: str | None = spec.get("tokens_key")
         self.tokenizer = None
         if self.format == "megatron":
