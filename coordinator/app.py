@@ -87,7 +87,7 @@ class Delivery:
     delivery_id: int
     worker_id: int
     step: int
-    items: np.ndarray  # [rank, micro_batch, doc_key, offset, length] rows, as sent
+    items: np.ndarray  # [rank, piece, doc_key, offset, length] rows, as sent (piece: index in the rank's recipe)
     positions: np.ndarray  # [source, stream position] of each item's record
     release: np.ndarray  # [source, position] of prepared copies used up by it
     ranks: list[int] = field(default_factory=list)  # the ranks it sends to
@@ -665,7 +665,7 @@ class Coordinator:
             header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=plan_summary)
             self._send(self.trainers[rank].identity, header, np.ascontiguousarray(refs[lo:hi], dtype="<u8"), counts)
             items.append(np.column_stack([np.full(hi - lo, rank, dtype=np.uint64),
-                                          plan.micro_batch[lo:hi].astype(np.uint64), refs[lo:hi]]))
+                                          np.arange(hi - lo, dtype=np.uint64), refs[lo:hi]]))
             positions.append(t[lo:hi][:, [SOURCE, POSITION]])
         self._send_deliveries(plan.step, np.concatenate(items), np.concatenate(positions), plan.finished)
 
@@ -682,7 +682,7 @@ class Coordinator:
 
     def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray, release: np.ndarray) -> None:
         """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly.
-        items: [rank, micro_batch, doc_key, offset, length] rows; positions and release: [source,
+        items: [rank, piece, doc_key, offset, length] rows; positions and release: [source,
         position] rows (of each item's record; of prepared copies used up after this step)."""
         owners, release_owners = self._holders(positions), self._holders(release)
         for wid in np.union1d(owners, release_owners).tolist():

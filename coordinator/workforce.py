@@ -34,6 +34,7 @@ GROW_WAIT_SHARE = 0.05  # trainers waiting more than this share of the time for 
 GROW_BUSY = 0.5  # ...while workers are busy at least this share: one more process
 SHRINK_BUSY = 0.25  # workers busy less than this share...
 REPORT_EVERY_S = 30.0
+WAIT_CAP = 0.9  # the shortfall estimate: at most 9x the workers there are
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Workforce:
         busy = sum(max(0.0, w.busy_s - self._busy_at_start.get(wid, 0.0)) for wid, w in workers.items())
         self.last_busy = busy / (span * len(workers)) if workers else 0.0
         waits = [max(0.0, t.waited_s - self._waited_at_start.get(r, t.waited_s)) for r, t in trainers.items()]
-        self.last_wait = max(waits) / span if waits else 0.0
+        # at most all of the time: a `consumed` report carries waits from before the window too
+        self.last_wait = min(1.0, max(waits) / span) if waits else 0.0
         consumed = min((t.consumed for t in trainers.values()), default=None)
         if consumed is not None and self._consumed_at_start is not None:
             self.steps_per_s = max(0, consumed - self._consumed_at_start) / span
@@ -142,9 +144,11 @@ class Workforce:
                 out.append((h, h.procs + 1))
                 self.needed = 0
             elif self.hosts and all(h.procs >= h.max_procs for h in self.hosts.values()):
-                # Waiting w of the time means the workers deliver (1 - w) of what is asked for.
-                n = len(workers)
-                self.needed = max(1, math.ceil(n * self.last_wait / max(1e-3, 1 - self.last_wait)))
+                # Waiting w of the time means the workers deliver (1 - w) of what is asked for. A
+                # trainer that waits nearly always (one that does nothing but read) asks for without
+                # bound; the estimate stops at WAIT_CAP.
+                n, w = len(workers), min(self.last_wait, WAIT_CAP)
+                self.needed = max(1, math.ceil(n * w / (1 - w) - 1e-9))  # (0.9 / 0.1 is 9.000000000000002)
                 if now - self._last_report > REPORT_EVERY_S:
                     self._last_report = now
                     log.warning("trainers wait %.0f%% of the time for data and every worker host is at its "

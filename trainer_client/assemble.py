@@ -8,7 +8,9 @@ the padding).
 
 `StepAssembler` holds one step of one rank: the recipe fixes where every piece goes, so each
 piece's tokens are copied into the step's token buffer as they arrive (in any order, from any
-number of messages), and the other fields, which depend only on the recipe, are derived in a
+number of messages). A message names each piece by its index in the recipe, so finding where
+it goes is one vectorised lookup, and pieces that lie back to back in both the message and the
+step (a worker sends them in recipe order) are copied as one run. The other fields, which depend only on the recipe, are derived in a
 fixed handful of numpy passes when the last piece is in. A whole step is assembled at once: this
 runs on the trainer host, for every step.
 """
@@ -49,46 +51,50 @@ class StepAssembler:
         self.lengths = lengths
         self.dst = row_of * row_len + starts  # where each piece's first token goes
         self.used = used
-        # ref -> the pieces it fills: the same range of a record may occur twice in one step (a
-        # small source repeats within a step), and one copy of its tokens fills both
-        self.index: dict[tuple[int, int, int], list[int]] = {}
-        for i, ref in enumerate(map(tuple, self.refs.tolist())):
-            self.index.setdefault(ref, []).append(i)
         self.tokens = np.empty(rows * row_len, dtype=np.int64)  # from the header on; the other fields once done
         for r in np.flatnonzero(used < row_len).tolist():  # only padding needs a value now; pieces overwrite the rest
             self.tokens[r * row_len + used[r]:(r + 1) * row_len] = pad_id
-        self.have = bytearray(len(lengths))  # plain Python containers: add() reads them once per piece
-        self.dst_of = self.dst.tolist()
+        self.have = np.zeros(len(lengths), dtype=bool)
         self.missing = len(lengths)
 
     def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
             patches: np.ndarray | None = None) -> int:
-        """Copy in the pieces of one message: items [doc_key, offset, length] rows whose tokens are
-        concatenated in `tokens`, and (image-text pieces) the patches of each item's image
-        placeholders, concatenated in `patches`. Returns how many were already here or not in
-        the recipe."""
-        ignored = 0
-        at = at_patch = 0
-        index, have, dst, out = self.index, self.have, self.dst_of, self.tokens
-        with_patches = patch_counts is not None and len(patch_counts) > 0
-        if with_patches:
+        """Copy in the pieces of one message: items [piece, doc_key, offset, length] rows (piece:
+        the index of the piece in this step's recipe) whose tokens are concatenated in `tokens`,
+        and (image-text pieces) the patches of each item's image placeholders, concatenated in
+        `patches`. An item is taken only if the recipe holds its exact reference at that index
+        and the piece is not here yet. Returns how many items were not taken."""
+        items = np.asarray(items, dtype=np.uint64).reshape(-1, 4)
+        lengths = items[:, 3].astype(np.int64)
+        at = np.zeros(len(items), dtype=np.int64)  # where each item's tokens start in `tokens`
+        np.cumsum(lengths[:-1], out=at[1:])
+        in_recipe = items[:, 0] < len(self.lengths)
+        piece = np.where(in_recipe, items[:, 0], 0).astype(np.intp)
+        take = np.flatnonzero(in_recipe & (self.refs[piece] == items[:, 1:]).all(axis=1) & ~self.have[piece])
+        first = np.unique(piece[take], return_index=True)[1]
+        if len(first) < len(take):  # one piece twice in a message: its first copy counts
+            take = take[np.sort(first)]
+        piece = piece[take]
+        src, dst, n = at[take], self.dst[piece], lengths[take]
+        # One copy per run of pieces that lie back to back both in the message and in the step (a
+        # worker sends a rank's pieces in recipe order, so a run is usually a whole row).
+        breaks = np.flatnonzero((src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])) + 1
+        first = np.concatenate([[0], breaks]).astype(np.intp)
+        last = np.concatenate([breaks, [len(take)]]).astype(np.intp) - 1
+        out = self.tokens
+        if len(take):
+            for s, d, e in zip(src[first].tolist(), dst[first].tolist(), (src[last] + n[last]).tolist()):
+                out[d: d + e - s] = tokens[s:e]
+        self.have[piece] = True
+        self.missing -= len(take)
+        if patch_counts is not None and len(patch_counts) > 0:
             patches = patches.reshape(-1, self.patch_bytes)
-        for n, (key, offset, length) in enumerate(items.tolist()):
-            where = index.get((key, offset, length))
-            n_patches = int(patch_counts[n]) if with_patches else 0
-            if where is None or have[where[0]]:
-                ignored += 1
-            else:
-                for i in where:
-                    d = dst[i]
-                    out[d: d + length] = tokens[at: at + length]
-                    have[i] = True
-                    if n_patches:
-                        self.patches[i] = patches[at_patch: at_patch + n_patches]
-                self.missing -= len(where)
-            at += length
-            at_patch += n_patches
-        return ignored
+            counts = np.asarray(patch_counts, dtype=np.int64)
+            patch_at = np.cumsum(counts) - counts
+            for k, i in zip(take.tolist(), piece.tolist()):
+                if counts[k]:
+                    self.patches[i] = patches[patch_at[k]: patch_at[k] + counts[k]]
+        return len(items) - len(take)
 
     @property
     def done(self) -> bool:
@@ -96,15 +102,14 @@ class StepAssembler:
 
     def batches(self) -> list[dict[str, Any]]:
         """The step's micro-batches; their arrays are views into one allocation per field."""
-        rows, row_len = len(self.counts), self.row_len
+        rows, row_len, mbs = len(self.counts), self.row_len, self.mbs
         pad = row_len - self.used  # padding at the end of each row
+        padded = np.flatnonzero(pad > 0)
         # segments in flat order: each row's pieces, then its padding if any
-        piece_row = np.repeat(np.arange(rows), self.counts)
-        seg_row = np.concatenate([piece_row, np.flatnonzero(pad > 0)])
-        seg_len = np.concatenate([self.lengths, pad[pad > 0]])
-        seg_pad = np.concatenate([np.zeros(len(self.lengths), bool), np.ones(int((pad > 0).sum()), bool)])
-        order = np.argsort(seg_row, kind="stable")  # pieces keep their order, padding last in its row
-        seg_row, seg_len, seg_pad = seg_row[order], seg_len[order], seg_pad[order]
+        row_end = np.cumsum(self.counts)  # a padded row's padding segment goes after its last piece
+        seg_len = np.insert(self.lengths, row_end[padded], pad[padded])
+        seg_pad = np.insert(np.zeros(len(self.lengths), bool), row_end[padded], True)
+        seg_row = np.repeat(np.arange(rows), self.counts + (pad > 0))
         ends = np.cumsum(seg_len)
         starts = ends - seg_len
         total = rows * row_len
@@ -125,34 +130,33 @@ class StepAssembler:
         np.cumsum(position_ids, out=position_ids)
         shape = (rows, row_len)
         tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
-        mbs = self.mbs
+        n_mb = rows // mbs
+        # cu_seqlens of every micro-batch in one array: a 0, then its segments' ends, flattened
         seg_mb = seg_row // mbs
-        seg_bounds = np.searchsorted(seg_mb, np.arange(rows // mbs + 1)).tolist()
-        piece_bounds = np.concatenate([[0], np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1))])
+        seg_bounds = np.searchsorted(seg_mb, np.arange(n_mb + 1))
+        cu = np.insert((ends - seg_mb * (mbs * row_len)).astype(np.int32), seg_bounds[:-1], 0)
+        cu_bounds = (seg_bounds + np.arange(n_mb + 1)).tolist()
+        piece_bounds = np.concatenate([[0], row_end[mbs - 1::mbs]])
         real_tokens = np.diff(np.concatenate([[0], np.cumsum(self.lengths)])[piece_bounds]).tolist()
         piece_bounds = piece_bounds.tolist()
+        doc_keys, doc_offsets = self.refs[:, 0].copy(), self.refs[:, 1].astype(np.int64)
         out = []
-        dst = self.dst
-        for m in range(rows // mbs):
-            s0, s1 = seg_bounds[m], seg_bounds[m + 1]
-            cu_seqlens = np.empty(s1 - s0 + 1, dtype=np.int32)
-            cu_seqlens[0] = 0
-            cu_seqlens[1:] = ends[s0:s1] - m * mbs * row_len  # the micro-batch's segments, flattened
+        for m in range(n_mb):
             p0, p1 = piece_bounds[m], piece_bounds[m + 1]
-            piece_lengths = self.lengths[p0:p1]
+            rows_m = slice(m * mbs, (m + 1) * mbs)
             out.append({
-                "tokens": tokens[m * mbs:(m + 1) * mbs],
-                "labels": labels[m * mbs:(m + 1) * mbs],
-                "loss_mask": loss_mask[m * mbs:(m + 1) * mbs],
-                "position_ids": position_ids[m * mbs:(m + 1) * mbs],
-                "cu_seqlens": cu_seqlens,
-                "doc_keys": self.refs[p0:p1, 0].copy(),
-                "doc_offsets": self.refs[p0:p1, 1].astype(np.int64),
-                "piece_lengths": piece_lengths,
+                "tokens": tokens[rows_m],
+                "labels": labels[rows_m],
+                "loss_mask": loss_mask[rows_m],
+                "position_ids": position_ids[rows_m],
+                "cu_seqlens": cu[cu_bounds[m]: cu_bounds[m + 1]],
+                "doc_keys": doc_keys[p0:p1],
+                "doc_offsets": doc_offsets[p0:p1],
+                "piece_lengths": self.lengths[p0:p1],
                 "num_tokens": real_tokens[m],
             })
             if self.patch_bytes:
-                out[-1].update(self._images(range(p0, p1), dst, m * mbs))
+                out[-1].update(self._images(range(p0, p1), self.dst, m * mbs))
         return out
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
@@ -184,9 +188,9 @@ def assemble_step(
     refs = np.array([ref for seq in sequences for ref in seq], dtype=np.uint64).reshape(-1, 3)
     counts = np.array([len(seq) for seq in sequences], dtype=np.int64)
     step = StepAssembler(refs, counts, seq_len, pad_id, micro_batch_size)
-    unique = list(step.index)
-    if unique:
-        step.add(np.array(unique, dtype=np.uint64), np.concatenate([pieces[k] for k in unique]))
+    if len(refs):
+        items = np.column_stack([np.arange(len(refs), dtype=np.uint64), refs])
+        step.add(items, np.concatenate([pieces[tuple(ref)] for ref in refs.tolist()]))
     return step.batches()
 
 

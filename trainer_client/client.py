@@ -2,7 +2,7 @@
 
 A background thread owns both sockets (a DEALER to the coordinator, a PULL data socket that
 workers push pieces to), keeps heartbeats flowing while the trainer computes, deduplicates pieces
-by (step, doc_key, offset, length) and assembles micro-batches as soon as a step's recipe and its
+by (step, index in the step's recipe), each checked against its recipe entry, and assembles micro-batches as soon as a step's recipe and its
 pieces are in. The iterator hands them out in training order. The client decides nothing about
 what data it gets; it only assembles what the coordinator planned.
 """
@@ -347,7 +347,7 @@ class _Receiver:
         if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
-        items = arrays["items"][:, 1:]  # [doc_key, offset, length]; the micro-batch is in the recipe
+        items = arrays["items"]  # [piece, doc_key, offset, length]; piece: its index in the step's recipe
         payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"])
         if len(payload[1]) and msg["patch_bytes"] != (self.c.batch_info or {}).get("patch_bytes"):
             log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.c.rank,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -209,7 +209,7 @@ PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, tas
                source=integer(0, 0xFFFF))
 DELIVER = _msg(
     "deliver",
-    ArraySpec("items", "<u8", 5),  # [rank, micro_batch, doc_key, doc_offset, length]
+    ArraySpec("items", "<u8", 5),  # [rank, piece, doc_key, doc_offset, length]; piece: index in the rank's recipe
     ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
     check=_check_deliver,
     delivery_id=integer(),
@@ -247,7 +247,8 @@ RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
 # no step at or after `step` will be planned (a source with on_exhausted: stop ran out)
 END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 
-# worker -> trainer: the pieces' tokens, concatenated in item order, in the header's dtype
+# worker -> trainer: items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step
+# recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
 # (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
 PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
               ArraySpec("patches", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),

@@ -195,8 +195,7 @@ class Worker:
             if address is None:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", msg["step"], rank)
                 continue
-            rows = items[items[:, 0] == rank]
-            rows = rows[np.argsort(rows[:, 2], kind="stable")]  # by doc key: few gathers, one per source/shard
+            rows = items[items[:, 0] == rank]  # in recipe order: the rank copies runs of them at once
             rows, tokens, patch_counts, patches = self._gather(msg["step"], rows)
             if not len(rows):
                 continue
@@ -218,7 +217,7 @@ class Worker:
         self._send(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"]))
 
     def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The rows of deliver rows [rank, micro_batch, doc_key, offset, length] (grouped by source)
+        """The rows of deliver rows [rank, piece, doc_key, offset, length] (grouped by source)
         that can be served, their tokens concatenated in row order, and for image-text records the
         patches of the image placeholders each piece holds (placeholders are a record's first
         tokens, one per patch): (rows, tokens, patches per row, patches). A piece must lie within

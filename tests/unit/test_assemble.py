@@ -47,3 +47,72 @@ def test_a_step_assembles_like_its_micro_batches_one_by_one():
         for k in got:
             np.testing.assert_array_equal(got[k], one[k], err_msg=k)
         assert got["cu_seqlens"][-1] == 32 and got["tokens"].shape == (2, 16)
+
+
+def _random_step(rng, rows=6, row_len=16, mbs=2):
+    """A recipe with some padded rows and one reference used twice (a small source repeating)."""
+    refs, counts, pieces = [], [], {}
+    for r in range(rows):
+        left, n_pieces = row_len - (r % 3), 0
+        while left > 0:
+            n = min(left, int(rng.integers(1, 7)))
+            ref = (len(pieces) + (1 << 48), int(rng.integers(0, 50)), n)
+            if r == rows - 1 and n_pieces == 0 and refs[0][2] <= left:
+                ref = refs[0]  # the step's first piece again
+            pieces[ref] = rng.integers(0, 60000, ref[2]).astype(np.uint16)
+            refs.append(ref)
+            left -= ref[2]
+            n_pieces += 1
+        counts.append(n_pieces)
+    return np.array(refs, dtype=np.uint64), np.array(counts), pieces
+
+
+def test_pieces_in_any_order_and_messages_give_the_same_step():
+    from trainer_client.assemble import StepAssembler, assemble_step
+
+    rng = np.random.default_rng(5)
+    refs, counts, pieces = _random_step(rng)
+    seqs, at = [], 0
+    for c in counts:
+        seqs.append([list(map(int, r)) for r in refs[at:at + c]])
+        at += c
+    expected = assemble_step(seqs, pieces, 16, 257, 2)
+    step = StepAssembler(refs, counts, 16, 257, 2)
+    order = rng.permutation(len(refs))
+    for chunk in np.array_split(order, 4):  # four messages, pieces shuffled
+        items = np.column_stack([chunk.astype(np.uint64), refs[chunk]])
+        assert step.add(items, np.concatenate([pieces[tuple(refs[i].tolist())] for i in chunk])) == 0
+    assert step.done
+    for got, want in zip(step.batches(), expected):
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_items_that_do_not_match_the_recipe_are_not_taken():
+    from trainer_client.assemble import StepAssembler
+
+    rng = np.random.default_rng(6)
+    refs, counts, pieces = _random_step(rng)
+    step = StepAssembler(refs, counts, 16, 257, 2)
+    good = [pieces[tuple(r.tolist())] for r in refs]
+    bad_ref = refs[1].copy()
+    bad_ref[1] += 1  # the right index, another offset
+    items = np.array([[0, *refs[0]], [1, *bad_ref], [len(refs) + 7, *refs[2]], [0, *refs[0]], [2, *refs[2]]],
+                     dtype=np.uint64)
+    tokens = np.concatenate([good[0], np.full(refs[1][2], 9, np.uint16), good[2], np.full(refs[0][2], 9, np.uint16),
+                             good[2]])
+    # index 1 names another reference, len+7 is outside the recipe, piece 0 comes twice: 3 not taken
+    assert step.add(items, tokens) == 3
+    assert step.missing == len(refs) - 2
+    assert step.add(items[:1], good[0]) == 1  # piece 0 is here already: a re-sent message changes nothing
+    rest = [i for i in range(len(refs)) if i not in (0, 2)]
+    step.add(np.column_stack([np.array(rest, np.uint64), refs[rest]]), np.concatenate([good[i] for i in rest]))
+    assert step.done
+    tokens_out = np.concatenate([b["tokens"].reshape(-1) for b in step.batches()])
+    at, row = 0, 0
+    for r, c in enumerate(counts):  # every piece's own tokens, the first copy of piece 0 included
+        for i in range(at, at + c):
+            n = int(refs[i][2])
+            np.testing.assert_array_equal(tokens_out[r * 16 + row: r * 16 + row + n], good[i])
+            row += n
+        at, row = at + c, 0

@@ -58,6 +58,10 @@ def test_hosts_grow_while_ranks_wait_then_report_what_is_missing():
     workers[1] = W(1, busy_s=0.0)
     workers[0].busy_s, workers[1].busy_s, ranks[0].waited_s = 3.7, 1.9, 2.0
     assert wf.decide(4.0, workers, ranks) == [] and wf.needed == 2  # at the limit: 2 x 0.5 / 0.5
+    # a rank that only reads waits all the time (a late report can even cover more than the
+    # window): the shortfall is capped at 9x, not a runaway figure
+    workers[0].busy_s, workers[1].busy_s, ranks[0].waited_s = 5.6, 3.8, 4.5
+    assert wf.decide(6.0, workers, ranks) == [] and wf.last_wait == 1.0 and wf.needed == 18
 
 
 def test_idle_auto_host_retires_its_newest_worker_after_the_delay():

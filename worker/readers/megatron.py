@@ -102,10 +102,16 @@ class MegatronIndex:
         return out
 
     def gather(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Tokens [offset, offset+length) of each document, concatenated: positions computed for
-        all pieces at once, then one slice per piece and a single copy (memcpy speed; a fancy-index
-        gather was measured several times slower). Documents of several sequences are read one
-        by one, since nothing promises their sequences are adjacent in the .bin."""
+        """Tokens [offset, offset+length) of each document, concatenated."""
+        parts = self.pieces(docs, offsets, lengths)
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def pieces(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """Tokens [offset, offset+length) of each document, as views into the map: positions
+        computed for all pieces at once, then one slice per piece (concatenating the slices runs
+        at memcpy speed; a fancy-index gather was measured several times slower). Documents of
+        several sequences are read one by one, since nothing promises their sequences are
+        adjacent in the .bin."""
         docs = np.asarray(docs, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -113,10 +119,10 @@ class MegatronIndex:
         single = self.document_indices[docs + 1] - first == 1
         in_range = offsets + lengths <= self.sequence_lengths[first]
         if not (single & in_range).all():
-            return np.concatenate([self.document(int(d))[o: o + n] for d, o, n in zip(docs, offsets, lengths)])
+            return [self.document(int(d))[o: o + n] for d, o, n in zip(docs, offsets, lengths)]
         starts = (self.sequence_pointers[first] // self.dtype.itemsize + offsets).tolist()
         tokens = self._all_tokens
-        return np.concatenate([tokens[a: a + n] for a, n in zip(starts, lengths.tolist())])
+        return [tokens[a: a + n] for a, n in zip(starts, lengths.tolist())]
 
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""

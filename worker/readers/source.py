@@ -87,18 +87,21 @@ class SourceReader:
         return out
 
     def gather(self, records: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Tokens [offset, offset+length) of each record, concatenated (Megatron sources only)."""
+        """Tokens [offset, offset+length) of each record, concatenated in the order given
+        (Megatron sources only)."""
         if self.format != "megatron":
             raise TypeError(f"source {self.name!r}: gather reads memory-mapped sources only")
         records = np.asarray(records, dtype=np.int64)
         shard_of = np.searchsorted(self._starts, records, side="right") - 1
-        # one gather per run of consecutive pieces from the same shard (callers sort by record)
-        cuts = np.flatnonzero(np.diff(shard_of)) + 1
-        parts = []
-        for lo, hi in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(records)]]).tolist()):
-            shard = int(shard_of[lo])
-            parts.append(self.shards[shard].gather(records[lo:hi] - self._starts[shard], offsets[lo:hi],
-                                                   lengths[lo:hi]))
+        parts: list = [None] * len(records)
+        for shard_no in np.unique(shard_of).tolist():  # one vectorised lookup per shard
+            mine = np.flatnonzero(shard_of == shard_no)
+            views = self.shards[shard_no].pieces(records[mine] - self._starts[shard_no], offsets[mine], lengths[mine])
+            if len(mine) == len(records):
+                parts = views
+            else:
+                for i, view in zip(mine.tolist(), views):
+                    parts[i] = view
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
     @property
