@@ -71,9 +71,8 @@ class StepAssembler:
         in_recipe = items[:, 0] < len(self.lengths)
         piece = np.where(in_recipe, items[:, 0], 0).astype(np.intp)
         take = np.flatnonzero(in_recipe & (self.refs[piece] == items[:, 1:]).all(axis=1) & ~self.have[piece])
-        first = np.unique(piece[take], return_index=True)[1]
-        if len(first) < len(take):  # one piece twice in a message: its first copy counts
-            take = take[np.sort(first)]
+        if len(take) > 1 and (np.diff(np.sort(piece[take])) == 0).any():  # one piece twice in a message:
+            take = take[np.sort(np.unique(piece[take], return_index=True)[1])]  # its first copy counts
         piece = piece[take]
         src, dst, n = at[take], self.dst[piece], lengths[take]
         # One copy per run of pieces that lie back to back both in the message and in the step (a
@@ -104,12 +103,19 @@ class StepAssembler:
         """The step's micro-batches; their arrays are views into one allocation per field."""
         rows, row_len, mbs = len(self.counts), self.row_len, self.mbs
         pad = row_len - self.used  # padding at the end of each row
-        padded = np.flatnonzero(pad > 0)
         # segments in flat order: each row's pieces, then its padding if any
-        row_end = np.cumsum(self.counts)  # a padded row's padding segment goes after its last piece
-        seg_len = np.insert(self.lengths, row_end[padded], pad[padded])
-        seg_pad = np.insert(np.zeros(len(self.lengths), bool), row_end[padded], True)
-        seg_row = np.repeat(np.arange(rows), self.counts + (pad > 0))
+        has_pad = (pad > 0).astype(np.int64)
+        segs_per_row = self.counts + has_pad
+        seg_row_end = np.cumsum(segs_per_row)
+        pad_seg = (seg_row_end - 1)[has_pad > 0]  # a row's padding is its last segment
+        n_segs = int(seg_row_end[-1]) if rows else 0
+        piece_seg = np.arange(len(self.lengths)) + np.repeat(np.cumsum(has_pad) - has_pad, self.counts)
+        seg_len = np.empty(n_segs, np.int64)
+        seg_len[piece_seg] = self.lengths
+        seg_len[pad_seg] = pad[has_pad > 0]
+        seg_pad = np.zeros(n_segs, bool)
+        seg_pad[pad_seg] = True
+        seg_row = np.repeat(np.arange(rows), segs_per_row)
         ends = np.cumsum(seg_len)
         starts = ends - seg_len
         total = rows * row_len
@@ -134,10 +140,14 @@ class StepAssembler:
         # cu_seqlens of every micro-batch in one array: a 0, then its segments' ends, flattened
         seg_mb = seg_row // mbs
         seg_bounds = np.searchsorted(seg_mb, np.arange(n_mb + 1))
-        cu = np.insert((ends - seg_mb * (mbs * row_len)).astype(np.int32), seg_bounds[:-1], 0)
+        cu = np.zeros(n_segs + n_mb, np.int32)
+        cu[np.arange(n_segs) + seg_mb + 1] = ends - seg_mb * (mbs * row_len)
         cu_bounds = (seg_bounds + np.arange(n_mb + 1)).tolist()
-        piece_bounds = np.concatenate([[0], row_end[mbs - 1::mbs]])
-        real_tokens = np.diff(np.concatenate([[0], np.cumsum(self.lengths)])[piece_bounds]).tolist()
+        piece_bounds = np.zeros(n_mb + 1, np.int64)
+        np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1), out=piece_bounds[1:])
+        token_ends = np.zeros(len(self.lengths) + 1, np.int64)
+        np.cumsum(self.lengths, out=token_ends[1:])
+        real_tokens = np.diff(token_ends[piece_bounds]).tolist()
         piece_bounds = piece_bounds.tolist()
         doc_keys, doc_offsets = self.refs[:, 0].copy(), self.refs[:, 1].astype(np.int64)
         out = []
