@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit test-integration bench clean
 
-$(STAMP): pyproject.toml setup.py coordinator/_greedy.c Makefile
+$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)

@@ -31,6 +31,7 @@ from trainer_client.errors import MsdError, ProtocolError
 from trainer_client.sockets import make_socket
 
 from .balance import COMPILED, imbalance
+from .cursor import COMPILED as PERMUTATION_COMPILED
 from .config import JobConfig, config_diff
 from .journal import StepJournal
 from .positions import NOBODY, PositionTable
@@ -156,9 +157,9 @@ class Coordinator:
             self.sock.bind(self.bind)
             self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             log.info("coordinator for %s (digest %s) listening on %s", self.job.path, self.digest, self.address)
-            if not COMPILED:
-                log.warning("coordinator._greedy is not built (no C compiler at install?): the planner lays out "
-                            "steps in Python, several times slower; reinstall with a compiler to fix")
+            if not (COMPILED and PERMUTATION_COMPILED):
+                log.warning("coordinator._greedy or _feistel is not built (no C compiler at install?): the planner "
+                            "runs in Python, several times slower; reinstall with a compiler to fix")
             if ready is not None:
                 ready.set_result(self.address)
             tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._tick_loop())]

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+try:  # the same permutation, compiled (setup.py); _feistel_np and the cycle-walking loop stand in without it
+    from . import _feistel as _compiled
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _compiled = None
+COMPILED = _compiled is not None
+
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
 CHUNK = 8192
@@ -63,6 +69,16 @@ class Permutation:
 
     def many(self, indices: np.ndarray) -> np.ndarray:
         """The permutation of many indices at once (the planner's hot path; same values as __call__)."""
+        if COMPILED:
+            x = np.array(indices, dtype=np.uint64)  # a copy: permuted in place
+            if len(x) and int(x.max()) >= self.n:
+                raise IndexError(int(x.max()))
+            _compiled.permute(x, self.n, self.half, self.round_keys)
+            return x.astype(np.int64)
+        return self._many_np(indices)
+
+    def _many_np(self, indices: np.ndarray) -> np.ndarray:
+        """many() in numpy: the reference for the compiled version, and its fallback."""
         x = self._feistel_np(np.asarray(indices, dtype=np.uint64))
         n = np.uint64(self.n)
         while True:

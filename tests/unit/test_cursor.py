@@ -40,3 +40,17 @@ def test_bulk_permutation_matches_scalar(n):
 def test_bulk_stream_matches_scalar_across_epochs():
     s = SourceStream(seed=3, source_index=2, num_records=37)
     assert s.records_array(20, 100).tolist() == [s.record_at(p) for p in range(20, 120)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 65536, 65537, 10**6 + 3, 2**40 + 5])
+def test_compiled_permutation_matches_the_numpy_reference(n):
+    import numpy as np
+
+    from coordinator.cursor import COMPILED
+
+    assert COMPILED, "coordinator._feistel was not built (setup.py): the permutation falls back to numpy"
+    perm = Permutation(n, key=n * 31 + 7)
+    idx = np.unique(np.random.default_rng(n % 1000).integers(0, n, 3000)).astype(np.uint64)
+    assert perm.many(idx).tolist() == perm._many_np(idx).tolist()
+    with pytest.raises(IndexError):
+        perm.many(np.array([n], dtype=np.uint64))
