@@ -29,6 +29,7 @@ from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import MsdError, ProtocolError
 from trainer_client.sockets import make_socket
+from worker.readers import open_source
 
 from .balance import COMPILED, imbalance
 from .cursor import COMPILED as PERMUTATION_COMPILED
@@ -114,6 +115,10 @@ class Coordinator:
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
+        # Memory-mapped sources: their lengths are in an index the coordinator opens itself, so
+        # their records need no prepare round trip (a worker reads them straight from the map).
+        self.mapped = {spec["index"]: open_source(spec) for spec in job.worker_job()["sources"]
+                       if spec["format"] == "megatron"}
         changed = check_job_change(state_dir, job, allow_config_change)
         self.journal = StepJournal(state_dir, self.digest, accept_changed_job=changed)
         restored = self.journal.latest
@@ -446,17 +451,21 @@ class Coordinator:
                         self.skipped[s])
         lengths = np.asarray(lengths, dtype=np.int64)
         self.workforce.record(s, msg["busy_s"], len(lengths), int(lengths.sum()))
-        before = self.tables[s].set_prepared(task.positions, lengths, worker.worker_id, patches)
-        for pos, was, now in zip(task.positions[(before >= 0) & (before != lengths)].tolist(),
-                                 before[(before >= 0) & (before != lengths)].tolist(),
-                                 lengths[(before >= 0) & (before != lengths)].tolist()):
+        self._set_prepared(s, task.positions, lengths, worker.worker_id, patches)
+
+    def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int,
+                      patches: np.ndarray | None = None) -> None:
+        """The records at these positions of source s are prepared, held by the worker."""
+        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches)
+        changed = (before >= 0) & (before != lengths)
+        for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
             log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
                       self.job.sources[s].name, pos, now, was)
         new = before < 0
         self.len_sum[s] += int(lengths[new].sum())
         self.len_count[s] += int(new.sum())
         if self.reprepare:
-            self.reprepare.difference_update((s, p) for p in task.positions.tolist())
+            self.reprepare.difference_update((s, p) for p in positions.tolist())
         if self.orphans:
             self._reissue_orphans()
 
@@ -792,7 +801,18 @@ class Coordinator:
             self._next_task_id += 1
             self.tasks[tid] = PrepareTask(tid, s, positions, -1)
             return
-        worker = self.workforce.choose(s, candidates, self.planner.weights_at(self.planner.state.next_step))
+        weights = self.planner.weights_at(self.planner.state.next_step)
+        if s in self.mapped:
+            # Prepared here and now: the lengths come from the index, and the worker that will read
+            # the records from its map is the one holding the fewest such records.
+            held = np.zeros(self._next_worker_id + 1, dtype=np.int64)
+            for m in self.mapped:
+                held += self.tables[m].held_counts(len(held))
+            worker = self.workforce.choose(s, candidates, weights, held=held)
+            records = self.tables[s].records(positions)
+            self._set_prepared(s, positions, self.mapped[s].lengths(records).astype(np.int64), worker.worker_id)
+            return
+        worker = self.workforce.choose(s, candidates, weights)
         tid = self._next_task_id
         self._next_task_id += 1
         estimate = self.workforce.estimate(s, len(positions))

@@ -84,6 +84,11 @@ class PositionTable:
     def count_held(self, worker: int) -> int:
         return int(np.count_nonzero(self._holder[:self.end - self.base] == worker))
 
+    def held_counts(self, workers: int) -> np.ndarray:
+        """Prepared copies each worker id in [0, workers) holds."""
+        holders = self._holder[:self.end - self.base]
+        return np.bincount(holders[holders >= 0], minlength=workers)[:workers]
+
     def held_by(self, worker: int) -> np.ndarray:
         """Positions whose prepared copy the worker holds, dropping its claim on them."""
         size = self.end - self.base

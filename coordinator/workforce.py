@@ -99,14 +99,19 @@ class Workforce:
 
     # ------------------------------------------------------------------ allocation
 
-    def choose(self, source: int, workers: list[Any], weights: list[float]) -> Any:
-        """The worker for the next task of `source`: workers have worker_id and backlog_s."""
+    def choose(self, source: int, workers: list[Any], weights: list[float], held: Any = None) -> Any:
+        """The worker for the next task of `source`: workers have worker_id and backlog_s. `held`
+        (indexed by worker id): records each worker holds, the next criterion after the backlog
+        (records of memory-mapped sources, prepared by the coordinator, are no task: a worker's
+        share of them is what it will be asked to deliver)."""
         candidates = workers
         if self.allocation == "fixed":
             serving = self.fixed_split([w.worker_id for w in workers], weights)
             mine = [w for w in workers if serving.get(w.worker_id) == source]
             candidates = mine or workers  # fewer workers than sources: someone must do it
-        return min(candidates, key=lambda w: (w.backlog_s, w.worker_id))
+        if held is None:
+            return min(candidates, key=lambda w: (w.backlog_s, w.worker_id))
+        return min(candidates, key=lambda w: (w.backlog_s, int(held[w.worker_id]), w.worker_id))
 
     @staticmethod
     def fixed_split(worker_ids: Iterable[int], weights: list[float]) -> dict[int, int]:

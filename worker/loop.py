@@ -139,6 +139,17 @@ class Worker:
         self.busy_s = 0.0  # counted from registration: the coordinator compares heartbeats over time
         self.readers.clear()
         self.cache.clear()
+        # The coordinator hands out records of memory-mapped sources without asking first, so a
+        # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
+        for s, spec in enumerate(self.specs):
+            if spec.get("format") == "megatron":
+                try:
+                    self._reader(s)
+                except Exception as e:
+                    log.error("cannot open source %s on this host (%s); this worker cannot serve the job, stopping",
+                              spec.get("name"), e)
+                    self.running = False
+                    return
         log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
 
     def _reader(self, source: int) -> SourceReader:
@@ -154,37 +165,34 @@ class Worker:
         s = msg["source"]
         try:
             reader = self._reader(s)
-            # Memory-mapped sources are "prepared" by their index alone: their tokens are read
-            # straight from the map at delivery, so there is nothing to cache or count.
-            mapped = reader.lengths(records) if reader.format == "megatron" else None
         except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
             self._send(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
                               reason=f"cannot prepare records of source {s}: {e}"))
             return
+        # (Memory-mapped sources are prepared by the coordinator from their index alone; their
+        # tokens are read straight from the map at delivery. Were one asked for here, its records
+        # would be read and cached like any other.)
         skipped: list[list] = []
         patches = np.zeros(len(records) if reader.has_images else 0, dtype="<i8")
-        if mapped is not None:
-            lengths = mapped.astype("<i8")
-        else:
-            lengths = np.zeros(len(records), dtype="<i8")
-            base = s << 48
-            for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
-                record = int(records[i])
-                key = base | record
-                entry = self.cache.get(key)
-                if entry is None:
-                    try:
-                        tokens, images = reader.read_sample(record)
-                    except (RecordError, IndexError) as e:
-                        log.warning("skipped record: %s", e)
-                        skipped.append([i, str(e)])
-                        continue
-                    entry = self.cache[key] = [tokens, 0, len(tokens), images]
-                entry[1] += 1
-                lengths[i] = entry[2]
-                if entry[3] is not None:
-                    patches[i] = len(entry[3])
-            skipped.sort()
+        lengths = np.zeros(len(records), dtype="<i8")
+        base = s << 48
+        for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
+            record = int(records[i])
+            key = base | record
+            entry = self.cache.get(key)
+            if entry is None:
+                try:
+                    tokens, images = reader.read_sample(record)
+                except (RecordError, IndexError) as e:
+                    log.warning("skipped record: %s", e)
+                    skipped.append([i, str(e)])
+                    continue
+                entry = self.cache[key] = [tokens, 0, len(tokens), images]
+            entry[1] += 1
+            lengths[i] = entry[2]
+            if entry[3] is not None:
+                patches[i] = len(entry[3])
+        skipped.sort()
         self._send(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
                           busy_s=time.perf_counter() - started), lengths, patches)
 

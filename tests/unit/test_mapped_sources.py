@@ -1,0 +1,54 @@
+"""Memory-mapped (Megatron) sources are prepared by the coordinator from their index: no prepare
+round trip, records spread over the workers, and a worker that cannot open such a source stops
+instead of being handed records it cannot read."""
+
+import logging
+
+import numpy as np
+
+from coordinator.app import Coordinator, WorkerInfo
+from coordinator.config import parse_job
+from coordinator.sources import count_records
+from worker.loop import Worker
+from worker.readers.megatron import MegatronIndex, write_megatron
+
+
+def _job(tmp_path):
+    rng = np.random.default_rng(0)
+    write_megatron(str(tmp_path / "code_text_document"),
+                   [rng.integers(0, 1000, int(n), dtype=np.uint16) for n in rng.integers(1, 900, 3000)])
+    raw = {"seed": 3, "sources": {"code": {"format": "megatron", "paths": ["code_text_document"]}},
+           "batch": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 8}, "topology": {"dp": 2},
+           "mixture": {"weights": {"code": 1.0}}, "runtime": {"prepare_batch": 64}}
+    return parse_job(raw, str(tmp_path / "job.yaml"), str(tmp_path))
+
+
+def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
+    job = _job(tmp_path)
+    coord = Coordinator(job, count_records(job), state_dir=None)
+    for wid in (0, 1, 2):
+        coord.workers[wid] = WorkerInfo(wid, b"w%d" % wid, 0.0)
+    coord._next_worker_id = 3
+    coord._prepare_ahead()
+    table = coord.tables[0]
+    positions = np.arange(table.base, table.end)
+    assert len(positions) >= 192 and not coord.tasks  # prepared, and no prepare task sent to anyone
+    index = MegatronIndex(str(tmp_path / "code_text_document"))
+    records = table.records(positions)
+    assert table.window(table.base, len(positions))[1].tolist() == index.document_lengths()[records].tolist()
+    held = np.bincount(table.holders(positions), minlength=3)
+    assert held.max() - held.min() <= job.runtime.prepare_batch  # batches dealt to whoever holds fewest
+    plan = coord.planner.plan_step(coord)  # planning needs nothing from a worker
+    assert int(plan.pieces[:, 4].sum()) == job.step_tokens
+
+
+def test_worker_that_cannot_open_a_mapped_source_stops(tmp_path, caplog):
+    worker = Worker("tcp://127.0.0.1:9")  # connects lazily: no coordinator needed to be welcomed
+    try:
+        spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
+        with caplog.at_level(logging.ERROR, logger="msd.worker"):
+            worker._on_welcome({"worker_id": 4, "heartbeat_s": 1.0, "job": {"sources": [spec]}})
+        assert not worker.running
+        assert "cannot open source code" in caplog.text
+    finally:
+        worker.close()
