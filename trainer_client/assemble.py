@@ -17,6 +17,7 @@ runs on the trainer host, for every step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -24,6 +25,16 @@ import numpy as np
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
 FIELD_BYTES = 8 + 8 + 4  # per token of a finished step: int64 label and position id, float32 loss mask (one allocation)
+
+
+RAMP_MIN_SEGMENT = 1024  # mean tokens per segment from which position ids are copied from a ramp
+
+
+@functools.lru_cache(maxsize=4)
+def _ramp(n: int) -> np.ndarray:
+    ramp = np.arange(n, dtype=np.int64)
+    ramp.flags.writeable = False
+    return ramp
 
 
 class StepAssembler:
@@ -130,10 +141,16 @@ class StepAssembler:
         for s, n in zip(starts[seg_pad].tolist(), seg_len[seg_pad].tolist()):  # one per padded row
             labels[s: s + n] = self.pad_id
             loss_mask[s: s + n] = 0.0
-        # position ids restart at every segment: a running count, reset at each segment's start
-        position_ids.fill(1)
-        position_ids[starts] = 1 - np.concatenate([[1], seg_len[:-1]])
-        np.cumsum(position_ids, out=position_ids)
+        # position ids restart at every segment: for long segments one copy of a ramp each, for
+        # short ones (a per-segment Python step would cost more) a running count reset at each start
+        if n_segs * RAMP_MIN_SEGMENT <= total:
+            ramp = _ramp(row_len)
+            for s, n in zip(starts.tolist(), seg_len.tolist()):
+                position_ids[s: s + n] = ramp[:n]
+        else:
+            position_ids.fill(1)
+            position_ids[starts] = 1 - np.concatenate([[1], seg_len[:-1]])
+            np.cumsum(position_ids, out=position_ids)
         shape = (rows, row_len)
         tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
         n_mb = rows // mbs

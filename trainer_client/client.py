@@ -9,6 +9,7 @@ what data it gets; it only assembles what the coordinator planned.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -99,7 +100,8 @@ class DataClient:
         self.metadata_only = metadata_only
         self._auth = security.start_authenticator(self._ctx, keys_dir) if keys_dir else None
         # SimpleQueue (C) rather than Queue: its hand-off costs far less than Condition.notify per batch
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # whole steps, errors and the end, in order
+        self._ready: collections.deque = collections.deque()  # micro-batches of the step being handed out
         self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
         self._wake: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -132,23 +134,25 @@ class DataClient:
 
     def __next__(self) -> dict[str, Any]:
         self.start()
-        started = time.perf_counter()
-        try:
+        if not self._ready:
+            started = time.perf_counter()
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
-                item = self._queue.get(timeout=self.timeout_s)
-                self.waited_s += time.perf_counter() - started
-        except queue.Empty:
-            raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
-                                f"(waiting for step {self.next_step})") from None
-        if isinstance(item, BaseException):
-            self._queue.put(item)  # sticky: every later call raises the same error
-            raise item
-        if isinstance(item, _End):
-            self._queue.put(item)
-            raise StopIteration
-        step, m, batch = item
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
+                    item = self._queue.get(timeout=self.timeout_s)
+                    self.waited_s += time.perf_counter() - started
+            except queue.Empty:
+                raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
+                                    f"(waiting for step {self.next_step})") from None
+            if isinstance(item, BaseException):
+                self._queue.put(item)  # sticky: every later call raises the same error
+                raise item
+            if isinstance(item, _End):
+                self._queue.put(item)
+                raise StopIteration
+            self._ready.extend(item)  # one item per step: one hand-over between the threads, not one per micro-batch
+        step, m, batch = self._ready.popleft()
         self.next_step, self.next_micro_batch = (step, m + 1)
         if self.next_micro_batch == self.batch_info["micro_batches"]:
             self.next_step, self.next_micro_batch = step + 1, 0
@@ -386,12 +390,14 @@ class _Receiver:
                and self.step <= self.c.next_step + READY_STEPS_AHEAD):
             assembler, plan = self.steps.pop(self.step)
             batches = assembler.batches()
+            ready = []
             for m in range(self.micro_batch, len(batches)):
                 batch = self._for_this_rank(batches[m])
                 batch["step"], batch["micro_batch"] = self.step, m
                 if m == 0:
                     batch["plan"] = plan
-                self.c._queue.put((self.step, m, batch))
+                ready.append((self.step, m, batch))
+            self.c._queue.put(ready)
             self.step, self.micro_batch = self.step + 1, 0
         if self.end is not None and self.step >= self.end[0]:
             self.c._queue.put(_End(self.end[1]))

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from trainer_client.assemble import assemble_micro_batch
 
@@ -116,3 +117,27 @@ def test_items_that_do_not_match_the_recipe_are_not_taken():
             np.testing.assert_array_equal(tokens_out[r * 16 + row: r * 16 + row + n], good[i])
             row += n
         at, row = at + c, 0
+
+
+@pytest.mark.parametrize("piece_len", [3, 3000])  # short pieces: a running count; long ones: ramp copies
+def test_position_ids_restart_at_every_piece_and_at_the_padding(piece_len):
+    from trainer_client.assemble import RAMP_MIN_SEGMENT, assemble_step
+
+    rng = np.random.default_rng(piece_len)
+    row_len, seqs, pieces = 4096, [], {}
+    for r in range(4):
+        seq, left = [], row_len - 100 * (r % 2)  # odd rows end in 100 tokens of padding
+        while left > 0:
+            n = min(left, int(rng.integers(1, 2 * piece_len)))
+            ref = [len(pieces), 0, n]
+            pieces[tuple(ref)] = np.zeros(n, np.uint16)
+            seq.append(ref)
+            left -= n
+        seqs.append(seq)
+    segments = sum(len(s) for s in seqs) + 2
+    assert (segments * RAMP_MIN_SEGMENT <= 4 * row_len) == (piece_len > RAMP_MIN_SEGMENT)
+    got = np.concatenate([b["position_ids"].reshape(-1) for b in assemble_step(seqs, pieces, row_len, 257, 2)])
+    want = []
+    for r, seq in enumerate(seqs):
+        want += [np.arange(ref[2]) for ref in seq] + ([np.arange(100)] if r % 2 else [])
+    np.testing.assert_array_equal(got, np.concatenate(want))
