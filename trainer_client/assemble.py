@@ -10,9 +10,9 @@ the padding).
 piece's tokens are copied into the step's token buffer as they arrive (in any order, from any
 number of messages). A message names each piece by its index in the recipe, so finding where
 it goes is one vectorised lookup, and pieces that lie back to back in both the message and the
-step (a worker sends them in recipe order) are copied as one run. The other fields, which depend only on the recipe, are derived in a
-fixed handful of numpy passes when the last piece is in. A whole step is assembled at once: this
-runs on the trainer host, for every step.
+step (a worker sends them in recipe order) are copied as one run. The other fields, which
+depend only on the recipe, are derived in a fixed handful of numpy passes when the last piece
+is in. A whole step is assembled at once: this runs on the trainer host, for every step.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A background thread owns both sockets (a DEALER to the coordinator, a PULL data socket that
 workers push pieces to), keeps heartbeats flowing while the trainer computes, deduplicates pieces
-by (step, index in the step's recipe), each checked against its recipe entry, and assembles micro-batches as soon as a step's recipe and its
-pieces are in. The iterator hands them out in training order. The client decides nothing about
-what data it gets; it only assembles what the coordinator planned.
+by (step, index in the step's recipe), each checked against its recipe entry, and assembles
+micro-batches as soon as a step's recipe and its pieces are in. The iterator hands them out in
+training order. The client decides nothing about what data it gets; it only assembles what the
+coordinator planned.
 """
 
 from __future__ import annotations

@@ -169,9 +169,8 @@ class Worker:
             self._send(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
                               reason=f"cannot prepare records of source {s}: {e}"))
             return
-        # (Memory-mapped sources are prepared by the coordinator from their index alone; their
-        # tokens are read straight from the map at delivery. Were one asked for here, its records
-        # would be read and cached like any other.)
+        # (The coordinator prepares memory-mapped sources itself, from their index; their tokens
+        # are read straight from the map at delivery.)
         skipped: list[list] = []
         patches = np.zeros(len(records) if reader.has_images else 0, dtype="<i8")
         lengths = np.zeros(len(records), dtype="<i8")
