@@ -13,7 +13,9 @@ W worker processes serve it under
 Two trainer ranks consume steps, spending --compute-ms per micro-batch (sleeping, as a GPU step
 would leave the CPU free). Reported per design: trainer steps/s over the measured steps (after
 a warm-up), and the share of time the ranks spent waiting for data (the DataClient's waited_s).
-The measured per-token preparation cost of each source comes from the coordinator's estimates.
+The per-token cost of each source: images from the coordinator's estimates (what workers report
+for preparing them); text, which the coordinator prepares itself from the index, by timing the
+worker's read of its tokens from the memory map here (text_s_per_token).
 Runs alternate (a, b, a, b, ...); medians are compared. Top-level `ratio` = steps/s (b) / (a).
 """
 
@@ -35,7 +37,7 @@ from bench_output import emit  # noqa: E402  (tools/ is on the path when run as 
 
 from coordinator.local import LocalJob  # noqa: E402
 from coordinator.multimodal_data import captions, write_webdataset  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from worker.readers.megatron import MegatronIndex, write_megatron  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -116,6 +118,21 @@ def run_once(job_path: str, workers: int, ranks: int, steps: int, warmup: int, c
     }
 
 
+def text_s_per_token(root: str) -> float:
+    """Seconds per token a worker spends reading the text source's pieces from the memory map
+    (MegatronIndex.gather, as at delivery), in batches of 64 whole documents; best of 3 passes."""
+    index = MegatronIndex(os.path.join(root, "text_document"))
+    lengths = index.document_lengths()
+    docs = np.arange(len(lengths))
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for lo in range(0, len(docs), 64):
+            index.gather(docs[lo:lo + 64], np.zeros(len(docs[lo:lo + 64]), np.int64), lengths[lo:lo + 64])
+        best = min(best, time.perf_counter() - started)
+    return best / int(lengths.sum())
+
+
 def _read_status(state_dir: str) -> dict:
     import orjson
 
@@ -159,7 +176,8 @@ def main() -> None:
         }
 
     fixed, adaptive = summary(runs["fixed"]), summary(runs["adaptive"])
-    costs = adaptive["runs"][-1]["source_s_per_token"]
+    costs = {"images": adaptive["runs"][-1]["source_s_per_token"].get("images"),
+             "text": text_s_per_token(args.data_dir)}
     result = {
         "benchmark": "autoscale",
         "command": "python tools/bench_autoscale.py " + " ".join(sys.argv[1:]),
