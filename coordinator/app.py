@@ -29,13 +29,13 @@ from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import MsdError, ProtocolError
 from trainer_client.sockets import make_socket
-from worker.readers import open_source
 
 from .balance import COMPILED, imbalance
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .config import JobConfig, config_diff
 from .journal import StepJournal
 from .positions import NOBODY, PositionTable
+from .sources import OpenedSources
 from .workforce import HostInfo, Workforce
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 
@@ -96,11 +96,11 @@ class Delivery:
 
 
 class Coordinator:
-    def __init__(self, job: JobConfig, num_records: list[int], bind: str = "tcp://127.0.0.1:5555",
+    def __init__(self, job: JobConfig, sources: OpenedSources, bind: str = "tcp://127.0.0.1:5555",
                  state_dir: str | None = None, allow_config_change: bool = False) -> None:
         self.job = job
         self.bind = bind
-        self.planner = Planner(job, num_records)
+        self.planner = Planner(job, sources.num_records)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
         self.state_dir = state_dir
@@ -115,10 +115,9 @@ class Coordinator:
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
         n = len(job.sources)
         self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
-        # Memory-mapped sources: their lengths are in an index the coordinator opens itself, so
-        # their records need no prepare round trip (a worker reads them straight from the map).
-        self.mapped = {spec["index"]: open_source(spec) for spec in job.worker_job()["sources"]
-                       if spec["format"] == "megatron"}
+        # Memory-mapped sources: their lengths are in an index the coordinator opened at start-up,
+        # so their records need no prepare round trip (a worker reads them straight from the map).
+        self.mapped = sources.mapped
         changed = check_job_change(state_dir, job, allow_config_change)
         self.journal = StepJournal(state_dir, self.digest, accept_changed_job=changed)
         restored = self.journal.latest
@@ -810,7 +809,7 @@ class Coordinator:
                 held += self.tables[m].held_counts(len(held))
             worker = self.workforce.choose(s, candidates, weights, held=held)
             records = self.tables[s].records(positions)
-            self._set_prepared(s, positions, self.mapped[s].lengths(records).astype(np.int64), worker.worker_id)
+            self._set_prepared(s, positions, self.mapped[s].lengths(records), worker.worker_id)
             return
         worker = self.workforce.choose(s, candidates, weights)
         tid = self._next_task_id
@@ -940,7 +939,7 @@ def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     write_json_atomically(path, record)
 
 
-def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | None = None,
+def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | None = None,
           allow_config_change: bool = False) -> None:
     """Run a coordinator until SIGINT/SIGTERM."""
     import signal
@@ -953,7 +952,7 @@ def serve(job: JobConfig, num_records: list[int], bind: str, state_dir: str | No
         pass
 
     async def main() -> None:
-        coord = Coordinator(job, num_records, bind, state_dir, allow_config_change)
+        coord = Coordinator(job, sources, bind, state_dir, allow_config_change)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)

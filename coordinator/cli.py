@@ -10,6 +10,7 @@ import click
 
 if TYPE_CHECKING:
     from .config import ConfigError, JobConfig
+    from .sources import OpenedSources
 
 # The job-file machinery (numpy, the planner) is imported by the commands that read a job:
 # `msd worker` runs on every CPU host and needs none of it.
@@ -19,12 +20,12 @@ def _setup_logging(level: str, who: str) -> None:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
 
 
-def _load_and_open(path: str) -> tuple[JobConfig, list[int]]:
+def _load_and_open(path: str) -> tuple[JobConfig, OpenedSources]:
     from .config import load_job
-    from .sources import count_records
+    from .sources import open_sources
 
     job = load_job(path)
-    return job, count_records(job)
+    return job, open_sources(job)
 
 
 def _fail_config(e: ConfigError) -> None:
@@ -78,13 +79,13 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
 
     _setup_logging(log_level, "coordinator")
     try:
-        job, counts = _load_and_open(config_path)
+        job, sources = _load_and_open(config_path)
     except ConfigError as e:
         _fail_config(e)
     from .app import JobChanged, serve
 
     try:
-        serve(job, counts, bind, state_dir, allow_config_change)
+        serve(job, sources, bind, state_dir, allow_config_change)
     except JobChanged as e:
         click.echo(str(e), err=True)
         sys.exit(1)
@@ -142,7 +143,8 @@ def validate(job_file: str) -> None:
     from .config import ConfigError
 
     try:
-        job, counts = _load_and_open(job_file)
+        job, opened = _load_and_open(job_file)
+        counts = opened.num_records
     except ConfigError as e:
         _fail_config(e)
     sources = ", ".join(

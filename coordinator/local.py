@@ -23,7 +23,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
     _logging(log_level, log_path, "coordinator")
     from .app import Coordinator
     from .config import load_job
-    from .sources import count_records
+    from .sources import open_sources
 
     try:
         import uvloop
@@ -33,13 +33,13 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         pass
     try:
         job = load_job(job_path)
-        counts = count_records(job)
+        sources = open_sources(job)
     except Exception as e:
         addr_queue.put(("error", str(e)))
         return
 
     async def main() -> None:
-        coord = Coordinator(job, counts, bind, state_dir)
+        coord = Coordinator(job, sources, bind, state_dir)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, coord.stop)
         ready = loop.create_future()

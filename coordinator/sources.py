@@ -3,24 +3,40 @@ refusal (naming the file) of missing, truncated or foreign shards. Payloads are 
 
 from __future__ import annotations
 
-from worker.readers import SourceFormatError, open_source
+from dataclasses import dataclass, field
+
+from worker.readers import SourceFormatError, SourceReader, open_source
 
 from .config import ConfigError, JobConfig
 
 
-def count_records(job: JobConfig) -> list[int]:
-    """Records per source, in source_index order. Builds JSONL offset indexes on first use."""
+@dataclass
+class OpenedSources:
+    num_records: list[int]  # per source, in source_index order
+    # memory-mapped (Megatron) sources by index, kept open: the coordinator reads their lengths
+    # from the index itself instead of asking a worker
+    mapped: dict[int, SourceReader] = field(default_factory=dict)
+
+
+def open_sources(job: JobConfig) -> OpenedSources:
+    """Open every source once (building JSONL offset indexes on first use); raises ConfigError
+    naming each source that cannot be opened, or that has no records but a weight."""
     counts: list[int] = []
+    mapped: dict[int, SourceReader] = {}
     problems: list[str] = []
     for spec in job.worker_job()["sources"]:
         try:
-            counts.append(open_source(spec).num_records)
+            reader = open_source(spec)
         except SourceFormatError as e:
             problems.append(f"sources.{spec['name']}: {e}")
             counts.append(0)
+            continue
+        counts.append(reader.num_records)
+        if spec["format"] == "megatron":
+            mapped[spec["index"]] = reader
     for s, n in zip(job.sources, counts):
         if n == 0 and job.weights.get(s.name, 0) > 0 and not any(p.startswith(f"sources.{s.name}:") for p in problems):
             problems.append(f"sources.{s.name}: no records in {len(s.files)} file(s), but its weight is > 0")
     if problems:
         raise ConfigError(job.path, problems)
-    return counts
+    return OpenedSources(counts, mapped)

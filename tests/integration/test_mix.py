@@ -11,6 +11,7 @@ from coordinator.app import Coordinator, read_mixture_journal
 from coordinator.cli import main
 from coordinator.config import parse_job
 from coordinator.mix import parse_weights, request_mix
+from coordinator.sources import OpenedSources
 from tests.conftest import job_dict
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +30,7 @@ def _serve(coord: Coordinator):
 def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
     state = str(tmp_path / "state")
-    coord = Coordinator(job, [50, 70, 30], "tcp://127.0.0.1:*", state_dir=state)
+    coord = Coordinator(job, OpenedSources([50, 70, 30]), "tcp://127.0.0.1:*", state_dir=state)
     loop, thread, address = _serve(coord)
     try:
         ok, reason = request_mix(address, 40, {"web": 1, "code": 1})
@@ -50,7 +51,7 @@ def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
         thread.join(10)
     assert read_mixture_journal(state) == [(40, [1.0, 1.0, 0.0]), (60, [0.0, 0.0, 1.0])]  # as given
     # a restarted coordinator plans with the same changes
-    again = Coordinator(job, [50, 70, 30], "tcp://127.0.0.1:*", state_dir=state)
+    again = Coordinator(job, OpenedSources([50, 70, 30]), "tcp://127.0.0.1:*", state_dir=state)
     assert again.planner.weights_at(39) == pytest.approx(job.weights_at(39))
     assert again.planner.weights_at(45) == [0.5, 0.5, 0.0]
     assert again.planner.weights_at(61) == [0.0, 0.0, 1.0]

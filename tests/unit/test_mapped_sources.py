@@ -8,7 +8,7 @@ import numpy as np
 
 from coordinator.app import Coordinator, WorkerInfo
 from coordinator.config import parse_job
-from coordinator.sources import count_records
+from coordinator.sources import open_sources
 from worker.loop import Worker
 from worker.readers.megatron import MegatronIndex, write_megatron
 
@@ -25,7 +25,7 @@ def _job(tmp_path):
 
 def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
     job = _job(tmp_path)
-    coord = Coordinator(job, count_records(job), state_dir=None)
+    coord = Coordinator(job, open_sources(job), state_dir=None)
     for wid in (0, 1, 2):
         coord.workers[wid] = WorkerInfo(wid, b"w%d" % wid, 0.0)
     coord._next_worker_id = 3
