@@ -37,7 +37,8 @@ from bench_output import emit  # noqa: E402  (tools/ is on the path when run as 
 
 from coordinator.local import LocalJob  # noqa: E402
 from coordinator.multimodal_data import captions, write_webdataset  # noqa: E402
-from worker.readers.megatron import MegatronIndex, write_megatron  # noqa: E402
+from worker.readers import open_source  # noqa: E402
+from worker.readers.megatron import write_megatron  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -120,15 +121,16 @@ def run_once(job_path: str, workers: int, ranks: int, steps: int, warmup: int, c
 
 def text_s_per_token(root: str) -> float:
     """Seconds per token a worker spends reading the text source's pieces from the memory map
-    (MegatronIndex.gather, as at delivery), in batches of 64 whole documents; best of 3 passes."""
-    index = MegatronIndex(os.path.join(root, "text_document"))
-    lengths = index.document_lengths()
-    docs = np.arange(len(lengths))
+    (SourceReader.gather, as at delivery), in batches of 64 whole documents; best of 3 passes."""
+    reader = open_source({"name": "text", "format": "megatron", "files": [os.path.join(root, "text_document")]})
+    records = np.arange(reader.num_records)
+    lengths = reader.lengths(records)
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
-        for lo in range(0, len(docs), 64):
-            index.gather(docs[lo:lo + 64], np.zeros(len(docs[lo:lo + 64]), np.int64), lengths[lo:lo + 64])
+        for lo in range(0, len(records), 64):
+            batch = slice(lo, lo + 64)
+            reader.gather(records[batch], np.zeros_like(records[batch]), lengths[batch])
         best = min(best, time.perf_counter() - started)
     return best / int(lengths.sum())
 

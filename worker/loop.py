@@ -250,7 +250,7 @@ class Worker:
                 continue
             kept.append(mine)
             if reader.format == "megatron":
-                parts.append(reader.gather(mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]))
+                parts.extend(reader.pieces(mine[:, 2] & _RECORD_MASK, mine[:, 3], mine[:, 4]))  # views: one copy below
                 patch_counts.append(np.zeros(len(mine), dtype="<u4"))
                 continue
             counts = np.zeros(len(mine), dtype="<u4")

@@ -101,11 +101,6 @@ class MegatronIndex:
             out[i] = int(self.sequence_lengths[first[i]: last[i]].sum())
         return out
 
-    def gather(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Tokens [offset, offset+length) of each document, concatenated."""
-        parts = self.pieces(docs, offsets, lengths)
-        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
-
     def pieces(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Tokens [offset, offset+length) of each document, as views into the map: positions
         computed for all pieces at once, then one slice per piece (concatenating the slices runs

@@ -89,8 +89,14 @@ class SourceReader:
     def gather(self, records: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Tokens [offset, offset+length) of each record, concatenated in the order given
         (Megatron sources only)."""
+        parts = self.pieces(records, offsets, lengths)
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def pieces(self, records: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """Tokens [offset, offset+length) of each record, in the order given, as views into the
+        memory maps (Megatron sources only): a caller joining them with other parts copies once."""
         if self.format != "megatron":
-            raise TypeError(f"source {self.name!r}: gather reads memory-mapped sources only")
+            raise TypeError(f"source {self.name!r}: only memory-mapped sources are read by piece")
         records = np.asarray(records, dtype=np.int64)
         shard_of = np.searchsorted(self._starts, records, side="right") - 1
         parts: list = [None] * len(records)
@@ -102,7 +108,7 @@ class SourceReader:
             else:
                 for i, view in zip(mine.tolist(), views):
                     parts[i] = view
-        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        return parts
 
     @property
     def has_images(self) -> bool:
