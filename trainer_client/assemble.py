@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .protocol import PIECE_ITEM, RECIPE_PIECE
+
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
 FIELD_BYTES = 8 + 8 + 4  # per token of a finished step: int64 label and position id, float32 loss mask (one allocation)
@@ -45,11 +47,11 @@ class StepAssembler:
         patch_bytes > 0: the job has image-text sources, and batches carry their patches."""
         self.patch_bytes = patch_bytes
         self.patches: dict[int, np.ndarray] = {}  # piece -> its image patches (the placeholders it starts with)
-        self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, 3)
+        self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, len(RECIPE_PIECE))
         self.counts = np.asarray(counts, dtype=np.int64)
         self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
         rows = len(self.counts)
-        lengths = self.refs[:, 2].astype(np.int64)
+        lengths = self.refs[:, RECIPE_PIECE.length].astype(np.int64)
         row_of = np.repeat(np.arange(rows), self.counts)
         ends = np.cumsum(lengths)
         row_first = np.cumsum(self.counts) - self.counts  # index of each row's first piece
@@ -75,13 +77,15 @@ class StepAssembler:
         and (image-text pieces) the patches of each item's image placeholders, concatenated in
         `patches`. An item is taken only if the recipe holds its exact reference at that index
         and the piece is not here yet. Returns how many items were not taken."""
-        items = np.asarray(items, dtype=np.uint64).reshape(-1, 4)
-        lengths = items[:, 3].astype(np.int64)
+        items = np.asarray(items, dtype=np.uint64).reshape(-1, len(PIECE_ITEM))
+        lengths = items[:, PIECE_ITEM.length].astype(np.int64)
         at = np.zeros(len(items), dtype=np.int64)  # where each item's tokens start in `tokens`
         np.cumsum(lengths[:-1], out=at[1:])
-        in_recipe = items[:, 0] < len(self.lengths)
-        piece = np.where(in_recipe, items[:, 0], 0).astype(np.intp)
-        take = np.flatnonzero(in_recipe & (self.refs[piece] == items[:, 1:]).all(axis=1) & ~self.have[piece])
+        in_recipe = items[:, PIECE_ITEM.piece] < len(self.lengths)
+        piece = np.where(in_recipe, items[:, PIECE_ITEM.piece], 0).astype(np.intp)
+        # an item's [doc_key, offset, length] are the recipe's columns, in the recipe's order
+        same = (self.refs[piece] == items[:, PIECE_ITEM.doc_key:]).all(axis=1)
+        take = np.flatnonzero(in_recipe & same & ~self.have[piece])
         if len(take) > 1 and (np.diff(np.sort(piece[take])) == 0).any():  # one piece twice in a message:
             take = take[np.sort(np.unique(piece[take], return_index=True)[1])]  # its first copy counts
         piece = piece[take]
@@ -166,7 +170,8 @@ class StepAssembler:
         np.cumsum(self.lengths, out=token_ends[1:])
         real_tokens = np.diff(token_ends[piece_bounds]).tolist()
         piece_bounds = piece_bounds.tolist()
-        doc_keys, doc_offsets = self.refs[:, 0].copy(), self.refs[:, 1].astype(np.int64)
+        doc_keys = self.refs[:, RECIPE_PIECE.doc_key].copy()
+        doc_offsets = self.refs[:, RECIPE_PIECE.offset].astype(np.int64)
         out = []
         for m in range(n_mb):
             p0, p1 = piece_bounds[m], piece_bounds[m + 1]
@@ -212,7 +217,7 @@ def assemble_step(
 ) -> list[dict[str, Any]]:
     """The micro-batches of one step from its sequences (micro-batch major) and a map of each
     piece's tokens: StepAssembler with every piece given at once."""
-    refs = np.array([ref for seq in sequences for ref in seq], dtype=np.uint64).reshape(-1, 3)
+    refs = np.array([ref for seq in sequences for ref in seq], dtype=np.uint64).reshape(-1, len(RECIPE_PIECE))
     counts = np.array([len(seq) for seq in sequences], dtype=np.int64)
     step = StepAssembler(refs, counts, seq_len, pad_id, micro_batch_size)
     if len(refs):

@@ -12,6 +12,7 @@ one place, before any handler sees it.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -110,15 +111,30 @@ TOKEN_DTYPES = ("|u1", "<u2", "<i2", "<i4", "<u4", "<i8")
 MAX_PIECE_LEN = 1 << 31
 
 
+def columns(name: str, *names: str) -> Any:
+    """Named column indices of a table frame: `DELIVER_ITEM.doc_key == 2`, `len(DELIVER_ITEM) == 5`."""
+    return namedtuple(name, names)(*range(len(names)))
+
+
+# The layouts of the table frames (one row per item), named once here.
+DELIVER_ITEM = columns("DeliverItem", "rank", "piece", "doc_key", "offset", "length")  # coordinator -> worker
+RECIPE_PIECE = columns("RecipePiece", "doc_key", "offset", "length")  # coordinator -> trainer (step recipe)
+PIECE_ITEM = columns("PieceItem", "piece", "doc_key", "offset", "length")  # worker -> trainer
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """A raw frame after the header: a C-contiguous array of a fixed dtype (or, with dtype None,
-    the dtype named by the header's "dtype" field, one of TOKEN_DTYPES) and `cols` columns.
-    Rows are implied by the frame size, which must divide exactly."""
+    the dtype named by the header's "dtype" field, one of TOKEN_DTYPES), a plain vector or a table
+    with the named `columns`. Rows are implied by the frame size, which must divide exactly."""
 
     name: str
     dtype: str | None
-    cols: int = 1
+    columns: tuple = ()
+
+    @property
+    def cols(self) -> int:
+        return max(1, len(self.columns))
 
 
 ArrayCheck = Callable[[dict[str, Any], dict[str, Any]], None]
@@ -155,17 +171,17 @@ def _check_prepared(header: dict, arrays: dict) -> None:
 
 
 def _check_deliver(header: dict, arrays: dict) -> None:
-    _lengths_ok(arrays["items"][:, 4], "deliver")
+    _lengths_ok(arrays["items"][:, DELIVER_ITEM.length], "deliver")
 
 
 def _check_step_header(header: dict, arrays: dict) -> None:
-    _lengths_ok(arrays["pieces"][:, 2], "step_header")
+    _lengths_ok(arrays["pieces"][:, RECIPE_PIECE.length], "step_header")
     if int(arrays["counts"].sum()) != len(arrays["pieces"]):
         raise ProtocolError("step_header: sequence piece counts do not add up to the pieces sent")
 
 
 def _check_pieces(header: dict, arrays: dict) -> None:
-    lengths = arrays["items"][:, 3]
+    lengths = arrays["items"][:, PIECE_ITEM.length]
     _lengths_ok(lengths, "pieces")
     if int(lengths.sum()) != arrays["tokens"].size:
         raise ProtocolError(f"pieces: items cover {int(lengths.sum())} tokens, frame holds {arrays['tokens'].size}")
@@ -209,7 +225,7 @@ PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, tas
                source=integer(0, 0xFFFF))
 DELIVER = _msg(
     "deliver",
-    ArraySpec("items", "<u8", 5),  # [rank, piece, doc_key, doc_offset, length]; piece: index in the rank's recipe
+    ArraySpec("items", "<u8", DELIVER_ITEM),  # piece: the index in the rank's recipe
     ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
     check=_check_deliver,
     delivery_id=integer(),
@@ -234,7 +250,7 @@ TRAINER_BYE = _msg("trainer_bye", rank=integer())
 TRAINER_WELCOME = _msg("trainer_welcome", rank=integer(), batch=anything(), plan_digest=text(), heartbeat_s=number())
 STEP_HEADER = _msg(
     "step_header",
-    ArraySpec("pieces", "<u8", 3),  # [doc_key, doc_offset, length] in packing order
+    ArraySpec("pieces", "<u8", RECIPE_PIECE),  # in packing order
     ArraySpec("counts", "<u4"),  # pieces per sequence, micro-batch major: [m * micro_batch_size + s]
     check=_check_step_header,
     step=integer(),
@@ -250,7 +266,7 @@ END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 # worker -> trainer: items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step
 # recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
 # (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
-PIECES = _msg("pieces", ArraySpec("items", "<u8", 4), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
+PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
               ArraySpec("patches", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
               patch_bytes=integer(0, 1 << 24))
 

@@ -19,12 +19,21 @@ if TYPE_CHECKING:
 
 
 def encode(header: dict[str, Any], *arrays: "np.ndarray") -> list[Any]:
-    """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs.
+    """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs,
+    each as the spec's little-endian dtype (converted only where it differs) and C-contiguous.
     Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            raise ValueError("wire arrays must be C-contiguous")
+    if not arrays:
+        return frames
+    import numpy as np  # here, not at the top: the host agent's messages carry no arrays
+
+    specs = protocol.ALL_TYPES[header["type"]].arrays
+    if len(arrays) != len(specs):
+        raise ValueError(f"{header['type']}: {len(arrays)} arrays given, the type has {len(specs)}")
+    for spec, a in zip(specs, arrays):
+        a = np.ascontiguousarray(a, dtype=spec.dtype or header["dtype"])
+        if spec.cols > 1 and a.size and (a.ndim != 2 or a.shape[1] != spec.cols):
+            raise ValueError(f"{header['type']}.{spec.name}: expected {spec.cols} columns, got shape {a.shape}")
         frames.append(memoryview(a).cast("B") if a.size else b"")
     return frames
 

@@ -12,10 +12,11 @@ import gzip
 import hashlib
 import os
 import shutil
-import tempfile
 
 import numpy as np
 import zstandard
+
+from trainer_client.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
 
@@ -34,21 +35,6 @@ def _sidecar_path(shard: str, suffix: str, cache_dir: str) -> str:
     digest = hashlib.sha1(os.path.abspath(shard).encode()).hexdigest()[:16]
     os.makedirs(cache_dir, exist_ok=True)
     return os.path.join(cache_dir, f"{digest}-{os.path.basename(shard)}{suffix}")
-
-
-def _atomic_write(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-msd-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' workers must read the sidecar
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _plain_path(shard: str, cache_dir: str) -> str:
@@ -70,7 +56,7 @@ def _plain_path(shard: str, cache_dir: str) -> str:
             except (OSError, EOFError, zstandard.ZstdError) as e:
                 raise SourceFormatError(f"{shard}: cannot decompress: {e}") from None
 
-        _atomic_write(plain, copy)
+        atomic_write(plain, copy)
     return plain
 
 
@@ -114,7 +100,7 @@ class JsonlShard:
             except (ValueError, OSError):
                 pass  # unreadable index: rebuild it below
         offsets = _scan_offsets(self.path)
-        _atomic_write(index_path, lambda f: np.save(f, np.concatenate([stamp, offsets])))
+        atomic_write(index_path, lambda f: np.save(f, np.concatenate([stamp, offsets])))
         return offsets
 
     def __len__(self) -> int:

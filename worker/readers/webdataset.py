@@ -16,8 +16,10 @@ from typing import Any
 
 import orjson
 
+from trainer_client.files import atomic_write
+
 from .errors import RecordError, SourceFormatError
-from .jsonl import _atomic_write, _sidecar_path, default_cache_dir
+from .jsonl import _sidecar_path, default_cache_dir
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTS = ("txt", "json")
@@ -82,7 +84,7 @@ class WebDatasetShard:
         except (OSError, orjson.JSONDecodeError, AttributeError):
             pass  # no index yet, or an unreadable one: scan below
         samples = scan(self.shard)
-        _atomic_write(index_path, lambda f: f.write(orjson.dumps({"stamp": stamp, "samples": samples})))
+        atomic_write(index_path, lambda f: f.write(orjson.dumps({"stamp": stamp, "samples": samples})))
         return samples
 
     def __len__(self) -> int:

@@ -1,0 +1,30 @@
+"""Writing a file so that readers see the old content or the new, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import BinaryIO, Callable
+
+
+def atomic_write(path: str, content: bytes | Callable[[BinaryIO], None], mode: int = 0o644) -> None:
+    """Write `content` (bytes, or a function that writes to the open file) to a temporary file
+    in the same directory, fsync it, then rename it over `path`. The temporary file is removed
+    if anything fails; `mode` because mkstemp makes files 0600 and other users' processes
+    (workers reading a sidecar index) must read them."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-msd-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, (bytes, bytearray, memoryview)):
+                f.write(content)
+            else:
+                content(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
