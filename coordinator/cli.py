@@ -1,174 +1,38 @@
-"""The `msd` command line: coordinator, worker, validate, demo, mix, keys."""
+"""The `msd` command line: only dispatches. Each command lives with its part and is imported when
+it is run, so `msd worker` on a CPU host loads the worker's code and none of the coordinator's."""
 
 from __future__ import annotations
 
-import logging
-import sys
-from typing import TYPE_CHECKING
+import importlib
 
 import click
 
-if TYPE_CHECKING:
-    from .config import ConfigError, JobConfig
-    from .sources import OpenedSources
-
-# The job-file machinery (numpy, the planner) is imported by the commands that read a job:
-# `msd worker` runs on every CPU host and needs none of it.
-
-
-def _setup_logging(level: str, who: str) -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
+COMMANDS = {
+    "coordinator": "coordinator.commands:coordinator",
+    "validate": "coordinator.commands:validate",
+    "mix": "coordinator.commands:mix",
+    "keys": "coordinator.commands:keys",
+    "demo": "coordinator.commands:demo",
+    "worker": "worker.cli:worker",
+}
 
 
-def _load_and_open(path: str) -> tuple[JobConfig, OpenedSources]:
-    from .config import load_job
-    from .sources import open_sources
+class _Dispatch(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
 
-    job = load_job(path)
-    return job, open_sources(job)
-
-
-def _fail_config(e: ConfigError) -> None:
-    click.echo(f"{e.source}: invalid job file, {len(e.problems)} problem(s):", err=True)
-    for p in e.problems:
-        click.echo(f"  {p}", err=True)
-    sys.exit(1)
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
 
 
-@click.group()
+@click.group(cls=_Dispatch)
 def main() -> None:
     """megascale-data: one coordinator plans every global batch; stateless workers read and
     transform samples once and push them straight to the trainer ranks."""
-
-
-@main.command()
-@click.option("--coordinator", "address", required=True, help="The coordinator's control address.")
-@click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
-@click.option("--timeout-s", type=float, default=10.0, show_default=True)
-@click.argument("weights", nargs=-1, required=True)
-def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) -> None:
-    """Set new mixture weights (SOURCE=WEIGHT ...) from step AT_STEP on. The step must lie beyond
-    what is already planned; the coordinator journals the change in its --state-dir, so a
-    restarted coordinator plans the same stream."""
-    from .mix import parse_weights, request_mix
-
-    try:
-        parsed = parse_weights(weights)
-    except ValueError as e:
-        click.echo(f"msd mix: {e}", err=True)
-        sys.exit(2)
-    ok, reason = request_mix(address, at_step, parsed, timeout_s)
-    if not ok:
-        click.echo(f"msd mix: refused: {reason}", err=True)
-        sys.exit(1)
-    click.echo(f"weights {parsed} apply from step {at_step}")
-
-
-@main.command()
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
-@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for the coordinator's state (created if missing): the step journal, the "
-                   "mixture journal, the job it was written for. A restart on it continues the same stream.")
-@click.option("--allow-config-change", is_flag=True, default=False,
-              help="Continue from --state-dir although the job file changed (beyond its topology).")
-@click.option("--log-level", default="INFO", show_default=True)
-def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, log_level: str) -> None:
-    """Run the job's coordinator."""
-    from .config import ConfigError
-
-    _setup_logging(log_level, "coordinator")
-    try:
-        job, sources = _load_and_open(config_path)
-    except ConfigError as e:
-        _fail_config(e)
-    from .app import JobChanged, serve
-
-    try:
-        serve(job, sources, bind, state_dir, allow_config_change)
-    except JobChanged as e:
-        click.echo(str(e), err=True)
-        sys.exit(1)
-
-
-@main.command()
-@click.option("--coordinator", "address", required=True, help="Coordinator address, e.g. tcp://HEAD:5555.")
-@click.option("--procs", default="1", show_default=True,
-              help="Worker processes: a number, or 'auto' (the coordinator sets 1..--max-procs by demand).")
-@click.option("--max-procs", default=None, type=click.IntRange(min=1),
-              help="With --procs auto: the most processes on this host (default: its CPU count).")
-@click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
-              help="Key directory (msd keys generate) when the job sets security.curve.")
-@click.option("--log-level", default="INFO", show_default=True)
-def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None, log_level: str) -> None:
-    """Run a worker host agent with N worker processes (or a number the coordinator sets)."""
-    if procs != "auto" and not (procs.isdigit() and int(procs) >= 1):
-        raise click.BadParameter(f"expected a number >= 1 or 'auto', got {procs!r}", param_hint="--procs")
-    if max_procs is not None and procs != "auto":
-        raise click.BadParameter("only with --procs auto", param_hint="--max-procs")
-    _setup_logging(log_level, "worker-host")
-    from worker.host import HostAgent
-
-    HostAgent(address, None if procs == "auto" else int(procs), log_level.upper(), keys_dir=keys_dir,
-              max_procs=max_procs).run()
-
-
-@main.group()
-def keys() -> None:
-    """CURVE keys for an encrypted, authenticated job (security.curve in the job file)."""
-
-
-@keys.command("generate")
-@click.argument("directory", type=click.Path(file_okay=False))
-def keys_generate(directory: str) -> None:
-    """Write key pairs for the coordinator, workers and trainers into DIRECTORY, and the public
-    keys the coordinator and trainers accept into DIRECTORY/authorized/."""
-    from trainer_client.security import generate
-
-    try:
-        written = generate(directory)
-    except FileExistsError as e:
-        click.echo(f"msd keys generate: {e}", err=True)
-        sys.exit(1)
-    for path in written:
-        click.echo(path)
-    click.echo("Secret keys (*.key_secret): give each host only its role's. Set security.curve: "
-               f"{directory} in the job file; start workers with --keys and clients with keys_dir=.")
-
-
-@main.command()
-@click.argument("job_file", type=click.Path(dir_okay=False))
-def validate(job_file: str) -> None:
-    """Check a job file and its sources; print a one-line summary or every problem."""
-    from .config import ConfigError
-
-    try:
-        job, opened = _load_and_open(job_file)
-        counts = opened.num_records
-    except ConfigError as e:
-        _fail_config(e)
-    sources = ", ".join(
-        f"{s.name}={s.format}:{len(s.files)} file(s)/{n} records/w={job.weights[s.name]:.3f}"
-        for s, n in zip(job.sources, counts)
-    )
-    click.echo(
-        f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
-        f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
-    )
-
-
-@main.command()
-@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
-@click.option("--ranks", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary here.")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-              help="Where the demo dataset is generated (default: the megascale-data cache dir).")
-def demo(steps: int, ranks: int, workers: int, json_path: str | None, data_dir: str | None) -> None:
-    """Run the embedded demo job end to end on loopback and summarise it."""
-    from .demo import run_demo
-
-    sys.exit(run_demo(steps=steps, ranks=ranks, workers=workers, json_path=json_path, data_dir=data_dir))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .registry import HostInfo
 
 log = logging.getLogger("msd.coordinator")
 
@@ -57,25 +59,11 @@ class SourceCost:
             self.s_per_token += EWMA * (per_token - self.s_per_token)
 
 
-@dataclass
-class HostInfo:
-    agent_id: int
-    identity: bytes
-    host: str
-    procs: int
-    min_procs: int
-    max_procs: int
-    auto: bool
-    last_seen: float
-    retiring: set[int] = field(default_factory=set)  # worker ids being emptied before a stop
-
-
 class Workforce:
     def __init__(self, n_sources: int, allocation: str, shrink_after_s: float = 10.0) -> None:
         self.allocation = allocation
         self.shrink_after_s = shrink_after_s  # workers idle this long (trainers not waiting): one process fewer
         self.costs = [SourceCost() for _ in range(n_sources)]
-        self.hosts: dict[int, HostInfo] = {}
         self.needed = 0  # more processes the job needs (0: enough, or not every host is at its limit)
         self._window_start: float | None = None
         self._busy_at_start: dict[int, float] = {}
@@ -99,19 +87,21 @@ class Workforce:
 
     # ------------------------------------------------------------------ allocation
 
-    def choose(self, source: int, workers: list[Any], weights: list[float], held: Any = None) -> Any:
-        """The worker for the next task of `source`: workers have worker_id and backlog_s. `held`
-        (indexed by worker id): records each worker holds, the next criterion after the backlog
-        (records of memory-mapped sources, prepared by the coordinator, are no task: a worker's
-        share of them is what it will be asked to deliver)."""
+    def choose(self, source: int, workers: list[int], weights: list[float], backlog_s: Callable[[int], float],
+               held: Any = None) -> int:
+        """The worker (id) for the next task of `source`, among `workers`: the one with the least
+        estimated work queued (backlog_s(worker id)). `held` (indexed by worker id): records each
+        worker holds, the next criterion after the backlog (records of memory-mapped sources,
+        prepared by the coordinator, are no task: a worker's share of them is what it will be
+        asked to deliver)."""
         candidates = workers
         if self.allocation == "fixed":
-            serving = self.fixed_split([w.worker_id for w in workers], weights)
-            mine = [w for w in workers if serving.get(w.worker_id) == source]
+            serving = self.fixed_split(workers, weights)
+            mine = [w for w in workers if serving.get(w) == source]
             candidates = mine or workers  # fewer workers than sources: someone must do it
         if held is None:
-            return min(candidates, key=lambda w: (w.backlog_s, w.worker_id))
-        return min(candidates, key=lambda w: (w.backlog_s, int(held[w.worker_id]), w.worker_id))
+            return min(candidates, key=lambda w: (backlog_s(w), w))
+        return min(candidates, key=lambda w: (backlog_s(w), int(held[w]), w))
 
     @staticmethod
     def fixed_split(worker_ids: Iterable[int], weights: list[float]) -> dict[int, int]:
@@ -121,7 +111,8 @@ class Workforce:
 
     # ------------------------------------------------------------------ scaling
 
-    def decide(self, now: float, workers: dict[int, Any], trainers: dict[int, Any]) -> list[tuple[HostInfo, int]]:
+    def decide(self, now: float, hosts: dict[int, HostInfo], workers: dict[int, Any],
+               trainers: dict[int, Any]) -> list[tuple[HostInfo, int]]:
         """Every DECIDE_EVERY_S: (host, new process count) to grow; also starts retiring workers
         of over-provisioned auto hosts. Workers have busy_s and agent; trainers have waited_s."""
         if self._window_start is None:
@@ -140,15 +131,15 @@ class Workforce:
             self.steps_per_s = max(0, consumed - self._consumed_at_start) / span
         self._reset_window(now, workers, trainers)
         out: list[tuple[HostInfo, int]] = []
-        hosts = [h for h in self.hosts.values() if h.auto]
+        auto_hosts = [h for h in hosts.values() if h.auto]
         if self.last_wait > GROW_WAIT_SHARE and self.last_busy > GROW_BUSY:
             self._idle_since = None
-            room = [h for h in hosts if h.procs < h.max_procs]
+            room = [h for h in auto_hosts if h.procs < h.max_procs]
             if room:
                 h = max(room, key=lambda h: (h.max_procs - h.procs, -h.agent_id))
                 out.append((h, h.procs + 1))
                 self.needed = 0
-            elif self.hosts and all(h.procs >= h.max_procs for h in self.hosts.values()):
+            elif hosts and all(h.procs >= h.max_procs for h in hosts.values()):
                 # Waiting w of the time means the workers deliver (1 - w) of what is asked for. A
                 # trainer that waits nearly always (one that does nothing but read) asks for without
                 # bound; the estimate stops at WAIT_CAP.
@@ -164,7 +155,7 @@ class Workforce:
             self._idle_since = self._idle_since if self._idle_since is not None else now
             if now - self._idle_since >= self.shrink_after_s:
                 self._idle_since = now
-                shrinkable = [h for h in hosts if h.procs - len(h.retiring) > h.min_procs]
+                shrinkable = [h for h in auto_hosts if h.procs - len(h.retiring) > h.min_procs]
                 if shrinkable:
                     h = max(shrinkable, key=lambda h: (h.procs, -h.agent_id))
                     mine = [w for w in workers.values() if w.agent == h.agent_id and w.worker_id not in h.retiring]
@@ -183,15 +174,17 @@ class Workforce:
         self._waited_at_start = {r: t.waited_s for r, t in trainers.items()}
         self._consumed_at_start = min((t.consumed for t in trainers.values()), default=None)
 
-    def retiring(self) -> set[int]:
-        return {wid for h in self.hosts.values() for wid in h.retiring}
+    @staticmethod
+    def retiring(hosts: dict[int, HostInfo]) -> set[int]:
+        return {wid for h in hosts.values() for wid in h.retiring}
 
     def demand(self, weights: list[float], step_tokens: int) -> list[float]:
         """Worker processes each source keeps busy at the current consumption rate:
         weight x tokens per step x steps/s x seconds per token (demand x cost)."""
         return [w * step_tokens * self.steps_per_s * (c.s_per_token or 0.0) for w, c in zip(weights, self.costs)]
 
-    def status(self, names: list[str], weights: list[float], step_tokens: int) -> dict[str, Any]:
+    def status(self, hosts: dict[int, HostInfo], names: list[str], weights: list[float],
+               step_tokens: int) -> dict[str, Any]:
         demand = self.demand(weights, step_tokens)
         return {
             "allocation": self.allocation,
@@ -201,7 +194,7 @@ class Workforce:
                                 "workers_demanded": round(d, 3)}
                             for n, c, d in zip(names, self.costs, demand)},
             "hosts": {h.agent_id: {"host": h.host, "procs": h.procs, "max_procs": h.max_procs, "auto": h.auto}
-                      for h in self.hosts.values()},
+                      for h in hosts.values()},
             "workers_busy": round(self.last_busy, 3),
             "trainers_waiting": round(self.last_wait, 3),
             "workers_needed": self.needed,

@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
-from coordinator.local import LocalJob  # noqa: E402
-from coordinator.multimodal_data import captions, write_webdataset  # noqa: E402
+from coordinator.testing.local import LocalJob  # noqa: E402
+from coordinator.testing.multimodal_data import captions, write_webdataset  # noqa: E402
 from worker.readers import open_source  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402

@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_output import emit  # noqa: E402
 import e2e_ranks  # noqa: E402
 
-from coordinator.demo_data import _stdlib_sources  # noqa: E402
-from coordinator.local import LocalJob  # noqa: E402
+from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
+from coordinator.testing.local import LocalJob  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")

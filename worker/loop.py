@@ -22,6 +22,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
+from trainer_client.logs import setup_logging
 from trainer_client.sockets import make_socket, send_nowait
 
 from .readers import RecordError, SourceReader, open_source
@@ -300,8 +301,7 @@ def _alive(pid: int) -> bool:
 def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",
                log_path: str | None = None, keys_dir: str | None = None, agent_id: int = 0) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
-    logging.basicConfig(level=log_level, filename=log_path,
-                        format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
+    setup_logging(log_level, "worker", log_path)
     memory.keep_freed_memory()
     worker = Worker(coordinator, parent_pid, keys_dir, agent_id)
     try:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from coordinator.config import load_job
-from coordinator.local import LocalJob
+from coordinator.testing.local import LocalJob
 from worker.readers import open_source
 
 SPAWN = mp.get_context("spawn")

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from coordinator.multimodal_data import write_webdataset
+from coordinator.testing.multimodal_data import write_webdataset
 from tests.conftest import write_job
 from worker.readers.megatron import write_megatron
 from worker.tokenizer import ByteTokenizer

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import zmq
 
-from coordinator.local import LocalJob
+from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient, RejectedError
 from trainer_client import protocol as P

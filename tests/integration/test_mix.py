@@ -7,7 +7,8 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from coordinator.app import Coordinator, read_mixture_journal
+from coordinator.app import Coordinator
+from coordinator.journal import read_mixture_journal
 from coordinator.cli import main
 from coordinator.config import parse_job
 from coordinator.mix import parse_weights, request_mix
@@ -43,7 +44,7 @@ def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(main, ["mix", "--coordinator", address, "--at-step", "70", "long"])
         assert r.exit_code == 2 and "expected SOURCE=WEIGHT" in r.output
-        coord.planner.state.next_step = 80  # as if 80 steps were planned
+        coord.state.planner.state.next_step = 80  # as if 80 steps were planned
         ok, reason = request_mix(address, 75, {"web": 1})
         assert not ok and "already planned" in reason
     finally:
@@ -52,9 +53,9 @@ def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
     assert read_mixture_journal(state) == [(40, [1.0, 1.0, 0.0]), (60, [0.0, 0.0, 1.0])]  # as given
     # a restarted coordinator plans with the same changes
     again = Coordinator(job, OpenedSources([50, 70, 30]), "tcp://127.0.0.1:*", state_dir=state)
-    assert again.planner.weights_at(39) == pytest.approx(job.weights_at(39))
-    assert again.planner.weights_at(45) == [0.5, 0.5, 0.0]
-    assert again.planner.weights_at(61) == [0.0, 0.0, 1.0]
+    assert again.state.planner.weights_at(39) == pytest.approx(job.weights_at(39))
+    assert again.state.planner.weights_at(45) == [0.5, 0.5, 0.0]
+    assert again.state.planner.weights_at(61) == [0.0, 0.0, 1.0]
     assert os.path.exists(os.path.join(state, "mixture.journal"))
 
 

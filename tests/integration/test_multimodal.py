@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from coordinator.config import load_job
-from coordinator.multimodal_data import captions, write_parquet, write_webdataset
+from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
 from tests.conftest import write_job
 from worker.readers import open_source
 

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
-from coordinator.local import LocalJob
+from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient, PeerLostError
 

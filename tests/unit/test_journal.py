@@ -1,9 +1,12 @@
-"""The step journal: durable planner states per step, reload, compaction, bad files."""
+"""The step history (what the state keeps and decides to journal) and the journal file (what the
+shell writes): durable planner states per step, reload, compaction, bad files."""
 
 import pytest
 
+from coordinator import history as H
 from coordinator import journal as J
-from coordinator.journal import StepJournal
+from coordinator.history import StepHistory
+from coordinator.journal import JournalFile
 from coordinator.plan import PlannerState
 
 
@@ -12,70 +15,65 @@ def _state(step):
                         [False, step > 5])
 
 
+def _write(path, steps, digest="d1"):
+    f = JournalFile(str(path), digest)
+    f.append(_state(k).to_json() for k in steps)
+    f.close()
+    return f
+
+
 def test_states_survive_a_restart_exactly(tmp_path):
-    j = StepJournal(str(tmp_path), "d1")
-    for k in range(10):
-        j.record(_state(k))
-    j.flush()
-    j.close()
-    again = StepJournal(str(tmp_path), "d1")
+    _write(tmp_path, range(10))
+    again = StepHistory(True, JournalFile(str(tmp_path), "d1").load())
     assert again.latest == _state(9)
     assert again.state_before(4) == _state(4) and again.oldest == 0
 
 
-def test_an_unflushed_tail_is_lost_and_a_torn_last_line_ignored(tmp_path):
-    j = StepJournal(str(tmp_path), "d1")
-    j.record(_state(0))
-    j.flush()
-    j.record(_state(1))  # never flushed: as if the coordinator died before dispatching step 1
+def test_a_torn_last_line_is_ignored(tmp_path):
+    _write(tmp_path, [0])
     with open(tmp_path / J.JOURNAL, "ab") as f:
         f.write(b'{"digest": "d1", "state": {"next_st')  # a write cut by a crash
-    again = StepJournal(str(tmp_path), "d1")
-    assert again.latest == _state(0)
+    assert StepHistory(True, JournalFile(str(tmp_path), "d1").load()).latest == _state(0)
 
 
 def test_a_changed_job_or_a_corrupt_entry_is_refused(tmp_path):
-    j = StepJournal(str(tmp_path), "d1")
-    j.record(_state(0))
-    j.record(_state(1))
-    j.close()
+    _write(tmp_path, [0, 1])
     with pytest.raises(ValueError, match="plan digest"):
-        StepJournal(str(tmp_path), "other")
+        JournalFile(str(tmp_path), "other").load()
+    assert len(JournalFile(str(tmp_path), "other").load(accept_changed_job=True)) == 2
     lines = (tmp_path / J.JOURNAL).read_bytes().splitlines()
     (tmp_path / J.JOURNAL).write_bytes(b"garbage\n" + lines[1] + b"\n")
     with pytest.raises(ValueError, match=":1: corrupt journal entry"):
-        StepJournal(str(tmp_path), "d1")
+        JournalFile(str(tmp_path), "d1").load()
 
 
 def test_compaction_keeps_the_latest_state_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(J, "COMPACT_AFTER", 5)
-    j = StepJournal(str(tmp_path), "d1")
+    monkeypatch.setattr(H, "COMPACT_AFTER", 5)
+    history, f = StepHistory(True), JournalFile(str(tmp_path), "d1")
     for k in range(8):
-        j.record(_state(k))
-        j.flush()
-    assert j.oldest > 0 and j.latest == _state(7)
-    j.close()
-    again = StepJournal(str(tmp_path), "d1")
-    assert again.latest == _state(7) and again.oldest == j.oldest
+        j, compact = history.record(_state(k))
+        f.compact(j) if compact else f.append([j])
+    assert history.oldest == 5 and history.latest == _state(7)
+    f.close()
+    again = StepHistory(True, JournalFile(str(tmp_path), "d1").load())
+    assert again.latest == _state(7) and again.oldest == history.oldest
     assert again.state_before(0) is None
 
 
-def test_without_a_state_dir_the_history_is_in_memory_only(tmp_path):
-    j = StepJournal(None, "d1")
-    j.record(_state(0))
-    j.flush()
-    assert j.state_before(0) == _state(0)
+def test_without_a_journal_the_history_is_in_memory_only():
+    h = StepHistory(False)
+    assert h.record(_state(0)) == (_state(0).to_json(), False)
+    assert h.state_before(0) == _state(0) and not h.on_disk(0)
 
 
-def test_memory_keeps_recent_steps_and_older_ones_come_from_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(J, "MEMORY_STEPS", 4)
-    j = StepJournal(str(tmp_path), "d1")
-    for k in range(20):
-        j.record(_state(k))
-    j.flush()
-    assert len(j.history) <= 8 and 0 not in j.history
-    assert j.state_before(2) == _state(2) and j.oldest == 0  # read back from the file
-    memory_only = StepJournal(None, "d1")
+def test_memory_keeps_recent_steps_and_older_ones_come_from_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(H, "MEMORY_STEPS", 4)
+    history, f = StepHistory(True), JournalFile(str(tmp_path), "d1")
+    f.append(history.record(_state(k))[0] for k in range(20))
+    assert len(history.states) <= 8 and not history.in_memory(2) and history.on_disk(2)
+    assert history.state_before(2) is None  # not in memory: the shell reads it back and passes it in
+    assert history.state_before(2, f.read_state(2)) == _state(2) and history.oldest == 0
+    memory_only = StepHistory(False)
     for k in range(20):
         memory_only.record(_state(k))
     assert memory_only.state_before(2) is None and memory_only.oldest >= 12

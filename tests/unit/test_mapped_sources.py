@@ -6,9 +6,13 @@ import logging
 
 import numpy as np
 
-from coordinator.app import Coordinator, WorkerInfo
 from coordinator.config import parse_job
+from coordinator.events import WorkerHello
+from coordinator.history import StepHistory
+from coordinator.instructions import Send
 from coordinator.sources import open_sources
+from coordinator.state import CoordinatorState
+from trainer_client import protocol as P
 from worker.loop import Worker
 from worker.readers.megatron import MegatronIndex, write_megatron
 
@@ -25,20 +29,19 @@ def _job(tmp_path):
 
 def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
     job = _job(tmp_path)
-    coord = Coordinator(job, open_sources(job), state_dir=None)
-    for wid in (0, 1, 2):
-        coord.workers[wid] = WorkerInfo(wid, b"w%d" % wid, 0.0)
-    coord._next_worker_id = 3
-    coord._prepare_ahead()
-    table = coord.tables[0]
+    state = CoordinatorState(job, open_sources(job), StepHistory(durable=False))
+    out = state.handle(*[WorkerHello(at=0.0, peer=b"w%d" % w, version=P.PROTOCOL_VERSION, host="h", pid=w,
+                                     incarnation=w, agent=1) for w in range(3)])  # one burst: then one pump
+    assert [i.header["type"] for i in out if isinstance(i, Send)] == ["welcome"] * 3  # no prepare task sent
+    table = state.tables[0]
     positions = np.arange(table.base, table.end)
-    assert len(positions) >= 192 and not coord.tasks  # prepared, and no prepare task sent to anyone
+    assert len(positions) >= 192 and not len(state.tasks)  # prepared, and no task in flight
     index = MegatronIndex(str(tmp_path / "code_text_document"))
     records = table.records(positions)
     assert table.window(table.base, len(positions))[1].tolist() == index.document_lengths()[records].tolist()
     held = np.bincount(table.holders(positions), minlength=3)
     assert held.max() - held.min() <= job.runtime.prepare_batch  # batches dealt to whoever holds fewest
-    plan = coord.planner.plan_step(coord)  # planning needs nothing from a worker
+    plan = state.planner.plan_step(state)  # planning needs nothing from a worker
     assert int(plan.pieces[:, 4].sum()) == job.step_tokens
 
 

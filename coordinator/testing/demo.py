@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import yaml
 
+from trainer_client.doc_keys import split_doc_key
 from worker.readers.jsonl import default_cache_dir
 
 from .demo_data import DEMO_JOB, ensure_demo_data
@@ -34,7 +35,7 @@ def _trainer(address: str, rank: int, steps: int, quadratic: float, linear: floa
         per_step: dict[str, Any] = {}
         for batch in client:
             lengths = batch["piece_lengths"].astype(np.float64)
-            sources = (batch["doc_keys"] >> np.uint64(48)).astype(np.int64)
+            sources = split_doc_key(batch["doc_keys"])[0].astype(np.int64)
             if batch["micro_batch"] == 0:
                 per_step = {"step": batch["step"], "rank": rank, "tokens": 0, "cost": 0.0,
                             "source_tokens": defaultdict(int), "plan": batch["plan"], "t": 0.0}
@@ -69,7 +70,7 @@ def run_demo(steps: int, ranks: int, workers: int, json_path: str | None = None,
     from rich.progress import Progress
     from rich.table import Table
 
-    from .config import load_job
+    from ..config import load_job
 
     console = Console(stderr=True)
     data_dir = data_dir or os.path.join(default_cache_dir(), "demo")

@@ -5,25 +5,21 @@ started by the caller, since what they do with the batches is theirs to decide."
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing as mp
 import signal
 from typing import Any
 
+from trainer_client.logs import setup_logging
+
 _SPAWN = mp.get_context("spawn")
-
-
-def _logging(log_level: str, log_path: str | None, who: str) -> None:
-    logging.basicConfig(level=log_level, filename=log_path,
-                        format=f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s")
 
 
 def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None,
                       state_dir: str | None = None) -> None:
-    _logging(log_level, log_path, "coordinator")
-    from .app import Coordinator
-    from .config import load_job
-    from .sources import open_sources
+    setup_logging(log_level, "coordinator", log_path)
+    from ..app import Coordinator
+    from ..config import load_job
+    from ..sources import open_sources
 
     try:
         import uvloop
@@ -53,7 +49,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
 
 def _host_main(address: str, procs: int | None, log_level: str, log_path: str | None, keys_dir: str | None = None,
                max_procs: int | None = None) -> None:
-    _logging(log_level, log_path, "worker-host")
+    setup_logging(log_level, "worker-host", log_path)
     from worker.host import HostAgent
 
     HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import tarfile
 
 import numpy as np
 import orjson
+
+from trainer_client.files import atomic_write
 
 from .demo_data import _docstrings, _stdlib_sources
 
@@ -63,24 +64,26 @@ def write_webdataset(path: str, n: int, seed: int = 0, sizes: tuple[int, int] = 
     texts = captions()
     broken = broken or {}
     late: list[tuple[str, bytes]] = []
-    tmp = path + ".tmp"
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for i in range(n):
-            key = f"{i:06d}"
-            fmt = formats[i % len(formats)]
-            w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, 2))
-            image = draw_image(rng, w, h, fmt) if broken.get(i) != "bad_image" else b"not an image at all"
-            text = texts[int(rng.integers(0, len(texts)))]
-            caption = orjson.dumps({"caption": text}) if i % 3 == 2 else text.encode()
-            _add(tar, f"{key}.{fmt}", image)
-            cap_name = f"{key}.{'json' if i % 3 == 2 else 'txt'}"
-            if broken.get(i) == "split":
-                late.append((cap_name, caption))
-            elif broken.get(i) != "no_caption":
-                _add(tar, cap_name, caption)
-        for name, data in late:
-            _add(tar, name, data)
-    os.replace(tmp, path)
+
+    def write(f) -> None:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(n):
+                key = f"{i:06d}"
+                fmt = formats[i % len(formats)]
+                w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, 2))
+                image = draw_image(rng, w, h, fmt) if broken.get(i) != "bad_image" else b"not an image at all"
+                text = texts[int(rng.integers(0, len(texts)))]
+                caption = orjson.dumps({"caption": text}) if i % 3 == 2 else text.encode()
+                _add(tar, f"{key}.{fmt}", image)
+                cap_name = f"{key}.{'json' if i % 3 == 2 else 'txt'}"
+                if broken.get(i) == "split":
+                    late.append((cap_name, caption))
+                elif broken.get(i) != "no_caption":
+                    _add(tar, cap_name, caption)
+            for name, data in late:
+                _add(tar, name, data)
+
+    atomic_write(path, write)
 
 
 def write_parquet(path: str, texts: list[str], row_group_size: int = 64, tokens: bool = False) -> None:

@@ -1,0 +1,142 @@
+"""The `msd` commands of the coordinator's side: coordinator, validate, mix, keys, demo
+(`coordinator/cli.py` dispatches to them; `msd worker` lives in `worker/cli.py`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from trainer_client.logs import setup_logging
+
+if TYPE_CHECKING:
+    from .config import ConfigError, JobConfig
+    from .sources import OpenedSources
+
+# The job-file machinery (numpy, the planner) is imported by the commands that read a job.
+
+
+def _load_and_open(path: str) -> tuple[JobConfig, OpenedSources]:
+    from .config import load_job
+    from .sources import open_sources
+
+    job = load_job(path)
+    return job, open_sources(job)
+
+
+def _fail_config(e: ConfigError) -> None:
+    click.echo(f"{e.source}: invalid job file, {len(e.problems)} problem(s):", err=True)
+    for p in e.problems:
+        click.echo(f"  {p}", err=True)
+    sys.exit(1)
+
+
+@click.command()
+@click.option("--coordinator", "address", required=True, help="The coordinator's control address.")
+@click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
+@click.option("--timeout-s", type=float, default=10.0, show_default=True)
+@click.argument("weights", nargs=-1, required=True)
+def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) -> None:
+    """Set new mixture weights (SOURCE=WEIGHT ...) from step AT_STEP on. The step must lie beyond
+    what is already planned; the coordinator journals the change in its --state-dir, so a
+    restarted coordinator plans the same stream."""
+    from .mix import parse_weights, request_mix
+
+    try:
+        parsed = parse_weights(weights)
+    except ValueError as e:
+        click.echo(f"msd mix: {e}", err=True)
+        sys.exit(2)
+    ok, reason = request_mix(address, at_step, parsed, timeout_s)
+    if not ok:
+        click.echo(f"msd mix: refused: {reason}", err=True)
+        sys.exit(1)
+    click.echo(f"weights {parsed} apply from step {at_step}")
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the coordinator's state (created if missing): the step journal, the "
+                   "mixture journal, the job it was written for. A restart on it continues the same stream.")
+@click.option("--allow-config-change", is_flag=True, default=False,
+              help="Continue from --state-dir although the job file changed (beyond its topology).")
+@click.option("--log-level", default="INFO", show_default=True)
+def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, log_level: str) -> None:
+    """Run the job's coordinator."""
+    from .config import ConfigError
+
+    setup_logging(log_level, "coordinator")
+    try:
+        job, sources = _load_and_open(config_path)
+    except ConfigError as e:
+        _fail_config(e)
+    from .app import serve
+    from .statedir import JobChanged
+
+    try:
+        serve(job, sources, bind, state_dir, allow_config_change)
+    except JobChanged as e:
+        click.echo(str(e), err=True)
+        sys.exit(1)
+
+
+@click.group()
+def keys() -> None:
+    """CURVE keys for an encrypted, authenticated job (security.curve in the job file)."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+def keys_generate(directory: str) -> None:
+    """Write key pairs for the coordinator, workers and trainers into DIRECTORY, and the public
+    keys the coordinator and trainers accept into DIRECTORY/authorized/."""
+    from trainer_client.security import generate
+
+    try:
+        written = generate(directory)
+    except FileExistsError as e:
+        click.echo(f"msd keys generate: {e}", err=True)
+        sys.exit(1)
+    for path in written:
+        click.echo(path)
+    click.echo("Secret keys (*.key_secret): give each host only its role's. Set security.curve: "
+               f"{directory} in the job file; start workers with --keys and clients with keys_dir=.")
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check a job file and its sources; print a one-line summary or every problem."""
+    from .config import ConfigError
+
+    try:
+        job, opened = _load_and_open(job_file)
+        counts = opened.num_records
+    except ConfigError as e:
+        _fail_config(e)
+    sources = ", ".join(
+        f"{s.name}={s.format}:{len(s.files)} file(s)/{n} records/w={job.weights[s.name]:.3f}"
+        for s, n in zip(job.sources, counts)
+    )
+    click.echo(
+        f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
+        f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
+    )
+
+
+@click.command()
+@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--ranks", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary here.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the demo dataset is generated (default: the megascale-data cache dir).")
+def demo(steps: int, ranks: int, workers: int, json_path: str | None, data_dir: str | None) -> None:
+    """Run the embedded demo job end to end on loopback and summarise it."""
+    from .testing.demo import run_demo
+
+    sys.exit(run_demo(steps=steps, ranks=ranks, workers=workers, json_path=json_path, data_dir=data_dir))
+

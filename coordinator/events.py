@@ -1,0 +1,160 @@
+"""The coordinator's input: typed events, one per decoded message, plus the clock and the stop.
+
+The shell (app.py) turns every message that passed `wire.decode` into one of these, stamped with
+the monotonic time it was received (`at`), and hands them to `CoordinatorState.handle`. Time
+enters the state only this way: through `at` and through `Tick`. Fields mirror the messages of
+`trainer_client.protocol` one to one (arrays by their frame names), so `from_message` needs no
+per-type code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    at: float  # monotonic seconds, from the shell's clock
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerEvent(Event):
+    peer: bytes  # the sender's socket identity: where answers go
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick(Event):
+    """Time passes: heartbeat deadlines, scaling decisions and the status are checked."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown(Event):
+    """The coordinator stops (a signal, or the end of the job): peers are told."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerHello(PeerEvent):
+    version: int
+    host: str
+    pid: int
+    incarnation: int
+    agent: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerHeartbeat(PeerEvent):
+    worker_id: int
+    cached_records: int
+    busy_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared(PeerEvent):
+    worker_id: int
+    task_id: int
+    skipped: list  # [[index in the task, reason]]
+    busy_s: float
+    lengths: np.ndarray
+    patches: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskFailed(PeerEvent):
+    worker_id: int
+    task_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivered(PeerEvent):
+    worker_id: int
+    delivery_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostHello(PeerEvent):
+    version: int
+    agent_id: int
+    host: str
+    procs: int
+    min_procs: int
+    max_procs: int
+    auto: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostHeartbeat(PeerEvent):
+    agent_id: int
+    procs: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerHello(PeerEvent):
+    version: int
+    rank: int
+    data_address: str
+    resume_step: int
+    incarnation: int
+    metadata_only: int
+    # The planner state before resume_step, read by the shell from the journal file when the
+    # step is older than the states the coordinator keeps in memory (None otherwise).
+    journaled_state: dict | None = field(default=None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Consumed(PeerEvent):
+    rank: int
+    step: int
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerHeartbeat(PeerEvent):
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerBye(PeerEvent):
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MixRequest(PeerEvent):
+    at_step: int
+    weights: Any
+
+
+MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
+    "worker_hello": WorkerHello, "worker_heartbeat": WorkerHeartbeat, "prepared": Prepared,
+    "task_failed": TaskFailed, "delivered": Delivered, "host_hello": HostHello, "host_heartbeat": HostHeartbeat,
+    "trainer_hello": TrainerHello, "consumed": Consumed, "trainer_heartbeat": TrainerHeartbeat,
+    "trainer_bye": TrainerBye, "mix_request": MixRequest,
+}
+ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
+
+
+_FIELDS = {cls: frozenset(f.name for f in fields(cls)) for cls in MESSAGE_EVENTS.values()}
+
+
+def from_message(peer: bytes, at: float, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> PeerEvent:
+    """The event of one decoded message (its type is one of COORDINATOR_INBOX, and every field
+    its schema names is there and valid: wire.decode checked). Fields the schema does not name
+    (a newer peer's additions) are left out."""
+    cls = MESSAGE_EVENTS[header["type"]]
+    names = _FIELDS[cls]
+    return cls(peer=peer, at=at, **{k: v for k, v in header.items() if k in names}, **arrays)
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    """A plain form of an event (for the stimulus log): its class name and its fields."""
+    return {"event": type(event).__name__, **{f.name: getattr(event, f.name) for f in fields(event)}}
+
+
+def from_dict(d: dict[str, Any]) -> Event:
+    d = dict(d)
+    return ALL_EVENTS[d.pop("event")](**d)

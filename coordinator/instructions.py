@@ -1,0 +1,87 @@
+"""The coordinator's output: what `CoordinatorState.handle` asks the shell to do, in order.
+
+The shell (app.py) carries them out in the order given. File instructions run off the event
+loop, and every instruction after one of them waits for it: a step's journal line is durable
+before its step headers and deliveries go out, and a mixture change before its answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Instruction):
+    """Send one message (header and array frames, wire.encode) to the peer with this identity."""
+
+    peer: bytes
+    header: dict[str, Any]
+    arrays: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FileInstruction(Instruction):
+    """Work on the state dir: done in a thread; later instructions wait for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class AppendJournal(FileInstruction):
+    """Append the planner states before these steps to the step journal, then fsync."""
+
+    states: tuple[dict, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CompactJournal(FileInstruction):
+    """Rewrite the step journal to hold this state only (atomically)."""
+
+    state: dict
+
+
+@dataclass(frozen=True, slots=True)
+class AppendMixture(FileInstruction):
+    """Append an accepted run-time mixture change to the mixture journal, then fsync."""
+
+    at_step: int
+    weights: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStatus(FileInstruction):
+    """Log the status and replace status.json in the state dir with it."""
+
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Instruction):
+    """Stop serving: `failed` means an internal error (the process exits non-zero)."""
+
+    reason: str
+    failed: bool = False
+
+
+ALL_INSTRUCTIONS: dict[str, type[Instruction]] = {
+    cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, WriteStatus, Stop)}
+
+
+def to_dict(instruction: Instruction) -> dict[str, Any]:
+    return {"instruction": type(instruction).__name__,
+            **{f.name: getattr(instruction, f.name) for f in fields(instruction)}}
+
+
+def from_dict(d: dict[str, Any]) -> Instruction:
+    d = dict(d)
+    cls = ALL_INSTRUCTIONS[d.pop("instruction")]
+    for key in ("arrays", "states", "weights"):
+        if key in d:
+            d[key] = tuple(d[key])
+    return cls(**d)

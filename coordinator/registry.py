@@ -1,0 +1,108 @@
+"""Who is connected: workers, trainer ranks and worker host agents, by id and by socket identity.
+
+Part of the coordinator's state (no sockets, no clock: times come from events). A peer is known
+from its hello until it leaves, is declared dead or registers again; a message from an identity
+the registry does not know is answered with `unknown_peer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["worker", "trainer", "host"]
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: int
+    identity: bytes
+    last_seen: float
+    agent: int = 0  # its host agent's id
+    pid: int = 0
+    busy_s: float = 0.0  # total time it reports busy (heartbeats)
+
+
+@dataclass
+class TrainerInfo:
+    rank: int
+    identity: bytes
+    address: str  # its data socket, where workers push its pieces
+    last_seen: float
+    consumed: int = -1  # last step this rank has fully consumed
+    waited_s: float = 0.0  # total time its trainer waited for data (reported with `consumed`)
+
+
+@dataclass
+class HostInfo:
+    agent_id: int
+    identity: bytes
+    host: str
+    procs: int
+    min_procs: int
+    max_procs: int
+    auto: bool
+    last_seen: float
+    retiring: set[int] = field(default_factory=set)  # worker ids being emptied before a stop
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.workers: dict[int, WorkerInfo] = {}
+        self.trainers: dict[int, TrainerInfo] = {}
+        self.hosts: dict[int, HostInfo] = {}
+        self._roles: dict[bytes, tuple[Role, int]] = {}  # socket identity -> (role, id)
+        self.next_worker_id = 0
+
+    def lookup(self, identity: bytes) -> tuple[Role, int] | None:
+        return self._roles.get(identity)
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self._roles
+
+    def add_worker(self, identity: bytes, at: float, agent: int, pid: int) -> WorkerInfo:
+        wid = self.next_worker_id
+        self.next_worker_id += 1
+        worker = self.workers[wid] = WorkerInfo(wid, identity, at, agent, pid)
+        self._roles[identity] = ("worker", wid)
+        return worker
+
+    def add_trainer(self, info: TrainerInfo) -> None:
+        """Register a rank; a previous holder of the rank (another identity) is forgotten."""
+        old = self.trainers.get(info.rank)
+        if old is not None and old.identity != info.identity:
+            self._roles.pop(old.identity, None)
+        self.trainers[info.rank] = info
+        self._roles[info.identity] = ("trainer", info.rank)
+
+    def add_host(self, info: HostInfo) -> None:
+        """Register a host agent; an earlier registration of the same agent is replaced."""
+        old = self.hosts.pop(info.agent_id, None)
+        if old is not None:
+            self._roles.pop(old.identity, None)
+        self.hosts[info.agent_id] = info
+        self._roles[info.identity] = ("host", info.agent_id)
+
+    def remove(self, identity: bytes) -> tuple[Role, WorkerInfo | TrainerInfo | HostInfo | None] | None:
+        """Forget a peer: (role, its record), or None for an identity nobody holds."""
+        entry = self._roles.pop(identity, None)
+        if entry is None:
+            return None
+        role, pid = entry
+        table = {"worker": self.workers, "trainer": self.trainers, "host": self.hosts}[role]
+        return role, table.pop(pid, None)
+
+    def forget_workers(self) -> list[WorkerInfo]:
+        """Forget every worker at once (the plan was rewound); returns them."""
+        gone = list(self.workers.values())
+        for w in gone:
+            self._roles.pop(w.identity, None)
+        self.workers.clear()
+        return gone
+
+    def silent(self, now: float, deadline_s: float) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo]]:
+        """Peers not heard from for longer than the deadline."""
+        out: list = [("worker", w) for w in self.workers.values() if now - w.last_seen > deadline_s]
+        out += [("trainer", t) for t in self.trainers.values() if now - t.last_seen > deadline_s]
+        out += [("host", h) for h in self.hosts.values() if now - h.last_seen > deadline_s]
+        return out

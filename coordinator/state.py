@@ -1,0 +1,688 @@
+"""The coordinator's state machine: `CoordinatorState.handle(*events) -> list[Instruction]`.
+
+It owns everything the coordinator knows: the planner, the registry of peers
+(`registry.py`), which worker holds which prepared record (`positions.PositionTable`), the
+prepare tasks (`tasks.TaskBook`), the deliveries (`deliveries.DeliveryBook`), the per-source
+costs and host sizes (`workforce.py`) and the recent planner states (`history.StepHistory`).
+It never touches a socket, a clock or a file: events bring the time and the messages, and the
+instructions it returns say what to send and what to write, in order. The shell (`app.py`)
+carries them out. That makes every decision here replayable from its events (`stimulus.py`)
+and testable without processes (tests/unit/test_coordinator_state.py).
+
+One call handles a burst of events, then plans once ("pump"): whatever may be planned is
+planned, the states of the new steps are journaled (an instruction the shell finishes before
+any later send), then the steps are dispatched and more records are asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from trainer_client import protocol as P
+from trainer_client.doc_keys import doc_key
+from trainer_client.protocol import DELIVER_ITEM
+
+from .balance import imbalance
+from .config import JobConfig
+from .deliveries import DeliveryBook
+from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRequest, Prepared, Shutdown,
+                     TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerHeartbeat, WorkerHello)
+from .history import StepHistory
+from .instructions import AppendJournal, AppendMixture, CompactJournal, Instruction, Send, Stop, WriteStatus
+from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
+from .positions import NOBODY, PositionTable
+from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
+from .sources import OpenedSources
+from .tasks import TaskBook
+from .workforce import Workforce
+
+log = logging.getLogger("msd.coordinator")
+
+# The messages each registered role may send, and the field that names the sender.
+_EVENTS_OF: dict[str, tuple[type, ...]] = {
+    "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
+    "trainer": (Consumed, TrainerHeartbeat, TrainerBye),
+    "host": (HostHeartbeat,),
+}
+_ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
+FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
+
+
+class CoordinatorState:
+    def __init__(self, job: JobConfig, sources: OpenedSources, history: StepHistory,
+                 mixture_changes: list[tuple[int, list[float]]] = ()) -> None:
+        """history: the recent planner states (restored from the journal, if any);
+        mixture_changes: run-time weight changes of an earlier run (the mixture journal)."""
+        self.job = job
+        self.planner = Planner(job, sources.num_records)
+        for at_step, weights in mixture_changes:
+            self.planner.set_weights(at_step, weights)
+            log.info("mixture journal: weights %s from step %d", weights, at_step)
+        self.topology = job.topology
+        self.receivers = set(job.topology.receivers())  # global ranks that get data
+        self.digest = job.digest()
+        self.heartbeat_s = job.runtime.heartbeat_s
+        self.registry = Registry()
+        self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
+        n = len(job.sources)
+        self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
+        # Memory-mapped sources: their lengths are in an index the coordinator opened at start-up,
+        # so their records need no prepare round trip (a worker reads them straight from the map).
+        self.mapped = sources.mapped
+        self.history = history
+        self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
+        self._compact_to: dict | None = None
+        restored = history.latest
+        if restored is not None:  # a restart: carry on where the last run's plan stood
+            self.planner.state = restored
+            log.info("state restored: the plan stands at step %d (steps %d.. can be resumed)", restored.next_step,
+                     history.oldest)
+        else:
+            self._record(self.planner.state)
+        self._reset_tables()
+        self.len_sum = [0] * n
+        self.len_count = [0] * n
+        self.skipped = [0] * n
+        self.tasks = TaskBook()
+        self.deliveries = DeliveryBook()
+        self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
+        self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
+        self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
+        self.stopped = False
+        self.events_handled = self.messages_sent = 0
+        self._last_status: float | None = None
+        self._out: list[Instruction] = []
+        self._handlers: dict[type, Callable[[Any, Any], None]] = {
+            WorkerHeartbeat: self._on_worker_heartbeat, Prepared: self._on_prepared, TaskFailed: self._on_task_failed,
+            Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: lambda ev, who: None,
+            TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
+        }
+
+    # ------------------------------------------------------------------ the one entry point
+
+    def handle(self, *events: Event) -> list[Instruction]:
+        """Apply a burst of events, then plan and dispatch what may be; returns what to do, in order."""
+        out = self._out = []
+        for event in events:
+            self.events_handled += 1
+            try:
+                self._apply(event)
+            except Exception:  # one message we could not handle: log it, drop it, serve the rest
+                log.exception("error handling %s", type(event).__name__)
+        if not self.stopped:
+            try:
+                self._pump()
+            except Exception as e:
+                # Planning and dispatch keep invariants across steps; after an unexpected error
+                # there, carrying on could deliver a wrong stream or stall it silently.
+                log.critical("internal error while planning step %d; stopping the coordinator",
+                             self.planner.state.next_step, exc_info=True)
+                out.append(Stop(f"internal error while planning step {self.planner.state.next_step}: {e!r}",
+                                failed=True))
+        self._out = []
+        return out
+
+    def _send(self, peer: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
+        self.messages_sent += 1
+        self._out.append(Send(peer, header, arrays))
+
+    def _apply(self, ev: Event) -> None:
+        if isinstance(ev, Tick):
+            return self._tick(ev.at)
+        if isinstance(ev, Shutdown):
+            return self._shutdown(ev.reason)
+        if isinstance(ev, WorkerHello):
+            return self._on_worker_hello(ev)
+        if isinstance(ev, TrainerHello):
+            return self._on_trainer_hello(ev)
+        if isinstance(ev, MixRequest):
+            return self._on_mix_request(ev)
+        if isinstance(ev, HostHello):
+            return self._on_host_hello(ev)
+        kind = type(ev).__name__
+        who = self.registry.lookup(ev.peer)
+        if who is None:
+            log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, ev.peer.hex())
+            self._send(ev.peer, P.make(P.UNKNOWN_PEER, reason="not registered: send a hello first"))
+            return
+        role, pid = who
+        if not isinstance(ev, _EVENTS_OF[role]):
+            log.warning("%s %d sent %s, which a %s does not send; dropped", role, pid, kind, role)
+            return
+        if getattr(ev, _ID_FIELD[role]) != pid:
+            log.warning("%s %d claims to be %s %d; dropped", role, pid, role, getattr(ev, _ID_FIELD[role]))
+            return
+        info = {"worker": self.registry.workers, "trainer": self.registry.trainers, "host": self.registry.hosts}[role][pid]
+        info.last_seen = ev.at
+        self._handlers[type(ev)](ev, info)
+
+    # ------------------------------------------------------------------ hellos and requests
+
+    def _on_worker_hello(self, ev: WorkerHello) -> None:
+        if ev.version != P.PROTOCOL_VERSION:
+            log.warning("worker from %s speaks protocol %d, we speak %d: rejected", ev.host, ev.version,
+                        P.PROTOCOL_VERSION)
+            self._send(ev.peer, P.make(P.REJECT, reason=f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"))
+            return
+        if ev.peer in self.registry:
+            self._forget_peer(ev.peer, "re-registered")
+        worker = self.registry.add_worker(ev.peer, ev.at, ev.agent, ev.pid)
+        log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid)
+        self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job(),
+                                   heartbeat_s=self.heartbeat_s))
+
+    def _on_host_hello(self, ev: HostHello) -> None:
+        if ev.version != P.PROTOCOL_VERSION:
+            self._send(ev.peer, P.make(P.REJECT, reason=f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"))
+            return
+        if ev.peer in self.registry:
+            self._forget_peer(ev.peer, "re-registered")
+        host = HostInfo(ev.agent_id, ev.peer, ev.host, ev.procs, ev.min_procs, ev.max_procs, bool(ev.auto), ev.at)
+        self.registry.add_host(host)
+        log.info("worker host %s registered: %d process(es)%s", host.host, host.procs,
+                 f", auto up to {host.max_procs}" if host.auto else "")
+        self._send(ev.peer, P.make(P.SCALE, procs=host.procs, retire=[], reason="registered"))
+
+    def _trainer_refusal(self, ev: TrainerHello) -> str | None:
+        rank, next_step = ev.rank, self.planner.state.next_step
+        if ev.version != P.PROTOCOL_VERSION:
+            return f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"
+        if rank >= self.topology.world_size:
+            return f"rank {rank} out of range: the topology has {self.topology.world_size} ranks"
+        if not self.topology.fields(rank, want_metadata=bool(ev.metadata_only)):
+            return (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
+                    f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient "
+                    "(a middle pipeline stage may ask for the metadata: metadata_only=True)")
+        if ev.resume_step > next_step:
+            return f"cannot resume at step {ev.resume_step}: the plan stands at step {next_step}"
+        if ev.resume_step < next_step and self.history.state_before(ev.resume_step, ev.journaled_state) is None:
+            return (f"cannot resume at step {ev.resume_step}: the coordinator keeps steps from "
+                    f"{self.history.oldest} on (the journal was compacted)")
+        return None
+
+    def _on_trainer_hello(self, ev: TrainerHello) -> None:
+        rank = ev.rank
+        reason = self._trainer_refusal(ev)
+        if reason:
+            log.warning("trainer rank %d rejected: %s", rank, reason)
+            self._send(ev.peer, P.make(P.REJECT, reason=reason))
+            return
+        old = self.registry.trainers.get(rank)
+        if old is not None and old.identity != ev.peer and ev.at - old.last_seen < 3 * self.heartbeat_s:
+            # Another client holds this rank and is alive: two trainers must never share a rank.
+            # The newcomer keeps asking; the rank is its once the holder leaves or goes silent.
+            log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
+            self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
+            return
+        if ev.resume_step < self.planner.state.next_step:
+            self._rewind(ev.resume_step, ev.journaled_state)
+        if self.registry.lookup(ev.peer) not in (None, ("trainer", rank)):
+            self._forget_peer(ev.peer, "re-registered")
+        self.registry.add_trainer(TrainerInfo(rank, ev.peer, ev.data_address, ev.at, ev.resume_step - 1))
+        log.info("rank %d registered, data address %s", rank, ev.data_address)
+        batch = {
+            "seq_len": self.job.batch.seq_len,
+            "micro_batch_size": self.job.batch.micro_batch_size,
+            "micro_batches": self.job.micro_batches_per_rank,
+            "pad_id": self.job.batch.pad_id,
+            "dp": self.job.dp,
+            "topology": self.topology._asdict(),
+            "sources": [s.name for s in self.job.sources],
+            "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
+        }
+        self._send(ev.peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
+                                   heartbeat_s=self.heartbeat_s))
+        if self.end is not None:
+            self._send(ev.peer, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
+
+    def _on_mix_request(self, ev: MixRequest) -> None:
+        """New weights from a later step on (msd mix): checked, journaled, then answered."""
+        at_step, raw = ev.at_step, ev.weights
+        names = [s.name for s in self.job.sources]
+        problems = []
+        if not isinstance(raw, dict) or not raw:
+            problems.append("weights: expected a non-empty map of source name -> weight")
+            raw = {}
+        for name, w in raw.items():
+            if name not in names:
+                problems.append(f"{name}: unknown source (sources: {', '.join(names)})")
+            elif type(w) not in (int, float) or not math.isfinite(w) or w < 0:
+                problems.append(f"{name}: weight must be a finite number >= 0, got {w!r}")
+        if not problems and sum(raw.values()) <= 0:
+            problems.append("weights: all zero")
+        if at_step < self.planner.state.next_step:
+            problems.append(f"step {at_step} is already planned (the plan stands at step "
+                            f"{self.planner.state.next_step}); choose a later step")
+        if problems:
+            self._send(ev.peer, P.make(P.MIX_REPLY, ok=0, reason="; ".join(problems), at_step=at_step))
+            return
+        weights = [float(raw.get(name, 0.0)) for name in names]
+        if self.history.durable:  # durable before the answer, and before any step planned with it goes out
+            self._out.append(AppendMixture(at_step, tuple(weights)))
+        self.planner.set_weights(at_step, weights)
+        log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
+        self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
+
+    # ------------------------------------------------------------------ messages of registered peers
+
+    def _on_worker_heartbeat(self, ev: WorkerHeartbeat, worker: WorkerInfo) -> None:
+        worker.busy_s = max(worker.busy_s, ev.busy_s)
+
+    def _on_host_heartbeat(self, ev: HostHeartbeat, host: HostInfo) -> None:
+        host.procs = ev.procs
+
+    def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
+        trainer.consumed = max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1))
+        trainer.waited_s = max(trainer.waited_s, ev.waited_s)
+
+    def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
+        log.info("rank %d left", trainer.rank)
+        self.registry.remove(ev.peer)
+
+    def _on_prepared(self, ev: Prepared, worker: WorkerInfo) -> None:
+        task = self.tasks.complete(ev.task_id, worker.worker_id)
+        if task is None:
+            log.debug("result of unknown or reassigned task %d ignored", ev.task_id)
+            return
+        s = task.source
+        if len(ev.lengths) != len(task.positions):
+            log.warning("worker %d: task %d returned %d lengths for %d records; re-issuing", worker.worker_id,
+                        task.task_id, len(ev.lengths), len(task.positions))
+            self._issue_prepare(s, task.positions)
+            return
+        for _, reason in ev.skipped:
+            self.skipped[s] += 1
+            log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
+                        self.skipped[s])
+        lengths = np.asarray(ev.lengths, dtype=np.int64)
+        self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
+        self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
+
+    def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
+        log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason)
+        if self.tasks.fail(ev.task_id, worker.worker_id) is not None:
+            self._assign_queued()
+
+    def _on_delivered(self, ev: Delivered, worker: WorkerInfo) -> None:
+        d = self.deliveries.acknowledge(ev.delivery_id, worker.worker_id)
+        if d is None:
+            log.debug("ack of unknown delivery %d", ev.delivery_id)
+            return
+        # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
+        for s in np.unique(d.release[:, 0]).tolist():
+            self.tables[s].release(d.release[d.release[:, 0] == s, 1])
+
+    # ------------------------------------------------------------------ time, failures, stopping
+
+    def _tick(self, now: float) -> None:
+        for role, info in self.registry.silent(now, 3 * self.heartbeat_s):
+            if role == "worker":
+                log.warning("worker %d silent for %.1fs: declared dead", info.worker_id, now - info.last_seen)
+            elif role == "trainer":
+                log.warning("rank %d silent for %.1fs: released (it may register again)", info.rank,
+                            now - info.last_seen)
+            else:
+                log.warning("worker host %s silent for %.1fs: forgotten", info.host, now - info.last_seen)
+            self._forget_peer(info.identity, "dead")
+        self._scale_hosts(now)
+        if self._last_status is None:
+            self._last_status = now
+        elif now - self._last_status >= self.job.runtime.status_every_s:
+            self._last_status = now
+            self._out.append(WriteStatus(self.status()))
+
+    def _shutdown(self, reason: str) -> None:
+        self.stopped = True
+        for w in self.registry.workers.values():
+            self._send(w.identity, P.make(P.SHUTDOWN, reason=reason))
+        for t in self.registry.trainers.values():
+            self._send(t.identity, P.make(P.SHUTDOWN, reason=reason))
+
+    def _scale_hosts(self, now: float) -> None:
+        reg = self.registry
+        for host, procs in self.workforce.decide(now, reg.hosts, reg.workers, reg.trainers):
+            log.info("worker host %s: %d -> %d processes (trainers wait %.0f%% of the time, workers %.0f%% busy)",
+                     host.host, host.procs, procs, 100 * self.workforce.last_wait, 100 * self.workforce.last_busy)
+            host.procs = procs
+            self._send(host.identity, P.make(P.SCALE, procs=procs, retire=[], reason="trainers wait for data"))
+        for host in reg.hosts.values():
+            for wid in sorted(host.retiring):
+                w = reg.workers.get(wid)
+                if w is None:  # died meanwhile: its agent restarts it, so the count stays
+                    host.retiring.discard(wid)
+                elif not (self.tasks.in_flight(wid) or self.deliveries.holds(wid)
+                          or any(t.count_held(wid) for t in self.tables)):
+                    host.retiring.discard(wid)
+                    host.procs -= 1
+                    log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
+                             host.procs)
+                    self._send(host.identity, P.make(P.SCALE, procs=host.procs, retire=[w.pid], reason="idle"))
+                    reg.remove(w.identity)
+
+    def _forget_peer(self, identity: bytes, why: str) -> None:
+        removed = self.registry.remove(identity)
+        if removed is None or removed[0] != "worker":
+            return
+        wid = removed[1].worker_id
+        log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", wid, why)
+        self.tasks.withdraw(wid)  # back to the queue: assigned below, or when a worker registers
+        lost = {s: t.held_by(wid) for s, t in enumerate(self.tables)}
+        for s, positions in lost.items():
+            self.reprepare.update((s, p) for p in positions.tolist())
+        _, acked = self.deliveries.orphan(wid)
+        for d in acked:  # acknowledged, but maybe never sent: again, from new copies
+            for rows in (d.positions, d.release):
+                for s in np.unique(rows[:, 0]).tolist():
+                    positions = np.unique(rows[rows[:, 0] == s, 1])
+                    gone = positions[self.tables[s].holders(positions) == NOBODY]
+                    lost[s] = np.union1d(lost[s], gone)
+                    self.reprepare.update((s, p) for p in gone.tolist())
+        self._assign_queued()
+        for s, positions in lost.items():
+            if len(positions):
+                self._issue_prepare(s, positions)
+        self._reissue_orphans()  # those whose records all have live holders can go at once
+
+    def _reissue_orphans(self) -> None:
+        """Send deliveries of dead workers again, once every record they read has a live holder.
+        Trainer clients drop pieces they already have, so a repeated piece is harmless."""
+        # In step order, and none after one that must wait: a later step's delivery may release a
+        # record an earlier step still reads (the worker would drop it before the earlier one came).
+        for d in self.deliveries.orphans():
+            if d.needs() & self.reprepare:
+                return
+            self.deliveries.replaced(d)
+            self._send_deliveries(d.step, d.items, d.positions, d.release)
+
+    # ------------------------------------------------------------------ prepare-ahead
+
+    def _per_step(self, s: int) -> float:
+        """Records of source s a step uses, at the current weights and mean record length."""
+        step = self.planner.state.next_step
+        w = max(self.planner.weights_at(step)[s], self.planner.weights_at(step + self.job.runtime.lookahead_steps)[s])
+        if w <= 0:
+            return 0.0
+        mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else self.job.batch.seq_len / 4
+        return w * self.job.step_tokens_at(step) / max(mean_len, 1.0)
+
+    def _task_size(self, s: int) -> int:
+        """Records per prepare task: prepare_batch, or fewer for a source a step uses little of
+        (with many sources, a full batch each would hold far more prepared data than needed)."""
+        return max(1, min(self.job.runtime.prepare_batch, math.ceil(self._per_step(s))))
+
+    def _window(self, s: int) -> int:
+        """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
+        per_step = self._per_step(s)
+        if per_step <= 0:
+            return 0
+        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self._task_size(s)
+
+    def _left(self, s: int) -> int:
+        """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
+        limit = self.planner.limit[s]
+        return 1 << 62 if limit is None else max(0, limit - self.tables[s].end)
+
+    def _prepare_ahead(self) -> None:
+        if not self.registry.workers:
+            return
+        for s in range(len(self.job.sources)):
+            cursor = self.planner.state.cursors[s]
+            batch, window = self._task_size(s), self._window(s)  # fixed while tasks are issued
+            while self.tables[s].end - cursor < window and self._left(s):
+                self._prepare_next_batch(s, min(batch, self._left(s)))
+
+    def _ensure_prepared(self, s: int, position: int) -> None:
+        batch = self._task_size(s)
+        while self.tables[s].end <= position and self.registry.workers and self._left(s):
+            self._prepare_next_batch(s, min(batch, self._left(s)))
+
+    def _prepare_next_batch(self, s: int, batch: int) -> None:
+        records = self.planner.streams[s].records_array(self.tables[s].end, batch)
+        self._issue_prepare(s, self.tables[s].issue(records))
+
+    def _issue_prepare(self, s: int, positions: np.ndarray) -> None:
+        self.tasks.new(s, positions)
+        self._assign_queued()
+
+    def _assign_queued(self) -> None:
+        """Hand every queued task to a worker (the allocation picks which), if any is alive."""
+        workers = self.registry.workers
+        queued = self.tasks.queued()
+        if not workers:
+            for task in queued:  # remembered: assigned when a worker registers
+                log.warning("no worker to prepare %d records of source %d; waiting", len(task.positions), task.source)
+                self.tasks.requeue(task)
+            return
+        retiring = self.workforce.retiring(self.registry.hosts)
+        weights = self.planner.weights_at(self.planner.state.next_step)
+        for task in queued:
+            candidates = ([w for w in workers if w != task.avoid and w not in retiring]
+                          or [w for w in workers if w not in retiring] or list(workers))
+            s = task.source
+            if s in self.mapped:
+                # Prepared here and now: the lengths come from the index, and the worker that will
+                # read the records from its map is the one holding the fewest such records.
+                held = np.zeros(self.registry.next_worker_id + 1, dtype=np.int64)
+                for m in self.mapped:
+                    held += self.tables[m].held_counts(len(held))
+                wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
+                self.tasks.assign(task, wid, 0.0)
+                self.tasks.complete(task.task_id, wid)
+                records = self.tables[s].records(task.positions)
+                self._set_prepared(s, task.positions, self.mapped[s].lengths(records), wid)
+                continue
+            wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
+            self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)))
+            records = self.tables[s].records(task.positions)
+            self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records)
+
+    def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int,
+                      patches: np.ndarray | None = None) -> None:
+        """The records at these positions of source s are prepared, held by the worker."""
+        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches)
+        changed = (before >= 0) & (before != lengths)
+        for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
+            log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
+                      self.job.sources[s].name, pos, now, was)
+        new = before < 0
+        self.len_sum[s] += int(lengths[new].sum())
+        self.len_count[s] += int(new.sum())
+        if self.reprepare:
+            self.reprepare.difference_update((s, p) for p in positions.tolist())
+        if self.deliveries.orphaned:
+            self._reissue_orphans()
+
+    # ------------------------------------------------------------------ the plan's side of the planner
+
+    def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(records, lengths) of stream positions [start, start+count): what the planner may use
+        (plan.Known). Length -1: not prepared yet."""
+        return self.tables[source].window(start, count)
+
+    def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Image patches of prepared records (plan.Known)."""
+        return self.tables[source].patches(positions)
+
+    # ------------------------------------------------------------------ planning and dispatch
+
+    def _pump(self) -> None:
+        trainers = self.registry.trainers
+        self.deliveries.finish_consumed(lambda r: trainers[r].consumed if r in trainers else -1)
+        if not self.registry.workers:
+            return
+        self._assign_queued()  # tasks queued while no worker lived
+        if self.reprepare or not self.receivers <= trainers.keys():
+            # Records lost with a dead worker are being prepared again (a carried-over document may
+            # be among them), or not every rank is here yet: plan nothing, but prepare ahead.
+            self._prepare_ahead()
+            return
+        limit = min(t.consumed for t in trainers.values()) + 1 + self.job.runtime.lookahead_steps
+        planned = []
+        while self.end is None and self.planner.state.next_step < limit:
+            if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:
+                break  # the length the last attempt stopped at is still not in: planning would stop there again
+            self.waiting = None
+            try:
+                plan = self.planner.plan_step(self)
+            except NeedLength as need:  # nothing changed: plan again once the length is in
+                self.waiting = (need.source, need.position)
+                self._ensure_prepared(need.source, need.position)
+                break
+            except SourceExhausted as e:
+                log.warning("%s: the stream ends before step %d", e, e.step)
+                self.end = (e.step, str(e))
+                for t in trainers.values():
+                    self._send(t.identity, P.make(P.END_OF_STREAM, step=e.step, reason=str(e)))
+                break
+            finally:
+                for event in self.planner.events:
+                    log.warning("%s", event)
+                self.planner.events.clear()
+            self._record(self.planner.state)
+            planned.append(plan)
+        self._journal()  # the steps are durable before any of their deliveries goes out
+        for plan in planned:
+            self._dispatch(plan)
+            if plan.step % FORGET_EVERY_STEPS == 0:
+                self._forget_old()
+        self._prepare_ahead()
+
+    def _record(self, state) -> None:
+        j, compact = self.history.record(state)
+        if not self.history.durable:
+            return
+        if compact:  # the rewritten journal holds this state only
+            self._journal_lines.clear()
+            self._compact_to = j
+        else:
+            self._journal_lines.append(j)
+
+    def _journal(self) -> None:
+        if self._compact_to is not None:
+            self._out.append(CompactJournal(self._compact_to))
+            self._compact_to = None
+        if self._journal_lines:
+            self._out.append(AppendJournal(tuple(self._journal_lines)))
+            self._journal_lines = []
+
+    def _forget_old(self) -> None:
+        """Drop position-table entries nothing can refer to any more: below the planner's cursor
+        (and the document it carries), every delivery not done and every prepare task."""
+        floor = list(self.planner.state.cursors)
+        for s, carry in enumerate(self.planner.state.carry):
+            if carry is not None:
+                floor[s] = min(floor[s], carry[0])
+        n = len(floor)
+        for floors in (self.deliveries.floors(n), self.tasks.floors(n)):
+            for s, low in enumerate(floors):
+                if low is not None:
+                    floor[s] = min(floor[s], low)
+        for s, table in enumerate(self.tables):
+            table.forget_before(floor[s])
+
+    def _dispatch(self, plan: StepPlan) -> None:
+        plan_summary = {
+            "rank_costs": plan.rank_costs,
+            "max_over_mean": imbalance(plan.rank_costs),
+            "naive_rank_costs": plan.naive_rank_costs,
+            "naive_max_over_mean": imbalance(plan.naive_rank_costs),
+            "source_tokens": {s.name: plan.source_tokens[s.index] for s in self.job.sources},
+        }
+        if plan.step % 100 == 0:
+            log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
+                     plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
+        t = plan.pieces
+        refs = np.column_stack([doc_key(t[:, SOURCE], t[:, RECORD]), t[:, OFFSET].astype(np.uint64),
+                                t[:, LENGTH].astype(np.uint64)])  # protocol.RECIPE_PIECE rows
+        bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1))
+        trainers = self.registry.trainers
+        items, positions = [], []
+        # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too)
+        for rank in sorted(self.receivers | (trainers.keys() - self.receivers)):
+            d = self.topology.coords(rank).dp
+            lo, hi = bounds[d], bounds[d + 1]
+            counts = np.bincount(plan.row[lo:hi], minlength=plan.rows_per_rank)
+            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=plan_summary)
+            self._send(trainers[rank].identity, header, refs[lo:hi], counts)
+            items.append(np.column_stack([np.full(hi - lo, rank, dtype=np.uint64),
+                                          np.arange(hi - lo, dtype=np.uint64), refs[lo:hi]]))  # DELIVER_ITEM rows
+            positions.append(t[lo:hi][:, [SOURCE, POSITION]])
+        self._send_deliveries(plan.step, np.concatenate(items), np.concatenate(positions), plan.finished)
+
+    def _holders(self, positions: np.ndarray) -> np.ndarray:
+        """The worker holding each [source, position] row's prepared copy."""
+        owners = np.empty(len(positions), dtype=np.int64)
+        for s in np.unique(positions[:, 0]).tolist():
+            mask = positions[:, 0] == s
+            owners[mask] = self.tables[s].holders(positions[mask, 1])
+        if (owners == NOBODY).any():
+            missing = positions[owners == NOBODY][0].tolist()
+            raise RuntimeError(f"no worker holds source {missing[0]} position {missing[1]}")
+        return owners
+
+    def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray, release: np.ndarray) -> None:
+        """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly.
+        items: DELIVER_ITEM rows; positions and release: [source, position] rows (of each item's
+        record; of prepared copies used up after this step)."""
+        owners, release_owners = self._holders(positions), self._holders(release)
+        trainers, workers = self.registry.trainers, self.registry.workers
+        for wid in np.union1d(owners, release_owners).tolist():
+            mask = owners == wid
+            mine = items[mask]
+            rel = release[release_owners == wid]
+            ranks = np.unique(mine[:, DELIVER_ITEM.rank]).tolist()
+            d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
+            header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step,
+                            addresses=[[r, trainers[r].address] for r in ranks if r in trainers])
+            release_keys = np.empty(len(rel), dtype=np.uint64)
+            for s in np.unique(rel[:, 0]).tolist():
+                mask = rel[:, 0] == s
+                release_keys[mask] = doc_key(s, self.tables[s].records(rel[mask, 1]))
+            self._send(workers[wid].identity, header, mine, release_keys)
+
+    # ------------------------------------------------------------------ resume
+
+    def _reset_tables(self) -> None:
+        """Start every source's position table at the first position the plan still needs."""
+        st = self.planner.state
+        for s, table in enumerate(self.tables):
+            carry = st.carry[s]
+            table.reset(min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s])
+
+    def _rewind(self, step: int, journaled: dict | None) -> None:
+        """Plan again from `step` (a trainer resumes from an older checkpoint). The planner is
+        deterministic, so the steps planned again are the ones planned before; what was prepared
+        or in flight for them is dropped, and the workers start clean (they register again)."""
+        log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step)
+        self.planner.state = self.history.state_before(step, journaled)
+        self.history.forget_after(step)
+        self.deliveries.clear()
+        self.reprepare.clear()
+        self.tasks.clear()
+        self.waiting = None
+        if self.end is not None and self.end[0] > step:
+            self.end = None
+        for w in self.registry.forget_workers():
+            self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
+        self._reset_tables()
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        step = self.planner.state.next_step
+        return {
+            "events_handled": self.events_handled,
+            "messages_sent": self.messages_sent,
+            "next_step": step,
+            "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
+            "workers": len(self.registry.workers),
+            "tasks_in_flight": len(self.tasks),
+            "deliveries": self.deliveries.counts(),
+            "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
+            **self.workforce.status(self.registry.hosts, [s.name for s in self.job.sources],
+                                    self.planner.weights_at(step), self.job.step_tokens_at(step)),
+        }
