@@ -1,0 +1,67 @@
+"""A coordinator that fails writes its stimulus log, and the log replays the run, failure included,
+in a unit test's way: a fresh CoordinatorState fed the same bursts returns the same instructions.
+The coordinator runs in this process (its shell in a thread, a real ROUTER socket), with a real
+worker host process and a real DataClient."""
+
+import asyncio
+import glob
+import os
+import threading
+
+import pytest
+
+from coordinator import stimulus
+from coordinator.app import Coordinator
+from coordinator.config import load_job
+from coordinator.instructions import Stop
+from coordinator.sources import open_sources
+from coordinator.state import CoordinatorState
+from coordinator.testing.local import _SPAWN, _host_main
+from tests.conftest import job_dict, write_job
+from trainer_client import DataClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+FAIL_AT_STEP = 4
+
+
+def test_a_failed_coordinator_leaves_a_log_that_replays_its_failure(dataset_dir, tmp_path, monkeypatch):
+    path = write_job(dataset_dir, job_dict(topology={"dp": 1}), "stimulus.yaml")
+    job = load_job(path)
+    dispatch = CoordinatorState._dispatch
+
+    def failing(self, plan):
+        if plan.step == FAIL_AT_STEP:
+            raise RuntimeError(f"injected failure at step {plan.step}")
+        return dispatch(self, plan)
+
+    monkeypatch.setattr(CoordinatorState, "_dispatch", failing)
+    state_dir = str(tmp_path / "state")
+    coord = Coordinator(job, open_sources(job), "tcp://127.0.0.1:*", state_dir=state_dir)
+    loop = asyncio.new_event_loop()
+    ready = loop.create_future()
+    thread = threading.Thread(target=loop.run_until_complete, args=(coord.run(ready),), daemon=True)
+    thread.start()
+    while not ready.done():
+        pass
+    host = _SPAWN.Process(target=_host_main, args=(ready.result(), 1, "WARNING", None))
+    host.start()
+    steps = set()
+    try:
+        with DataClient(ready.result(), rank=0, as_torch=False, timeout_s=30) as client:
+            for batch in client:  # the coordinator's shutdown ends the stream
+                steps.add(batch["step"])
+        thread.join(20)
+    finally:
+        host.terminate()
+        host.join(10)
+        loop.call_soon_threadsafe(coord.stop)
+        thread.join(10)
+    assert coord.failed and steps == set(range(FAIL_AT_STEP))  # nothing of the failed step went out
+    [dump_path] = glob.glob(os.path.join(state_dir, "stimulus-*.msgpack"))
+    dump = stimulus.load(dump_path)
+    assert dump.complete
+    stops = [i for _, out in dump.entries for i in out if isinstance(i, Stop)]
+    assert len(stops) == 1 and stops[0].failed and f"step {FAIL_AT_STEP}" in stops[0].reason
+    result = stimulus.replay(dump, stimulus.build_state(dump))
+    assert result.mismatch is None, (result.mismatch, result.expected, result.got)
+    assert result.bursts == len(dump.entries)

@@ -1,0 +1,202 @@
+"""Drives a CoordinatorState with scripted events, no processes and no sockets: in-process stand-ins
+for workers (they read real records with the real readers, keep a cache of copies as a worker
+does, and can die), trainer ranks (they consume a step once all of its pieces are in) and the
+clock. Every Send the state returns is answered the way the real peer would answer it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.config import JobConfig
+from coordinator.events import (Consumed, Delivered, Event, Prepared, Tick, TrainerBye, TrainerHeartbeat,
+                                TrainerHello, WorkerHeartbeat, WorkerHello)
+from coordinator.history import StepHistory
+from coordinator.instructions import Instruction, Send
+from coordinator.sources import open_sources
+from coordinator.state import CoordinatorState
+from trainer_client import protocol as P
+from trainer_client.doc_keys import split_doc_key
+from trainer_client.protocol import DELIVER_ITEM
+from worker.readers import open_source
+
+
+@dataclass
+class FakeWorker:
+    peer: bytes
+    worker_id: int | None = None
+    alive: bool = True
+    cache: dict[int, int] = field(default_factory=dict)  # doc key -> prepared copies
+    busy_s: float = 0.0
+
+
+@dataclass
+class FakeRank:
+    rank: int
+    peer: bytes
+    consumed: int = -1
+    headers: dict[int, np.ndarray] = field(default_factory=dict)  # step -> recipe (RECIPE_PIECE rows)
+    arrived: dict[int, set[int]] = field(default_factory=dict)  # step -> recipe indices received
+    waited_s: float = 0.0
+
+
+class Driver:
+    def __init__(self, job: JobConfig, history: StepHistory | None = None) -> None:
+        self.job = job
+        self.sources = open_sources(job)
+        self.state = CoordinatorState(job, self.sources, history or StepHistory(False))
+        self.readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+        self.now = 0.0
+        self.workers: dict[bytes, FakeWorker] = {}
+        self.ranks: dict[int, FakeRank] = {}
+        self.pending: list[Event] = []
+        self.out: list[Instruction] = []  # every instruction, in order
+        self.unserved: list[str] = []  # pieces a worker was asked for and could not serve
+        self.on_deliver = None  # hook(driver, worker, instruction) -> "drop" | "ack-then-die" | None
+
+    # ------------------------------------------------------------------ peers
+
+    def add_worker(self, name: str) -> bytes:
+        peer = name.encode()
+        self.workers[peer] = FakeWorker(peer)
+        self.pending.append(WorkerHello(at=self.now, peer=peer, version=P.PROTOCOL_VERSION, host="test", pid=len(
+            self.workers), incarnation=len(self.workers), agent=1))
+        return peer
+
+    def add_rank(self, rank: int, resume_step: int = 0, name: str | None = None) -> bytes:
+        peer = (name or f"rank{rank}").encode()
+        self.ranks[rank] = FakeRank(rank, peer, consumed=resume_step - 1)
+        self.pending.append(TrainerHello(at=self.now, peer=peer, version=P.PROTOCOL_VERSION, rank=rank,
+                                         data_address=f"tcp://rank{rank}", resume_step=resume_step, incarnation=rank,
+                                         metadata_only=0))
+        return peer
+
+    def remove_rank(self, rank: int) -> None:
+        r = self.ranks.pop(rank)
+        self.pending.append(TrainerBye(at=self.now, peer=r.peer, rank=rank))
+
+    def kill(self, peer: bytes) -> None:
+        """The worker process dies: it answers nothing from now on and its cache is gone."""
+        self.workers[peer].alive = False
+        self.workers[peer].cache.clear()
+
+    # ------------------------------------------------------------------ the loop
+
+    def handle(self, *events: Event) -> list[Instruction]:
+        out = self.state.handle(*events)
+        self.out.extend(out)
+        for ins in out:
+            if isinstance(ins, Send):
+                self._answer(ins)
+        return out
+
+    def flush(self) -> list[Instruction]:
+        events, self.pending = self.pending, []
+        return self.handle(*events)
+
+    def tick(self, seconds: float | None = None) -> list[Instruction]:
+        """Time passes; live peers heartbeat as they do."""
+        self.now += self.state.heartbeat_s if seconds is None else seconds
+        beats: list[Event] = [WorkerHeartbeat(at=self.now, peer=w.peer, worker_id=w.worker_id, cached_records=len(
+            w.cache), busy_s=w.busy_s) for w in self.workers.values() if w.alive and w.worker_id is not None]
+        beats += [TrainerHeartbeat(at=self.now, peer=r.peer, rank=r.rank) for r in self.ranks.values()]
+        events, self.pending = self.pending, []
+        return self.handle(*events, *beats, Tick(at=self.now))
+
+    def run(self, steps: int, max_rounds: int = 10_000) -> None:
+        """Until every rank has consumed steps 0..steps-1."""
+        for _ in range(max_rounds):
+            if self.ranks and min(r.consumed for r in self.ranks.values()) >= steps - 1:
+                return
+            self._consume()
+            if self.pending:
+                self.flush()
+            else:
+                self.tick()
+        raise AssertionError(f"not done in {max_rounds} rounds: ranks consumed "
+                             f"{ {r.rank: r.consumed for r in self.ranks.values()} }")
+
+    def _consume(self) -> None:
+        for r in self.ranks.values():
+            step = r.consumed + 1
+            recipe = r.headers.get(step)
+            if recipe is not None and len(r.arrived.get(step, ())) == len(recipe):
+                r.consumed = step
+                self.pending.append(Consumed(at=self.now, peer=r.peer, rank=r.rank, step=step, waited_s=r.waited_s))
+
+    # ------------------------------------------------------------------ what peers do with messages
+
+    def _answer(self, ins: Send) -> None:
+        kind = ins.header["type"]
+        worker = self.workers.get(ins.peer)
+        if worker is not None:
+            if not worker.alive:
+                return
+            if kind == "welcome":
+                worker.worker_id = ins.header["worker_id"]
+            elif kind == "unknown_peer":
+                worker.worker_id = None
+                worker.cache.clear()
+                self.pending.append(WorkerHello(at=self.now, peer=worker.peer, version=P.PROTOCOL_VERSION,
+                                                host="test", pid=1, incarnation=1, agent=1))
+            elif kind == "prepare":
+                self._prepare(worker, ins)
+            elif kind == "deliver":
+                self._deliver(worker, ins)
+            return
+        rank = next((r for r in self.ranks.values() if r.peer == ins.peer), None)
+        if rank is not None and kind == "step_header":
+            rank.headers.setdefault(ins.header["step"], np.asarray(ins.arrays[0]))
+
+    def _prepare(self, worker: FakeWorker, ins: Send) -> None:
+        s, records = ins.header["source"], np.asarray(ins.arrays[0])
+        lengths = np.zeros(len(records), dtype=np.int64)
+        skipped = []
+        for i, rec in enumerate(records.tolist()):
+            try:
+                tokens, _ = self.readers[s].read_sample(rec)
+            except Exception as e:  # the real worker's skip
+                skipped.append([i, str(e)])
+                continue
+            key = (s << 48) | rec
+            worker.cache[key] = worker.cache.get(key, 0) + 1
+            lengths[i] = len(tokens)
+        worker.busy_s += 0.001 * len(records)
+        self.pending.append(Prepared(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
+                                     task_id=ins.header["task_id"], skipped=skipped, busy_s=0.001 * len(records),
+                                     lengths=lengths, patches=np.zeros(0, dtype=np.int64)))
+
+    def _deliver(self, worker: FakeWorker, ins: Send) -> None:
+        items, release = np.asarray(ins.arrays[0]), np.asarray(ins.arrays[1])
+        fate = self.on_deliver(self, worker, ins) if self.on_deliver is not None else None
+        if fate == "drop":  # dies before sending anything or acknowledging
+            self.kill(worker.peer)
+            return
+        if fate != "ack-then-die":
+            for row in items.tolist():
+                key = row[DELIVER_ITEM.doc_key]
+                source = split_doc_key(key)[0]
+                if source not in self.state.mapped and not worker.cache.get(key):
+                    self.unserved.append(f"worker {worker.worker_id}: step {ins.header['step']} key {key:x}")
+                    continue
+                rank = self.ranks.get(row[DELIVER_ITEM.rank])
+                if rank is not None:
+                    rank.arrived.setdefault(ins.header["step"], set()).add(row[DELIVER_ITEM.piece])
+            for key in release.tolist():
+                if worker.cache.get(key):
+                    worker.cache[key] -= 1
+        self.pending.append(Delivered(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
+                                      delivery_id=ins.header["delivery_id"]))
+        if fate == "ack-then-die":  # acknowledged, but the pieces never left its socket
+            self.kill(worker.peer)
+
+    # ------------------------------------------------------------------ what to assert on
+
+    def stream(self, steps: int | None = None) -> dict[tuple[int, int], list]:
+        """(rank, step) -> the recipe it received (what determinism promises)."""
+        return {(r.rank, k): v.tolist() for r in self.ranks.values() for k, v in r.headers.items()
+                if steps is None or k < steps}
+
+    def sends(self, out: list[Instruction], kind: str) -> list[Send]:
+        return [i for i in out if isinstance(i, Send) and i.header["type"] == kind]

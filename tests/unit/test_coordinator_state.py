@@ -1,0 +1,237 @@
+"""The coordinator's state machine driven by scripted events (tests/unit/coordinator_driver.py):
+no processes, no sockets, no clock. Assertions are on the instructions it returns and on the
+stream the stand-in ranks receive."""
+
+import numpy as np
+import pytest
+
+from coordinator import stimulus
+from coordinator.config import parse_job
+from coordinator.events import (Consumed, HostHeartbeat, HostHello, MixRequest, Tick, TrainerHello,
+                                WorkerHeartbeat)
+from coordinator.history import StepHistory
+from coordinator.instructions import AppendJournal, AppendMixture, Send, Stop
+from coordinator.plan import Planner
+from tests.conftest import job_dict
+from trainer_client import protocol as P
+
+from .coordinator_driver import Driver
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def job(dataset_dir):
+    return parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(job):
+    d = Driver(job)
+    d.add_worker("w0")
+    d.add_rank(0)
+    d.add_rank(1)
+    d.run(STEPS)
+    assert not d.unserved
+    return d.stream(STEPS)
+
+
+def _started(job, workers=("w0", "w1"), history=None) -> Driver:
+    d = Driver(job, history)
+    for w in workers:
+        d.add_worker(w)
+    d.add_rank(0)
+    d.add_rank(1)
+    return d
+
+
+def test_the_stream_does_not_depend_on_the_number_of_workers(job, reference):
+    d = _started(job, ("w0", "w1", "w2"))
+    d.run(STEPS)
+    assert d.stream(STEPS) == reference and not d.unserved
+    # and it is the planner's own plan: the recipes hold its pieces, rank by rank
+    assert sum(len(v) for v in reference.values()) > 0
+
+
+def test_the_journal_line_of_a_step_precedes_its_dispatch(job):
+    d = _started(job, history=StepHistory(durable=True))
+    d.run(3)
+    kinds = [type(i).__name__ if not isinstance(i, Send) else i.header["type"] for i in d.out]
+    for step in range(3):
+        journaled = next(k for k, i in enumerate(d.out) if isinstance(i, AppendJournal)
+                         and any(s["next_step"] == step + 1 for s in i.states))
+        first_header = next(k for k, i in enumerate(d.out) if isinstance(i, Send)
+                            and i.header["type"] == "step_header" and i.header["step"] == step)
+        assert journaled < first_header, kinds[:first_header + 1]
+
+
+def test_a_worker_dying_mid_delivery_has_its_records_prepared_again_and_the_deliveries_sent_in_step_order(
+        job, reference):
+    d = _started(job)
+    victim = b"w1"
+    lost_steps = []
+
+    def die_once(driver, worker, ins):
+        if worker.peer == victim and ins.header["step"] >= 4 and not lost_steps:
+            lost_steps.append(ins.header["step"])
+            return "drop"  # killed with the delivery in hand: no pieces, no ack
+        return None
+
+    d.on_deliver = die_once
+    d.run(4)
+    before = len(d.out)
+    d.run(STEPS)
+    assert lost_steps and not d.workers[victim].alive
+    after = d.out[before:]
+    # the state noticed (3 silent heartbeats), re-prepared on the survivor, re-sent in step order
+    reprepared = [i for i in d.sends(after, "prepare") if i.peer == b"w0"]
+    assert reprepared
+    resent = [i.header["step"] for i in d.sends(after, "deliver") if i.peer == b"w0"]
+    assert resent == sorted(resent) and lost_steps[0] in resent
+    assert d.stream(STEPS) == reference and not d.unserved
+    assert d.state.deliveries.counts()["orphaned"] == 0
+
+
+def test_a_delivery_lost_after_its_ack_is_sent_again(job, reference):
+    """A worker's ack means its socket queued the pieces, not that they arrived: a worker killed
+    right after acknowledging loses them, and the coordinator sends them again from new copies."""
+    d = _started(job)
+    done = []
+
+    def ack_then_die(driver, worker, ins):
+        if worker.peer == b"w0" and ins.header["step"] == 3 and not done:
+            done.append(ins.header["delivery_id"])
+            return "ack-then-die"
+        return None
+
+    d.on_deliver = ack_then_die
+    d.run(STEPS)
+    assert done and d.stream(STEPS) == reference and not d.unserved
+
+
+def test_a_rank_resuming_from_an_older_step_rewinds_the_plan_and_gets_the_same_steps(job, reference):
+    d = _started(job)
+    d.run(7)
+    assert d.state.planner.state.next_step > 7
+    first_time = d.ranks[0].headers
+    d.remove_rank(0)
+    d.flush()
+    d.add_rank(0, resume_step=3, name="rank0-restarted")  # a new trainer process, from a step-3 checkpoint
+    out = d.flush()
+    told = {i.peer for i in d.sends(out, "unknown_peer")}
+    assert told == {b"w0", b"w1"}  # workers start clean: what they held was for the old plan
+    assert 3 <= d.state.planner.state.next_step < 7  # planned again from step 3
+    d.run(STEPS)
+    assert all(np.array_equal(first_time[k], d.ranks[0].headers[k]) for k in range(3, 7))  # the same steps again
+    d.ranks[0].headers.update({k: v for k, v in first_time.items() if k < 3})
+    assert d.stream(STEPS) == reference and not d.unserved
+
+
+def test_a_mix_request_is_journaled_before_it_is_answered_and_refused_for_a_planned_step(job):
+    d = _started(job, history=StepHistory(durable=True))
+    d.run(2)
+    planned = d.state.planner.state.next_step
+    ok = d.handle(MixRequest(at=d.now, peer=b"tool", at_step=planned + 5, weights={"web": 1, "code": 1}))
+    kinds = [type(i).__name__ if not isinstance(i, Send) else i.header["type"] for i in ok]
+    assert kinds[:2] == ["AppendMixture", "mix_reply"] and ok[1].header["ok"] == 1
+    assert ok[0] == AppendMixture(planned + 5, (1.0, 1.0, 0.0))
+    assert d.state.planner.weights_at(planned + 5) == [0.5, 0.5, 0.0]
+    late = d.handle(MixRequest(at=d.now, peer=b"tool", at_step=0, weights={"web": 1}))
+    assert [i.header["ok"] for i in d.sends(late, "mix_reply")] == [0]
+    assert "already planned" in d.sends(late, "mix_reply")[0].header["reason"]
+    assert not any(isinstance(i, AppendMixture) for i in late)
+
+
+def test_a_busy_auto_host_grows_while_ranks_wait(job):
+    d = Driver(job)
+    host = HostHello(at=0.0, peer=b"host", version=P.PROTOCOL_VERSION, agent_id=7, host="cpu-1", procs=1,
+                     min_procs=1, max_procs=3, auto=1)
+    out = d.handle(host)
+    assert [(i.header["procs"], i.header["reason"]) for i in d.sends(out, "scale")] == [(1, "registered")]
+    d.add_worker("w0")
+    d.add_rank(0)
+    d.add_rank(1)
+    d.flush()
+    scales = []
+    for k in range(1, 8):  # workers busy 90 % of the time, ranks waiting half of it
+        d.now += 1.0
+        beats = [WorkerHeartbeat(at=d.now, peer=b"w0", worker_id=0, cached_records=0, busy_s=0.9 * k)]
+        beats += [Consumed(at=d.now, peer=f"rank{r}".encode(), rank=r, step=-1, waited_s=0.5 * k) for r in (0, 1)]
+        beats += [HostHeartbeat(at=d.now, peer=b"host", agent_id=7, procs=1)]
+        scales += d.sends(d.handle(*beats, Tick(at=d.now)), "scale")
+    assert scales and scales[0].peer == b"host" and scales[0].header["procs"] == 2
+
+
+def test_an_unknown_peer_is_asked_to_say_hello_and_a_bad_claim_is_dropped(job):
+    d = _started(job, ("w0",))
+    d.flush()
+    out = d.handle(WorkerHeartbeat(at=0.0, peer=b"stranger", worker_id=0, cached_records=0, busy_s=0.0))
+    assert [i.peer for i in d.sends(out, "unknown_peer")] == [b"stranger"]
+    out = d.handle(WorkerHeartbeat(at=0.0, peer=b"w0", worker_id=99, cached_records=0, busy_s=0.0))
+    assert not d.sends(out, "unknown_peer") and d.state.registry.workers[0].busy_s == 0.0
+    bad = d.handle(TrainerHello(at=0.0, peer=b"r9", version=P.PROTOCOL_VERSION, rank=9, data_address="x",
+                                resume_step=0, incarnation=1, metadata_only=0))
+    assert "out of range" in d.sends(bad, "reject")[0].header["reason"]
+
+
+def test_a_faulty_run_replays_exactly_from_its_stimulus_log(job, tmp_path):
+    d = _started(job)
+    log = stimulus.StimulusLog({"job_path": "job.yaml", "num_records": list(d.sources.num_records),
+                                "durable": False, "loaded_states": [], "mixture_changes": []})
+    handle = d.state.handle
+
+    def logged(*events):
+        out = handle(*events)
+        log.record(list(events), out)
+        return out
+
+    d.state.handle = logged
+    d.on_deliver = lambda drv, w, ins: "drop" if w.peer == b"w1" and ins.header["step"] == 5 else None
+    d.run(STEPS)
+    path = log.dump(str(tmp_path / "stimulus.msgpack"))
+    dump = stimulus.load(path)
+    assert dump.complete and len(dump.entries) == log.recorded
+    result = stimulus.replay(dump, stimulus.build_state(dump, job=job, sources=d.sources))
+    assert result.mismatch is None and result.bursts == log.recorded
+
+
+def test_a_planning_error_stops_the_coordinator_with_the_reason(job, monkeypatch):
+    d = _started(job)
+
+    def broken(known):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(d.state.planner, "plan_step", broken)
+    out = d.flush()
+    stops = [i for i in out if isinstance(i, Stop)]
+    assert stops and stops[0].failed and "boom" in stops[0].reason
+    assert not d.sends(out, "step_header")
+
+
+def test_the_planner_alone_gives_the_recipes_the_ranks_received(job, reference, dataset_dir):
+    """The state adds no decision of its own to the plan: a bare Planner over the true lengths
+    gives the same pieces."""
+    d = Driver(job)
+    planner = Planner(job, d.sources.num_records)
+    readers = d.readers
+
+    class Known:
+        def window(self, source, start, count):
+            records = planner.streams[source].records_array(start, count)
+            lengths = []
+            for r in records.tolist():
+                try:
+                    lengths.append(len(readers[source].read_sample(r)[0]))
+                except Exception:
+                    lengths.append(0)
+            return records, np.asarray(lengths, dtype=np.int64)
+
+        def patches(self, source, positions):
+            return np.zeros(len(positions), dtype=np.int64)
+
+    for step in range(STEPS):
+        plan = planner.plan_step(Known())
+        for rank in (0, 1):
+            pieces, _ = plan.rows_of_rank(rank)
+            got = reference[(rank, step)]
+            assert [row[1:] for row in got] == [[int(p[3]), int(p[4])] for p in pieces]
