@@ -27,14 +27,14 @@ import zmq
 from trainer_client import protocol as P
 from trainer_client import security, wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket, send_nowait
+from trainer_client.session import PeerLoop, Registration
+from trainer_client.sockets import make_socket
 
 log = logging.getLogger("msd.worker.host")
 
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 10.0  # a process that lived this long before dying restarts without back-off
 KILLED = (-signal.SIGKILL, -signal.SIGTERM)  # stopped from outside (operator, OOM killer): no back-off
-HELLO_RETRY_S = 2.0
 HEARTBEAT_S = 1.0
 
 
@@ -72,7 +72,7 @@ class HostAgent:
         self.ctx.set_forkserver_preload(["worker.preload"])
         self.slots: list[_Slot] = []
         self.stopping = False
-        self.registered = False
+        self.registration: Registration | None = None
 
     def _start(self, slot: _Slot) -> None:
         p = self.ctx.Process(target=_worker_main, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
@@ -127,27 +127,14 @@ class HostAgent:
             security.as_client(control, security.load(self.keys_dir, "worker"),
                                security.public_key(self.keys_dir, "coordinator"))
         control.connect(self.coordinator)
-        last_hello = last_beat = 0.0
+        self.registration = Registration(
+            lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
+                           procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
+            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target), heartbeat_s=HEARTBEAT_S)
+        loop = PeerLoop(control, self.registration)
+        loop.on(control, self._on_control)
         try:
-            while not self.stopping:
-                now = time.monotonic()
-                self._keep_alive(now)
-                if not self.registered and now - last_hello > HELLO_RETRY_S:
-                    # not sent while the coordinator is not there yet: the next hello goes out later
-                    send_nowait(control, P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id,
-                                                host=socket.gethostname(), procs=self.target, min_procs=self.min_procs,
-                                                max_procs=self.max_procs, auto=int(self.auto)))
-                    last_hello = now
-                elif self.registered and now - last_beat > HEARTBEAT_S:
-                    send_nowait(control, P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target))
-                    last_beat = now
-                if control.poll(200):
-                    try:
-                        header, _ = wire.decode(control.recv_multipart(), P.HOST_INBOX)
-                    except ProtocolError as e:
-                        log.warning("dropped message from coordinator: %s", e)
-                        continue
-                    self._handle(header)
+            loop.run(lambda: not self.stopping, self._keep_alive)
         except KeyboardInterrupt:
             pass
         finally:
@@ -155,18 +142,26 @@ class HostAgent:
             zctx.term()
             self.shutdown()
 
+    def _on_control(self, control: zmq.Socket) -> None:
+        try:
+            header, _ = wire.decode(control.recv_multipart(), P.HOST_INBOX)
+        except ProtocolError as e:
+            log.warning("dropped message from coordinator: %s", e)
+            return
+        self._handle(header)
+
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]
         if kind == "scale":
-            self.registered = True
+            self.registration.welcomed()
             self._scale(msg["procs"], msg["retire"], msg["reason"])
         elif kind == "unknown_peer":
-            self.registered = False
+            self.registration.forgotten()
         elif kind == "shutdown":
             # The coordinator stops (the job ended, or it restarts): keep the host up and say
             # hello until a coordinator answers at that address; stop with SIGTERM or Ctrl-C.
             log.info("coordinator stopping (%s); waiting for it to come back", msg["reason"])
-            self.registered = False
+            self.registration.waiting()
         elif kind == "reject":
             log.error("coordinator rejected this host: %s; stopping", msg["reason"])
             self.stopping = True

@@ -13,7 +13,7 @@ from coordinator.instructions import Send
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
 from trainer_client import protocol as P
-from worker.loop import Worker
+from worker.core import Quit, WorkerCore
 from worker.readers.megatron import MegatronIndex, write_megatron
 
 
@@ -46,12 +46,9 @@ def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
 
 
 def test_worker_that_cannot_open_a_mapped_source_stops(tmp_path, caplog):
-    worker = Worker("tcp://127.0.0.1:9")  # connects lazily: no coordinator needed to be welcomed
-    try:
-        spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
-        with caplog.at_level(logging.ERROR, logger="msd.worker"):
-            worker._on_welcome({"worker_id": 4, "heartbeat_s": 1.0, "job": {"sources": [spec]}})
-        assert not worker.running
-        assert "cannot open source code" in caplog.text
-    finally:
-        worker.close()
+    core = WorkerCore()
+    spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
+    with caplog.at_level(logging.ERROR, logger="msd.worker"):
+        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"sources": [spec]}), {})
+    assert actions == [Quit("cannot open source code")]
+    assert "cannot open source code" in caplog.text

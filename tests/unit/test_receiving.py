@@ -1,0 +1,85 @@
+"""The trainer client's receiving state, fed encoded frames without sockets, and the hello and
+heartbeat rhythm every peer shares."""
+
+import numpy as np
+
+from trainer_client import protocol as P
+from trainer_client import wire
+from trainer_client.errors import RejectedError
+from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed
+from trainer_client.session import Registration
+
+BATCH = {"seq_len": 8, "micro_batch_size": 1, "micro_batches": 2, "pad_id": 0, "dp": 1,
+         "topology": {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "order": "tp-cp-dp-pp", "delivery": "tp_leader"},
+         "sources": ["a"], "patch_bytes": 0}
+
+
+def _welcome(digest="d1"):
+    return wire.encode(P.make(P.TRAINER_WELCOME, rank=0, batch=BATCH, plan_digest=digest, heartbeat_s=0.5))
+
+
+def _header(step):
+    recipe = np.array([[1, 0, 5], [2, 0, 3], [3, 4, 6]], dtype=np.uint64)  # doc_key, offset, length
+    header = P.make(P.STEP_HEADER, step=step, rank=0, row_len=8, plan={})
+    return wire.encode(header, recipe, np.array([2, 1], dtype=np.uint32)), recipe
+
+
+def _pieces(step, indices, recipe):
+    items = np.array([[i, *recipe[i]] for i in indices], dtype=np.uint64)
+    tokens = np.concatenate([np.arange(int(recipe[i][2]), dtype=np.uint16) + 10 * i for i in indices])
+    header = P.make(P.PIECES, step=step, rank=0, dtype="<u2", patch_bytes=0)
+    return wire.encode(header, items, tokens, np.zeros(0, np.uint32), np.zeros(0, np.uint8))
+
+
+def test_a_step_is_finished_once_its_recipe_and_every_piece_are_in_whatever_the_order():
+    state = ReceivingState(rank=0, next_step=0, next_micro_batch=0, plan_digest=None)
+    assert state.on_control(_welcome()) == [Welcomed(0.5)] and state.batch_info == BATCH
+    header, recipe = _header(0)
+    state.on_pieces(_pieces(0, [2], recipe))  # before its recipe: buffered
+    assert state.buffered == 1 and state.finished(0) == []
+    state.on_control(header)
+    state.on_pieces(_pieces(0, [0], recipe))
+    assert state.finished(0) == []  # piece 1 is missing
+    state.on_pieces(_pieces(0, [0, 1], recipe))  # piece 0 again: counted as a duplicate
+    [ready] = state.finished(0)
+    assert state.duplicates == 1
+    assert [(step, m) for step, m, _ in ready] == [(0, 0), (0, 1)]
+    assert ready[0][2]["tokens"].tolist() == [[0, 1, 2, 3, 4, 10, 11, 12]]
+    assert ready[1][2]["tokens"].tolist()[0][:6] == [20, 21, 22, 23, 24, 25]
+
+
+def test_a_resumed_rank_starts_mid_step_and_steps_are_not_finished_far_ahead_of_the_trainer():
+    state = ReceivingState(rank=0, next_step=3, next_micro_batch=1, plan_digest="d1")
+    state.on_control(_welcome())
+    for step in (3, 4, 5):
+        header, recipe = _header(step)
+        state.on_control(header)
+        state.on_pieces(_pieces(step, [0, 1, 2], recipe))
+    first = state.finished(3)
+    assert [[(s, m) for s, m, _ in ready] for ready in first] == [[(3, 1)], [(4, 0), (4, 1)]]
+    assert [[s for s, _, _ in ready] for ready in state.finished(4)] == [[5, 5]]  # only once the trainer is on
+
+
+def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
+    state = ReceivingState(rank=0, next_step=0, next_micro_batch=0, plan_digest="from-checkpoint")
+    welcomed, error = state.on_control(_welcome("other"))
+    assert welcomed == Welcomed(0.5) and isinstance(error, RejectedError) and "job file changed" in str(error)
+    assert state.on_control(wire.encode(P.make(P.UNKNOWN_PEER, reason="restarted"))) == [Forgotten()]
+    [refused] = state.on_control(wire.encode(P.make(P.REJECT, reason="no")))
+    assert isinstance(refused, RejectedError)
+    state.on_control(wire.encode(P.make(P.END_OF_STREAM, step=0, reason="source ran out")))
+    [end] = state.finished(0)
+    assert isinstance(end, End) and end.reason == "source ran out"
+    assert state.on_control([b"\xc1"]) == []  # undecodable: dropped
+
+
+def test_registration_says_hello_until_welcomed_then_heartbeats_and_hello_at_once_when_forgotten():
+    reg = Registration(lambda: {"type": "hello"}, lambda: {"type": "beat"}, heartbeat_s=1.0, retry_s=2.0)
+    assert reg.due(0.0) == {"type": "hello"} and reg.due(1.0) is None and reg.due(2.0) == {"type": "hello"}
+    reg.welcomed(0.5)
+    assert reg.due(2.1) == {"type": "beat"} and reg.due(2.3) is None and reg.due(2.6) == {"type": "beat"}
+    reg.forgotten()
+    assert reg.due(2.7) == {"type": "hello"}
+    reg.welcomed()
+    reg.waiting()
+    assert reg.due(2.8) is None and reg.due(4.7) == {"type": "hello"}

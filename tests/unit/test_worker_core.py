@@ -1,0 +1,62 @@
+"""The worker's core without sockets: messages in, actions out, with real readers over real files."""
+
+import numpy as np
+
+from tests.conftest import job_dict
+from coordinator.config import parse_job
+from trainer_client import protocol as P
+from trainer_client.doc_keys import doc_key
+from worker.core import CacheEntry, Forgotten, Registered, ToCoordinator, ToRank, WorkerCore
+from worker.readers import open_source
+
+
+def _welcomed(dataset_dir):
+    job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
+    core = WorkerCore()
+    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job()), {})
+    assert actions == [Registered(3, 0.5)]
+    return core, job
+
+
+def test_prepare_caches_typed_entries_and_answers_lengths_and_skips(dataset_dir):
+    core, job = _welcomed(dataset_dir)
+    records = np.array([61, 62, 64, 0], dtype=np.uint64)  # web-1.jsonl lines 2, 3 (corrupt), 5 (bad UTF-8)
+    [reply] = core.handle(P.make(P.PREPARE, task_id=9, source=0), {"records": records})
+    assert isinstance(reply, ToCoordinator) and reply.header["type"] == "prepared"
+    lengths = reply.arrays[0]
+    reader = open_source(job.worker_job()["sources"][0])
+    assert lengths.tolist() == [len(reader.read(61)), 0, 0, len(reader.read(0))]
+    assert [i for i, _ in reply.header["skipped"]] == [1, 2] and "corrupt JSON line" in reply.header["skipped"][0][1]
+    entry = core.cache[doc_key(0, 61)]
+    assert isinstance(entry, CacheEntry) and entry.copies == 1 and entry.length == lengths[0]
+
+
+def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(dataset_dir):
+    core, job = _welcomed(dataset_dir)
+    core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": np.array([5, 5], dtype=np.uint64)})
+    assert core.cache[doc_key(0, 5)].copies == 2  # two stream positions hold the same record
+    key, n = doc_key(0, 5), core.cache[doc_key(0, 5)].length
+    mapped = doc_key(1, 2)
+    items = np.array([[0, 0, key, 0, 4], [1, 3, mapped, 1, 5], [0, 1, key, 4, n - 4]], dtype=np.uint64)
+    deliver = P.make(P.DELIVER, delivery_id=7, step=2, addresses=[[0, "tcp://a"], [1, "tcp://b"]])
+    actions = core.handle(deliver, {"items": items, "release": np.array([key], dtype=np.uint64)})
+    to_ranks = [a for a in actions if isinstance(a, ToRank)]
+    assert [(a.address, a.header["rank"]) for a in to_ranks] == [("tcp://a", 0), ("tcp://b", 1)]
+    web = open_source(job.worker_job()["sources"][0]).read(5)
+    assert to_ranks[0].arrays[1].tolist() == web.tolist()  # both pieces, in recipe order
+    code = open_source(job.worker_job()["sources"][1]).read(2)
+    assert to_ranks[1].arrays[1].tolist() == code[1:6].tolist()  # read from the memory map
+    assert actions[-1] == ToCoordinator(P.make(P.DELIVERED, worker_id=3, delivery_id=7))
+    assert core.cache[key].copies == 1  # one copy used up, one left
+
+
+def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(dataset_dir):
+    core, _ = _welcomed(dataset_dir)
+    items = np.array([[0, 0, doc_key(0, 9), 0, 4]], dtype=np.uint64)  # never prepared here
+    actions = core.handle(P.make(P.DELIVER, delivery_id=1, step=0, addresses=[[0, "tcp://a"]]),
+                          {"items": items, "release": np.zeros(0, dtype=np.uint64)})
+    assert not [a for a in actions if isinstance(a, ToRank)] and actions[-1].header["type"] == "delivered"
+    core.handle(P.make(P.PREPARE, task_id=2, source=0), {"records": np.array([1], dtype=np.uint64)})
+    assert core.handle(P.make(P.UNKNOWN_PEER, reason="restarted"), {}) == [Forgotten()]
+    assert core.cache == {} and core.worker_id is None
+    assert core.handle(P.make(P.PREPARE, task_id=3, source=0), {"records": np.array([1], dtype=np.uint64)}) == []

@@ -1,0 +1,191 @@
+"""What a trainer rank knows while it receives: the steps' recipes, the pieces in, what is finished.
+
+`ReceivingState` takes the frames of every message (from the coordinator, and the workers'
+pieces) and decides everything about them: decoding and checks, deduplication by (step, index in
+the recipe), assembly of finished steps. It never touches a socket; the client's I/O thread
+(`client.py`) moves bytes in and carries out what it returns. It lives in the I/O thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import protocol as P
+from . import wire
+from .assemble import StepAssembler
+from .errors import ProtocolError, RejectedError
+from .topology import Topology, cp_share
+
+log = logging.getLogger("msd.client")
+
+READY_STEPS_AHEAD = 1  # finished steps kept ready beyond the one being consumed
+MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
+MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
+
+
+class End:
+    """Marker for the trainer: the coordinator ended the stream."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+# What a control message asks of the I/O thread.
+@dataclass(frozen=True, slots=True)
+class Welcomed:
+    heartbeat_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """The coordinator does not know this rank: say hello again."""
+
+
+class ReceivingState:
+    def __init__(self, rank: int, next_step: int, next_micro_batch: int, plan_digest: str | None,
+                 metadata_only: bool = False) -> None:
+        self.rank = rank
+        self.metadata_only = metadata_only
+        self.plan_digest = plan_digest  # from the checkpoint, then the coordinator's
+        self.batch_info: dict[str, Any] | None = None
+        self.steps: dict[int, tuple[StepAssembler, Any]] = {}  # step -> (its assembler, plan summary)
+        self.early: dict[int, list[tuple[np.ndarray, ...]]] = {}  # pieces that came before their recipe
+        self.step = next_step  # next micro-batch to assemble
+        self.micro_batch = next_micro_batch
+        self.duplicates = 0
+        self.buffered = 0  # pieces held in self.early
+        self.end: tuple[int, str] | None = None  # (first step that will not come, why)
+
+    # ------------------------------------------------------------------ the coordinator's messages
+
+    def on_control(self, frames: list) -> list[Any]:
+        """One message from the coordinator: returns what follows from it, for the I/O thread
+        (Welcomed, Forgotten) and for the trainer (an error to raise, End)."""
+        try:
+            msg, arrays = wire.decode(frames, P.TRAINER_CONTROL_INBOX)
+        except ProtocolError as e:
+            log.warning("rank %d: dropped message from coordinator: %s", self.rank, e)
+            return []
+        kind = msg["type"]
+        if kind == "trainer_welcome":
+            out: list[Any] = [Welcomed(float(msg["heartbeat_s"]))]
+            if self.plan_digest is not None and self.plan_digest != msg["plan_digest"]:
+                out.append(RejectedError(f"plan digest {msg['plan_digest']} differs from the checkpoint's "
+                                         f"{self.plan_digest}: the job file changed"))
+            self.plan_digest = msg["plan_digest"]
+            self.batch_info = msg["batch"]
+            return out
+        if kind == "step_header":
+            self._on_step_header(msg, arrays)
+        elif kind == "rank_taken":
+            log.warning("rank %d: %s; asking again", self.rank, msg["reason"])
+        elif kind == "end_of_stream":
+            log.info("rank %d: the stream ends before step %d: %s", self.rank, msg["step"], msg["reason"])
+            self.end = (msg["step"], msg["reason"])
+        elif kind == "unknown_peer":
+            log.warning("rank %d: coordinator does not know this rank (%s); registering again", self.rank,
+                        msg["reason"])
+            return [Forgotten()]
+        elif kind == "reject":
+            return [RejectedError(f"rank {self.rank}: coordinator refused: {msg['reason']}")]
+        elif kind == "shutdown":
+            return [End(msg["reason"])]
+        return []
+
+    def _on_step_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        info = self.batch_info
+        step = msg["step"]
+        if info is None or msg["rank"] != self.rank or not self.step <= step < self.step + MAX_BUFFERED_STEPS:
+            log.warning("rank %d: step header for rank %d step %d dropped", self.rank, msg["rank"], step)
+            return
+        mbs, n_mb = info["micro_batch_size"], info["micro_batches"]
+        if len(arrays["counts"]) != mbs * n_mb:
+            log.warning("rank %d: step %d header has %d sequences, expected %d; dropped", self.rank, step,
+                        len(arrays["counts"]), mbs * n_mb)
+            return
+        if step in self.steps:
+            return  # a repeated header: the plan of a step never changes
+        try:
+            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs,
+                                      info.get("patch_bytes", 0))
+        except ValueError as e:
+            log.warning("rank %d: step %d header dropped: %s", self.rank, step, e)
+            return
+        self.steps[step] = (assembler, msg["plan"])
+        for items, *payload in self.early.pop(step, []):  # pieces that came before their recipe
+            self.buffered -= len(items)
+            self.duplicates += assembler.add(items, *payload)
+
+    # ------------------------------------------------------------------ the workers' pieces
+
+    def on_pieces(self, frames: list) -> None:
+        try:
+            msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
+            if msg["rank"] != self.rank:
+                raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.rank}")
+        except ProtocolError as e:
+            log.warning("rank %d: dropped data message: %s", self.rank, e)
+            return
+        step = msg["step"]
+        if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
+            self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
+            return
+        items = arrays["items"]  # PIECE_ITEM rows
+        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"])
+        if len(payload[1]) and msg["patch_bytes"] != (self.batch_info or {}).get("patch_bytes"):
+            log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.rank,
+                        msg["patch_bytes"], (self.batch_info or {}).get("patch_bytes"))
+            return
+        if step in self.steps:
+            self.duplicates += self.steps[step][0].add(items, *payload)
+            return
+        if self.buffered + len(items) > MAX_BUFFERED_PIECES:
+            log.warning("rank %d: %d pieces already buffered; data message for step %d dropped", self.rank,
+                        self.buffered, step)
+            return
+        self.early.setdefault(step, []).append((items, *payload))
+        self.buffered += len(items)
+
+    # ------------------------------------------------------------------ finished steps
+
+    def finished(self, consuming_step: int) -> list[Any]:
+        """Steps to hand to the trainer, each a list of (step, micro_batch, batch) from where the
+        client resumes, and End once the stream's end is reached. Steps are finished at most
+        READY_STEPS_AHEAD beyond `consuming_step`, the one the trainer is consuming: a finished
+        step (int64 tokens, labels, position ids, float32 loss mask) takes ~14x the memory of its
+        received tokens, and the coordinator's look-ahead may deliver several steps early."""
+        out: list[Any] = []
+        while (self.step in self.steps and self.steps[self.step][0].done
+               and self.step <= consuming_step + READY_STEPS_AHEAD):
+            assembler, plan = self.steps.pop(self.step)
+            batches = assembler.batches()
+            ready = []
+            for m in range(self.micro_batch, len(batches)):
+                batch = self._for_this_rank(batches[m])
+                batch["step"], batch["micro_batch"] = self.step, m
+                if m == 0:
+                    batch["plan"] = plan
+                ready.append((self.step, m, batch))
+            out.append(ready)
+            self.step, self.micro_batch = self.step + 1, 0
+        if self.end is not None and self.step >= self.end[0]:
+            out.append(End(self.end[1]))
+            self.end = None
+        return out
+
+    def _for_this_rank(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What this global rank gets of its DP rank's micro-batch: its CP share, and the fields
+        of its pipeline stage (trainer_client.topology)."""
+        info = self.batch_info
+        topo = Topology(**info["topology"])
+        if topo.world_size == topo.dp:
+            return batch
+        coords = topo.coords(self.rank)
+        if topo.cp > 1:
+            batch = cp_share(batch, topo.cp, coords.cp, info["pad_id"])
+        keep = set(topo.fields(self.rank, want_metadata=self.metadata_only))
+        return {k: v for k, v in batch.items() if k in keep}

@@ -1,0 +1,84 @@
+"""The loop every peer of the coordinator runs: say hello until welcomed, then heartbeat, say hello
+again when the coordinator forgets us, and meanwhile serve the sockets. Written once here for
+the worker process, the worker host agent and the trainer client's I/O thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+
+from .sockets import send_nowait
+
+log = logging.getLogger("msd.session")
+
+HELLO_RETRY_S = 2.0
+
+
+class Registration:
+    """When to send a hello or a heartbeat. `hello()` and `heartbeat()` build the messages."""
+
+    def __init__(self, hello: Callable[[], dict[str, Any]], heartbeat: Callable[[], dict[str, Any]],
+                 heartbeat_s: float = 1.0, retry_s: float = HELLO_RETRY_S) -> None:
+        self.hello, self.heartbeat = hello, heartbeat
+        self.heartbeat_s, self.retry_s = heartbeat_s, retry_s
+        self.registered = False
+        self._last_hello = self._last_beat = float("-inf")
+
+    def due(self, now: float) -> dict[str, Any] | None:
+        """The message to send now, if one is due."""
+        if not self.registered:
+            if now - self._last_hello >= self.retry_s:
+                self._last_hello = now
+                return self.hello()
+        elif now - self._last_beat >= self.heartbeat_s:
+            self._last_beat = now
+            return self.heartbeat()
+        return None
+
+    def welcomed(self, heartbeat_s: float | None = None) -> None:
+        """The coordinator accepted our hello (at the heartbeat interval it asks for)."""
+        self.registered = True
+        if heartbeat_s is not None:
+            self.heartbeat_s = heartbeat_s
+
+    def forgotten(self) -> None:
+        """The coordinator does not know us (it restarted, or declared us dead): hello at once."""
+        self.registered = False
+        self._last_hello = float("-inf")
+
+    def waiting(self) -> None:
+        """The coordinator is going away: hello again at the usual pace until one answers."""
+        self.registered = False
+
+
+class PeerLoop:
+    """Polls a control socket (and any others) and keeps the registration's rhythm."""
+
+    def __init__(self, control: zmq.Socket, registration: Registration) -> None:
+        self.control = control
+        self.registration = registration
+        self._poller = zmq.Poller()
+        self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+
+    def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
+        """Call handler(sock) whenever sock has a message."""
+        self._poller.register(sock, zmq.POLLIN)
+        self._handlers[sock] = handler
+
+    def run(self, running: Callable[[], bool], each: Callable[[float], None] | None = None) -> None:
+        """Until running() is false. each(now), if given, runs once per turn, before the poll;
+        a turn ends after a quarter of a heartbeat interval without messages."""
+        while running():
+            now = time.monotonic()
+            msg = self.registration.due(now)
+            if msg is not None and not send_nowait(self.control, msg):
+                log.debug("coordinator not reachable yet; %s not sent", msg["type"])
+            if each is not None:
+                each(now)
+            if not running():
+                return
+            for sock, _ in self._poller.poll(timeout=int(self.registration.heartbeat_s * 250)):
+                self._handlers[sock](sock)

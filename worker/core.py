@@ -1,0 +1,254 @@
+"""What one worker process does with the coordinator's messages, without sockets: `WorkerCore.handle`
+turns a decoded message into actions (messages to send, and what happened to the registration),
+which the loop (`worker/loop.py`) carries out.
+
+Two kinds of work: PREPARE (read and transform records, keep the result in a cache, answer
+with lengths only) and DELIVER (send token ranges of cached or memory-mapped records straight to
+trainer ranks, one message per rank, then acknowledge). Everything here is a cache the
+coordinator can rebuild elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer_client import protocol as P
+from trainer_client.doc_keys import doc_key, split_doc_key
+from trainer_client.protocol import DELIVER_ITEM
+
+from .readers import RecordError, SourceReader, open_source
+
+log = logging.getLogger("msd.worker")
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    """A prepared record: its tokens (and image patches), and how many prepared copies of it the
+    coordinator counts on (one per stream position; each delivery that uses one up releases it)."""
+
+    tokens: np.ndarray
+    copies: int
+    images: np.ndarray | None = None  # patches of its image placeholders (its first tokens)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+# Actions: what the loop is asked to do.
+@dataclass(frozen=True, slots=True)
+class ToCoordinator:
+    header: dict[str, Any]
+    arrays: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToRank:
+    address: str  # the rank's data socket
+    header: dict[str, Any]  # a `pieces` message
+    arrays: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    worker_id: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """The coordinator does not know this worker any more: say hello again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    reason: str
+
+
+Action = ToCoordinator | ToRank | Registered | Forgotten | Quit
+
+
+class WorkerCore:
+    def __init__(self) -> None:
+        self.worker_id: int | None = None
+        self.specs: list[dict[str, Any]] = []
+        self.readers: dict[int, SourceReader] = {}
+        self.cache: dict[int, CacheEntry] = {}  # doc key -> entry (memory-mapped records are never cached)
+
+    def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
+        kind = msg["type"]
+        if kind == "welcome":
+            return self._on_welcome(msg)
+        if kind == "unknown_peer":
+            # The coordinator forgot us (restart, or we were silent too long): everything we hold
+            # may have been re-prepared elsewhere, so start clean and register again.
+            log.warning("coordinator does not know this worker (%s); registering again", msg["reason"])
+            self.worker_id = None
+            self.cache.clear()
+            return [Forgotten()]
+        if kind == "reject":
+            log.error("coordinator rejected this worker: %s", msg["reason"])
+            return [Quit(msg["reason"])]
+        if kind == "shutdown":
+            log.info("coordinator asked us to stop: %s", msg["reason"])
+            return [Quit(msg["reason"])]
+        if self.worker_id is None:  # work for a registration we no longer have
+            return []
+        if kind == "prepare":
+            return self._on_prepare(msg, arrays["records"])
+        if kind == "deliver":
+            return self._on_deliver(msg, arrays["items"], arrays["release"])
+        return []
+
+    def _on_welcome(self, msg: dict[str, Any]) -> list[Action]:
+        job = msg["job"]
+        if not isinstance(job, dict) or not isinstance(job.get("sources"), list):
+            log.error("welcome without a usable job description; ignored")
+            return []
+        self.worker_id = msg["worker_id"]
+        self.specs = job["sources"]
+        self.readers.clear()
+        self.cache.clear()
+        # The coordinator hands out records of memory-mapped sources without asking first, so a
+        # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
+        for s, spec in enumerate(self.specs):
+            if spec.get("format") == "megatron":
+                try:
+                    self._reader(s)
+                except Exception as e:
+                    log.error("cannot open source %s on this host (%s); this worker cannot serve the job, stopping",
+                              spec.get("name"), e)
+                    return [Quit(f"cannot open source {spec.get('name')}")]
+        log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
+        return [Registered(self.worker_id, float(msg["heartbeat_s"]))]
+
+    def _reader(self, source: int) -> SourceReader:
+        reader = self.readers.get(source)
+        if reader is None:
+            reader = self.readers[source] = open_source(self.specs[source])
+        return reader
+
+    # ------------------------------------------------------------------ prepare
+
+    def _on_prepare(self, msg: dict[str, Any], records: np.ndarray) -> list[Action]:
+        s = msg["source"]
+        try:
+            reader = self._reader(s)
+        except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
+            return [ToCoordinator(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
+                                         reason=f"cannot prepare records of source {s}: {e}"))]
+        # (The coordinator prepares memory-mapped sources itself, from their index; their tokens
+        # are read straight from the map at delivery.)
+        skipped: list[list] = []
+        patches = np.zeros(len(records) if reader.has_images else 0, dtype=np.int64)
+        lengths = np.zeros(len(records), dtype=np.int64)
+        for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
+            record = int(records[i])
+            key = doc_key(s, record)
+            entry = self.cache.get(key)
+            if entry is None:
+                try:
+                    tokens, images = reader.read_sample(record)
+                except (RecordError, IndexError) as e:
+                    log.warning("skipped record: %s", e)
+                    skipped.append([i, str(e)])
+                    continue
+                entry = self.cache[key] = CacheEntry(tokens, 0, images)
+            entry.copies += 1
+            lengths[i] = entry.length
+            if entry.images is not None:
+                patches[i] = len(entry.images)
+        skipped.sort()
+        return [ToCoordinator(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
+                                     busy_s=0.0), (lengths, patches))]
+
+    # ------------------------------------------------------------------ deliver
+
+    def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: np.ndarray) -> list[Action]:
+        addresses = dict((r, a) for r, a in msg["addresses"])
+        step = msg["step"]
+        out: list[Action] = []
+        for rank in np.unique(items[:, DELIVER_ITEM.rank]).tolist():
+            address = addresses.get(rank)
+            if address is None:
+                log.warning("step %d: no address for rank %d; its pieces were not sent", step, rank)
+                continue
+            rows = items[items[:, DELIVER_ITEM.rank] == rank]  # in recipe order: the rank copies runs at once
+            rows, tokens, patch_counts, patches = self._gather(step, rows)
+            if not len(rows):
+                continue
+            header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
+                            patch_bytes=patches.shape[1] if patches.size else 0)
+            out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
+                                                patches.reshape(-1))))
+        if self.cache:  # only records that are not memory-mapped are cached
+            for key in release.tolist():
+                entry = self.cache.get(key)
+                if entry is not None:
+                    entry.copies -= 1
+                    if entry.copies <= 0:
+                        del self.cache[key]
+        out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"])))
+        return out
+
+    def _servable(self, step: int, reader: SourceReader, mine: np.ndarray) -> np.ndarray:
+        """Which DELIVER_ITEM rows of one source can be served: a piece must lie within its
+        document, and a record that is not memory-mapped must be in the cache."""
+        keys, offsets = mine[:, DELIVER_ITEM.doc_key], mine[:, DELIVER_ITEM.offset]
+        lengths = mine[:, DELIVER_ITEM.length]
+        if reader.format == "megatron":  # checked against the index
+            ok = offsets + lengths <= reader.lengths(split_doc_key(keys)[1]).astype(np.uint64)
+        else:
+            ok = np.array([(e := self.cache.get(key)) is not None and off + n <= e.length
+                           for key, off, n in zip(keys.tolist(), offsets.tolist(), lengths.tolist())], dtype=bool)
+        for key, off, n in zip(keys[~ok].tolist(), offsets[~ok].tolist(), lengths[~ok].tolist()):
+            entry = self.cache.get(key) if reader.format != "megatron" else None
+            why = ("beyond its document" if reader.format == "megatron" else
+                   "not prepared here" if entry is None else f"beyond its document of {entry.length} tokens")
+            log.error("step %d: piece %x[%d:+%d] cannot be served (%s); not sent", step, key, off, n, why)
+        return ok
+
+    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The DELIVER_ITEM rows (grouped by source) that can be served, their tokens concatenated
+        in row order, and for image-text records the patches of the image placeholders each piece
+        holds (placeholders are a record's first tokens, one per patch): (rows, tokens, patches
+        per row, patches)."""
+        sources = split_doc_key(rows[:, DELIVER_ITEM.doc_key])[0]
+        kept, parts, patch_parts, patch_counts = [], [], [], []
+        for s in np.unique(sources).tolist():
+            mine = rows[sources == s]
+            reader = self._reader(s)
+            mine = mine[self._servable(step, reader, mine)]
+            if not len(mine):
+                continue
+            kept.append(mine)
+            keys, offsets = mine[:, DELIVER_ITEM.doc_key], mine[:, DELIVER_ITEM.offset]
+            lengths = mine[:, DELIVER_ITEM.length]
+            if reader.format == "megatron":  # views into the memory map: one copy below
+                parts.extend(reader.pieces(split_doc_key(keys)[1], offsets, lengths))
+                patch_counts.append(np.zeros(len(mine), dtype=np.uint32))
+                continue
+            counts = np.zeros(len(mine), dtype=np.uint32)
+            for i, (key, off, n) in enumerate(zip(keys.tolist(), offsets.tolist(), lengths.tolist())):
+                entry = self.cache[key]
+                parts.append(entry.tokens[off: off + n])
+                if entry.images is not None and off < len(entry.images):
+                    images = entry.images[off: min(off + n, len(entry.images))]
+                    counts[i] = len(images)
+                    patch_parts.append(images)
+            patch_counts.append(counts)
+        if not parts:
+            return rows[:0], np.zeros(0, np.uint16), np.zeros(0, np.uint32), np.zeros((0, 0), np.uint8)
+        dtype = np.result_type(*{a.dtype for a in parts})
+        patch_counts = np.concatenate(patch_counts)
+        patches = np.concatenate(patch_parts) if patch_parts else np.zeros((0, 0), np.uint8)
+        if not patches.size:
+            patch_counts = patch_counts[:0]
+        return np.concatenate(kept), np.concatenate(parts).astype(dtype, copy=False), patch_counts, patches
+
+    def heartbeat(self, busy_s: float) -> dict[str, Any]:
+        return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s)
