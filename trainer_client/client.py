@@ -24,7 +24,7 @@ import zmq
 
 from . import memory, security
 from . import protocol as P
-from .errors import PeerLostError
+from .errors import PeerLostError, RejectedError
 from .receiving import End, Forgotten, ReceivingState, Welcomed
 from .session import PeerLoop, Registration
 from .sockets import make_socket, send_nowait
@@ -235,16 +235,19 @@ class _Receiver:
             lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=c.rank, data_address=self.address,
                            resume_step=self.state.step, incarnation=incarnation, metadata_only=int(c.metadata_only)),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
+        self.handshakes = security.HandshakeWatch(control)
         loop = PeerLoop(control, self.registration)
         loop.on(wake, self._on_wake)
         loop.on(control, self._on_control)
         loop.on(data, self._on_data)
+        loop.on(self.handshakes.socket, self._on_handshake)
         try:
             loop.run(lambda: not self.closing, self._hand_over)
         except Exception as e:  # surface I/O-thread failures to the trainer instead of hanging it
             log.exception("rank %d: client I/O thread failed", c.rank)
             c._queue.put(e)
         finally:
+            self.handshakes.close()
             for s in (wake, control, data):
                 s.close(linger=0 if s is not control else 1000)
 
@@ -269,6 +272,14 @@ class _Receiver:
                 self.registration.forgotten()
             else:  # an error to raise, or the end of the stream
                 self.c._queue.put(out)
+
+    def _on_handshake(self, _: zmq.Socket) -> None:
+        reason = self.handshakes.refused()
+        if reason is not None:  # the coordinator will never talk to this client: say so, and stop
+            hint = "pass keys_dir= the job's key directory" if not self.c.keys_dir else "check keys_dir="
+            self.c._queue.put(RejectedError(f"rank {self.c.rank}: {self.c.coordinator}: {reason}; the job sets "
+                                            f"security.curve? {hint}"))
+            self.closing = True
 
     def _on_data(self, data: zmq.Socket) -> None:
         # Drain what is there: many small piece messages may queue up behind one poll.

@@ -82,3 +82,43 @@ def start_authenticator(ctx: zmq.Context, directory: str):
     auth.start()
     auth.configure_curve(domain="*", location=os.path.join(directory, AUTHORIZED))
     return auth
+
+
+_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the coordinator refused this process's key (it is not among the job's authorised keys)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the two sides disagree on security (one uses CURVE, the other does not)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake failed (a plain peer meeting a CURVE one, or keys "
+                                          "of another job)",
+}
+REFUSED_AFTER = 3  # consecutive failed handshakes: one may be a connection cut mid-handshake, three are a refusal
+
+
+class HandshakeWatch:
+    """Watches a connecting socket's handshakes (a ZeroMQ monitor). A peer that refuses ours
+    (CURVE keys missing or of another job) is silent otherwise: without this, a misconfigured
+    worker or trainer would wait for data that never comes."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        events = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.socket = sock.get_monitor_socket(events=events)
+        self._sock = sock
+        self.failures = 0
+        self.last_failure = ""
+
+    def refused(self) -> str | None:
+        """Read the pending events; the reason if the peer has refused us REFUSED_AFTER times in a row."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.socket.poll(0):
+            event = recv_monitor_message(self.socket)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.failures = 0
+            elif event in _FAILED:
+                self.failures += 1
+                self.last_failure = _FAILED[event]
+        return self.last_failure if self.failures >= REFUSED_AFTER else None
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.socket.close(linger=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 
@@ -25,5 +27,6 @@ def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None
     setup_logging(log_level, "worker-host")
     from .host import HostAgent
 
-    HostAgent(address, None if procs == "auto" else int(procs), log_level.upper(), keys_dir=keys_dir,
-              max_procs=max_procs).run()
+    agent = HostAgent(address, None if procs == "auto" else int(procs), log_level.upper(), keys_dir=keys_dir,
+                      max_procs=max_procs)
+    sys.exit(agent.run())

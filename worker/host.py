@@ -73,6 +73,7 @@ class HostAgent:
         self.slots: list[_Slot] = []
         self.stopping = False
         self.registration: Registration | None = None
+        self.refused: str | None = None  # why the coordinator will not have this host
 
     def _start(self, slot: _Slot) -> None:
         p = self.ctx.Process(target=_worker_main, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
@@ -119,7 +120,8 @@ class HostAgent:
             log.info("worker processes: %d -> %d (%s)", self.target, procs, reason)
         self.target = procs
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Until stopped; returns the exit status (1: the coordinator refused this host)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         zctx = zmq.Context()
         control = make_socket(zctx, zmq.DEALER)
@@ -131,16 +133,27 @@ class HostAgent:
             lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
                            procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
             lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target), heartbeat_s=HEARTBEAT_S)
+        handshakes = security.HandshakeWatch(control)
         loop = PeerLoop(control, self.registration)
         loop.on(control, self._on_control)
+        loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:
             loop.run(lambda: not self.stopping, self._keep_alive)
         except KeyboardInterrupt:
             pass
         finally:
+            handshakes.close()
             control.close(linger=0)
             zctx.term()
             self.shutdown()
+        return 1 if self.refused else 0
+
+    def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
+        reason = handshakes.refused()
+        if reason is not None:
+            log.error("the coordinator at %s refuses this host: %s; check --keys; stopping", self.coordinator, reason)
+            self.refused = reason
+            self.stopping = True
 
     def _on_control(self, control: zmq.Socket) -> None:
         try:
@@ -164,6 +177,7 @@ class HostAgent:
             self.registration.waiting()
         elif kind == "reject":
             log.error("coordinator rejected this host: %s; stopping", msg["reason"])
+            self.refused = msg["reason"]
             self.stopping = True
 
     def stop(self) -> None:

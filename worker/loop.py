@@ -62,9 +62,20 @@ class Worker:
         self.ctx.term()
 
     def run(self) -> None:
+        handshakes = security.HandshakeWatch(self.control)
         loop = PeerLoop(self.control, self.registration)
         loop.on(self.control, self._on_control)
-        loop.run(lambda: self.running, self._check_parent)
+        loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
+        try:
+            loop.run(lambda: self.running, self._check_parent)
+        finally:
+            handshakes.close()
+
+    def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
+        reason = handshakes.refused()
+        if reason is not None:
+            log.error("the coordinator refuses this worker: %s; check --keys; stopping", reason)
+            self.running = False
 
     def _check_parent(self, now: float) -> None:
         if self.parent_pid is not None and not _alive(self.parent_pid):

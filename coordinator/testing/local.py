@@ -52,7 +52,7 @@ def _host_main(address: str, procs: int | None, log_level: str, log_path: str | 
     setup_logging(log_level, "worker-host", log_path)
     from worker.host import HostAgent
 
-    HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run()
+    raise SystemExit(HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run())
 
 
 def _children(pid: int) -> list[int]:

@@ -1,13 +1,15 @@
 """CURVE: with security.curve every connection is encrypted, and a worker or a trainer client
 without an authorised key gets nothing."""
 
+import time
+
 import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
-from trainer_client import DataClient, PeerLostError
+from trainer_client import DataClient, RejectedError
 
 from .harness import check_content
 
@@ -38,18 +40,27 @@ def test_authorised_workers_and_clients_are_served(dataset_dir, keys):
     assert check_content(path, received) > 5
 
 
-def test_a_client_without_an_authorised_key_gets_no_data(dataset_dir, keys):
+def test_a_client_without_an_authorised_key_is_refused_and_told_why(dataset_dir, keys):
     good, other = keys
     with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=good) as job:
         for keys_dir in (None, other):  # plain, or a key the coordinator does not know
-            with DataClient(job.address, rank=0, as_torch=False, timeout_s=4, keys_dir=keys_dir) as intruder:
-                with pytest.raises(PeerLostError):
+            started = time.monotonic()
+            with DataClient(job.address, rank=0, as_torch=False, timeout_s=60, keys_dir=keys_dir) as intruder:
+                with pytest.raises(RejectedError, match="security.curve") as refused:
                     next(intruder)
+            assert time.monotonic() - started < 20  # the refusal is seen, not waited out
+            assert "handshake" in str(refused.value) or "key" in str(refused.value)
+        # the job itself is untouched: an authorised client is served
+        with DataClient(job.address, rank=0, as_torch=False, timeout_s=30, keys_dir=good) as client:
+            assert next(client)["step"] == 0
 
 
-def test_a_worker_without_an_authorised_key_gets_no_work(dataset_dir, keys):
+def test_a_worker_host_without_an_authorised_key_stops_and_says_why(dataset_dir, keys, tmp_path):
     good, other = keys
-    with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=other) as job:
-        with DataClient(job.address, rank=0, as_torch=False, timeout_s=5, keys_dir=good) as client:
-            with pytest.raises(PeerLostError):  # registered, but no worker could join to serve it
-                next(client)
+    log = str(tmp_path / "job.log")
+    with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=other, log_path=log, log_level="INFO") as job:
+        job.host.join(30)  # it stops by itself
+        assert job.host.exitcode == 1
+    with open(log) as f:
+        text = f.read()
+    assert "refuses this host" in text and "check --keys" in text
