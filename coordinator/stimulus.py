@@ -25,6 +25,7 @@ from . import events as E
 from . import instructions as I
 
 MAX_ENTRIES = 100_000
+MAX_BYTES = 64 << 20  # a chaos run of a few hundred steps fits; a long run keeps its recent past
 FORMAT = 1
 
 
@@ -48,17 +49,39 @@ def _object_hook(d: dict) -> Any:
     return d
 
 
+def _nbytes(events: tuple, instructions: tuple) -> int:
+    """About what a burst holds in memory: its arrays, and a little per event and instruction."""
+    n = 200 * (len(events) + len(instructions))
+    for e in events:
+        for name in ("lengths", "patches"):
+            a = getattr(e, name, None)
+            if a is not None:
+                n += a.nbytes
+    for i in instructions:
+        for a in getattr(i, "arrays", ()):
+            n += a.nbytes
+    return n
+
+
 class StimulusLog:
-    def __init__(self, origin: dict[str, Any], max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, origin: dict[str, Any], max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         """origin: what the state was built from (job path, record counts, restored history,
-        mixture changes): enough, with the job's data, to build it again."""
+        mixture changes): enough, with the job's data, to build it again. The oldest bursts are
+        dropped beyond max_entries, or beyond about max_bytes of memory."""
         self.origin = origin
-        self.entries: collections.deque = collections.deque(maxlen=max_entries)
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.entries: collections.deque = collections.deque()
+        self.nbytes = 0
         self.recorded = 0
 
     def record(self, events: list[E.Event], instructions: list[I.Instruction]) -> None:
-        self.entries.append((tuple(events), tuple(instructions)))
+        entry = (tuple(events), tuple(instructions))
+        size = _nbytes(*entry)
+        self.entries.append((*entry, size))
+        self.nbytes += size
         self.recorded += 1
+        while len(self.entries) > self.max_entries or (self.nbytes > self.max_bytes and len(self.entries) > 1):
+            self.nbytes -= self.entries.popleft()[2]
 
     @property
     def complete(self) -> bool:
@@ -66,7 +89,7 @@ class StimulusLog:
 
     def dump(self, path: str) -> str:
         doc = {"format": FORMAT, "written": time.time(), "origin": self.origin, "complete": self.complete,
-               "entries": [[[E.to_dict(e) for e in evs], [I.to_dict(i) for i in ins]] for evs, ins in self.entries]}
+               "entries": [[[E.to_dict(e) for e in evs], [I.to_dict(i) for i in ins]] for evs, ins, _ in self.entries]}
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(msgpack.packb(doc, default=_default, use_bin_type=True))

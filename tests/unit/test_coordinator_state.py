@@ -235,3 +235,14 @@ def test_the_planner_alone_gives_the_recipes_the_ranks_received(job, reference, 
             pieces, _ = plan.rows_of_rank(rank)
             got = reference[(rank, step)]
             assert [row[1:] for row in got] == [[int(p[3]), int(p[4])] for p in pieces]
+
+
+def test_the_stimulus_log_keeps_its_recent_past_within_its_bounds():
+    burst = ([Tick(at=0.0)], [Send(b"p", {"type": "x"}, (np.zeros(100, np.int64),))])  # ~1.2 kB
+    by_count = stimulus.StimulusLog({}, max_entries=5)
+    by_bytes = stimulus.StimulusLog({}, max_bytes=3000)
+    for _ in range(10):
+        by_count.record(*burst)
+        by_bytes.record(*burst)
+    assert len(by_count.entries) == 5 and len(by_bytes.entries) == 2 and by_bytes.nbytes <= 3000
+    assert not by_count.complete and by_count.recorded == 10
