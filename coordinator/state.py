@@ -93,6 +93,7 @@ class CoordinatorState:
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.stopped = False
+        self.failed = False  # an internal error: the state may be inconsistent
         self.events_handled = self.messages_sent = 0
         self._last_status: float | None = None
         self._out: list[Instruction] = []
@@ -107,13 +108,15 @@ class CoordinatorState:
     def handle(self, *events: Event) -> list[Instruction]:
         """Apply a burst of events, then plan and dispatch what may be; returns what to do, in order."""
         out = self._out = []
+        if self.failed:  # after an internal error nothing more is decided; only the peers are told
+            events = tuple(e for e in events if isinstance(e, Shutdown))
         for event in events:
             self.events_handled += 1
             try:
                 self._apply(event)
             except Exception:  # one message we could not handle: log it, drop it, serve the rest
                 log.exception("error handling %s", type(event).__name__)
-        if not self.stopped:
+        if not (self.stopped or self.failed):
             try:
                 self._pump()
             except Exception as e:
@@ -121,6 +124,7 @@ class CoordinatorState:
                 # there, carrying on could deliver a wrong stream or stall it silently.
                 log.critical("internal error while planning step %d; stopping the coordinator",
                              self.planner.state.next_step, exc_info=True)
+                self.failed = True
                 out.append(Stop(f"internal error while planning step {self.planner.state.next_step}: {e!r}",
                                 failed=True))
         self._out = []

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator import stimulus
 from coordinator.config import parse_job
-from coordinator.events import (Consumed, HostHeartbeat, HostHello, MixRequest, Tick, TrainerHello,
+from coordinator.events import (Consumed, HostHeartbeat, HostHello, MixRequest, Shutdown, Tick, TrainerHello,
                                 WorkerHeartbeat)
 from coordinator.history import StepHistory
 from coordinator.instructions import AppendJournal, AppendMixture, Send, Stop
@@ -206,6 +206,9 @@ def test_a_planning_error_stops_the_coordinator_with_the_reason(job, monkeypatch
     stops = [i for i in out if isinstance(i, Stop)]
     assert stops and stops[0].failed and "boom" in stops[0].reason
     assert not d.sends(out, "step_header")
+    d.add_worker("w9")  # nothing more is decided after that, but peers are told of the shutdown
+    assert d.flush() == [] and d.tick() == []
+    assert {i.peer for i in d.sends(d.handle(Shutdown(at=d.now, reason="stop")), "shutdown")} >= {b"w0", b"w1"}
 
 
 def test_the_planner_alone_gives_the_recipes_the_ranks_received(job, reference, dataset_dir):
