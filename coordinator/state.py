@@ -389,11 +389,12 @@ class CoordinatorState:
         for s, positions in lost.items():
             if len(positions):
                 self._issue_prepare(s, positions)
-        self._reissue_orphans()  # those whose records all have live holders can go at once
+        # its deliveries are sent again by the next planning pass, once their records have live holders
 
     def _reissue_orphans(self) -> None:
-        """Send deliveries of dead workers again, once every record they read has a live holder.
-        Trainer clients drop pieces they already have, so a repeated piece is harmless."""
+        """Send deliveries of dead workers again, once every record they read has a live holder
+        (called once per planning pass, not from the handlers). Trainer clients drop pieces they
+        already have, so a repeated piece is harmless."""
         # In step order, and none after one that must wait: a later step's delivery may release a
         # record an earlier step still reads (the worker would drop it before the earlier one came).
         for d in self.deliveries.orphans():
@@ -497,8 +498,6 @@ class CoordinatorState:
         self.len_count[s] += int(new.sum())
         if self.reprepare:
             self.reprepare.difference_update((s, p) for p in positions.tolist())
-        if self.deliveries.orphaned:
-            self._reissue_orphans()
 
     # ------------------------------------------------------------------ the plan's side of the planner
 
@@ -519,6 +518,8 @@ class CoordinatorState:
         if not self.registry.workers:
             return
         self._assign_queued()  # tasks queued while no worker lived
+        if self.deliveries.orphaned:  # a dead worker's deliveries whose records have live holders again
+            self._reissue_orphans()
         if self.reprepare or not self.receivers <= trainers.keys():
             # Records lost with a dead worker are being prepared again (a carried-over document may
             # be among them), or not every rank is here yet: plan nothing, but prepare ahead.

@@ -16,6 +16,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 4
@@ -158,7 +159,7 @@ def _lengths_ok(lengths: Any, what: str) -> None:
 
 
 def _check_prepare(header: dict, arrays: dict) -> None:
-    if arrays["records"].size and int(arrays["records"].max()) >= 1 << 48:
+    if arrays["records"].size and int(arrays["records"].max()) > RECORD_MASK:
         raise ProtocolError("prepare: record index beyond 48 bits")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import signal
+import threading
+import time
 from typing import Any
 
 from trainer_client.logs import setup_logging
@@ -132,3 +134,16 @@ class LocalJob:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+
+
+def serve_in_thread(coordinator: Any) -> tuple[asyncio.AbstractEventLoop, threading.Thread, str]:
+    """Run a Coordinator (app.Coordinator) in this process, its loop in a thread, for a test that
+    needs to reach into it: (loop, thread, address). Stop it with
+    `loop.call_soon_threadsafe(coordinator.stop)` and join the thread."""
+    loop = asyncio.new_event_loop()
+    ready = loop.create_future()
+    thread = threading.Thread(target=loop.run_until_complete, args=(coordinator.run(ready),), daemon=True)
+    thread.start()
+    while not ready.done():
+        time.sleep(0.001)
+    return loop, thread, ready.result()

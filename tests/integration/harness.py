@@ -12,6 +12,7 @@ import numpy as np
 
 from coordinator.config import load_job
 from coordinator.testing.local import LocalJob
+from trainer_client.doc_keys import split_doc_key
 from worker.readers import open_source
 
 SPAWN = mp.get_context("spawn")
@@ -123,7 +124,8 @@ def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
             at = 0
             row_len = b["tokens"].shape[1]
             for key, off, n in zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist()):
-                expected = readers[key >> 48].read(key & ((1 << 48) - 1))[off: off + n].astype(np.int64)
+                source, record = split_doc_key(key)
+                expected = readers[source].read(record)[off: off + n].astype(np.int64)
                 # a row holds its pieces, then padding: the piece is here, or the row ended
                 fits = at % row_len + n <= row_len
                 if at % row_len and (not fits or not np.array_equal(flat[at: at + n], expected)):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import job_dict, write_job
+from trainer_client.doc_keys import split_doc_key
 
 from .harness import check_content, run_job, signature
 
@@ -49,7 +50,7 @@ def test_corrupt_lines_are_skipped_counted_and_logged(reference, dataset_dir):
     keys = {k for bs in received.values() for b in bs for k in b["doc_keys"].tolist()}
     bad = {60 + 2, 60 + 4}  # web-1.jsonl lines 3 and 5
     assert not keys & bad
-    assert any(k >> 48 == 0 for k in keys)  # web is delivered at all
+    assert any(split_doc_key(k)[0] == 0 for k in keys)  # web is delivered at all
     text = open(log).read()
     assert "web-1.jsonl:3: corrupt JSON" in text
     assert "web-1.jsonl:5: corrupt JSON" in text and "skipped so far" in text
@@ -83,7 +84,7 @@ def test_hf_tokenized_source_mixed_with_megatron(dataset_dir, tmp_path):
     path = write_job(str(dataset_dir), job, "hf.yaml")
     received = run_job(path, workers=2, ranks=2, steps=8)
     assert check_content(path, received) > 20
-    web_pieces = [k for bs in received.values() for b in bs for k in b["doc_keys"].tolist() if k >> 48 == 0]
+    web_pieces = [k for bs in received.values() for b in bs for k in b["doc_keys"].tolist() if split_doc_key(k)[0] == 0]
     assert web_pieces
 
 

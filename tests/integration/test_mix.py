@@ -1,8 +1,6 @@
 """`msd mix` against a real coordinator (its asyncio loop in a thread, a real ROUTER socket)."""
 
-import asyncio
 import os
-import threading
 
 import pytest
 from click.testing import CliRunner
@@ -13,26 +11,17 @@ from coordinator.cli import main
 from coordinator.config import parse_job
 from coordinator.mix import parse_weights, request_mix
 from coordinator.sources import OpenedSources
+from coordinator.testing.local import serve_in_thread
 from tests.conftest import job_dict
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _serve(coord: Coordinator):
-    loop = asyncio.new_event_loop()
-    ready = loop.create_future()
-    thread = threading.Thread(target=loop.run_until_complete, args=(coord.run(ready),), daemon=True)
-    thread.start()
-    while not ready.done():
-        pass
-    return loop, thread, ready.result()
 
 
 def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
     state = str(tmp_path / "state")
     coord = Coordinator(job, OpenedSources([50, 70, 30]), "tcp://127.0.0.1:*", state_dir=state)
-    loop, thread, address = _serve(coord)
+    loop, thread, address = serve_in_thread(coord)
     try:
         ok, reason = request_mix(address, 40, {"web": 1, "code": 1})
         assert ok, reason

@@ -7,6 +7,7 @@ import pytest
 from coordinator.config import load_job
 from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
 from tests.conftest import write_job
+from trainer_client.doc_keys import doc_key, split_doc_key
 from worker.readers import open_source
 
 from .harness import check_content, run_job
@@ -65,8 +66,8 @@ def test_batches_carry_the_patches_of_their_placeholders(mm_job):
             # the patches are the worker's decode of exactly those samples, in packing order
             expected = []
             for key, off, n in zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist()):
-                if key >> 48 == 1:
-                    own = images.read_sample(key & ((1 << 48) - 1))[1]
+                if split_doc_key(key)[0] == 1:
+                    own = images.read_sample(split_doc_key(key)[1])[1]
                     if off < len(own):
                         expected.append(own[off: off + n])
                         seen_images += 1
@@ -79,7 +80,7 @@ def test_batches_carry_the_patches_of_their_placeholders(mm_job):
 def test_broken_samples_are_skipped_and_named(mm_job):
     _, received, log = mm_job
     keys = {k for bs in received.values() for b in bs for k in b["doc_keys"].tolist()}
-    assert not keys & {(1 << 48) | 4, (1 << 48) | 9}
+    assert not keys & {doc_key(1, 4), doc_key(1, 9)}
     text = open(log).read()
     assert "img-000.tar: sample '000004': image does not decode" in text
     assert "img-000.tar: sample '000009': no caption entry" in text

@@ -3,10 +3,8 @@ in a unit test's way: a fresh CoordinatorState fed the same bursts returns the s
 The coordinator runs in this process (its shell in a thread, a real ROUTER socket), with a real
 worker host process and a real DataClient."""
 
-import asyncio
 import glob
 import os
-import threading
 
 import pytest
 
@@ -16,7 +14,7 @@ from coordinator.config import load_job
 from coordinator.instructions import Send, Stop
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
-from coordinator.testing.local import _SPAWN, _host_main
+from coordinator.testing.local import _SPAWN, _host_main, serve_in_thread
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 
@@ -37,17 +35,12 @@ def test_a_failed_coordinator_leaves_a_log_that_replays_its_failure(dataset_dir,
     monkeypatch.setattr(CoordinatorState, "_dispatch", failing)
     state_dir = str(tmp_path / "state")
     coord = Coordinator(job, open_sources(job), "tcp://127.0.0.1:*", state_dir=state_dir)
-    loop = asyncio.new_event_loop()
-    ready = loop.create_future()
-    thread = threading.Thread(target=loop.run_until_complete, args=(coord.run(ready),), daemon=True)
-    thread.start()
-    while not ready.done():
-        pass
-    host = _SPAWN.Process(target=_host_main, args=(ready.result(), 1, "WARNING", None))
+    loop, thread, address = serve_in_thread(coord)
+    host = _SPAWN.Process(target=_host_main, args=(address, 1, "WARNING", None))
     host.start()
     steps = set()
     try:
-        with DataClient(ready.result(), rank=0, as_torch=False, timeout_s=30) as client:
+        with DataClient(address, rank=0, as_torch=False, timeout_s=30) as client:
             for batch in client:  # the coordinator's shutdown ends the stream
                 steps.add(batch["step"])
         thread.join(20)

@@ -17,7 +17,7 @@ from coordinator.instructions import Instruction, Send
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
 from trainer_client import protocol as P
-from trainer_client.doc_keys import split_doc_key
+from trainer_client.doc_keys import doc_key, split_doc_key
 from trainer_client.protocol import DELIVER_ITEM
 from worker.readers import open_source
 
@@ -159,7 +159,7 @@ class Driver:
             except Exception as e:  # the real worker's skip
                 skipped.append([i, str(e)])
                 continue
-            key = (s << 48) | rec
+            key = doc_key(s, rec)
             worker.cache[key] = worker.cache.get(key, 0) + 1
             lengths[i] = len(tokens)
         worker.busy_s += 0.001 * len(records)
