@@ -67,7 +67,8 @@ class Coordinator:
         self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture)
         self.stimuli = StimulusLog({"job_path": os.path.abspath(job.path), "num_records": list(sources.num_records),
                                     "durable": state_dir is not None, "loaded_states": loaded,
-                                    "mixture_changes": mixture})
+                                    "mixture_changes": mixture},
+                                   max_bytes=int(job.runtime.stimulus_log_mb * (1 << 20)))
         self.sock: zmq.asyncio.Socket | None = None
         self.stopped = asyncio.Event()
         self.failed = False

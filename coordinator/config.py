@@ -103,6 +103,9 @@ class RuntimeConfig:
     # loader design, kept for comparison)
     allocation: str = "adaptive"
     shrink_after_s: float = 10.0  # `--procs auto` hosts lose a process after workers idled this long
+    # memory for the recent event bursts and their instructions, written to the state dir when the
+    # coordinator fails (coordinator/stimulus.py); 0 keeps none
+    stimulus_log_mb: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -446,7 +449,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
                         (("quadratic", 1.0), ("linear", 0.0), ("patch_quadratic", 0.0), ("patch_linear", 0.0))))
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
-                                                       "status_every_s", "allocation", "shrink_after_s"})
+                                                       "status_every_s", "allocation", "shrink_after_s",
+                                                       "stimulus_log_mb"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -456,6 +460,9 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     allocation = rt.get("allocation", "adaptive")
     _choice(c, allocation, "runtime.allocation", ALLOCATIONS)
     shrink_after = c.number(rt.get("shrink_after_s", 10.0), "runtime.shrink_after_s")
+    stimulus_mb = c.number(rt.get("stimulus_log_mb", 4.0), "runtime.stimulus_log_mb")
+    if stimulus_mb is not None and stimulus_mb < 0:
+        c.bad("runtime.stimulus_log_mb", "must be >= 0")
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -486,7 +493,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
-        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after),
+        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb),
         path=path,
     )
 

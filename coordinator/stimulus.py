@@ -25,7 +25,7 @@ from . import events as E
 from . import instructions as I
 
 MAX_ENTRIES = 100_000
-MAX_BYTES = 64 << 20  # a chaos run of a few hundred steps fits; a long run keeps its recent past
+MAX_BYTES = 4 << 20  # runtime.stimulus_log_mb: a chaos run of a few hundred steps fits; a long run keeps its recent past
 FORMAT = 1
 
 
@@ -75,11 +75,13 @@ class StimulusLog:
         self.recorded = 0
 
     def record(self, events: list[E.Event], instructions: list[I.Instruction]) -> None:
+        self.recorded += 1
+        if self.max_bytes <= 0:
+            return
         entry = (tuple(events), tuple(instructions))
         size = _nbytes(*entry)
         self.entries.append((*entry, size))
         self.nbytes += size
-        self.recorded += 1
         while len(self.entries) > self.max_entries or (self.nbytes > self.max_bytes and len(self.entries) > 1):
             self.nbytes -= self.entries.popleft()[2]
 
