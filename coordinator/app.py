@@ -39,9 +39,10 @@ from .config import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
-from .instructions import (AppendJournal, AppendMixture, CompactJournal, FileInstruction, Instruction, Send, Stop,
+from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
-from .journal import JournalFile, append_mixture_journal, read_mixture_journal
+from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
+                      read_quarantine_journal)
 from .sources import OpenedSources
 from .state import CoordinatorState
 from .statedir import check_job_change, write_state_file, write_status
@@ -64,10 +65,11 @@ class Coordinator:
             loaded = loaded[-1:]
             self.journal.compact(loaded[0])
         mixture = read_mixture_journal(state_dir)
-        self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture)
+        quarantined = read_quarantine_journal(state_dir)
+        self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture, quarantined)
         self.stimuli = StimulusLog({"job_path": os.path.abspath(job.path), "num_records": list(sources.num_records),
                                     "durable": state_dir is not None, "loaded_states": loaded,
-                                    "mixture_changes": mixture},
+                                    "mixture_changes": mixture, "quarantined": quarantined},
                                    max_bytes=int(job.runtime.stimulus_log_mb * (1 << 20)))
         self.sock: zmq.asyncio.Socket | None = None
         self.stopped = asyncio.Event()
@@ -234,6 +236,8 @@ class Coordinator:
             self.journal.compact(ins.state)
         elif isinstance(ins, AppendMixture):
             append_mixture_journal(self.state_dir, ins.at_step, ins.weights)
+        elif isinstance(ins, AppendQuarantine):
+            append_quarantine_journal(self.state_dir, ins.source, ins.record, ins.reason)
         elif isinstance(ins, WriteStatus):
             status = self._status(ins.status)
             log.info("status: %s", status)

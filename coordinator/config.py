@@ -21,6 +21,7 @@ import yaml
 from trainer_client.errors import MsdError
 
 from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
+from worker.readers.limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_RECORD_BYTES
 from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 
 from .balance import METHODS
@@ -54,6 +55,9 @@ class SourceConfig:
     image_token_id: int | None = None  # WebDataset: the placeholder id, one per image patch
     max_pixels: int = DEFAULT_MAX_PIXELS  # WebDataset: images are scaled down to at most this many pixels
     patch_size: int = DEFAULT_PATCH_SIZE  # WebDataset: square patches of patch_size x patch_size pixels
+    # Poison limits, checked before a record is decoded; a record over one is skipped with the reason.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a record's stored bytes (line, row value, tar entries, document)
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # WebDataset: pixels an image's header declares
 
     @property
     def has_images(self) -> bool:
@@ -178,7 +182,8 @@ class JobConfig:
             "sources": [
                 {"name": s.name, "index": s.index, "format": s.format, "files": list(s.files),
                  "text_key": s.text_key, "tokens_key": s.tokens_key, "tokenizer": s.tokenizer, "eod_id": s.eod_id,
-                 "image_token_id": s.image_token_id, "max_pixels": s.max_pixels, "patch_size": s.patch_size}
+                 "image_token_id": s.image_token_id, "max_pixels": s.max_pixels, "patch_size": s.patch_size,
+                 "max_record_bytes": s.max_record_bytes, "max_image_pixels": s.max_image_pixels}
                 for s in self.sources
             ],
         }
@@ -189,7 +194,7 @@ class JobConfig:
         out over any number of ranks) and not runtime knobs."""
         return orjson.loads(orjson.dumps({
             "seed": self.seed,
-            "sources": [asdict(s) for s in self.sources],
+            "sources": [_stream_fields(s) for s in self.sources],
             "batch": asdict(self.batch),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
@@ -199,6 +204,16 @@ class JobConfig:
     def digest(self) -> str:
         """Fingerprint of the stream definition."""
         return hashlib.sha256(orjson.dumps(self.stream_definition(), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def _stream_fields(source: SourceConfig) -> dict[str, Any]:
+    """A source's part of the stream definition. The poison limits appear only when they differ
+    from their defaults, so a job written before they existed keeps its digest (and state dir)."""
+    out = asdict(source)
+    for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)):
+        if out[key] == default:
+            del out[key]
+    return out
 
 
 def config_diff(old: Any, new: Any, path: str = "") -> list[str]:
@@ -277,7 +292,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         c.bad(key, "source names must be non-empty strings")
         return None
     raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
-                               "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size"},
+                               "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size",
+                               "max_record_bytes", "max_image_pixels"},
                     {"format", "paths"})
     fmt = raw.get("format")
     ok = True
@@ -353,6 +369,15 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     eod_id = raw.get("eod_id")
     if eod_id is not None and c.integer(eod_id, f"{key}.eod_id", 0) is None:
         ok = False
+    max_record_bytes = c.integer(raw.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), f"{key}.max_record_bytes", 1)
+    max_image_pixels = raw.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
+    if fmt != "webdataset" and "max_image_pixels" in raw:
+        c.bad(f"{key}.max_image_pixels", "applies to webdataset sources only")
+        ok = False
+    else:
+        max_image_pixels = c.integer(max_image_pixels, f"{key}.max_image_pixels", 1)
+    if max_record_bytes is None or max_image_pixels is None:
+        ok = False
     long_docs = raw.get("long_docs", defaults.get("long_docs", "split"))
     ok = _choice(c, long_docs, f"{key}.long_docs", LONG_DOCS) and ok
     on_exhausted = raw.get("on_exhausted", defaults.get("on_exhausted", "renormalize"))
@@ -363,7 +388,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     if not ok:
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
-                        tokens_key, image_token_id, max_pixels, patch_size)
+                        tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels)
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:

@@ -51,13 +51,15 @@ class WorkerHeartbeat(PeerEvent):
     worker_id: int
     cached_records: int
     busy_s: float
+    backlog: int = 0  # piece messages waiting for a rank's socket
+    send_waits: int = 0  # sends that found a rank's socket full, since registration
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Prepared(PeerEvent):
     worker_id: int
     task_id: int
-    skipped: list  # [[index in the task, reason]]
+    skipped: list  # [[index in the task, reason, kind]]
     busy_s: float
     lengths: np.ndarray
     patches: np.ndarray
@@ -107,6 +109,16 @@ class TrainerHello(PeerEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerExited(PeerEvent):
+    """A host agent saw one of its worker processes end, and what task it was working on."""
+
+    agent_id: int
+    pid: int
+    exitcode: int
+    task_id: int  # -1: none
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Consumed(PeerEvent):
     rank: int
     step: int
@@ -132,8 +144,8 @@ class MixRequest(PeerEvent):
 MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "worker_hello": WorkerHello, "worker_heartbeat": WorkerHeartbeat, "prepared": Prepared,
     "task_failed": TaskFailed, "delivered": Delivered, "host_hello": HostHello, "host_heartbeat": HostHeartbeat,
-    "trainer_hello": TrainerHello, "consumed": Consumed, "trainer_heartbeat": TrainerHeartbeat,
-    "trainer_bye": TrainerBye, "mix_request": MixRequest,
+    "worker_exited": WorkerExited, "trainer_hello": TrainerHello, "consumed": Consumed,
+    "trainer_heartbeat": TrainerHeartbeat, "trainer_bye": TrainerBye, "mix_request": MixRequest,
 }
 ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
 

@@ -55,6 +55,15 @@ class AppendMixture(FileInstruction):
 
 
 @dataclass(frozen=True, slots=True)
+class AppendQuarantine(FileInstruction):
+    """Append a quarantined record (source name, record index) to the quarantine journal, then fsync."""
+
+    source: str
+    record: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class WriteStatus(FileInstruction):
     """Log the status and replace status.json in the state dir with it."""
 
@@ -70,7 +79,8 @@ class Stop(Instruction):
 
 
 ALL_INSTRUCTIONS: dict[str, type[Instruction]] = {
-    cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, WriteStatus, Stop)}
+    cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, AppendQuarantine, WriteStatus,
+                                               Stop)}
 
 
 def to_dict(instruction: Instruction) -> dict[str, Any]:

@@ -6,6 +6,8 @@ loop; what goes in them is decided by the state (`history.StepHistory`, `state.p
   last state when compacted.
 - `mixture.journal`: one JSON line per accepted run-time mixture change (`msd mix`), fsynced
   before the change is answered; replayed at start-up.
+- `quarantine.journal`: one JSON line per record quarantined (it killed worker processes),
+  fsynced before any step planned without it; replayed at start-up.
 
 An incomplete last line (a write cut short by a crash, never acknowledged) is ignored; any other
 bad line stops start-up with the file and line.
@@ -26,6 +28,7 @@ from .plan import PlannerState
 log = logging.getLogger("msd.journal")
 JOURNAL = "steps.journal"
 MIXTURE_JOURNAL = "mixture.journal"
+QUARANTINE_JOURNAL = "quarantine.journal"
 
 
 def _json_lines(path: str) -> list[bytes]:
@@ -100,17 +103,16 @@ class JournalFile:
             self._file = None
 
 
-def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:
-    """The run-time mixture changes recorded in the state dir, in the order they were made."""
+def _read_entries(state_dir: str | None, name: str, parse):
+    """The parsed lines of one small journal of the state dir, in order (parse raises on a bad line)."""
     if not state_dir:
         return []
-    path = os.path.join(state_dir, MIXTURE_JOURNAL)
+    path = os.path.join(state_dir, name)
     lines = _json_lines(path)
     out = []
     for i, line in enumerate(lines, start=1):
         try:
-            entry = orjson.loads(line)
-            out.append((int(entry["at_step"]), [float(w) for w in entry["weights"]]))
+            out.append(parse(orjson.loads(line)))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             if i == len(lines):  # a write cut short by a crash: it was never acknowledged
                 log.warning("%s:%d: incomplete last entry ignored", path, i)
@@ -119,10 +121,31 @@ def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]
     return out
 
 
-def append_mixture_journal(state_dir: str, at_step: int, weights: Iterable[float]) -> None:
-    """Append one change durably (fsync) before it is acknowledged."""
+def _append_entry(state_dir: str, name: str, entry: dict) -> None:
+    """Append one line durably (fsync) before what it records takes effect."""
     os.makedirs(state_dir, exist_ok=True)
-    with open(os.path.join(state_dir, MIXTURE_JOURNAL), "ab") as f:
-        f.write(orjson.dumps({"at_step": at_step, "weights": list(weights)}) + b"\n")
+    with open(os.path.join(state_dir, name), "ab") as f:
+        f.write(orjson.dumps(entry) + b"\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:
+    """The run-time mixture changes recorded in the state dir, in the order they were made."""
+    return _read_entries(state_dir, MIXTURE_JOURNAL,
+                         lambda e: (int(e["at_step"]), [float(w) for w in e["weights"]]))
+
+
+def append_mixture_journal(state_dir: str, at_step: int, weights: Iterable[float]) -> None:
+    """Append one change durably (fsync) before it is acknowledged."""
+    _append_entry(state_dir, MIXTURE_JOURNAL, {"at_step": at_step, "weights": list(weights)})
+
+
+def read_quarantine_journal(state_dir: str | None) -> list[tuple[str, int]]:
+    """(source name, record) of every record quarantined so far, in the order decided."""
+    return _read_entries(state_dir, QUARANTINE_JOURNAL, lambda e: (str(e["source"]), int(e["record"])))
+
+
+def append_quarantine_journal(state_dir: str, source: str, record: int, reason: str) -> None:
+    """Append one quarantine decision durably, before any step planned with it is journaled."""
+    _append_entry(state_dir, QUARANTINE_JOURNAL, {"source": source, "record": record, "reason": reason})

@@ -21,6 +21,8 @@ class WorkerInfo:
     agent: int = 0  # its host agent's id
     pid: int = 0
     busy_s: float = 0.0  # total time it reports busy (heartbeats)
+    backlog: int = 0  # piece messages waiting for a rank's socket (heartbeats)
+    send_waits: int = 0  # sends that found a rank's socket full (heartbeats)
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Registry:
         worker = self.workers[wid] = WorkerInfo(wid, identity, at, agent, pid)
         self._roles[identity] = ("worker", wid)
         return worker
+
+    def worker_by_pid(self, agent: int, pid: int) -> WorkerInfo | None:
+        """The registered worker that this host agent started as process pid."""
+        return next((w for w in self.workers.values() if w.agent == agent and w.pid == pid), None)
 
     def add_trainer(self, info: TrainerInfo) -> None:
         """Register a rank; a previous holder of the rank (another identity) is forgotten."""

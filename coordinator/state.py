@@ -30,9 +30,11 @@ from .balance import imbalance
 from .config import JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRequest, Prepared, Shutdown,
-                     TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerHeartbeat, WorkerHello)
+                     TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat,
+                     WorkerHello)
 from .history import StepHistory
-from .instructions import AppendJournal, AppendMixture, CompactJournal, Instruction, Send, Stop, WriteStatus
+from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
+                           WriteStatus)
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
 from .positions import NOBODY, PositionTable
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
@@ -46,17 +48,22 @@ log = logging.getLogger("msd.coordinator")
 _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
     "trainer": (Consumed, TrainerHeartbeat, TrainerBye),
-    "host": (HostHeartbeat,),
+    "host": (HostHeartbeat, WorkerExited),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
+# A record is quarantined when this many worker processes died working on it (the first try and
+# two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
+ALLOWED_DEATHS = 3
 
 
 class CoordinatorState:
     def __init__(self, job: JobConfig, sources: OpenedSources, history: StepHistory,
-                 mixture_changes: list[tuple[int, list[float]]] = ()) -> None:
+                 mixture_changes: list[tuple[int, list[float]]] = (),
+                 quarantined: list[tuple[str, int]] = ()) -> None:
         """history: the recent planner states (restored from the journal, if any);
-        mixture_changes: run-time weight changes of an earlier run (the mixture journal)."""
+        mixture_changes: run-time weight changes of an earlier run (the mixture journal);
+        quarantined: (source name, record) of records that killed workers (the quarantine journal)."""
         self.job = job
         self.planner = Planner(job, sources.num_records)
         for at_step, weights in mixture_changes:
@@ -87,9 +94,18 @@ class CoordinatorState:
         self.len_sum = [0] * n
         self.len_count = [0] * n
         self.skipped = [0] * n
+        self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
+        self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
+        index = {src.name: src.index for src in job.sources}
+        for name, record in quarantined:
+            if name in index:
+                self.quarantined.setdefault(index[name], set()).add(record)
+            else:
+                log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
         self.tasks = TaskBook()
         self.deliveries = DeliveryBook()
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
+        self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.stopped = False
@@ -101,6 +117,7 @@ class CoordinatorState:
             WorkerHeartbeat: self._on_worker_heartbeat, Prepared: self._on_prepared, TaskFailed: self._on_task_failed,
             Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: lambda ev, who: None,
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
+            WorkerExited: self._on_worker_exited,
         }
 
     # ------------------------------------------------------------------ the one entry point
@@ -189,7 +206,8 @@ class CoordinatorState:
         self.registry.add_host(host)
         log.info("worker host %s registered: %d process(es)%s", host.host, host.procs,
                  f", auto up to {host.max_procs}" if host.auto else "")
-        self._send(ev.peer, P.make(P.SCALE, procs=host.procs, retire=[], reason="registered"))
+        self._send(ev.peer, P.make(P.SCALE, procs=host.procs, retire=[], reason="registered",
+                                   heartbeat_s=self.heartbeat_s))
 
     def _trainer_refusal(self, ev: TrainerHello) -> str | None:
         rank, next_step = ev.rank, self.planner.state.next_step
@@ -275,9 +293,25 @@ class CoordinatorState:
 
     def _on_worker_heartbeat(self, ev: WorkerHeartbeat, worker: WorkerInfo) -> None:
         worker.busy_s = max(worker.busy_s, ev.busy_s)
+        worker.backlog, worker.send_waits = ev.backlog, ev.send_waits
 
     def _on_host_heartbeat(self, ev: HostHeartbeat, host: HostInfo) -> None:
         host.procs = ev.procs
+
+    def _on_worker_exited(self, ev: WorkerExited, host: HostInfo) -> None:
+        """The host agent saw a worker process end: forgotten now (not after heartbeats of
+        silence), and the task it was working on, if any, is blamed (the poison record hunt)."""
+        blame = ev.task_id if ev.task_id >= 0 and ev.exitcode != 0 else None
+        worker = self.registry.worker_by_pid(host.agent_id, ev.pid)
+        if worker is not None:
+            log.warning("worker %d (pid %d) exited with %d (its host agent says): declared dead", worker.worker_id,
+                        ev.pid, ev.exitcode)
+            self._forget_peer(worker.identity, "dead", blame)
+            return
+        wid = self._dead_pids.get((host.agent_id, ev.pid))  # already forgotten: it was silent first
+        if blame is not None and wid is not None:
+            self._blame(blame, wid)
+            self._assign_queued()
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         trainer.consumed = max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1))
@@ -285,7 +319,7 @@ class CoordinatorState:
 
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
         log.info("rank %d left", trainer.rank)
-        self.registry.remove(ev.peer)
+        self._forget_peer(ev.peer, "left")
 
     def _on_prepared(self, ev: Prepared, worker: WorkerInfo) -> None:
         task = self.tasks.complete(ev.task_id, worker.worker_id)
@@ -298,13 +332,18 @@ class CoordinatorState:
                         task.task_id, len(ev.lengths), len(task.positions))
             self._issue_prepare(s, task.positions)
             return
-        for _, reason in ev.skipped:
-            self.skipped[s] += 1
-            log.warning("source %s: record skipped: %s (%d skipped so far)", self.job.sources[s].name, reason,
-                        self.skipped[s])
+        for entry in ev.skipped:
+            reason, kind = entry[1], (entry[2] if len(entry) > 2 else "corrupt")
+            self._count_skip(s, kind)
+            log.warning("source %s: record skipped (%s): %s (%d skipped so far)", self.job.sources[s].name, kind,
+                        reason, self.skipped[s])
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
+
+    def _count_skip(self, s: int, kind: str, n: int = 1) -> None:
+        self.skipped[s] += n
+        self.skipped_by_kind[s][kind] = self.skipped_by_kind[s].get(kind, 0) + n
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
         log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason)
@@ -352,7 +391,8 @@ class CoordinatorState:
             log.info("worker host %s: %d -> %d processes (trainers wait %.0f%% of the time, workers %.0f%% busy)",
                      host.host, host.procs, procs, 100 * self.workforce.last_wait, 100 * self.workforce.last_busy)
             host.procs = procs
-            self._send(host.identity, P.make(P.SCALE, procs=procs, retire=[], reason="trainers wait for data"))
+            self._send(host.identity, P.make(P.SCALE, procs=procs, retire=[], reason="trainers wait for data",
+                                                          heartbeat_s=self.heartbeat_s))
         for host in reg.hosts.values():
             for wid in sorted(host.retiring):
                 w = reg.workers.get(wid)
@@ -364,16 +404,29 @@ class CoordinatorState:
                     host.procs -= 1
                     log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
                              host.procs)
-                    self._send(host.identity, P.make(P.SCALE, procs=host.procs, retire=[w.pid], reason="idle"))
+                    self._send(host.identity, P.make(P.SCALE, procs=host.procs, retire=[w.pid], reason="idle",
+                                                              heartbeat_s=self.heartbeat_s))
                     reg.remove(w.identity)
 
-    def _forget_peer(self, identity: bytes, why: str) -> None:
+    def _forget_peer(self, identity: bytes, why: str, blame: int | None = None) -> None:
+        """blame: the task the worker died working on (its host agent said so)."""
         removed = self.registry.remove(identity)
+        if removed is not None and removed[0] == "trainer":
+            # What workers still hold for it would wait in their backlogs for good: dropped.
+            # (A rank that comes back registers again and resumes from its own step.)
+            for w in self.registry.workers.values():
+                self._send(w.identity, P.make(P.RELEASE_RANK, rank=removed[1].rank, address=removed[1].address))
+            return
         if removed is None or removed[0] != "worker":
             return
         wid = removed[1].worker_id
         log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", wid, why)
+        self._dead_pids[(removed[1].agent, removed[1].pid)] = wid  # the agent's report of it may come later
+        while len(self._dead_pids) > 4096:
+            del self._dead_pids[next(iter(self._dead_pids))]
         self.tasks.withdraw(wid)  # back to the queue: assigned below, or when a worker registers
+        if blame is not None:
+            self._blame(blame, wid)
         lost = {s: t.held_by(wid) for s, t in enumerate(self.tables)}
         for s, positions in lost.items():
             self.reprepare.update((s, p) for p in positions.tolist())
@@ -390,6 +443,32 @@ class CoordinatorState:
             if len(positions):
                 self._issue_prepare(s, positions)
         # its deliveries are sent again by the next planning pass, once their records have live holders
+
+    def _blame(self, task_id: int, worker_id: int) -> None:
+        """A worker died working on this task: narrow it down to one record, and quarantine a
+        record that has killed ALLOWED_DEATHS workers (each try on another worker)."""
+        task = self.tasks.get(task_id)
+        if task is None or worker_id not in task.workers:
+            return
+        task.deaths += 1
+        name = self.job.sources[task.source].name
+        if task.worker_id is not None:  # handed to another worker already: judged when that one is done
+            return
+        if len(task.positions) > 1:
+            log.warning("worker %d died working on %d records of source %s; trying them one by one", worker_id,
+                        len(task.positions), name)
+            self.tasks.split(task)
+            return
+        record = int(self.tables[task.source].records(task.positions)[0])
+        if task.deaths < ALLOWED_DEATHS:
+            log.warning("worker %d died working on record %d of source %s (%d of %d allowed deaths); trying another "
+                        "worker", worker_id, record, name, task.deaths, ALLOWED_DEATHS)
+            return
+        reason = f"{task.deaths} worker processes died reading it"
+        log.error("source %s: record %d quarantined: %s; it is skipped from now on", name, record, reason)
+        self.quarantined.setdefault(task.source, set()).add(record)
+        if self.history.durable:  # durable before any step planned without it
+            self._out.append(AppendQuarantine(name, record, reason))
 
     def _reissue_orphans(self) -> None:
         """Send deliveries of dead workers again, once every record they read has a live holder
@@ -468,6 +547,8 @@ class CoordinatorState:
             candidates = ([w for w in workers if w != task.avoid and w not in retiring]
                           or [w for w in workers if w not in retiring] or list(workers))
             s = task.source
+            if s in self.quarantined and self._settle_quarantined(task, candidates[0]):
+                continue
             if s in self.mapped:
                 # Prepared here and now: the lengths come from the index, and the worker that will
                 # read the records from its map is the one holding the fewest such records.
@@ -478,12 +559,41 @@ class CoordinatorState:
                 self.tasks.assign(task, wid, 0.0)
                 self.tasks.complete(task.task_id, wid)
                 records = self.tables[s].records(task.positions)
-                self._set_prepared(s, task.positions, self.mapped[s].lengths(records), wid)
+                self._set_prepared(s, task.positions, self._mapped_lengths(s, records), wid)
                 continue
             wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
             self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)))
             records = self.tables[s].records(task.positions)
             self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records)
+
+    def _settle_quarantined(self, task, worker_id: int) -> bool:
+        """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
+        by worker_id, and never handed to a worker; True when nothing of the task is left to do."""
+        s = task.source
+        bad = np.isin(self.tables[s].records(task.positions), np.fromiter(self.quarantined[s], dtype=np.int64))
+        if not bad.any():
+            return False
+        self._count_skip(s, "quarantined", int(bad.sum()))
+        self._set_prepared(s, task.positions[bad], np.zeros(int(bad.sum()), dtype=np.int64), worker_id)
+        task.positions = task.positions[~bad]
+        if len(task.positions):
+            return False
+        self.tasks.drop(task)
+        return True
+
+    def _mapped_lengths(self, s: int, records: np.ndarray) -> np.ndarray:
+        """Lengths of memory-mapped records from their index; a record over max_record_bytes is
+        skipped (length 0), as a worker would skip it."""
+        lengths = self.mapped[s].lengths(records)
+        source = self.job.sources[s]
+        over = lengths * self.mapped[s].dtype.itemsize > source.max_record_bytes
+        if over.any():
+            for r, n in zip(records[over].tolist(), lengths[over].tolist()):
+                log.warning("source %s: record skipped (over_limit): %s: %d tokens is over max_record_bytes (%d)",
+                            source.name, self.mapped[s].where(r), n, source.max_record_bytes)
+            self._count_skip(s, "over_limit", int(over.sum()))
+            lengths = np.where(over, 0, lengths)
+        return lengths
 
     def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int,
                       patches: np.ndarray | None = None) -> None:
@@ -685,9 +795,13 @@ class CoordinatorState:
             "next_step": step,
             "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
             "workers": len(self.registry.workers),
+            "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),
+            "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),
             "tasks_in_flight": len(self.tasks),
             "deliveries": self.deliveries.counts(),
             "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
+            "skipped_by_kind": {s.name: dict(self.skipped_by_kind[s.index]) for s in self.job.sources},
+            "quarantined": {self.job.sources[s].name: sorted(r) for s, r in self.quarantined.items()},
             **self.workforce.status(self.registry.hosts, [s.name for s in self.job.sources],
                                     self.planner.weights_at(step), self.job.step_tokens_at(step)),
         }

@@ -4,14 +4,18 @@ A task asks one worker to read and transform some records of one source (the str
 of a `PositionTable`). Its life: *queued* (waiting for a worker; new tasks and tasks whose worker
 died or failed them) -> *in flight* on one worker -> gone (the result came, or the plan was
 rewound). The queue is first in, first out; `attempts` counts how many times a task was handed
-to a worker, so a task that keeps killing workers can be told from one that met bad luck.
+to a worker, and `deaths` how many worker processes died while working on it.
+
+Which task killed a worker is reported by its host agent (the worker marks the task it works on
+in memory shared with the agent): the coordinator blames that task (`state._blame`), and a record
+that killed ALLOWED_DEATHS workers is quarantined. Dask's `allowed-failures` works the same way.
 Part of the coordinator's state: no sockets, no clock.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +29,8 @@ class PrepareTask:
     estimate_s: float = 0.0  # expected seconds of work (the owner's backlog counts it)
     attempts: int = 0  # times handed to a worker
     avoid: int | None = None  # a worker that failed it: another one, if there is one
+    deaths: int = 0  # worker processes that died while this was the task they worked on
+    workers: list[int] = field(default_factory=list)  # every worker it was handed to, in order
 
 
 class TaskBook:
@@ -38,9 +44,9 @@ class TaskBook:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def new(self, source: int, positions: np.ndarray) -> PrepareTask:
+    def new(self, source: int, positions: np.ndarray, deaths: int = 0) -> PrepareTask:
         """A task for these positions, at the end of the queue."""
-        task = PrepareTask(self._next_id, source, positions)
+        task = PrepareTask(self._next_id, source, positions, deaths=deaths)
         self._next_id += 1
         self._tasks[task.task_id] = task
         self._queue.append(task)
@@ -61,6 +67,7 @@ class TaskBook:
         assert task.worker_id is None, f"task {task.task_id} is in flight on worker {task.worker_id}"
         task.worker_id, task.estimate_s = worker_id, estimate_s
         task.attempts += 1
+        task.workers.append(worker_id)
         self._by_worker.setdefault(worker_id, set()).add(task.task_id)
         self._backlog[worker_id] = self._backlog.get(worker_id, 0.0) + estimate_s
 
@@ -97,6 +104,25 @@ class TaskBook:
         task.avoid = worker_id
         self._queue.append(task)
         return task
+
+    def get(self, task_id: int) -> PrepareTask | None:
+        return self._tasks.get(task_id)
+
+    def split(self, task: PrepareTask) -> list[PrepareTask]:
+        """Replace a queued task by one task per position (to find which record kills workers);
+        the new tasks keep its death count."""
+        assert task.worker_id is None, f"task {task.task_id} is in flight"
+        self._queue.remove(task)
+        del self._tasks[task.task_id]
+        out = [self.new(task.source, task.positions[i: i + 1], task.deaths) for i in range(len(task.positions))]
+        for t in out:
+            t.workers = list(task.workers)
+        return out
+
+    def drop(self, task: PrepareTask) -> None:
+        """A queued task that needs no worker (its records were settled without one)."""
+        assert task.worker_id is None, f"task {task.task_id} is in flight"
+        self._tasks.pop(task.task_id, None)
 
     def withdraw(self, worker_id: int) -> list[PrepareTask]:
         """The worker is gone: its tasks go back to the queue, in task order."""

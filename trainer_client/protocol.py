@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -198,8 +198,10 @@ def _check_pieces(header: dict, arrays: dict) -> None:
 # worker -> coordinator
 WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(), incarnation=integer(),
                     agent=integer())  # the host agent that started it (its agent_id)
+# busy_s: total time spent preparing and delivering; backlog: piece messages waiting for a rank's
+# socket; send_waits: sends that found a rank's socket full, since registration
 WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer(),
-                        busy_s=number())  # busy_s: total time spent preparing and delivering
+                        busy_s=number(), backlog=integer(), send_waits=integer())
 PREPARED = _msg(
     "prepared",
     ArraySpec("lengths", "<i8"),  # tokens per record, in task order; 0 for a skipped record
@@ -207,8 +209,8 @@ PREPARED = _msg(
     check=_check_prepared,
     worker_id=integer(),
     task_id=integer(),
-    # [[index into the task's records, reason]] for records skipped as corrupt
-    skipped=seq(tup(integer(), text(MAX_STR_LEN))),
+    # [[index into the task's records, reason, kind]] for records skipped (kind: readers.errors.SKIP_KINDS)
+    skipped=seq(tup(integer(), text(MAX_STR_LEN), text(32))),
     busy_s=number(),  # seconds spent on the task: the coordinator's per-source cost estimate
 )
 # host agent -> coordinator: its process count and limits (`msd worker --procs auto --max-procs N`)
@@ -221,7 +223,12 @@ DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
 # coordinator -> worker
 WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number())
 # coordinator -> host agent: run this many worker processes (within its limits)
-SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text())  # retire: pids to stop
+# retire: pids to stop; heartbeat_s: how often the host heartbeats (the job's runtime.heartbeat_s)
+SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text(), heartbeat_s=number())
+# host agent -> coordinator, at once: one of its worker processes ended (exitcode: negative for a
+# signal); task_id: the prepare task it was working on, -1 for none (what blames a poison record)
+WORKER_EXITED = _msg("worker_exited", agent_id=integer(), pid=integer(), exitcode=integer(-(1 << 31), 1 << 31),
+                     task_id=integer(-1))
 PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, task_id=integer(),
                source=integer(0, 0xFFFF))
 DELIVER = _msg(
@@ -233,6 +240,9 @@ DELIVER = _msg(
     step=integer(),
     addresses=seq(tup(integer(), text())),
 )
+# the rank at this data address has gone (its heartbeats stopped, or it said bye): drop what
+# waits to be sent to it
+RELEASE_RANK = _msg("release_rank", rank=integer(), address=text())
 REJECT = _msg("reject", reason=text(MAX_STR_LEN))
 SHUTDOWN = _msg("shutdown", reason=text())
 # the coordinator does not know this peer (it restarted, or declared the peer dead): say hello again
@@ -278,8 +288,9 @@ MIX_REPLY = _msg("mix_reply", ok=integer(0, 1), reason=text(MAX_STR_LEN), at_ste
 ALL_TYPES = {
     m.name: m
     for m in (
-        WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, REJECT,
-        HOST_HELLO, HOST_HEARTBEAT, SCALE,
+        WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, RELEASE_RANK,
+        REJECT,
+        HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY,
     )
@@ -288,11 +299,12 @@ ALL_TYPES = {
 # What each socket role may receive; anything else is rejected at decode.
 COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
+                     WORKER_EXITED,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST)
 )
 TOOL_INBOX = frozenset({MIX_REPLY.name})
 HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER))
-WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, REJECT, SHUTDOWN, UNKNOWN_PEER))
+WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
                                                     SHUTDOWN, UNKNOWN_PEER))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})

@@ -68,6 +68,16 @@ class PeerLoop:
         self._poller.register(sock, zmq.POLLIN)
         self._handlers[sock] = handler
 
+    def on_writable(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None] | None) -> None:
+        """Call handler(sock) whenever sock can take a message; None: stop polling it."""
+        if handler is None:
+            if sock in self._handlers:
+                self._poller.unregister(sock)
+                del self._handlers[sock]
+            return
+        self._poller.register(sock, zmq.POLLOUT)
+        self._handlers[sock] = handler
+
     def run(self, running: Callable[[], bool], each: Callable[[float], None] | None = None) -> None:
         """Until running() is false. each(now), if given, runs once per turn, before the poll;
         a turn ends after a quarter of a heartbeat interval without messages."""

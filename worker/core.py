@@ -11,6 +11,8 @@ coordinator can rebuild elsewhere.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,13 @@ class ToRank:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseRank:
+    """The rank at this data address is gone: drop what waits for it."""
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
 class Registered:
     worker_id: int
     heartbeat_s: float
@@ -69,7 +78,32 @@ class Quit:
     reason: str
 
 
-Action = ToCoordinator | ToRank | Registered | Forgotten | Quit
+Action = ToCoordinator | ToRank | ReleaseRank | Registered | Forgotten | Quit
+
+
+# Fault injection for tests and drills: `MSD_KILL_RECORDS=source:record,...` makes a worker process
+# kill itself with SIGKILL when it is about to read one of these records, as a crash in a native
+# decoder or the OOM killer would. Nothing else can make a process die on one given record.
+KILL_RECORDS_ENV = "MSD_KILL_RECORDS"
+
+
+def _kill_records(specs: list[dict[str, Any]]) -> dict[int, set[int]]:
+    raw = os.environ.get(KILL_RECORDS_ENV, "")
+    index = {spec.get("name"): s for s, spec in enumerate(specs)}
+    out: dict[int, set[int]] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        name, _, record = item.rpartition(":")
+        if name in index and record.isdigit():
+            out.setdefault(index[name], set()).add(int(record))
+        else:
+            log.warning("%s: %r is not source:record of this job; ignored", KILL_RECORDS_ENV, item)
+    return out
+
+
+def _die_as_a_native_crash_would(where: str) -> None:
+    log.error("%s: %s names this record; the process kills itself", where, KILL_RECORDS_ENV)
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class WorkerCore:
@@ -78,6 +112,7 @@ class WorkerCore:
         self.specs: list[dict[str, Any]] = []
         self.readers: dict[int, SourceReader] = {}
         self.cache: dict[int, CacheEntry] = {}  # doc key -> entry (memory-mapped records are never cached)
+        self.kill_records: dict[int, set[int]] = {}  # fault injection (KILL_RECORDS_ENV), by source index
 
     def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
         kind = msg["type"]
@@ -102,6 +137,8 @@ class WorkerCore:
             return self._on_prepare(msg, arrays["records"])
         if kind == "deliver":
             return self._on_deliver(msg, arrays["items"], arrays["release"])
+        if kind == "release_rank":
+            return [ReleaseRank(msg["address"])]
         return []
 
     def _on_welcome(self, msg: dict[str, Any]) -> list[Action]:
@@ -113,6 +150,7 @@ class WorkerCore:
         self.specs = job["sources"]
         self.readers.clear()
         self.cache.clear()
+        self.kill_records = _kill_records(self.specs)
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
@@ -151,11 +189,18 @@ class WorkerCore:
             key = doc_key(s, record)
             entry = self.cache.get(key)
             if entry is None:
+                if record in self.kill_records.get(s, ()):
+                    _die_as_a_native_crash_would(reader.where(record))
                 try:
                     tokens, images = reader.read_sample(record)
-                except (RecordError, IndexError) as e:
-                    log.warning("skipped record: %s", e)
-                    skipped.append([i, str(e)])
+                except RecordError as e:
+                    log.warning("source %s: skipped record: %s", reader.name, e)
+                    skipped.append([i, str(e), e.kind])
+                    continue
+                except Exception as e:  # noqa: BLE001 - one bad record among billions must never stop a job
+                    reason = f"{reader.where(record)}: {type(e).__name__}: {e}"
+                    log.warning("source %s: skipped record: %s", reader.name, reason)
+                    skipped.append([i, reason, "error"])
                     continue
                 entry = self.cache[key] = CacheEntry(tokens, 0, images)
             entry.copies += 1
@@ -250,5 +295,6 @@ class WorkerCore:
             patch_counts = patch_counts[:0]
         return np.concatenate(kept), np.concatenate(parts).astype(dtype, copy=False), patch_counts, patches
 
-    def heartbeat(self, busy_s: float) -> dict[str, Any]:
-        return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s)
+    def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> dict[str, Any]:
+        return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,
+                      backlog=backlog, send_waits=send_waits)

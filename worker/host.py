@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ from trainer_client import protocol as P
 from trainer_client import security, wire
 from trainer_client.errors import ProtocolError
 from trainer_client.session import PeerLoop, Registration
-from trainer_client.sockets import make_socket
+from trainer_client.sockets import make_socket, send_nowait
 
 log = logging.getLogger("msd.worker.host")
 
@@ -48,6 +49,7 @@ def _worker_main(*args) -> None:
 class _Slot:
     def __init__(self) -> None:
         self.process: mp.Process | None = None
+        self.task = None  # shared int64: the prepare task its process works on (-1: none)
         self.restarts = 0
         self.started_at = 0.0
         self.next_start = 0.0
@@ -74,10 +76,14 @@ class HostAgent:
         self.stopping = False
         self.registration: Registration | None = None
         self.refused: str | None = None  # why the coordinator will not have this host
+        self.control: zmq.Socket | None = None
 
     def _start(self, slot: _Slot) -> None:
+        # The worker marks the task it works on here; if it dies, the agent reports that task, so
+        # a record that kills whatever reads it is found and quarantined (state._blame).
+        slot.task = self.ctx.Value("q", -1, lock=False)
         p = self.ctx.Process(target=_worker_main, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
-                                                        self.keys_dir, self.agent_id),
+                                                        self.keys_dir, self.agent_id, slot.task),
                              name="msd-worker", daemon=True)
         p.start()
         slot.process, slot.started_at = p, time.monotonic()
@@ -99,11 +105,19 @@ class HostAgent:
                     slot.restarts = 0  # it ran fine for a while, or was killed: not a crash loop
                 slot.restarts += 1
                 backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
-                log.warning("worker process %d exited with %s; restarting in %.1fs", p.pid, p.exitcode, backoff)
+                task = slot.task.value if slot.task is not None else -1
+                log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
+                            f" while preparing task {task}" if task >= 0 else "", backoff)
+                self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
+                                    task_id=task))
                 slot.process = None
                 slot.next_start = now + backoff
             elif now >= slot.next_start:
                 self._start(slot)
+
+    def _report(self, msg: dict) -> None:
+        if self.control is not None:
+            send_nowait(self.control, msg)
 
     def _scale(self, procs: int, retire: list[int], reason: str) -> None:
         procs = max(self.min_procs, min(self.max_procs, procs))
@@ -123,8 +137,11 @@ class HostAgent:
     def run(self) -> int:
         """Until stopped; returns the exit status (1: the coordinator refused this host)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        # The fork server takes a while to start (it imports the worker's modules): before the
+        # hello, so the agent is never silent towards the coordinator while it starts.
+        multiprocessing.forkserver.ensure_running()
         zctx = zmq.Context()
-        control = make_socket(zctx, zmq.DEALER)
+        control = self.control = make_socket(zctx, zmq.DEALER)
         if self.keys_dir:
             security.as_client(control, security.load(self.keys_dir, "worker"),
                                security.public_key(self.keys_dir, "coordinator"))
@@ -166,7 +183,7 @@ class HostAgent:
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]
         if kind == "scale":
-            self.registration.welcomed()
+            self.registration.welcomed(msg["heartbeat_s"])
             self._scale(msg["procs"], msg["retire"], msg["reason"])
         elif kind == "unknown_peer":
             self.registration.forgotten()

@@ -1,7 +1,7 @@
 """One worker process: a plain synchronous loop around a poller (trainer_client.session.PeerLoop).
 
 It owns the sockets and nothing else: the control DEALER to the coordinator and one PUSH per
-trainer data address. Messages from the coordinator go to `WorkerCore.handle` (worker/core.py),
+trainer data address (`outbox.py`: sends that never block, a backlog per rank). Messages from the coordinator go to `WorkerCore.handle` (worker/core.py),
 and the loop carries out the actions it returns. The process may be killed at any moment; it
 exits when its host agent dies.
 """
@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 
 import zmq
 
@@ -23,11 +24,11 @@ from trainer_client.logs import setup_logging
 from trainer_client.session import PeerLoop, Registration
 from trainer_client.sockets import make_socket, send_nowait
 
-from .core import Action, Forgotten, Quit, Registered, ToCoordinator, ToRank, WorkerCore
+from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
+from .outbox import RankOutbox
 
 log = logging.getLogger("msd.worker")
 
-SEND_TIMEOUT_MS = 30_000
 # Below this, copying a frame is cheaper than zero-copy bookkeeping (pyzmq tracks zero-copy
 # frames through a garbage-collector thread).
 ZERO_COPY_BYTES = 1 << 20
@@ -35,8 +36,11 @@ ZERO_COPY_BYTES = 1 << 20
 
 class Worker:
     def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None,
-                 agent_id: int = 0) -> None:
+                 agent_id: int = 0, current_task: Any = None) -> None:
+        """current_task: an int shared with the host agent (multiprocessing.Value), set to the
+        prepare task being worked on, so that the agent can say which task a crash happened in."""
         self.parent_pid = parent_pid
+        self.current_task = current_task
         self.core = WorkerCore()
         self.ctx = zmq.Context()
         self.control = make_socket(self.ctx, zmq.DEALER)
@@ -46,24 +50,24 @@ class Worker:
         if self.keys:
             security.as_client(self.control, self.keys, security.public_key(keys_dir, "coordinator"))
         self.control.connect(coordinator)
-        self.data: dict[str, zmq.Socket] = {}  # trainer data address -> PUSH socket
+        self.loop: PeerLoop | None = None
+        self.outbox = RankOutbox(self._data_socket, self._poll_writable)  # pieces to ranks, never blocking
         incarnation = int.from_bytes(os.urandom(6), "little")
         self.registration = Registration(
             lambda: P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=socket.gethostname(), pid=os.getpid(),
                            incarnation=incarnation, agent=agent_id),
-            lambda: self.core.heartbeat(self.busy_s))
+            lambda: self.core.heartbeat(self.busy_s, self.outbox.backlog(), self.outbox.waits))
         self.running = True
         self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
 
     def close(self) -> None:
-        for s in self.data.values():
-            s.close(linger=1000)
+        self.outbox.close()
         self.control.close(linger=0)
         self.ctx.term()
 
     def run(self) -> None:
         handshakes = security.HandshakeWatch(self.control)
-        loop = PeerLoop(self.control, self.registration)
+        loop = self.loop = PeerLoop(self.control, self.registration)
         loop.on(self.control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:
@@ -89,7 +93,12 @@ class Worker:
             log.warning("dropped message from coordinator: %s", e)
             return
         started = time.perf_counter()
+        marked = self.current_task is not None and header["type"] == "prepare"
+        if marked:
+            self.current_task.value = header["task_id"]
         actions = self.core.handle(header, arrays)
+        if marked:
+            self.current_task.value = -1
         for action in actions:
             self._do(action, started)
         self.busy_s += time.perf_counter() - started
@@ -103,11 +112,11 @@ class Worker:
                 log.warning("coordinator not reading; %s dropped", header["type"])
         elif isinstance(action, ToRank):
             frames = wire.encode(action.header, *action.arrays)
-            try:
-                self._data_socket(action.address).send_multipart(frames, copy=action.arrays[1].nbytes < ZERO_COPY_BYTES)
-            except zmq.Again:
-                log.error("step %d: rank %d at %s did not take its pieces within %ds", action.header["step"],
-                          action.header["rank"], action.address, SEND_TIMEOUT_MS // 1000)
+            self.outbox.send(action.address, frames, copy=action.arrays[1].nbytes < ZERO_COPY_BYTES)
+        elif isinstance(action, ReleaseRank):
+            dropped = self.outbox.release(action.address)
+            if dropped:
+                log.warning("rank at %s is gone: %d message(s) for it dropped", action.address, dropped)
         elif isinstance(action, Registered):
             self.busy_s = 0.0  # counted from registration: the coordinator compares heartbeats over time
             self.registration.welcomed(action.heartbeat_s)
@@ -117,17 +126,15 @@ class Worker:
             self.running = False
 
     def _data_socket(self, address: str) -> zmq.Socket:
-        sock = self.data.get(address)
-        if sock is None:
-            sock = make_socket(self.ctx, zmq.PUSH)
-            if self.keys:
-                security.as_client(sock, self.keys, self.trainer_key)
-            # Blocking send is our flow control (the coordinator bounds how far ahead anyone is);
-            # the timeout keeps a vanished trainer from wedging the worker forever.
-            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-            sock.connect(address)
-            self.data[address] = sock
+        sock = make_socket(self.ctx, zmq.PUSH)
+        if self.keys:
+            security.as_client(sock, self.keys, self.trainer_key)
+        sock.connect(address)
         return sock
+
+    def _poll_writable(self, sock: zmq.Socket, on: bool) -> None:
+        if self.loop is not None:
+            self.loop.on_writable(sock, self.outbox.flush if on else None)
 
 
 def _alive(pid: int) -> bool:
@@ -142,11 +149,12 @@ def _alive(pid: int) -> bool:
 
 
 def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str = "INFO",
-               log_path: str | None = None, keys_dir: str | None = None, agent_id: int = 0) -> None:
+               log_path: str | None = None, keys_dir: str | None = None, agent_id: int = 0,
+               current_task: Any = None) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
     setup_logging(log_level, "worker", log_path)
     memory.keep_freed_memory()
-    worker = Worker(coordinator, parent_pid, keys_dir, agent_id)
+    worker = Worker(coordinator, parent_pid, keys_dir, agent_id, current_task)
     try:
         worker.run()
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -31,12 +32,25 @@ def fit(width: int, height: int, max_pixels: int, patch_size: int) -> tuple[int,
     return w, h
 
 
-def to_patches(data: bytes, max_pixels: int, patch_size: int) -> np.ndarray:
-    """uint8 [n_patches, patch_size*patch_size*3] of an encoded image (JPEG, PNG, WebP)."""
+def _check_default_size(width: int, height: int) -> None:
+    from .readers.limits import DEFAULT_MAX_IMAGE_PIXELS
+
+    if width * height > DEFAULT_MAX_IMAGE_PIXELS:
+        raise ImageError(f"image of {width}x{height} pixels is over {DEFAULT_MAX_IMAGE_PIXELS} pixels")
+
+
+def to_patches(data: bytes, max_pixels: int, patch_size: int,
+               check_size: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """uint8 [n_patches, patch_size*patch_size*3] of an encoded image (JPEG, PNG, WebP).
+    check_size(width, height) sees the size the header declares, before any pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
 
+    # The size limit is ours, per source (check_size); Pillow's is one global that raises its own
+    # error at open, before we could see the size.
+    Image.MAX_IMAGE_PIXELS = None
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only
+            (check_size or _check_default_size)(*img.size)
             img.load()
             rgb = img.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import io
+import struct
 import tarfile
+import zlib
 
 import numpy as np
 import orjson
@@ -49,6 +51,17 @@ def draw_image(rng: np.random.Generator, width: int, height: int, fmt: str) -> b
     return out.getvalue()
 
 
+def bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares width x height RGB pixels (its data is a few bytes): what
+    a decompression bomb looks like to a decoder before it decodes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -59,7 +72,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_webdataset(path: str, n: int, seed: int = 0, sizes: tuple[int, int] = (96, 640),
                      formats: tuple[str, ...] = ("jpg", "png", "webp"), broken: dict[int, str] | None = None) -> None:
     """A tar of n image-text samples `{i:06d}.{jpg|png|webp}` + `.txt` (every third one `.json`).
-    broken: sample index -> "no_caption" | "bad_image" | "split" (its caption comes at the end)."""
+    broken: sample index -> "no_caption" | "bad_image" | "split" (its caption comes at the end) |
+    "bomb" (a PNG whose header declares 20000 x 10000 pixels: a decompression bomb)."""
     rng = np.random.default_rng(seed)
     texts = captions()
     broken = broken or {}
@@ -71,7 +85,8 @@ def write_webdataset(path: str, n: int, seed: int = 0, sizes: tuple[int, int] = 
                 key = f"{i:06d}"
                 fmt = formats[i % len(formats)]
                 w, h = (int(v) for v in rng.integers(sizes[0], sizes[1] + 1, 2))
-                image = draw_image(rng, w, h, fmt) if broken.get(i) != "bad_image" else b"not an image at all"
+                image = {"bad_image": b"not an image at all", "bomb": bomb_png(20000, 10000)}.get(broken.get(i), b"")
+                image = image or draw_image(rng, w, h, fmt)
                 text = texts[int(rng.integers(0, len(texts)))]
                 caption = orjson.dumps({"caption": text}) if i % 3 == 2 else text.encode()
                 _add(tar, f"{key}.{fmt}", image)

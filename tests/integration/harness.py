@@ -19,6 +19,7 @@ SPAWN = mp.get_context("spawn")
 
 
 Compute = float | list[tuple[int, float]]  # seconds per micro-batch, or [(from step, seconds), ...]
+PerRank = Compute | dict[int, Compute]  # the same for every rank, or per rank
 
 
 def _compute_at(compute_s: Compute, step: int) -> float:
@@ -54,7 +55,7 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 
 
 def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_path: str | None = None,
             during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90,
-            compute_s: Compute = 0.0, max_procs: int | None = None) -> dict[int, list[dict]]:
+            compute_s: PerRank = 0.0, max_procs: int | None = None) -> dict[int, list[dict]]:
     """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection).
     workers=None: the host runs `--procs auto --max-procs max_procs`."""
     with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO", max_procs=max_procs) as cluster:
@@ -62,7 +63,7 @@ def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_p
 
 
 def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
-              timeout_s: float = 90, compute_s: Compute = 0.0,
+              timeout_s: float = 90, compute_s: PerRank = 0.0,
               resume: dict[int, dict] | None = None,
               client_host: str = "127.0.0.1") -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
@@ -70,10 +71,12 @@ def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[Lo
     received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     states: dict[int, dict] = {}
     out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, compute_s,
+    per_rank = compute_s if isinstance(compute_s, dict) else {r: compute_s for r in range(ranks)}
+    procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, per_rank.get(r, 0.0),
                                                  (resume or {}).get(r), client_host)) for r in range(ranks)]
     for p in procs:
         p.start()
+    cluster.trainer_pids = [p.pid for p in procs]  # for fault injection in `during`
     done, deadline = 0, time.monotonic() + timeout_s
     try:
         while done < ranks:

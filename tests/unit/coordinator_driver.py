@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.config import JobConfig
-from coordinator.events import (Consumed, Delivered, Event, Prepared, Tick, TrainerBye, TrainerHeartbeat,
-                                TrainerHello, WorkerHeartbeat, WorkerHello)
+from coordinator.events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, Prepared, Tick, TrainerBye, TrainerHeartbeat,
+                                TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from coordinator.history import StepHistory
 from coordinator.instructions import Instruction, Send
 from coordinator.sources import open_sources
@@ -29,6 +29,7 @@ class FakeWorker:
     alive: bool = True
     cache: dict[int, int] = field(default_factory=dict)  # doc key -> prepared copies
     busy_s: float = 0.0
+    pid: int = 0
 
 
 @dataclass
@@ -42,10 +43,11 @@ class FakeRank:
 
 
 class Driver:
-    def __init__(self, job: JobConfig, history: StepHistory | None = None) -> None:
+    def __init__(self, job: JobConfig, history: StepHistory | None = None,
+                 quarantined: list[tuple[str, int]] = ()) -> None:
         self.job = job
         self.sources = open_sources(job)
-        self.state = CoordinatorState(job, self.sources, history or StepHistory(False))
+        self.state = CoordinatorState(job, self.sources, history or StepHistory(False), (), quarantined)
         self.readers = [open_source(spec) for spec in job.worker_job()["sources"]]
         self.now = 0.0
         self.workers: dict[bytes, FakeWorker] = {}
@@ -54,15 +56,28 @@ class Driver:
         self.out: list[Instruction] = []  # every instruction, in order
         self.unserved: list[str] = []  # pieces a worker was asked for and could not serve
         self.on_deliver = None  # hook(driver, worker, instruction) -> "drop" | "ack-then-die" | None
+        # (source, record) whose reading kills the process; its host agent reports the task and
+        # starts a new process (needs add_host)
+        self.poison: set[tuple[int, int]] = set()
+        self.deaths: list[tuple[int, int]] = []  # (worker id, task id) of every such death
+        self.host_peer: bytes | None = None
 
     # ------------------------------------------------------------------ peers
 
     def add_worker(self, name: str) -> bytes:
         peer = name.encode()
-        self.workers[peer] = FakeWorker(peer)
-        self.pending.append(WorkerHello(at=self.now, peer=peer, version=P.PROTOCOL_VERSION, host="test", pid=len(
-            self.workers), incarnation=len(self.workers), agent=1))
+        pid = 1000 + len(self.workers)
+        self.workers[peer] = FakeWorker(peer, pid=pid)
+        self.pending.append(WorkerHello(at=self.now, peer=peer, version=P.PROTOCOL_VERSION, host="test", pid=pid,
+                                        incarnation=pid, agent=1))
         return peer
+
+    def add_host(self) -> bytes:
+        """The host agent (agent id 1) that started the workers."""
+        self.host_peer = b"host"
+        self.pending.append(HostHello(at=self.now, peer=self.host_peer, version=P.PROTOCOL_VERSION, agent_id=1,
+                                      host="test", procs=len(self.workers), min_procs=1, max_procs=8, auto=0))
+        return self.host_peer
 
     def add_rank(self, rank: int, resume_step: int = 0, name: str | None = None) -> bytes:
         peer = (name or f"rank{rank}").encode()
@@ -101,6 +116,8 @@ class Driver:
         beats: list[Event] = [WorkerHeartbeat(at=self.now, peer=w.peer, worker_id=w.worker_id, cached_records=len(
             w.cache), busy_s=w.busy_s) for w in self.workers.values() if w.alive and w.worker_id is not None]
         beats += [TrainerHeartbeat(at=self.now, peer=r.peer, rank=r.rank) for r in self.ranks.values()]
+        if self.host_peer is not None:
+            beats.append(HostHeartbeat(at=self.now, peer=self.host_peer, agent_id=1, procs=len(self.workers)))
         events, self.pending = self.pending, []
         return self.handle(*events, *beats, Tick(at=self.now))
 
@@ -139,7 +156,7 @@ class Driver:
                 worker.worker_id = None
                 worker.cache.clear()
                 self.pending.append(WorkerHello(at=self.now, peer=worker.peer, version=P.PROTOCOL_VERSION,
-                                                host="test", pid=1, incarnation=1, agent=1))
+                                                host="test", pid=worker.pid, incarnation=worker.pid, agent=1))
             elif kind == "prepare":
                 self._prepare(worker, ins)
             elif kind == "deliver":
@@ -151,13 +168,20 @@ class Driver:
 
     def _prepare(self, worker: FakeWorker, ins: Send) -> None:
         s, records = ins.header["source"], np.asarray(ins.arrays[0])
+        if any((s, r) in self.poison for r in records.tolist()):  # the process dies on it
+            self.kill(worker.peer)
+            self.deaths.append((worker.worker_id, ins.header["task_id"]))
+            self.pending.append(WorkerExited(at=self.now, peer=self.host_peer, agent_id=1, pid=worker.pid, exitcode=-9,
+                                             task_id=ins.header["task_id"]))
+            self.add_worker(f"{worker.peer.decode()}+")  # the agent starts another process
+            return
         lengths = np.zeros(len(records), dtype=np.int64)
         skipped = []
         for i, rec in enumerate(records.tolist()):
             try:
                 tokens, _ = self.readers[s].read_sample(rec)
             except Exception as e:  # the real worker's skip
-                skipped.append([i, str(e)])
+                skipped.append([i, str(e), "corrupt"])
                 continue
             key = doc_key(s, rec)
             worker.cache[key] = worker.cache.get(key, 0) + 1

@@ -101,3 +101,19 @@ def test_delivery_needs_floors_and_clear():
     book.orphan(1)
     book.clear()
     assert len(book) == 0 and book.orphaned == 0 and book.orphans() == []
+
+
+def test_a_task_that_killed_its_worker_is_split_into_one_task_per_record_keeping_its_history():
+    book = TaskBook()
+    task = book.new(2, np.array([10, 11, 12]))
+    book.assign(book.queued()[0], worker_id=4, estimate_s=1.0)
+    assert book.get(task.task_id) is task and task.workers == [4]
+    book.withdraw(4)
+    task.deaths += 1
+    singles = book.split(task)
+    assert book.get(task.task_id) is None
+    assert [t.positions.tolist() for t in singles] == [[10], [11], [12]]
+    assert all(t.deaths == 1 and t.workers == [4] and t.source == 2 for t in singles)
+    assert book.queued() == singles and len(book) == 3
+    book.drop(singles[0])
+    assert len(book) == 2

@@ -14,6 +14,7 @@ from coordinator.instructions import AppendJournal, AppendMixture, Send, Stop
 from coordinator.plan import Planner
 from tests.conftest import job_dict
 from trainer_client import protocol as P
+from trainer_client.doc_keys import split_doc_key
 
 from .coordinator_driver import Driver
 
@@ -249,3 +250,48 @@ def test_the_stimulus_log_keeps_its_recent_past_within_its_bounds():
         by_bytes.record(*burst)
     assert len(by_count.entries) == 5 and len(by_bytes.entries) == 2 and by_bytes.nbytes <= 3000
     assert not by_count.complete and by_count.recorded == 10
+
+
+def _delivered(d: Driver) -> set[tuple[int, int]]:
+    """(source, record) of every piece in the recipes the ranks received."""
+    return {split_doc_key(row[0]) for recipe in d.stream().values() for row in recipe}
+
+
+def test_a_record_that_kills_workers_is_narrowed_down_then_quarantined_after_three_deaths(job):
+    from coordinator.instructions import AppendQuarantine
+
+    d = _started(job, history=StepHistory(durable=True))
+    d.add_host()
+    poison = int(d.state.planner.streams[0].records_array(0, 1)[0])  # the web source's first record
+    d.poison = {(0, poison)}
+    d.run(STEPS)
+    # a task of many records died first, then the record alone, twice more: 3 deaths, each on a
+    # different worker process, then never handed out again
+    assert len(d.deaths) == 3 and len({w for w, _ in d.deaths}) == 3
+    quarantines = [i for i in d.out if isinstance(i, AppendQuarantine)]
+    assert [(q.source, q.record) for q in quarantines] == [("web", poison)]
+    assert d.state.status()["skipped_by_kind"]["web"]["quarantined"] >= 1
+    assert (0, poison) not in _delivered(d)
+    assert not d.unserved
+    # A coordinator that starts with the quarantine journal gives the same stream with no death.
+    again = Driver(job, quarantined=[("web", poison)])
+    for w in ("w0", "w1"):
+        again.add_worker(w)
+    again.add_rank(0)
+    again.add_rank(1)
+    again.run(STEPS)
+    assert again.stream(STEPS) == d.stream(STEPS)
+
+
+def test_a_memory_mapped_record_over_max_record_bytes_is_skipped_from_its_index(dataset_dir):
+    raw = job_dict()
+    raw["sources"]["code"]["max_record_bytes"] = 600  # bytes: 300 uint16 tokens
+    job = parse_job(raw, "job.yaml", base_dir=dataset_dir)
+    d = _started(job)
+    d.run(STEPS)
+    lengths = d.readers[1].lengths(np.arange(d.readers[1].num_records))
+    over = set(np.flatnonzero(lengths > 300).tolist())
+    assert over
+    delivered = {r for s, r in _delivered(d) if s == 1}
+    assert delivered and not delivered & over
+    assert d.state.status()["skipped_by_kind"]["code"]["over_limit"] >= 1

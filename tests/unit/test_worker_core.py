@@ -26,7 +26,8 @@ def test_prepare_caches_typed_entries_and_answers_lengths_and_skips(dataset_dir)
     lengths = reply.arrays[0]
     reader = open_source(job.worker_job()["sources"][0])
     assert lengths.tolist() == [len(reader.read(61)), 0, 0, len(reader.read(0))]
-    assert [i for i, _ in reply.header["skipped"]] == [1, 2] and "corrupt JSON line" in reply.header["skipped"][0][1]
+    assert [i for i, _, _ in reply.header["skipped"]] == [1, 2]
+    assert "corrupt JSON line" in reply.header["skipped"][0][1] and reply.header["skipped"][0][2] == "corrupt"
     entry = core.cache[doc_key(0, 61)]
     assert isinstance(entry, CacheEntry) and entry.copies == 1 and entry.length == lengths[0]
 
@@ -60,3 +61,51 @@ def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(datase
     assert core.handle(P.make(P.UNKNOWN_PEER, reason="restarted"), {}) == [Forgotten()]
     assert core.cache == {} and core.worker_id is None
     assert core.handle(P.make(P.PREPARE, task_id=3, source=0), {"records": np.array([1], dtype=np.uint64)}) == []
+
+
+def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_dir):
+    raw = job_dict()
+    raw["sources"]["web"]["max_record_bytes"] = 400
+    job = parse_job(raw, "job.yaml", base_dir=dataset_dir)
+    core = WorkerCore()
+    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job()), {})
+    reader = open_source(job.worker_job()["sources"][0])
+    sizes = [int(reader.shards[0].offsets[i + 1] - reader.shards[0].offsets[i]) for i in range(60)]
+    big = [i for i, n in enumerate(sizes) if n > 400]
+    small = [i for i, n in enumerate(sizes) if n <= 400]
+    assert big and small
+    records = np.array(big[:2] + small[:2], dtype=np.uint64)
+    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": records})
+    skipped = reply.header["skipped"]
+    assert [(i, kind) for i, _, kind in skipped] == [(0, "over_limit"), (1, "over_limit")]
+    assert f"web-0.jsonl:{big[0] + 1}" in skipped[0][1] and "max_record_bytes (400)" in skipped[0][1]
+    assert reply.arrays[0].tolist()[2:] == [len(reader.read(small[0])), len(reader.read(small[1]))]
+
+
+class _FailsOn:
+    """A real reader that raises an unexpected error (not a RecordError) for one record, as a
+    decoder, a tokenizer or the allocator may."""
+
+    def __init__(self, reader, record: int, error: BaseException) -> None:
+        self._reader, self._record, self._error = reader, record, error
+
+    def read_sample(self, record: int):
+        if record == self._record:
+            raise self._error
+        return self._reader.read_sample(record)
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
+def test_any_error_while_reading_one_record_is_a_skip_naming_the_record(dataset_dir):
+    core, job = _welcomed(dataset_dir)
+    real = open_source(job.worker_job()["sources"][0])
+    for error in (MemoryError(), ValueError("tokenizer blew up")):
+        core.cache.clear()
+        core.readers[0] = _FailsOn(real, 7, error)
+        [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": np.array([6, 7, 8], dtype=np.uint64)})
+        [(i, reason, kind)] = reply.header["skipped"]
+        assert (i, kind) == (1, "error")
+        assert "web-0.jsonl:8" in reason and type(error).__name__ in reason
+        assert reply.arrays[0].tolist() == [len(real.read(6)), 0, len(real.read(8))]

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from .limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_RECORD_BYTES, check_bytes, check_pixels
 from ..tokenizer import make_tokenizer
 from ..vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE, ImageError, to_patches
 from .errors import RecordError, SourceFormatError
@@ -32,6 +33,8 @@ class SourceReader:
         self.format: str = spec["format"]
         self.text_key: str = spec.get("text_key") or (DEFAULT_CAPTION_KEY if self.format == "webdataset" else "text")
         self.tokens_key: str | None = spec.get("tokens_key")
+        self.max_record_bytes = int(spec.get("max_record_bytes") or DEFAULT_MAX_RECORD_BYTES)
+        self.max_image_pixels = int(spec.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS)
         self.tokenizer = None
         if self.format == "megatron":
             self.shards: list[Any] = [MegatronIndex(p) for p in spec["files"]]
@@ -122,16 +125,38 @@ class SourceReader:
         """The record's tokens. Raises RecordError (naming file and line) for a record to skip."""
         return self.read_sample(record_index)[0]
 
+    def where(self, record_index: int) -> str:
+        """Where a record lies, for log lines: `file:line`, `file: row N`, `file: sample 'key'`."""
+        try:
+            shard_no, i = self.locate(record_index)
+        except IndexError:
+            return f"source {self.name!r}: record {record_index}"
+        shard = self.shards[shard_no]
+        if self.format == "jsonl":
+            return f"{shard.shard}:{i + 1}"
+        if self.format == "parquet":
+            return f"{shard.path}: row {i}"
+        if self.format == "webdataset":
+            return f"{shard.shard}: sample {shard.key(i)!r}"
+        return f"{shard.prefix}: document {i}"
+
     def read_sample(self, record_index: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(tokens, image patches or None). An image-text sample's tokens are one image_token_id
-        placeholder per patch, then the caption's tokens (ending with end-of-document)."""
+        placeholder per patch, then the caption's tokens (ending with end-of-document).
+        Raises RecordError for a record to skip (corrupt, or over a limit: checked before decoding)."""
         shard_no, i = self.locate(record_index)
         shard = self.shards[shard_no]
         if self.format == "megatron":
+            check_bytes(shard.lengths_of(np.array([i]))[0] * self.dtype.itemsize, self.max_record_bytes,
+                        f"{shard.prefix}: document {i}")
             return shard.document(i), None
         if self.format == "parquet":
             where = f"{shard.path}: row {i}"
             value = shard.value(i)
+            if isinstance(value, str) and 4 * len(value) > self.max_record_bytes:  # exact size only when it may matter
+                check_bytes(len(value.encode("utf-8", "surrogatepass")), self.max_record_bytes, where)
+            elif isinstance(value, list):
+                check_bytes(4 * len(value), self.max_record_bytes, where)
             if self.tokens_key:
                 return token_ids(value, f"{where}, column {self.tokens_key!r}"), None
             if not isinstance(value, str):
@@ -139,8 +164,9 @@ class SourceReader:
             return self.tokenizer.encode(value), None
         if self.format == "webdataset":
             return self._image_text(shard, i)
-        raw = shard.line(i)
         where = f"{shard.shard}:{i + 1}"
+        check_bytes(int(shard.offsets[i + 1] - shard.offsets[i]), self.max_record_bytes, where)
+        raw = shard.line(i)
         try:
             obj = orjson.loads(raw)  # also rejects invalid UTF-8
         except orjson.JSONDecodeError as e:
@@ -153,8 +179,9 @@ class SourceReader:
         return self.tokenizer.encode(text), None
 
     def _image_text(self, shard: WebDatasetShard, i: int) -> tuple[np.ndarray, np.ndarray]:
-        image, _, caption, caption_ext = shard.entries(i)
         where = f"{shard.shard}: sample {shard.key(i)!r}"
+        check_bytes(shard.stored_bytes(i), self.max_record_bytes, where)
+        image, _, caption, caption_ext = shard.entries(i)
         try:
             text = caption.decode("utf-8")
             if caption_ext == "json":
@@ -165,7 +192,8 @@ class SourceReader:
         except (UnicodeDecodeError, orjson.JSONDecodeError) as e:
             raise RecordError(f"{where}: caption is not valid UTF-8 text or JSON ({e})") from None
         try:
-            patches = to_patches(image, self.max_pixels, self.patch_size)
+            patches = to_patches(image, self.max_pixels, self.patch_size,
+                                 lambda w, h: check_pixels(w, h, self.max_image_pixels, where))
         except ImageError as e:
             raise RecordError(f"{where}: {e}") from None
         words = self.tokenizer.encode(text)

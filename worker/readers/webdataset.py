@@ -106,5 +106,10 @@ class WebDatasetShard:
             out += [data, ext]
         return out[0], out[1], out[2], out[3]
 
+    def stored_bytes(self, i: int) -> int:
+        """Bytes of sample i's image and caption entries, from the index (0 for a broken sample)."""
+        s = self.samples[i]
+        return sum(s[kind][1] for kind in ("image", "caption") if kind in s)
+
     def key(self, i: int) -> str:
         return self.samples[i]["key"]
