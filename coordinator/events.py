@@ -103,6 +103,8 @@ class TrainerHello(PeerEvent):
     resume_step: int
     incarnation: int
     metadata_only: int
+    # The coordinator's state before resume_step from the trainer's checkpoint (None: not carried).
+    carried: Any = None
     # The planner state before resume_step, read by the shell from the journal file when the
     # step is older than the states the coordinator keeps in memory (None otherwise).
     journaled_state: dict | None = field(default=None)
@@ -136,6 +138,12 @@ class TrainerBye(PeerEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StateRequest(PeerEvent):
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MixRequest(PeerEvent):
     at_step: int
     weights: Any
@@ -146,6 +154,7 @@ MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "task_failed": TaskFailed, "delivered": Delivered, "host_hello": HostHello, "host_heartbeat": HostHeartbeat,
     "worker_exited": WorkerExited, "trainer_hello": TrainerHello, "consumed": Consumed,
     "trainer_heartbeat": TrainerHeartbeat, "trainer_bye": TrainerBye, "mix_request": MixRequest,
+    "state_request": StateRequest,
 }
 ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
 

@@ -65,6 +65,14 @@ class StepHistory:
         self.first_on_disk, self.entries = state.next_step, 1
         return j, True
 
+    def restart_from(self, state: PlannerState) -> dict:
+        """Start over from this state alone (brought by the trainers: the coordinator had none);
+        returns its JSON form, which the journal, if any, should be compacted to."""
+        j = state.to_json()
+        self.states = {state.next_step: j}
+        self.first_on_disk, self.entries = (state.next_step, 1) if self.durable else (None, 0)
+        return j
+
     def in_memory(self, step: int) -> bool:
         return step in self.states
 

@@ -30,12 +30,12 @@ from .balance import imbalance
 from .config import JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRequest, Prepared, Shutdown,
-                     TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat,
-                     WorkerHello)
+                     StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited,
+                     WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
-from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted, StepPlan
+from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY, PositionTable
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources
@@ -47,7 +47,7 @@ log = logging.getLogger("msd.coordinator")
 # The messages each registered role may send, and the field that names the sender.
 _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
-    "trainer": (Consumed, TrainerHeartbeat, TrainerBye),
+    "trainer": (Consumed, TrainerHeartbeat, TrainerBye, StateRequest),
     "host": (HostHeartbeat, WorkerExited),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
@@ -66,8 +66,10 @@ class CoordinatorState:
         quarantined: (source name, record) of records that killed workers (the quarantine journal)."""
         self.job = job
         self.planner = Planner(job, sources.num_records)
+        self.mixture_changes: list[tuple[int, list[float]]] = []  # as asked (msd mix), in order
         for at_step, weights in mixture_changes:
             self.planner.set_weights(at_step, weights)
+            self.mixture_changes.append((at_step, list(weights)))
             log.info("mixture journal: weights %s from step %d", weights, at_step)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
@@ -84,6 +86,9 @@ class CoordinatorState:
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
         self._compact_to: dict | None = None
         restored = history.latest
+        self.adopted: tuple[int, Any] | None = None  # (step, state) brought by the first resuming rank
+        # no state of an earlier run (a plan that never got past step 0 is none either)
+        self.fresh = (restored is None or restored.next_step == 0) and not mixture_changes and not quarantined
         if restored is not None:  # a restart: carry on where the last run's plan stood
             self.planner.state = restored
             log.info("state restored: the plan stands at step %d (steps %d.. can be resumed)", restored.next_step,
@@ -117,7 +122,7 @@ class CoordinatorState:
             WorkerHeartbeat: self._on_worker_heartbeat, Prepared: self._on_prepared, TaskFailed: self._on_task_failed,
             Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: lambda ev, who: None,
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
-            WorkerExited: self._on_worker_exited,
+            WorkerExited: self._on_worker_exited, StateRequest: self._on_state_request,
         }
 
     # ------------------------------------------------------------------ the one entry point
@@ -219,12 +224,45 @@ class CoordinatorState:
             return (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
                     f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient "
                     "(a middle pipeline stage may ask for the metadata: metadata_only=True)")
+        carried = self._carried_problem(ev)
+        if self.adopted is not None and ev.resume_step == self.adopted[0] and ev.carried is not None \
+                and ev.carried != self.adopted[1]:
+            return (f"the coordinator state of rank {rank}'s checkpoint for step {ev.resume_step} differs from the one "
+                    "the first rank brought: the ranks' checkpoints are not of the same run or step")
         if ev.resume_step > next_step:
-            return f"cannot resume at step {ev.resume_step}: the plan stands at step {next_step}"
-        if ev.resume_step < next_step and self.history.state_before(ev.resume_step, ev.journaled_state) is None:
+            if self.fresh and next_step == 0 and carried is None:
+                return None  # the plan starts from the state this rank brings (_adopt)
+            why = carried or "its checkpoint does not carry the coordinator's state"
+            return (f"cannot resume at step {ev.resume_step}: the plan stands at step {next_step} ({why}; start the "
+                    "coordinator with the run's --state-dir)")
+        if ev.resume_step < next_step and self._state_before(ev) is None:
             return (f"cannot resume at step {ev.resume_step}: the coordinator keeps steps from "
                     f"{self.history.oldest} on (the journal was compacted)")
         return None
+
+    def _carried_problem(self, ev: TrainerHello) -> str | None:
+        """Why the coordinator state a rank brought cannot be used (None: it can)."""
+        c = ev.carried
+        if c is None:
+            return "its checkpoint does not carry the coordinator's state"
+        try:
+            if c["digest"] != self.digest:
+                return f"the carried state is of plan digest {c['digest']}, this job's is {self.digest}"
+            if PlannerState.from_json(c["planner"]).next_step != ev.resume_step:
+                return "the carried state is not of the resume step"
+            for at, w in c["mixture_changes"]:
+                if len(w) != len(self.job.sources) or int(at) < 0:
+                    return "the carried mixture changes do not fit this job's sources"
+            [(str(name), int(record)) for name, record in c["quarantined"]]
+        except (KeyError, TypeError, ValueError) as e:
+            return f"the carried state is malformed ({e!r})"
+        return None
+
+    def _state_before(self, ev: TrainerHello) -> PlannerState | None:
+        state = self.history.state_before(ev.resume_step, ev.journaled_state)
+        if state is None and self._carried_problem(ev) is None:  # older than what memory and journal hold
+            state = PlannerState.from_json(ev.carried["planner"])
+        return state
 
     def _on_trainer_hello(self, ev: TrainerHello) -> None:
         rank = ev.rank
@@ -240,8 +278,10 @@ class CoordinatorState:
             log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
             self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
             return
-        if ev.resume_step < self.planner.state.next_step:
-            self._rewind(ev.resume_step, ev.journaled_state)
+        if ev.resume_step > self.planner.state.next_step:
+            self._adopt(ev)
+        elif ev.resume_step < self.planner.state.next_step:
+            self._rewind(ev.resume_step, self._state_before(ev).to_json())
         if self.registry.lookup(ev.peer) not in (None, ("trainer", rank)):
             self._forget_peer(ev.peer, "re-registered")
         self.registry.add_trainer(TrainerInfo(rank, ev.peer, ev.data_address, ev.at, ev.resume_step - 1))
@@ -286,6 +326,7 @@ class CoordinatorState:
         if self.history.durable:  # durable before the answer, and before any step planned with it goes out
             self._out.append(AppendMixture(at_step, tuple(weights)))
         self.planner.set_weights(at_step, weights)
+        self.mixture_changes.append((at_step, weights))
         log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
         self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
 
@@ -773,8 +814,14 @@ class CoordinatorState:
         deterministic, so the steps planned again are the ones planned before; what was prepared
         or in flight for them is dropped, and the workers start clean (they register again)."""
         log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step)
-        self.planner.state = self.history.state_before(step, journaled)
         self.history.forget_after(step)
+        self._restart_plan(self.history.state_before(step, journaled))
+
+    def _restart_plan(self, state: PlannerState) -> None:
+        """Plan from this state on: what was prepared or in flight is dropped, and the workers
+        start clean (they register again)."""
+        step = state.next_step
+        self.planner.state = state
         self.deliveries.clear()
         self.reprepare.clear()
         self.tasks.clear()
@@ -784,6 +831,49 @@ class CoordinatorState:
         for w in self.registry.forget_workers():
             self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
         self._reset_tables()
+
+    def _adopt(self, ev: TrainerHello) -> None:
+        """A coordinator with no state of its own (no state dir, or an empty one) resumes from the
+        state a resuming rank's checkpoint carries; every other rank must bring the same one."""
+        c = ev.carried
+        state = PlannerState.from_json(c["planner"])
+        log.warning("no state of an earlier run here: resuming from the state rank %d brought for step %d",
+                    ev.rank, state.next_step)
+        self.fresh = False
+        self.adopted = (ev.resume_step, c)
+        index = {src.name: src.index for src in self.job.sources}
+        for at, weights in c["mixture_changes"]:
+            self.planner.overrides.append((int(at), [w / sum(weights) for w in weights]))
+            self.planner.overrides.sort(key=lambda o: o[0])
+            self.mixture_changes.append((int(at), list(weights)))
+            if self.history.durable:
+                self._out.append(AppendMixture(int(at), tuple(weights)))
+        for name, record in c["quarantined"]:
+            if name in index:
+                self.quarantined.setdefault(index[name], set()).add(int(record))
+                if self.history.durable:
+                    self._out.append(AppendQuarantine(name, int(record), "carried by a trainer's checkpoint"))
+        j = self.history.restart_from(state)
+        if self.history.durable:  # the journal holds this state alone from now on
+            self._journal_lines.clear()
+            self._compact_to = j
+        self._restart_plan(state)
+
+    def _carried_state(self, step: int) -> dict | None:
+        state = self.history.state_before(step)
+        if state is None:
+            return None
+        return {"digest": self.digest, "planner": state.to_json(),
+                "mixture_changes": [[at, list(w)] for at, w in self.mixture_changes],
+                "quarantined": [[self.job.sources[s].name, r] for s, rs in sorted(self.quarantined.items())
+                                for r in sorted(rs)]}
+
+    def _on_state_request(self, ev: StateRequest, trainer: TrainerInfo) -> None:
+        state = self._carried_state(ev.step)
+        reason = "" if state is not None else (f"step {ev.step} is not among the steps kept in memory "
+                                               f"({self.history.oldest}..{self.planner.state.next_step})")
+        self._send(ev.peer, P.make(P.STATE_REPLY, step=ev.step, ok=int(state is not None), reason=reason,
+                                   state=state))
 
     # ------------------------------------------------------------------ status
 

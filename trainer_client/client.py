@@ -25,13 +25,14 @@ import zmq
 from . import memory, security
 from . import protocol as P
 from .errors import PeerLostError, RejectedError
-from .receiving import End, Forgotten, ReceivingState, Welcomed
+from .receiving import End, Forgotten, ReceivingState, StateReply, Welcomed
 from .session import PeerLoop, Registration
 from .sockets import make_socket, send_nowait
 
 log = logging.getLogger("msd.client")
 
-STATE_VERSION = 1
+STATE_VERSION = 1  # the "coordinator" key was added in protocol 5; older states load without it
+STATE_TIMEOUT_S = 10.0  # state_dict() waits this long for the coordinator's state
 _ids = itertools.count()
 
 
@@ -83,6 +84,8 @@ class DataClient:
         self.waited_s = 0.0  # time __next__ spent waiting for data (the data-wait share of a training run)
         self.next_micro_batch = 0
         self._plan_digest: str | None = None  # from a checkpoint, until the I/O thread knows the coordinator's
+        self._carried: tuple[int, dict] | None = None  # (step, coordinator state) from a checkpoint
+        self._state_replies: queue.SimpleQueue = queue.SimpleQueue()  # StateReply from the I/O thread
         self._ctx = zmq.Context()
         self.keys_dir = keys_dir
         self.metadata_only = metadata_only
@@ -158,9 +161,34 @@ class DataClient:
         return _to_torch(batch) if self.as_torch else batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Small, JSON-serialisable: the next micro-batch this rank will consume, and the plan digest."""
+        """Small, JSON-serialisable: the next micro-batch this rank will consume, the plan digest,
+        and the coordinator's state before that step (`coordinator`: the planner's cursors, the
+        run-time mixture changes and quarantined records; a few KB with hundreds of sources), so
+        that a coordinator started without its state dir resumes from the trainers' checkpoint.
+        Asking the coordinator takes one round trip; if it does not answer within
+        `STATE_TIMEOUT_S`, `coordinator` is None (logged) and a resume needs the state dir."""
+        carried = self._coordinator_state(self.next_step)
         return {"version": STATE_VERSION, "rank": self.rank, "next_step": self.next_step,
-                "next_micro_batch": self.next_micro_batch, "plan_digest": self.plan_digest}
+                "next_micro_batch": self.next_micro_batch, "plan_digest": self.plan_digest, "coordinator": carried}
+
+    def _coordinator_state(self, step: int) -> dict | None:
+        if self._carried is not None and self._carried[0] == step:  # loaded, and not moved since
+            return self._carried[1]
+        if self._thread is None or self._closed or not self._thread.is_alive():
+            return None
+        while not self._state_replies.empty():  # answers to an earlier request that timed out
+            self._state_replies.get_nowait()
+        self._command(["state", step])
+        try:
+            reply = self._state_replies.get(timeout=STATE_TIMEOUT_S)
+        except queue.Empty:
+            log.warning("rank %d: the coordinator did not give its state for step %d within %.0fs; the "
+                        "checkpoint does not carry it", self.rank, step, STATE_TIMEOUT_S)
+            return None
+        if reply.state is None:
+            log.warning("rank %d: the coordinator has no state for step %d (%s); the checkpoint does not carry it",
+                        self.rank, step, reply.reason)
+        return reply.state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a state_dict(); call before iterating."""
@@ -171,6 +199,8 @@ class DataClient:
         self.next_step = int(state["next_step"])
         self.next_micro_batch = int(state["next_micro_batch"])
         self._plan_digest = state.get("plan_digest")
+        carried = state.get("coordinator")
+        self._carried = (self.next_step, carried) if isinstance(carried, dict) else None
 
     def close(self) -> None:
         """Deregister the rank (it may be claimed again) and release sockets."""
@@ -233,7 +263,9 @@ class _Receiver:
         incarnation = int.from_bytes(os.urandom(6), "little")
         self.registration = Registration(
             lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=c.rank, data_address=self.address,
-                           resume_step=self.state.step, incarnation=incarnation, metadata_only=int(c.metadata_only)),
+                           resume_step=self.state.step, incarnation=incarnation, metadata_only=int(c.metadata_only),
+                           carried=c._carried[1] if c._carried is not None and c._carried[0] == self.state.step
+                           else None),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
         loop = PeerLoop(control, self.registration)
@@ -259,6 +291,8 @@ class _Receiver:
         cmd = wake.recv_json()
         if cmd[0] == "consumed":
             self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2])))
+        elif cmd[0] == "state":
+            self._send(P.make(P.STATE_REQUEST, rank=self.c.rank, step=int(cmd[1])))
         elif cmd[0] == "close":
             if self.registration.registered:
                 self._send(P.make(P.TRAINER_BYE, rank=self.c.rank))
@@ -270,6 +304,8 @@ class _Receiver:
                 self.registration.welcomed(out.heartbeat_s)
             elif isinstance(out, Forgotten):
                 self.registration.forgotten()
+            elif isinstance(out, StateReply):
+                self.c._state_replies.put(out)
             else:  # an error to raise, or the end of the stream
                 self.c._queue.put(out)
 

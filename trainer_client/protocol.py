@@ -252,7 +252,12 @@ UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
 TRAINER_HELLO = _msg(
     "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer(),
     metadata_only=integer(0, 1),  # a middle pipeline stage asking for the packing metadata
+    # the coordinator's state before resume_step, from the trainer's checkpoint (None: not carried):
+    # a coordinator without a state dir resumes from it
+    carried=anything(),
 )
+# trainer -> coordinator: the coordinator's state before `step`, for the trainer's checkpoint
+STATE_REQUEST = _msg("state_request", rank=integer(), step=integer())
 CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number())  # waited_s: total time waiting for data
 TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
 TRAINER_BYE = _msg("trainer_bye", rank=integer())
@@ -282,6 +287,8 @@ PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens
               patch_bytes=integer(0, 1 << 24))
 
 # tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on
+# coordinator -> trainer: the answer (state: {digest, planner, mixture_changes, quarantined})
+STATE_REPLY = _msg("state_reply", step=integer(), ok=integer(0, 1), reason=text(MAX_STR_LEN), state=anything())
 MIX_REQUEST = _msg("mix_request", at_step=integer(), weights=anything())
 MIX_REPLY = _msg("mix_reply", ok=integer(0, 1), reason=text(MAX_STR_LEN), at_step=integer())
 
@@ -292,7 +299,7 @@ ALL_TYPES = {
         REJECT,
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
-        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY,
+        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY,
     )
 }
 
@@ -300,13 +307,13 @@ ALL_TYPES = {
 COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
                      WORKER_EXITED,
-                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST)
+                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST)
 )
 TOOL_INBOX = frozenset({MIX_REPLY.name})
 HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER))
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
-                                                    SHUTDOWN, UNKNOWN_PEER))
+                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

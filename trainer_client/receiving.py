@@ -45,6 +45,15 @@ class Forgotten:
     """The coordinator does not know this rank: say hello again."""
 
 
+@dataclass(frozen=True, slots=True)
+class StateReply:
+    """The coordinator's state before `step` (None, with the reason, when it could not give it)."""
+
+    step: int
+    state: dict | None
+    reason: str
+
+
 class ReceivingState:
     def __init__(self, rank: int, next_step: int, next_micro_batch: int, plan_digest: str | None,
                  metadata_only: bool = False) -> None:
@@ -94,6 +103,8 @@ class ReceivingState:
             return [RejectedError(f"rank {self.rank}: coordinator refused: {msg['reason']}")]
         elif kind == "shutdown":
             return [End(msg["reason"])]
+        elif kind == "state_reply":
+            return [StateReply(msg["step"], msg["state"] if msg["ok"] else None, msg["reason"])]
         return []
 
     def _on_step_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

@@ -37,3 +37,30 @@ def test_data_client_resumes_after_any_micro_batch_and_twice(dataset_dir):
         # 3 micro-batches a step: item 4 ends inside step 1, item 8 ends step 2
         reference = check_save_load(run, total=18, resume_at=[4, 8], twice=(1, 10))
     assert [s for s, m, *_ in reference] == [k // 3 for k in range(18)]
+
+
+def test_a_coordinator_without_its_state_dir_resumes_from_the_ranks_checkpoints(dataset_dir):
+    """The head node's disk is lost: a new coordinator with no state dir resumes exactly where the
+    trainers' checkpoints say, from the coordinator state they carry."""
+    from .harness import run_ranks, signature
+
+    path = write_job(dataset_dir, job_dict(), "carried.yaml")
+    with LocalJob(path, workers=2) as job:
+        reference, _ = run_ranks(job, ranks=2, steps=16)
+    with LocalJob(path, workers=2) as job:
+        first, states = run_ranks(job, ranks=2, steps=9)
+    states = {r: json.loads(json.dumps(s)) for r, s in states.items()}  # as a checkpoint stores them
+    assert all(s["next_step"] == 9 and s["coordinator"]["planner"]["next_step"] == 9 for s in states.values())
+    assert len(json.dumps(states[0]["coordinator"])) < 4096
+    with LocalJob(path, workers=2) as job:  # a new coordinator: no state dir, nothing of the first run
+        rest, _ = run_ranks(job, ranks=2, steps=16, resume=states)
+    resumed = {r: first[r] + rest[r] for r in first}
+    assert min(b["step"] for b in rest[0]) == 9
+    assert signature(resumed) == signature(reference)
+
+    # ranks that disagree (checkpoints of different steps' states under one step) are refused
+    other = {r: json.loads(json.dumps(s)) for r, s in states.items()}
+    other[1]["coordinator"]["planner"]["cursors"][0] += 1
+    with LocalJob(path, workers=2) as job:
+        with pytest.raises(AssertionError, match="differs from the one the first rank brought"):
+            run_ranks(job, ranks=2, steps=16, resume=other, timeout_s=30)

@@ -79,12 +79,12 @@ class Driver:
                                       host="test", procs=len(self.workers), min_procs=1, max_procs=8, auto=0))
         return self.host_peer
 
-    def add_rank(self, rank: int, resume_step: int = 0, name: str | None = None) -> bytes:
+    def add_rank(self, rank: int, resume_step: int = 0, name: str | None = None, carried: dict | None = None) -> bytes:
         peer = (name or f"rank{rank}").encode()
         self.ranks[rank] = FakeRank(rank, peer, consumed=resume_step - 1)
         self.pending.append(TrainerHello(at=self.now, peer=peer, version=P.PROTOCOL_VERSION, rank=rank,
                                          data_address=f"tcp://rank{rank}", resume_step=resume_step, incarnation=rank,
-                                         metadata_only=0))
+                                         metadata_only=0, carried=carried))
         return peer
 
     def remove_rank(self, rank: int) -> None:

@@ -295,3 +295,42 @@ def test_a_memory_mapped_record_over_max_record_bytes_is_skipped_from_its_index(
     delivered = {r for s, r in _delivered(d) if s == 1}
     assert delivered and not delivered & over
     assert d.state.status()["skipped_by_kind"]["code"]["over_limit"] >= 1
+
+
+def test_a_coordinator_with_no_state_resumes_from_the_state_the_ranks_carry(job):
+    from coordinator.events import StateRequest
+
+    d = _started(job)
+    d.run(2)
+    d.handle(MixRequest(at=d.now, peer=b"tool", at_step=5, weights={"web": 1, "long": 3}))
+    d.run(STEPS)
+    [reply] = d.sends(d.handle(StateRequest(at=d.now, peer=b"rank0", rank=0, step=7)), "state_reply")
+    carried = reply.header["state"]
+    assert reply.header["ok"] == 1 and carried["mixture_changes"] == [[5, [1.0, 0.0, 3.0]]]
+
+    fresh = Driver(job, StepHistory(durable=True))  # no state of the first run at all
+    fresh.add_worker("w0")
+    fresh.add_rank(0, resume_step=7, carried=carried)
+    fresh.add_rank(1, resume_step=7, carried=carried)
+    fresh.run(STEPS)
+    first = d.stream(STEPS)
+    assert fresh.stream(STEPS) == {k: v for k, v in first.items() if k[1] >= 7}
+    # the state dir it writes starts from the carried state, with the mixture change
+    compacted = [i for i in fresh.out if type(i).__name__ == "CompactJournal"]
+    assert compacted and compacted[0].state == carried["planner"]
+    assert any(isinstance(i, AppendMixture) and i.at_step == 5 for i in fresh.out)
+
+    # a rank bringing another state for the same step is refused, saying why
+    other = {**carried, "planner": {**carried["planner"], "cursors": [c + 1 for c in carried["planner"]["cursors"]]}}
+    again = Driver(job)
+    again.add_worker("w0")
+    again.add_rank(0, resume_step=7, carried=carried)
+    again.add_rank(1, resume_step=7, carried=other)
+    rejects = again.sends(again.flush(), "reject")
+    assert len(rejects) == 1 and "differs from the one the first rank brought" in rejects[0].header["reason"]
+    # and a rank resuming ahead of a coordinator that has no state and gets none is refused too
+    bare = Driver(job)
+    bare.add_worker("w0")
+    bare.add_rank(0, resume_step=7)
+    [refused] = bare.sends(bare.flush(), "reject")
+    assert "does not carry the coordinator's state" in refused.header["reason"]
