@@ -50,6 +50,9 @@ from .stimulus import StimulusLog
 
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
+STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
+STATE_DIR_RETRY_MAX_S = 5.0
+SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 
 
 class Coordinator:
@@ -77,6 +80,8 @@ class Coordinator:
         self.messages_received = 0
         self.address: str | None = None
         self._backlog: collections.deque[Instruction] = collections.deque()  # waiting behind file work
+        self.state_dir_stalled_since: float | None = None  # a state dir write keeps failing since then
+        self.slowest_write_s = 0.0
         self._drain_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -111,6 +116,14 @@ class Coordinator:
             loops.append(stopped)
             await asyncio.gather(*loops, return_exceptions=True)
             self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping")])
+            if self.state_dir_stalled_since is not None and self._drain_task is not None:
+                # The disk is still full: what waits for it is dropped (the ranks resume from the
+                # journal, which holds every step that went out), and the peers are told directly.
+                log.error("stopping with %d instructions still waiting for the state dir", len(self._backlog))
+                self._drain_task.cancel()
+                for ins in [i for i in self._backlog if isinstance(i, Send) and i.header["type"] == "shutdown"]:
+                    self._do(ins)
+                self._backlog.clear()
             await self._drained()
         finally:
             if self.journal is not None:
@@ -201,7 +214,7 @@ class Coordinator:
             ins = self._backlog[0]
             try:
                 if isinstance(ins, FileInstruction) and self.state_dir is not None:
-                    await asyncio.to_thread(self._file_work, ins)
+                    await self._file_work_until_done(ins)
                 else:
                     self._do(ins)
             except Exception as e:
@@ -228,6 +241,38 @@ class Coordinator:
             else:
                 self.stop()
 
+    async def _file_work_until_done(self, ins: FileInstruction) -> None:
+        """Do one file instruction in a thread. A disk that is full or failing (OSError) is waited
+        out, not a reason to stop: the write is tried again (each write is all or nothing) and
+        everything after it waits, so no step goes out that is not journaled, and the plan stops
+        at the look-ahead since nothing is consumed meanwhile. A status write is skipped."""
+        delay = STATE_DIR_RETRY_S
+        while True:
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self._file_work, ins)
+            except OSError as e:
+                if isinstance(ins, WriteStatus):
+                    log.warning("status.json not written (%s)", e)
+                    return
+                if self.state_dir_stalled_since is None:
+                    self.state_dir_stalled_since = time.monotonic()
+                log.error("state dir %s: %s failed (%s); nothing more goes out until it succeeds (trying again "
+                          "in %.0fs; free space there?)", self.state_dir, type(ins).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, STATE_DIR_RETRY_MAX_S)
+                continue
+            took = time.monotonic() - started
+            if self.state_dir_stalled_since is not None:
+                log.warning("state dir %s writable again after %.1fs; carrying on", self.state_dir,
+                            time.monotonic() - self.state_dir_stalled_since)
+                self.state_dir_stalled_since = None
+            elif took > SLOW_WRITE_S:
+                log.warning("state dir %s: %s took %.1fs (a slow disk holds back every step)", self.state_dir,
+                            type(ins).__name__, took)
+            self.slowest_write_s = max(self.slowest_write_s, took)
+            return
+
     def _file_work(self, ins: FileInstruction) -> None:
         """Runs in a thread."""
         if isinstance(ins, AppendJournal):
@@ -244,7 +289,11 @@ class Coordinator:
             write_status(self.state_dir, status)
 
     def _status(self, status: dict[str, Any]) -> dict[str, Any]:
-        return {"time": time.time(), "messages_received": self.messages_received, **status}
+        stalled = self.state_dir_stalled_since
+        return {"time": time.time(), "messages_received": self.messages_received,
+                "state_dir_stalled_s": round(time.monotonic() - stalled, 1) if stalled is not None else 0.0,
+                "slowest_state_dir_write_s": round(self.slowest_write_s, 3),
+                "instructions_waiting": len(self._backlog), **status}
 
     def _send(self, ins: Send) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports

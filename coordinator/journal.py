@@ -21,7 +21,7 @@ from typing import Iterable
 
 import orjson
 
-from trainer_client.files import atomic_write
+from trainer_client.files import atomic_write, durable_append
 
 from .plan import PlannerState
 
@@ -46,7 +46,6 @@ class JournalFile:
         os.makedirs(state_dir, exist_ok=True)
         self.path = os.path.join(state_dir, JOURNAL)
         self.digest = digest
-        self._file = None
 
     def load(self, accept_changed_job: bool = False) -> list[dict]:
         """The states the file holds, in file order, validated. accept_changed_job: entries
@@ -73,16 +72,12 @@ class JournalFile:
         return orjson.dumps({"digest": self.digest, "state": state}) + b"\n"
 
     def append(self, states: Iterable[dict]) -> None:
-        """Append states and make them durable (fsync)."""
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(b"".join(self._line(s) for s in states))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """Append states and make them durable (fsync); all or nothing (a full disk leaves the
+        file as it was, and the append can be tried again)."""
+        durable_append(self.path, b"".join(self._line(s) for s in states))
 
     def compact(self, state: dict) -> None:
         """Rewrite the journal to hold this state only (temp file, fsync, rename)."""
-        self.close()
         atomic_write(self.path, self._line(state))
 
     def read_state(self, step: int) -> dict | None:
@@ -98,9 +93,7 @@ class JournalFile:
         return found
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        pass  # nothing is kept open: each append opens, writes, fsyncs and closes
 
 
 def _read_entries(state_dir: str | None, name: str, parse):
@@ -124,10 +117,7 @@ def _read_entries(state_dir: str | None, name: str, parse):
 def _append_entry(state_dir: str, name: str, entry: dict) -> None:
     """Append one line durably (fsync) before what it records takes effect."""
     os.makedirs(state_dir, exist_ok=True)
-    with open(os.path.join(state_dir, name), "ab") as f:
-        f.write(orjson.dumps(entry) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    durable_append(os.path.join(state_dir, name), orjson.dumps(entry) + b"\n")
 
 
 def read_mixture_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:

@@ -28,3 +28,21 @@ def atomic_write(path: str, content: bytes | Callable[[BinaryIO], None], mode: i
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def durable_append(path: str, data: bytes) -> None:
+    """Append `data` and fsync, all or nothing: if the write fails (a full disk), the file is cut
+    back to its old length, so a retry never leaves half a record before the whole one."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
