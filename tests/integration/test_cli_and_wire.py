@@ -100,10 +100,10 @@ def test_malformed_messages_are_dropped_and_the_job_goes_on(cli_job):
         [msgpack.packb({"type": "prepare", "task_id": 1, "source": 0, "records": [1]})],  # wrong direction
         [msgpack.packb({"type": "consumed", "rank": 0, "step": 5})],  # not registered
         [msgpack.packb({"type": "trainer_hello", "version": P.PROTOCOL_VERSION, "rank": "zero", "data_address": "x",
-                        "resume_step": 0, "incarnation": 1, "metadata_only": 0})],
+                        "resume_step": 0, "incarnation": 1, "metadata_only": 0, "carried": None})],
         [msgpack.packb({"type": "worker_hello", "version": 99, "host": "h", "pid": 1, "incarnation": 1, "agent": 1})],
         [msgpack.packb({"type": "trainer_hello", "version": P.PROTOCOL_VERSION, "rank": 7, "data_address": "tcp://127.0.0.1:1",
-                        "resume_step": 0, "incarnation": 1, "metadata_only": 0})],  # rank beyond dp
+                        "resume_step": 0, "incarnation": 1, "metadata_only": 0, "carried": None})],  # rank beyond dp
         [b"\x00" * (9 << 20)],  # oversized header
         [msgpack.packb({"type": "consumed", "rank": 0, "step": 1}), b"extra", b"frames"],
     ]
