@@ -41,6 +41,7 @@ from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
+from .lease import SELF_FENCE_BEATS, Lease, LeaseHeld, LeaseLost
 from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
                       read_quarantine_journal)
 from .sources import OpenedSources
@@ -57,8 +58,10 @@ SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 
 class Coordinator:
     def __init__(self, job: JobConfig, sources: OpenedSources, bind: str = "tcp://127.0.0.1:5555",
-                 state_dir: str | None = None, allow_config_change: bool = False) -> None:
+                 state_dir: str | None = None, allow_config_change: bool = False, lease: Lease | None = None) -> None:
+        """lease: this coordinator's lease on the state dir (taken before: the journal is read here)."""
         self.job = job
+        self.lease = lease
         self.bind = bind
         self.state_dir = state_dir
         changed = check_job_change(state_dir, job, allow_config_change)
@@ -80,6 +83,7 @@ class Coordinator:
         self.messages_received = 0
         self.address: str | None = None
         self._backlog: collections.deque[Instruction] = collections.deque()  # waiting behind file work
+        self.lease_lost = False
         self.state_dir_stalled_since: float | None = None  # a state dir write keeps failing since then
         self.slowest_write_s = 0.0
         self._drain_task: asyncio.Task | None = None
@@ -104,6 +108,9 @@ class Coordinator:
             if ready is not None:
                 ready.set_result(self.address)
             loops = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._tick_loop())]
+            if self.lease is not None:
+                self.lease.address = self.address
+                loops.append(asyncio.create_task(self._lease_loop()))
             stopped = asyncio.create_task(self.stopped.wait())
             await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
             for t in loops:
@@ -115,7 +122,8 @@ class Coordinator:
                 t.cancel()
             loops.append(stopped)
             await asyncio.gather(*loops, return_exceptions=True)
-            self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping")])
+            if not self.lease_lost:  # the peers are another coordinator's now
+                self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping")])
             if self.state_dir_stalled_since is not None and self._drain_task is not None:
                 # The disk is still full: what waits for it is dropped (the ranks resume from the
                 # journal, which holds every step that went out), and the peers are told directly.
@@ -125,6 +133,8 @@ class Coordinator:
                     self._do(ins)
                 self._backlog.clear()
             await self._drained()
+            if self.lease is not None and not self.failed:
+                await asyncio.to_thread(self.lease.release)
         finally:
             if self.journal is not None:
                 self.journal.close()
@@ -179,6 +189,27 @@ class Coordinator:
                 state = await asyncio.to_thread(self.journal.read_state, ev.resume_step)
                 burst[i] = dataclasses.replace(ev, journaled_state=state)
 
+    async def _lease_loop(self) -> None:
+        """Renew the lease every heartbeat, in a thread. Another holder's token: stop at once. Not
+        renewed for 2 heartbeats (a failing disk): stop too, before a standby may take over."""
+        while True:
+            await asyncio.sleep(self.state.heartbeat_s)
+            try:
+                await asyncio.to_thread(self.lease.renew)
+            except LeaseLost as e:
+                log.error("%s: another coordinator serves this job now; stopping without a word to the peers", e)
+                self.failed = self.lease_lost = True
+                self.stop()
+                return
+            except OSError as e:
+                if self.lease.overdue():
+                    log.error("the lease of %s could not be renewed for %d heartbeats (%s); stopping so that a "
+                              "standby can take over safely", self.state_dir, SELF_FENCE_BEATS, e)
+                    self.failed = True
+                    self.stop()
+                    return
+                log.warning("the lease of %s not renewed (%s)", self.state_dir, e)
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.state.heartbeat_s)
@@ -200,7 +231,11 @@ class Coordinator:
         """Carry out instructions in order. Sends go out now, unless file work is in progress: then
         they wait behind it, so that nothing that depends on a journal line overtakes it."""
         if self._backlog:
-            self._backlog.extend(instructions)
+            for ins in instructions:  # an `alive` depends on nothing written: it never waits
+                if isinstance(ins, Send) and ins.header["type"] == "alive":
+                    self._do(ins)
+                else:
+                    self._backlog.append(ins)
             return
         for i, ins in enumerate(instructions):
             if isinstance(ins, FileInstruction) and self.state_dir is not None:
@@ -274,7 +309,9 @@ class Coordinator:
             return
 
     def _file_work(self, ins: FileInstruction) -> None:
-        """Runs in a thread."""
+        """Runs in a thread. Journal writes are fenced: only the lease's holder writes."""
+        if self.lease is not None and not isinstance(ins, WriteStatus):
+            self.lease.check()
         if isinstance(ins, AppendJournal):
             self.journal.append(ins.states)
         elif isinstance(ins, CompactJournal):
@@ -324,8 +361,9 @@ def _sent(fut: asyncio.Future, identity: bytes, kind: str) -> None:
 
 
 def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | None = None,
-          allow_config_change: bool = False) -> None:
-    """Run a coordinator until SIGINT/SIGTERM."""
+          allow_config_change: bool = False, standby: bool = False) -> None:
+    """Run a coordinator until SIGINT/SIGTERM. standby: wait until the coordinator holding the
+    state dir's lease is gone, then serve (the state dir on a shared file system)."""
     import signal
 
     try:
@@ -334,9 +372,10 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         uvloop.install()
     except ImportError:  # uvloop is a core dependency; tolerate its absence on exotic platforms
         pass
+    lease = take_lease(job, bind, state_dir, standby)
 
     async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir, allow_config_change)
+        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)
@@ -348,3 +387,18 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
             raise SystemExit(1)
 
     asyncio.run(main())
+
+
+def take_lease(job: JobConfig, bind: str, state_dir: str | None, standby: bool) -> Lease | None:
+    """The lease on the state dir (None without one); a standby blocks here until it is its."""
+    if not state_dir:
+        if standby:
+            raise SystemExit("msd coordinator: --standby needs --state-dir: the primary's, on a shared file system")
+        return None
+    lease = Lease(state_dir, bind, job.runtime.heartbeat_s)
+    try:
+        lease.acquire(standby)
+    except LeaseHeld as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    return lease

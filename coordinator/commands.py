@@ -63,8 +63,13 @@ def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) 
                    "mixture journal, the job it was written for. A restart on it continues the same stream.")
 @click.option("--allow-config-change", is_flag=True, default=False,
               help="Continue from --state-dir although the job file changed (beyond its topology).")
+@click.option("--standby", is_flag=True, default=False,
+              help="Wait until the coordinator holding --state-dir's lease is gone (it stops renewing it for 3 "
+                   "heartbeats), then take over from its journal. Workers and clients given both addresses "
+                   "(--coordinator tcp://a:5555,tcp://b:5555) move to it.")
 @click.option("--log-level", default="INFO", show_default=True)
-def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, log_level: str) -> None:
+def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
+                log_level: str) -> None:
     """Run the job's coordinator."""
     from .config import ConfigError
 
@@ -77,7 +82,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     from .statedir import JobChanged
 
     try:
-        serve(job, sources, bind, state_dir, allow_config_change)
+        serve(job, sources, bind, state_dir, allow_config_change, standby)
     except JobChanged as e:
         click.echo(str(e), err=True)
         sys.exit(1)

@@ -34,8 +34,15 @@ STALE_BEATS = 3  # a lease whose beat did not move for this many heartbeats is f
 SELF_FENCE_BEATS = 2  # a holder that could not renew for this many heartbeats stops serving
 
 
+RELEASED = ""  # the holder of a lease given up on a clean stop: free at once
+
+
 class LeaseLost(MsdError):
     """Another coordinator holds the lease on this state dir now."""
+
+
+class LeaseHeld(MsdError):
+    """A live coordinator holds the lease: this one (not a standby) must not serve."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,33 @@ class Lease:
 
     # ------------------------------------------------------------------ taking it
 
+    def acquire(self, standby: bool, stopping: Callable[[], bool] = lambda: False) -> bool:
+        """Take the lease: at once if there is none or it was released; a standby waits until
+        the holder stops renewing it; a primary watches it for STALE_BEATS heartbeats and raises
+        LeaseHeld if it is renewed meanwhile (another coordinator serves this state dir)."""
+        os.makedirs(self.state_dir, exist_ok=True)
+        record = read_lease(self.state_dir)
+        if record is None or record.holder == RELEASED:
+            return self._take(record)
+        if standby:
+            log.info("standby: the lease of %s is held by %s (token %d, serving %s); taking over when it is not "
+                     "renewed for %d heartbeats", self.state_dir, record.holder, record.token, record.address,
+                     STALE_BEATS)
+            return self.wait_until_free(stopping)
+        first, deadline = (record.token, record.beat), time.monotonic() + STALE_BEATS * self.heartbeat_s
+        while time.monotonic() < deadline:
+            time.sleep(self.heartbeat_s / 4)
+            now = read_lease(self.state_dir)
+            if now is None or now.holder == RELEASED:
+                return self._take(now)
+            if (now.token, now.beat) != first:
+                raise LeaseHeld(f"the coordinator {now.holder} (serving {now.address}) holds the lease of "
+                                f"{self.state_dir} and renews it: it is alive; start this one with --standby to "
+                                "take over when it is gone")
+        log.warning("the lease of %s (holder %s) was not renewed for %d heartbeats: taking it over", self.state_dir,
+                    record.holder, STALE_BEATS)
+        return self._take(record)
+
     def wait_until_free(self, stopping: Callable[[], bool] = lambda: False,
                         on_wait: Callable[[LeaseRecord], None] | None = None) -> bool:
         """Watch the lease until nobody renews it for STALE_BEATS heartbeats (or there is none),
@@ -95,8 +129,12 @@ class Lease:
         told = False
         while not stopping():
             record = read_lease(self.state_dir)
-            if record is None:
-                return self._take(None)
+            if record is None or record.holder == RELEASED:
+                if record is not None:
+                    log.warning("the lease of %s was released by its holder: taking it over", self.state_dir)
+                if self._try_take(record):
+                    return True
+                continue
             key = (record.token, record.beat)
             now = time.monotonic()
             if key != last:
@@ -104,12 +142,20 @@ class Lease:
             elif now - since >= STALE_BEATS * self.heartbeat_s:
                 log.warning("the lease of %s (holder %s, token %d, serving %s) was not renewed for %.1fs: taking "
                             "it over", self.state_dir, record.holder, record.token, record.address, now - since)
-                return self._take(record)
+                if self._try_take(record):
+                    return True
             if not told and on_wait is not None:
                 on_wait(record)
                 told = True
             time.sleep(self.heartbeat_s / 4)
         return False
+
+    def _try_take(self, previous: LeaseRecord | None) -> bool:
+        try:
+            return self._take(previous)
+        except LeaseLost as e:  # another standby was quicker
+            log.warning("%s; waiting again", e)
+            return False
 
     def _take(self, previous: LeaseRecord | None) -> bool:
         self.token = (previous.token if previous else 0) + 1
@@ -152,4 +198,10 @@ class Lease:
             os.close(fd)
 
     def release(self) -> None:
-        """On a clean stop: leave the record to go stale (a standby takes over after STALE_BEATS)."""
+        """On a clean stop: give the lease up (a standby, or the next start, takes it at once)."""
+        try:
+            self.check()
+            self.holder = RELEASED
+            self._write()
+        except (LeaseLost, OSError) as e:
+            log.warning("lease of %s not released (%s)", self.state_dir, e)

@@ -120,7 +120,7 @@ class CoordinatorState:
         self._out: list[Instruction] = []
         self._handlers: dict[type, Callable[[Any, Any], None]] = {
             WorkerHeartbeat: self._on_worker_heartbeat, Prepared: self._on_prepared, TaskFailed: self._on_task_failed,
-            Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: lambda ev, who: None,
+            Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: self._alive,
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
             WorkerExited: self._on_worker_exited, StateRequest: self._on_state_request,
         }
@@ -332,12 +332,19 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------ messages of registered peers
 
+    def _alive(self, ev: Event, who: Any) -> None:
+        """Every heartbeat is answered: a peer that hears nothing for 3 heartbeats moves on to the
+        next coordinator address it has (a standby that took over)."""
+        self._send(ev.peer, P.make(P.ALIVE))
+
     def _on_worker_heartbeat(self, ev: WorkerHeartbeat, worker: WorkerInfo) -> None:
         worker.busy_s = max(worker.busy_s, ev.busy_s)
         worker.backlog, worker.send_waits = ev.backlog, ev.send_waits
+        self._alive(ev, worker)
 
     def _on_host_heartbeat(self, ev: HostHeartbeat, host: HostInfo) -> None:
         host.procs = ev.procs
+        self._alive(ev, host)
 
     def _on_worker_exited(self, ev: WorkerExited, host: HostInfo) -> None:
         """The host agent saw a worker process end: forgotten now (not after heartbeats of

@@ -257,7 +257,6 @@ class _Receiver:
             security.as_server(data, keys)
         port = data.bind_to_random_port(f"tcp://{c.bind_host}")
         self.address = f"tcp://{c.host}:{port}"
-        control.connect(c.coordinator)
         self.control = control
         self.ready.set()
         incarnation = int.from_bytes(os.urandom(6), "little")
@@ -268,7 +267,7 @@ class _Receiver:
                            else None),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration)
+        loop = PeerLoop(control, self.registration, c.coordinator)
         loop.on(wake, self._on_wake)
         loop.on(control, self._on_control)
         loop.on(data, self._on_data)

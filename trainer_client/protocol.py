@@ -244,6 +244,9 @@ DELIVER = _msg(
 # waits to be sent to it
 RELEASE_RANK = _msg("release_rank", rank=integer(), address=text())
 REJECT = _msg("reject", reason=text(MAX_STR_LEN))
+# coordinator -> any registered peer, in answer to each heartbeat: the coordinator is alive (a peer
+# that hears nothing for 3 heartbeats moves on to the next coordinator address it was given)
+ALIVE = _msg("alive")
 SHUTDOWN = _msg("shutdown", reason=text())
 # the coordinator does not know this peer (it restarted, or declared the peer dead): say hello again
 UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
@@ -296,7 +299,7 @@ ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, RELEASE_RANK,
-        REJECT,
+        REJECT, ALIVE,
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY,
@@ -310,10 +313,11 @@ COORDINATOR_INBOX = frozenset(
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST)
 )
 TOOL_INBOX = frozenset({MIX_REPLY.name})
-HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER))
-WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER))
+HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, ALIVE))
+WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
+                                          ALIVE))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
-                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY))
+                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

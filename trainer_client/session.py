@@ -1,6 +1,12 @@
 """The loop every peer of the coordinator runs: say hello until welcomed, then heartbeat, say hello
 again when the coordinator forgets us, and meanwhile serve the sockets. Written once here for
-the worker process, the worker host agent and the trainer client's I/O thread."""
+the worker process, the worker host agent and the trainer client's I/O thread.
+
+A peer may be given several coordinator addresses (`tcp://a:5555,tcp://b:5555`: a primary and
+its standbys). The coordinator answers every heartbeat (`alive`); a peer with several addresses
+that hears nothing for LOST_AFTER_BEATS heartbeats, or gets no welcome for as long, moves on to
+the next address and says hello there. With one address it stays (a coordinator restarted there
+answers its next heartbeat with `unknown_peer`)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,15 @@ from .sockets import send_nowait
 log = logging.getLogger("msd.session")
 
 HELLO_RETRY_S = 2.0
+LOST_AFTER_BEATS = 3  # silence (in heartbeats) after which the coordinator is taken for gone
+
+
+def split_addresses(coordinator: str) -> list[str]:
+    """`tcp://a:5555,tcp://b:5555` -> the addresses, in order (a primary first, then standbys)."""
+    out = [a.strip() for a in coordinator.split(",") if a.strip()]
+    if not out:
+        raise ValueError(f"no coordinator address in {coordinator!r}")
+    return out
 
 
 class Registration:
@@ -26,6 +41,8 @@ class Registration:
         self.heartbeat_s, self.retry_s = heartbeat_s, retry_s
         self.registered = False
         self._last_hello = self._last_beat = float("-inf")
+        self.last_heard = float("-inf")  # the last message from the coordinator
+        self.since = float("-inf")  # when we started talking to the current address
 
     def due(self, now: float) -> dict[str, Any] | None:
         """The message to send now, if one is due."""
@@ -37,6 +54,17 @@ class Registration:
             self._last_beat = now
             return self.heartbeat()
         return None
+
+    def heard(self, now: float) -> None:
+        self.last_heard = now
+
+    def silent(self, now: float) -> bool:
+        """The coordinator at the current address said nothing for too long: registered and no
+        answer to our heartbeats, or no answer to our hellos."""
+        quiet = max(self.last_heard, self.since)
+        limit = LOST_AFTER_BEATS * self.heartbeat_s if self.registered else max(self.retry_s, LOST_AFTER_BEATS *
+                                                                                self.heartbeat_s)
+        return now - quiet > limit
 
     def welcomed(self, heartbeat_s: float | None = None) -> None:
         """The coordinator accepted our hello (at the heartbeat interval it asks for)."""
@@ -55,13 +83,33 @@ class Registration:
 
 
 class PeerLoop:
-    """Polls a control socket (and any others) and keeps the registration's rhythm."""
+    """Polls a control socket (and any others) and keeps the registration's rhythm. It connects
+    the control socket to the coordinator (`addresses`: one, or a comma-separated list)."""
 
-    def __init__(self, control: zmq.Socket, registration: Registration) -> None:
+    def __init__(self, control: zmq.Socket, registration: Registration, addresses: str | list[str]) -> None:
         self.control = control
         self.registration = registration
+        self.addresses = split_addresses(addresses) if isinstance(addresses, str) else list(addresses)
+        self.current = 0
         self._poller = zmq.Poller()
         self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        control.connect(self.addresses[0])
+        registration.since = time.monotonic()
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.current]
+
+    def _move_on(self, now: float) -> None:
+        """The coordinator at the current address is gone: talk to the next one."""
+        old = self.address
+        self.control.disconnect(old)
+        self.current = (self.current + 1) % len(self.addresses)
+        self.control.connect(self.address)
+        log.warning("coordinator at %s silent for %.1fs; trying %s", old,
+                    now - max(self.registration.last_heard, self.registration.since), self.address)
+        self.registration.forgotten()
+        self.registration.since = now
 
     def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
         """Call handler(sock) whenever sock has a message."""
@@ -83,6 +131,8 @@ class PeerLoop:
         a turn ends after a quarter of a heartbeat interval without messages."""
         while running():
             now = time.monotonic()
+            if len(self.addresses) > 1 and self.registration.silent(now):
+                self._move_on(now)
             msg = self.registration.due(now)
             if msg is not None and not send_nowait(self.control, msg):
                 log.debug("coordinator not reachable yet; %s not sent", msg["type"])
@@ -91,4 +141,6 @@ class PeerLoop:
             if not running():
                 return
             for sock, _ in self._poller.poll(timeout=int(self.registration.heartbeat_s * 250)):
+                if sock is self.control:
+                    self.registration.heard(time.monotonic())
                 self._handlers[sock](sock)

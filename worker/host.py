@@ -145,13 +145,12 @@ class HostAgent:
         if self.keys_dir:
             security.as_client(control, security.load(self.keys_dir, "worker"),
                                security.public_key(self.keys_dir, "coordinator"))
-        control.connect(self.coordinator)
         self.registration = Registration(
             lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
                            procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
             lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target), heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration)
+        loop = PeerLoop(control, self.registration, self.coordinator)
         loop.on(control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:

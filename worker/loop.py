@@ -49,7 +49,7 @@ class Worker:
         self.trainer_key = security.public_key(keys_dir, "trainer") if keys_dir else None
         if self.keys:
             security.as_client(self.control, self.keys, security.public_key(keys_dir, "coordinator"))
-        self.control.connect(coordinator)
+        self.coordinator = coordinator  # one address, or a primary and its standbys (comma-separated)
         self.loop: PeerLoop | None = None
         self.outbox = RankOutbox(self._data_socket, self._poll_writable)  # pieces to ranks, never blocking
         incarnation = int.from_bytes(os.urandom(6), "little")
@@ -67,7 +67,7 @@ class Worker:
 
     def run(self) -> None:
         handshakes = security.HandshakeWatch(self.control)
-        loop = self.loop = PeerLoop(self.control, self.registration)
+        loop = self.loop = PeerLoop(self.control, self.registration, self.coordinator)
         loop.on(self.control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:

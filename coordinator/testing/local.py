@@ -17,9 +17,9 @@ _SPAWN = mp.get_context("spawn")
 
 
 def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None,
-                      state_dir: str | None = None) -> None:
-    setup_logging(log_level, "coordinator", log_path)
-    from ..app import Coordinator
+                      state_dir: str | None = None, standby: bool = False) -> None:
+    setup_logging(log_level, "coordinator" if not standby else "standby", log_path)
+    from ..app import Coordinator, take_lease
     from ..config import load_job
     from ..sources import open_sources
 
@@ -36,8 +36,10 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         addr_queue.put(("error", str(e)))
         return
 
+    lease = take_lease(job, bind, state_dir, standby)
+
     async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir)
+        coord = Coordinator(job, sources, bind, state_dir, lease=lease)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, coord.stop)
         ready = loop.create_future()
@@ -57,6 +59,14 @@ def _host_main(address: str, procs: int | None, log_level: str, log_path: str | 
     raise SystemExit(HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run())
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -70,9 +80,12 @@ class LocalJob:
 
     def __init__(self, job_path: str, workers: int | None = 1, log_level: str = "WARNING",
                  bind: str = "tcp://127.0.0.1:0", log_path: str | None = None, state_dir: str | None = None,
-                 worker_keys: str | None = None, max_procs: int | None = None) -> None:
+                 worker_keys: str | None = None, max_procs: int | None = None, standby: bool = False) -> None:
         """workers: processes on the (one, local) worker host; None: `--procs auto` up to max_procs;
-        0: no local worker host (workers come from elsewhere)."""
+        0: no local worker host (workers come from elsewhere); standby: a second coordinator
+        process with --standby on the same state dir (then `address` lists both)."""
+        self.standby = standby
+        self.standby_process: mp.Process | None = None
         self.max_procs = max_procs
         self.log_path = log_path
         self.worker_keys = worker_keys
@@ -86,7 +99,16 @@ class LocalJob:
         self.host: mp.Process | None = None
 
     def __enter__(self) -> "LocalJob":
-        self.address = self._start_coordinator(self.bind)
+        self.address = self.primary_address = self._start_coordinator(self.bind)
+        if self.standby:
+            self.standby_address = f"tcp://127.0.0.1:{_free_port()}"
+            self._standby_queue = _SPAWN.Queue()  # kept: the child unpickles it after start()
+            self.standby_process = _SPAWN.Process(
+                target=_coordinator_main, name="msd-standby",
+                args=(self.job_path, self.standby_address, self._standby_queue, self.log_level, self.log_path,
+                      self.state_dir, True))
+            self.standby_process.start()
+            self.address = f"{self.primary_address},{self.standby_address}"
         if self.workers == 0:
             return self
         self.host = _SPAWN.Process(target=_host_main, args=(self.address, self.workers, self.log_level, self.log_path,
@@ -125,10 +147,10 @@ class LocalJob:
         return pids
 
     def __exit__(self, *exc) -> None:
-        for p in (self.host, self.coordinator):
+        for p in (self.host, self.coordinator, self.standby_process):
             if p is not None and p.is_alive():
                 p.terminate()
-        for p in (self.host, self.coordinator):
+        for p in (self.host, self.coordinator, self.standby_process):
             if p is not None:
                 p.join(timeout=10)
                 if p.is_alive():
