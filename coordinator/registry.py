@@ -106,9 +106,11 @@ class Registry:
         self.workers.clear()
         return gone
 
-    def silent(self, now: float, deadline_s: float) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo]]:
-        """Peers not heard from for longer than the deadline."""
+    def silent(self, now: float, deadline_s: float,
+               host_deadline_s: float | None = None) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo]]:
+        """Peers not heard from for longer than the deadline (host agents: their own deadline)."""
+        host_deadline_s = deadline_s if host_deadline_s is None else host_deadline_s
         out: list = [("worker", w) for w in self.workers.values() if now - w.last_seen > deadline_s]
         out += [("trainer", t) for t in self.trainers.values() if now - t.last_seen > deadline_s]
-        out += [("host", h) for h in self.hosts.values() if now - h.last_seen > deadline_s]
+        out += [("host", h) for h in self.hosts.values() if now - h.last_seen > host_deadline_s]
         return out

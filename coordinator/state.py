@@ -55,6 +55,7 @@ FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped 
 # A record is quarantined when this many worker processes died working on it (the first try and
 # two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
 ALLOWED_DEATHS = 3
+HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, this) of silence
 
 
 class CoordinatorState:
@@ -410,7 +411,9 @@ class CoordinatorState:
     # ------------------------------------------------------------------ time, failures, stopping
 
     def _tick(self, now: float) -> None:
-        for role, info in self.registry.silent(now, 3 * self.heartbeat_s):
+        # A host agent is not on the data path (it starts processes, which may hold its loop for a
+        # moment under load): a second of heartbeats at least before it is forgotten.
+        for role, info in self.registry.silent(now, 3 * self.heartbeat_s, 3 * max(self.heartbeat_s, HOST_BEAT_MIN_S)):
             if role == "worker":
                 log.warning("worker %d silent for %.1fs: declared dead", info.worker_id, now - info.last_seen)
             elif role == "trainer":

@@ -90,6 +90,8 @@ _FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake failed (a plain peer meeting a CURVE one, or keys "
                                           "of another job)",
 }
+_CLOSED_IN_HANDSHAKE = ("the coordinator closed the connection during the security handshake (a plain peer meeting a "
+                        "CURVE one, or keys of another job)")
 REFUSED_AFTER = 3  # consecutive failed handshakes: one may be a connection cut mid-handshake, three are a refusal
 
 
@@ -100,11 +102,13 @@ class HandshakeWatch:
 
     def __init__(self, sock: zmq.Socket) -> None:
         events = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                  | zmq.EVENT_DISCONNECTED)
         self.socket = sock.get_monitor_socket(events=events)
         self._sock = sock
         self.failures = 0
         self.last_failure = ""
+        self._handshook = False  # the current connection completed its handshake
 
     def refused(self) -> str | None:
         """Read the pending events; the reason if the peer has refused us REFUSED_AFTER times in a row."""
@@ -113,10 +117,17 @@ class HandshakeWatch:
         while self.socket.poll(0):
             event = recv_monitor_message(self.socket)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.failures = 0
+                self.failures, self._handshook = 0, True
             elif event in _FAILED:
                 self.failures += 1
                 self.last_failure = _FAILED[event]
+            elif event == zmq.EVENT_DISCONNECTED:
+                # Which side notices a mismatch first depends on timing: often the peer just
+                # closes the connection before ours reports a failed handshake.
+                if not self._handshook:
+                    self.failures += 1
+                    self.last_failure = self.last_failure or _CLOSED_IN_HANDSHAKE
+                self._handshook = False
         return self.last_failure if self.failures >= REFUSED_AFTER else None
 
     def close(self) -> None:

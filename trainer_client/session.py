@@ -73,8 +73,14 @@ class Registration:
             self.heartbeat_s = heartbeat_s
 
     def forgotten(self) -> None:
-        """The coordinator does not know us (it restarted, or declared us dead): hello at once."""
+        """The coordinator does not know us (it restarted, or declared us dead): hello at once,
+        unless a hello is already on its way (several messages of ours may each be answered
+        `unknown_peer`; one hello for all of them)."""
+        if self.registered:
+            self._last_hello = float("-inf")
         self.registered = False
+
+    def hello_now(self) -> None:
         self._last_hello = float("-inf")
 
     def waiting(self) -> None:
@@ -109,6 +115,7 @@ class PeerLoop:
         log.warning("coordinator at %s silent for %.1fs; trying %s", old,
                     now - max(self.registration.last_heard, self.registration.since), self.address)
         self.registration.forgotten()
+        self.registration.hello_now()
         self.registration.since = now
 
     def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
