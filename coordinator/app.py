@@ -52,7 +52,7 @@ from .stimulus import StimulusLog
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
 STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
-STATE_DIR_RETRY_MAX_S = 5.0
+STATE_DIR_RETRY_MAX_S = 2.0
 SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 
 
