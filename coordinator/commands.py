@@ -33,7 +33,8 @@ def _fail_config(e: ConfigError) -> None:
 
 
 @click.command()
-@click.option("--coordinator", "address", required=True, help="The coordinator's control address.")
+@click.option("--coordinator", "address", required=True,
+              help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
 @click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
 @click.option("--timeout-s", type=float, default=10.0, show_default=True)
 @click.argument("weights", nargs=-1, required=True)

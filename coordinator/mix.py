@@ -25,14 +25,29 @@ def parse_weights(items: tuple[str, ...]) -> dict[str, float]:
 
 
 def request_mix(address: str, at_step: int, weights: dict[str, float], timeout_s: float = 10.0) -> tuple[bool, str]:
-    """Send the change and wait for the coordinator's answer: (accepted, reason if not)."""
+    """Send the change and wait for the coordinator's answer: (accepted, reason if not).
+    address: one, or a primary and its standbys (comma-separated): the one that serves answers
+    (a standby that does not serve has no socket bound, so each is given its share of the time)."""
+    from trainer_client.session import split_addresses
+
+    addresses = split_addresses(address)
+    silent = []
+    for one in addresses:
+        answer = _ask(one, at_step, weights, timeout_s / len(addresses))
+        if answer is not None:
+            return answer
+        silent.append(one)
+    return False, f"no answer from {', '.join(silent)} within {timeout_s:.0f}s"
+
+
+def _ask(address: str, at_step: int, weights: dict[str, float], timeout_s: float) -> tuple[bool, str] | None:
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER)
     try:
         sock.connect(address)
         sock.send_multipart(wire.encode(P.make(P.MIX_REQUEST, at_step=at_step, weights=weights)))
         if not sock.poll(int(timeout_s * 1000)):
-            return False, f"no answer from {address} within {timeout_s:.0f}s"
+            return None
         try:
             reply, _ = wire.decode(sock.recv_multipart(), P.TOOL_INBOX)
         except ProtocolError as e:

@@ -46,7 +46,8 @@ class DataClient:
     """Receives the packed micro-batches of one trainer rank, in training order.
 
     Args:
-        coordinator: the coordinator's address, e.g. "tcp://10.0.0.1:5555".
+        coordinator: the coordinator's address, e.g. "tcp://10.0.0.1:5555", or a primary's and its
+            standbys', comma-separated ("tcp://a:5555,tcp://b:5555"): the client moves to the one that serves.
         rank: this process's global trainer rank.
         host: the address workers use to reach this process (advertised to them); the data
             socket binds on `bind_host` (default: the same) at a free port.

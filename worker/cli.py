@@ -8,7 +8,8 @@ import click
 
 
 @click.command()
-@click.option("--coordinator", "address", required=True, help="Coordinator address, e.g. tcp://HEAD:5555.")
+@click.option("--coordinator", "address", required=True,
+              help="Coordinator address, e.g. tcp://HEAD:5555; a primary and its standbys comma-separated.")
 @click.option("--procs", default="1", show_default=True,
               help="Worker processes: a number, or 'auto' (the coordinator sets 1..--max-procs by demand).")
 @click.option("--max-procs", default=None, type=click.IntRange(min=1),

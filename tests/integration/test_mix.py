@@ -29,7 +29,10 @@ def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
         assert not ok and "books: unknown source" in reason
         ok, reason = request_mix(address, 50, {"web": -1})
         assert not ok and "web: weight must be a finite number >= 0" in reason
-        r = CliRunner().invoke(main, ["mix", "--coordinator", address, "--at-step", "60", "long=1"])
+        # a primary that is gone, then the standby that serves: the one that answers decides
+        gone = "tcp://127.0.0.1:1"
+        r = CliRunner().invoke(main, ["mix", "--coordinator", f"{gone},{address}", "--at-step", "60", "long=1",
+                                      "--timeout-s", "4"])
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(main, ["mix", "--coordinator", address, "--at-step", "70", "long"])
         assert r.exit_code == 2 and "expected SOURCE=WEIGHT" in r.output
