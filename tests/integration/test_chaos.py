@@ -17,21 +17,33 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 STEPS = 300
 
 
+class WorkerKiller:
+    """SIGKILLs a random worker process of the job every `low`-`high` seconds (seeded)."""
+
+    def __init__(self, seed: int, low: float = 0.5, high: float = 2.0) -> None:
+        self.rng, self.low, self.high = random.Random(seed), low, high
+        self.kills: list[int] = []
+        self.next_at = time.monotonic() + 1.0
+
+    def __call__(self, cluster) -> None:
+        now = time.monotonic()
+        if now >= self.next_at:
+            pids = cluster.worker_pids()
+            if pids:
+                victim = self.rng.choice(pids)
+                os.kill(victim, signal.SIGKILL)
+                self.kills.append(victim)
+            self.next_at = now + self.rng.uniform(self.low, self.high)
+
+
 def test_random_worker_kills_through_300_steps(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job_dict(runtime={"heartbeat_s": 0.3}), "chaos.yaml")
     clean = run_job(path, workers=3, ranks=2, steps=STEPS, timeout_s=180)
-    rng = random.Random(7)
-    kills, next_kill = [], [time.monotonic() + 1.0]
+    killer = WorkerKiller(7)
+    kills = killer.kills
 
     def chaos(cluster, n_batches):
-        now = time.monotonic()
-        if now >= next_kill[0]:
-            pids = cluster.worker_pids()
-            if pids:
-                victim = rng.choice(pids)
-                os.kill(victim, signal.SIGKILL)
-                kills.append(victim)
-            next_kill[0] = now + rng.uniform(0.5, 2.0)
+        killer(cluster)
 
     log = os.environ.get("MSD_CHAOS_LOG") or str(tmp_path / "chaos.log")
     faulty = run_job(path, workers=3, ranks=2, steps=STEPS, during=chaos, log_path=log, timeout_s=300,
@@ -63,21 +75,14 @@ def test_a_real_runs_life_in_one_run_of_300_steps(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job, "life.yaml")
     clean = run_job(path, workers=3, ranks=2, steps=STEPS, timeout_s=240)
 
-    rng = random.Random(11)
-    kills, next_kill, primary_killed = [], [time.monotonic() + 1.0], []
+    killer = WorkerKiller(11, high=2.5)
+    kills, primary_killed = killer.kills, []
 
     def chaos(cluster, n_batches):
-        now = time.monotonic()
-        if now >= next_kill[0]:
-            pids = cluster.worker_pids()
-            if pids:
-                victim = rng.choice(pids)
-                os.kill(victim, signal.SIGKILL)
-                kills.append(victim)
-            next_kill[0] = now + rng.uniform(0.5, 2.5)
+        killer(cluster)
         if n_batches >= 4 * 220 and not primary_killed:  # 2 ranks x 2 micro-batches a step: about step 220
             cluster.coordinator.kill()
-            primary_killed.append(now)
+            primary_killed.append(time.monotonic())
 
     # seconds per micro-batch (2 a step): every rank stops for 3 s after step 100; rank 1 is 3x
     # slower for steps 150-199
