@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import yaml
 
+from trainer_client.doc_keys import MAX_SOURCES
 from trainer_client.errors import MsdError
 
 from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
@@ -433,8 +434,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         if "sources" in top:
             c.bad("sources", "expected a non-empty mapping of source name -> definition")
     else:
-        if len(raw_sources) > 0xFFFF:
-            c.bad("sources", "at most 65535 sources")
+        if len(raw_sources) > MAX_SOURCES:
+            c.bad("sources", f"at most {MAX_SOURCES} sources (doc_keys hold 15 bits of source)")
         for i, (name, spec) in enumerate(raw_sources.items()):
             names.append(str(name))
             s = _source(c, name, spec, i, base, defaults)

@@ -170,7 +170,7 @@ class StepAssembler:
         np.cumsum(self.lengths, out=token_ends[1:])
         real_tokens = np.diff(token_ends[piece_bounds]).tolist()
         piece_bounds = piece_bounds.tolist()
-        doc_keys = self.refs[:, RECIPE_PIECE.doc_key].copy()
+        doc_keys = self.refs[:, RECIPE_PIECE.doc_key].astype(np.int64)  # 63-bit keys: int64 for torch
         doc_offsets = self.refs[:, RECIPE_PIECE.offset].astype(np.int64)
         out = []
         for m in range(n_mb):

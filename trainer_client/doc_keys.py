@@ -1,5 +1,7 @@
-"""Document keys: `source_index << 48 | record_index` in 64 bits (16 bits of source, 48 of
-record). The one place the packing is written; works on Python ints and on numpy arrays."""
+"""Document keys: `source_index << 48 | record_index` in 63 bits (15 bits of source, 48 of
+record), so that trainers get them as int64 (torch barely supports uint64: no shifts, no isin).
+On the wire they travel as uint64. The one place the packing is written; works on Python ints
+and on numpy arrays."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 RECORD_BITS = 48
 RECORD_MASK = (1 << RECORD_BITS) - 1
-MAX_SOURCES = 1 << (64 - RECORD_BITS)
+MAX_SOURCES = 1 << (63 - RECORD_BITS)  # 32,768
 
 
 def doc_key(source: Any, record: Any) -> Any:

@@ -59,8 +59,32 @@ def test_torch_tensors_by_default(job_path):
         with DataClient(job.address, rank=0, timeout_s=30) as client:
             batch = next(client)
     assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
-    assert batch["cu_seqlens"].dtype == torch.int32 and batch["doc_keys"].dtype == torch.uint64
+    assert batch["cu_seqlens"].dtype == torch.int32 and batch["doc_keys"].dtype == torch.int64
     assert batch["plan"]["max_over_mean"] >= 1.0
+
+
+def test_a_new_users_ddp_loop_works_with_the_batches(job_path):
+    """As tried by a new user writing a DDP trainer: decode doc_keys as README says, size the
+    gradient accumulation loop before the first batch, move a batch to the device in one call,
+    and checkpoint the client as a torch.distributed.checkpoint Stateful."""
+    import torch
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from coordinator.config import load_job
+
+    job = load_job(job_path)
+    with LocalJob(job_path, workers=1) as cluster:
+        with DataClient(cluster.address, rank=0, timeout_s=30) as client:
+            assert isinstance(client, Stateful)
+            assert client.micro_batches_per_step == job.micro_batches_per_rank  # before any batch
+            assert client.batch_shape["seq_len"] == job.batch.seq_len
+            batch = next(client)
+    sources = batch["doc_keys"] >> 48  # raised NotImplementedError on uint64
+    assert torch.isin(sources, torch.tensor([0, 1, 2])).all()
+    moved = batch.to("cpu", non_blocking=True)
+    assert moved["tokens"].device.type == "cpu" and moved["step"] == batch["step"]
+    assert moved["plan"] == batch["plan"] and type(moved["num_tokens"]) is int
+    assert set(moved) == set(batch)
 
 
 def test_data_socket_drops_malformed_messages_and_keeps_serving(job_path):

@@ -20,7 +20,7 @@ def test_packed_micro_batch_fields():
     assert batch["position_ids"][1].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
     assert batch["cu_seqlens"].dtype == np.int32
     assert batch["cu_seqlens"].tolist() == [0, 4, 7, 8, 11, 16]
-    assert batch["doc_keys"].dtype == np.uint64
+    assert batch["doc_keys"].dtype == np.int64  # 63-bit keys, int64 for torch
     assert batch["doc_keys"].tolist() == [1, (2 << 48) | 5, (2 << 48) | 5]
     assert batch["doc_offsets"].tolist() == [0, 7, 7]
     assert batch["num_tokens"] == 10
