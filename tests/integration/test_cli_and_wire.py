@@ -140,3 +140,17 @@ def test_msd_demo_writes_its_summary(tmp_path):
     assert set(summary["mixture"]) == {"web", "code", "long"}
     for m in summary["mixture"].values():
         assert abs(m["actual"] - m["target"]) < 0.05
+
+
+def test_the_example_job_file_validates_as_written():
+    """Tried as a new user: `msd validate configs/example.yaml`, as the file's first line says."""
+    import os
+
+    from click.testing import CliRunner
+
+    from coordinator.cli import main as msd
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = CliRunner().invoke(msd, ["validate", os.path.join(root, "configs", "example.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "OK: 2 sources" in r.output
