@@ -1,0 +1,150 @@
+"""A small causal transformer trained with DistributedDataParallel from DataClient: a training
+script to copy.
+
+    python tools/train_tiny.py --coordinator tcp://127.0.0.1:5555 --steps 20 [--world-size 2]
+        [--save CKPT_DIR] [--resume CKPT_DIR] [--losses LOSSES.json]
+
+Each data-parallel rank is a process (gloo on CPU here; NCCL on GPUs is the same code with
+`--backend nccl` and a device per rank). What it shows:
+- document masking: attention stays within each packed document, built from `cu_seqlens`;
+- `position_ids` from the batch (they restart at 0 with each document piece);
+- the loss weighted by `loss_mask` (no loss on padding or across document ends);
+- gradient accumulation over the step's micro-batches (`client.micro_batches_per_step`), with
+  DDP's gradient all-reduce only on the last one (`no_sync`);
+- checkpoints that hold the model, the optimizer and the client's state (one file per rank), so
+  that a resumed run continues bit for bit (the per-step losses equal an uninterrupted run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+VOCAB = 258  # the byte tokenizer: 256 bytes, end-of-document 256, padding 257
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.out(attn.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 4096) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos(position_ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+def document_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """[batch, 1, length, length] bool: token i may attend to token j when both lie in the same
+    segment of `cu_seqlens` (a document piece, or a row's padding) and j <= i."""
+    segments = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), torch.diff(cu_seqlens.long()))
+    segments = segments.view(batch, length)
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return (same & causal)[:, None]
+
+
+def micro_batch_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    tokens = batch["tokens"]
+    b, n = tokens.shape
+    logits = model(tokens, batch["position_ids"], document_mask(batch["cu_seqlens"], b, n))
+    per_token = F.cross_entropy(logits.view(-1, VOCAB), batch["labels"].view(-1), reduction="none")
+    mask = batch["loss_mask"].view(-1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def train(rank: int, args: argparse.Namespace) -> None:
+    from trainer_client import DataClient
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(args.port))
+    dist.init_process_group(args.backend, rank=rank, world_size=args.world_size)
+    torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(TinyLM())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    client = DataClient(args.coordinator, rank=rank, timeout_s=120)
+    start = 0
+    if args.resume:
+        ckpt = torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False)
+        model.module.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        client.load_state_dict(ckpt["data"])
+        start = ckpt["step"]
+    accumulate = client.micro_batches_per_step  # known before the first batch
+    losses = []
+    for step in range(start, args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for m in range(accumulate):
+            batch = next(client)
+            assert batch["step"] == step and batch["micro_batch"] == m
+            if m < accumulate - 1:
+                with model.no_sync():  # gradients all-reduced once, with the last micro-batch
+                    loss = micro_batch_loss(model, batch) / accumulate
+                    loss.backward()
+            else:
+                loss = micro_batch_loss(model, batch) / accumulate
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        dist.all_reduce(total)
+        losses.append((step, (total / args.world_size).item()))
+        if rank == 0:
+            print(f"step {step}: loss {losses[-1][1]:.4f}", flush=True)
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "data": client.state_dict(), "step": args.steps}, os.path.join(args.save, f"rank{rank}.pt"))
+    client.close()
+    if rank == 0 and args.losses:
+        with open(args.losses, "w") as f:
+            json.dump(losses, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--steps", type=int, required=True, help="train until this step (from the checkpoint's, if any)")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--port", type=int, default=29512)
+    ap.add_argument("--save", default=None, help="directory for the checkpoint written at the end")
+    ap.add_argument("--resume", default=None, help="directory of a checkpoint to resume from")
+    ap.add_argument("--losses", default=None, help="write [[step, loss], ...] here (JSON)")
+    args = ap.parse_args()
+    torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
