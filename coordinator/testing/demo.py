@@ -120,10 +120,25 @@ def run_demo(steps: int, ranks: int, workers: int, json_path: str | None = None,
     for name, m in summary["mixture"].items():
         table.add_row(f"mixture {name}", f"target {m['target']:.3f}  actual {m['actual']:.3f}")
     Console().print(table)
+    print(next_steps(job_path, ranks, workers), flush=True)  # plain: rich would wrap the long lines
     if json_path:
         with open(json_path, "wb") as f:
             f.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     return 0
+
+
+def next_steps(job_path: str, ranks: int, workers: int) -> str:
+    """The commands that run the same job by hand, one process at a time (printed after the demo)."""
+    train = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
+                         "train_tiny.py")
+    return "\n".join([
+        "",
+        f"The demo's job file is {job_path}. To run it by hand, in three terminals:",
+        f"  msd coordinator --config {job_path} --bind tcp://127.0.0.1:5555 --state-dir /tmp/msd-demo-state",
+        f"  msd worker --coordinator tcp://127.0.0.1:5555 --procs {workers}",
+        f"  python {train} --coordinator tcp://127.0.0.1:5555 --world-size {ranks} --steps 50"
+        "   # DDP trainer ranks (needs torch)",
+    ])
 
 
 def summarize(results: dict[int, dict[int, dict]], names: list[str], weights: dict[str, float], ranks: int,

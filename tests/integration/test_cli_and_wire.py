@@ -140,6 +140,39 @@ def test_msd_demo_writes_its_summary(tmp_path):
     assert set(summary["mixture"]) == {"web", "code", "long"}
     for m in summary["mixture"].values():
         assert abs(m["actual"] - m["target"]) < 0.05
+    _run_the_printed_commands(r.stdout, tmp_path, env)
+
+
+def _run_the_printed_commands(output: str, tmp_path, env: dict) -> None:
+    """A new user runs the demo's job by hand with the three commands it printed (a free port
+    instead of 5555, a few steps of the DDP trainer)."""
+    import socket
+    import time
+
+    commands = [line.strip() for line in output.splitlines() if line.startswith("  msd ") or
+                line.startswith("  python ")]
+    assert len(commands) == 3, output
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    fix = lambda c: (c.replace("5555", str(port)).replace("/tmp/msd-demo-state", str(tmp_path / "state"))  # noqa: E731
+                     .split("   #")[0].replace("--steps 50", "--steps 3").split())
+    coordinator, worker, trainer = (fix(c) for c in commands)
+    assert coordinator[:2] == ["msd", "coordinator"] and worker[:2] == ["msd", "worker"]
+    assert os.path.isfile(coordinator[coordinator.index("--config") + 1]), "the job file is left on disk"
+    bin_dir = os.path.dirname(sys.executable)
+    procs = [subprocess.Popen([os.path.join(bin_dir, c[0])] + c[1:], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for c in (coordinator, worker)]
+    try:
+        time.sleep(1.0)
+        done = subprocess.run([sys.executable] + trainer[1:] + ["--port", str(port + 1)], capture_output=True,
+                              text=True, timeout=240, env={**env, "PYTHONPATH": os.getcwd()})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "step 2: loss" in done.stdout
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=20)
 
 
 def test_the_example_job_file_validates_as_written():
