@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -131,12 +132,13 @@ def next_steps(job_path: str, ranks: int, workers: int) -> str:
     """The commands that run the same job by hand, one process at a time (printed after the demo)."""
     train = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
                          "train_tiny.py")
+    msd = os.path.join(os.path.dirname(sys.executable), "msd")  # this environment's, activated or not
     return "\n".join([
         "",
         f"The demo's job file is {job_path}. To run it by hand, in three terminals:",
-        f"  msd coordinator --config {job_path} --bind tcp://127.0.0.1:5555 --state-dir /tmp/msd-demo-state",
-        f"  msd worker --coordinator tcp://127.0.0.1:5555 --procs {workers}",
-        f"  python {train} --coordinator tcp://127.0.0.1:5555 --world-size {ranks} --steps 50"
+        f"  {msd} coordinator --config {job_path} --bind tcp://127.0.0.1:5555 --state-dir /tmp/msd-demo-state",
+        f"  {msd} worker --coordinator tcp://127.0.0.1:5555 --procs {workers}",
+        f"  {sys.executable} {train} --coordinator tcp://127.0.0.1:5555 --world-size {ranks} --steps 50"
         "   # DDP trainer ranks (needs torch)",
     ])
 
