@@ -27,9 +27,9 @@ from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH
 
 from .balance import METHODS
 
-FORMATS = ("jsonl", "megatron", "parquet", "webdataset")
+FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "webdataset": (".tar",)}
+SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",), "webdataset": (".tar",)}
 ALLOCATIONS = ("adaptive", "fixed")
 
 
@@ -340,8 +340,9 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         c.bad(f"{key}.text_key", "expected a non-empty string")
         ok = False
     tokens_key = raw.get("tokens_key")
-    if tokens_key is not None and (fmt != "parquet" or not isinstance(tokens_key, str) or not tokens_key):
-        c.bad(f"{key}.tokens_key", "a non-empty column name, for parquet sources only")
+    if tokens_key is not None and (fmt not in ("parquet", "arrow") or not isinstance(tokens_key, str)
+                                   or not tokens_key):
+        c.bad(f"{key}.tokens_key", "a non-empty column name, for parquet and arrow sources only")
         ok = False
     elif tokens_key is not None and ("tokenizer" in raw or "text_key" in raw):
         c.bad(key, "tokens_key names pre-tokenized ids: tokenizer and text_key do not apply")

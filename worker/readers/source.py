@@ -19,8 +19,12 @@ from ..vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 from .errors import RecordError, SourceFormatError
 from .jsonl import JsonlShard
 from .megatron import MegatronIndex
+from .arrow import ArrowShard
 from .parquet import ParquetShard, token_ids
 from .webdataset import WebDatasetShard
+
+
+TABLES = {"parquet": ParquetShard, "arrow": ArrowShard}  # a row per record, a text or token-id column
 
 
 class SourceReader:
@@ -40,13 +44,13 @@ class SourceReader:
             self.shards: list[Any] = [MegatronIndex(p) for p in spec["files"]]
             dtypes = {s.dtype for s in self.shards}
             self.dtype = np.result_type(*dtypes) if dtypes else np.dtype("<u2")
-        elif self.format in ("jsonl", "webdataset") or (self.format == "parquet" and not self.tokens_key):
+        elif self.format in ("jsonl", "webdataset") or (self.format in TABLES and not self.tokens_key):
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
             if self.format == "jsonl":
                 self.shards = [JsonlShard(p, cache_dir) for p in spec["files"]]
-            elif self.format == "parquet":
-                self.shards = [ParquetShard(p, self.text_key) for p in spec["files"]]
+            elif self.format in TABLES:
+                self.shards = [TABLES[self.format](p, self.text_key) for p in spec["files"]]
             else:
                 self.shards = [WebDatasetShard(p, cache_dir) for p in spec["files"]]
                 self.image_token_id = int(spec["image_token_id"])
@@ -54,8 +58,8 @@ class SourceReader:
                 self.patch_size = int(spec.get("patch_size") or DEFAULT_PATCH_SIZE)
                 if self.image_token_id > np.iinfo(self.dtype).max:
                     self.dtype = np.dtype("<i4")
-        elif self.format == "parquet":  # pre-tokenized rows
-            self.shards = [ParquetShard(p, self.tokens_key) for p in spec["files"]]
+        elif self.format in TABLES:  # pre-tokenized rows
+            self.shards = [TABLES[self.format](p, self.tokens_key) for p in spec["files"]]
             self.dtype = np.dtype("<i4")
         else:
             raise SourceFormatError(f"source {self.name!r}: unknown format {self.format!r}")
@@ -134,7 +138,7 @@ class SourceReader:
         shard = self.shards[shard_no]
         if self.format == "jsonl":
             return f"{shard.shard}:{i + 1}"
-        if self.format == "parquet":
+        if self.format in TABLES:
             return f"{shard.path}: row {i}"
         if self.format == "webdataset":
             return f"{shard.shard}: sample {shard.key(i)!r}"
@@ -150,7 +154,7 @@ class SourceReader:
             check_bytes(shard.lengths_of(np.array([i]))[0] * self.dtype.itemsize, self.max_record_bytes,
                         f"{shard.prefix}: document {i}")
             return shard.document(i), None
-        if self.format == "parquet":
+        if self.format in TABLES:
             where = f"{shard.path}: row {i}"
             value = shard.value(i)
             if isinstance(value, str) and 4 * len(value) > self.max_record_bytes:  # exact size only when it may matter
