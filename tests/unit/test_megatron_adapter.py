@@ -23,3 +23,39 @@ def test_packed_seq_params_for_thd_attention():
     assert p["max_seqlen_q"] == 4
     out = next(batches(iter([_batch()])))
     assert out["packed_seq_params"]["max_seqlen_kv"] == 4 and out["attention_mask"] is None
+
+
+def test_the_adapter_fills_megatron_cores_own_packed_seq_params_as_te_expects_them():
+    """Megatron-Core cannot run a packed (THD) forward on CPU: its only attention without
+    Transformer Engine, DotProductAttention, asserts `packed_seq_params is None`, and TE needs CUDA.
+    So the adapter's output is checked field by field against megatron.core's PackedSeqParams and
+    what TEDotProductAttention requires of it."""
+    import dataclasses
+    import warnings
+
+    import torch
+
+    from trainer_client.topology import cp_share
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in _batch().items()}
+    params = PackedSeqParams(**packed_seq_params(batch))  # every name is a field of Megatron's class
+    assert {f.name for f in dataclasses.fields(PackedSeqParams)} >= set(packed_seq_params(batch))
+    assert params.qkv_format == "thd"
+    for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
+        assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == batch["tokens"].numel()  # TE: int32, whole batch
+        assert (cu[1:] >= cu[:-1]).all()
+    assert params.max_seqlen_q == params.max_seqlen_kv == int((params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).max())
+
+    # context parallelism (cp=2): TE's THD attention wants every padded segment divisible by 2*cp
+    shared = cp_share(_batch(), cp=2, cp_rank=0, pad_id=257)
+    shared = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in shared.items()}
+    cp_params = PackedSeqParams(**packed_seq_params(shared))
+    padded = cp_params.cu_seqlens_q_padded
+    assert padded is not None and padded.dtype == torch.int32
+    assert ((padded[1:] - padded[:-1]) % 4 == 0).all()
+    assert (cp_params.cu_seqlens_q == shared["cu_seqlens"]).all()  # the real (unpadded) boundaries
+    assert cp_params.max_seqlen_q == int((padded[1:] - padded[:-1]).max())
