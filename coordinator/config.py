@@ -330,8 +330,9 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         ok = False
     elif tokenizer != "byte":
         tokenizer = os.path.join(base, os.path.expanduser(tokenizer))
-        if not os.path.isfile(tokenizer):
-            c.bad(f"{key}.tokenizer", f"unknown tokenizer {raw['tokenizer']!r}: not 'byte' and no such file")
+        if not os.path.exists(tokenizer):
+            c.bad(f"{key}.tokenizer", f"unknown tokenizer {raw['tokenizer']!r}: not 'byte' and no such file or "
+                                      "directory")
             ok = False
         else:
             ok = _check_hf_tokenizer(c, key, tokenizer, raw.get("eod_id")) and ok
@@ -394,18 +395,19 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:
+    from worker.tokenizer import find_eod_id, resolve
+
     try:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(path)
+        file, eos = resolve(path)
+        tok = Tokenizer.from_file(file)
     except Exception as e:  # the library raises its own exception types for bad files
-        c.bad(f"{key}.tokenizer", f"{path}: not a valid tokenizer.json ({e})")
+        c.bad(f"{key}.tokenizer", f"{path}: not a valid tokenizer.json or tokenizer directory ({e})")
         return False
     if eod_id is None:
-        from worker.tokenizer import find_eod_id
-
         try:
-            find_eod_id(tok, path)
+            find_eod_id(tok, path, eos)
         except ValueError as e:
             c.bad(f"{key}.eod_id", str(e))
             return False

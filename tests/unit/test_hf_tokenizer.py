@@ -32,3 +32,28 @@ def test_hf_tokenizer_without_eod_needs_eod_id(tmp_path, dataset_dir):
     assert any(p.startswith("sources.web.eod_id: ") for p in e.value.problems)
     job["sources"]["web"]["eod_id"] = 3
     assert parse_job(job, "job.yaml", base_dir=dataset_dir).sources[0].eod_id == 3
+
+
+def test_a_tokenizer_directory_reads_eos_token_from_its_config(tmp_path, dataset_dir):
+    """`tokenizer:` may name a directory as Hugging Face model repositories ship it (tokenizer.json
+    with tokenizer_config.json); its eos_token is the end-of-document id when eod_id is not given,
+    even where another usual special token exists."""
+    model = tmp_path / "model"
+    model.mkdir()
+    from tokenizers import Tokenizer
+
+    train_tokenizer(str(model / "tokenizer.json"), TEXTS)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_bytes(orjson.dumps({"eos_token": {"content": "</s>", "special": True}}))
+    job = job_dict()
+    job["sources"]["web"]["tokenizer"] = str(model)
+    parsed = parse_job(job, "job.yaml", base_dir=dataset_dir)
+    reader = open_source(parsed.worker_job()["sources"][0])
+    assert reader.read(0)[-1] == tok.token_to_id("</s>") != tok.token_to_id("<|endoftext|>")
+    # a config naming a token the vocabulary lacks is refused, saying so
+    (model / "tokenizer_config.json").write_bytes(orjson.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ConfigError) as e:
+        parse_job(job, "job.yaml", base_dir=dataset_dir)
+    assert any("eos_token '<nope>'" in p for p in e.value.problems)
