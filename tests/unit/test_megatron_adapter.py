@@ -59,3 +59,28 @@ def test_the_adapter_fills_megatron_cores_own_packed_seq_params_as_te_expects_th
     assert ((padded[1:] - padded[:-1]) % 4 == 0).all()
     assert (cp_params.cu_seqlens_q == shared["cu_seqlens"]).all()  # the real (unpadded) boundaries
     assert cp_params.max_seqlen_q == int((padded[1:] - padded[:-1]).max())
+
+
+def test_megatron_cores_thd_batch_function_takes_our_batch_and_agrees_with_the_adapter():
+    """megatron.core.utils.get_thd_batch_on_this_cp_rank (what Megatron's pretrain_gpt calls for
+    packed batches) run on our batch and metadata: the batch comes back unchanged (cp=1; cp>1 needs
+    Transformer Engine, hence CUDA) and its PackedSeqParams equal the adapter's, field by field."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    ours = next(batches(iter([{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                               for k, v in _batch().items()}])))
+    tensors = {k: ours[k] for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    mine = ours["packed_seq_params"]
+    cu = mine["cu_seqlens_q"]
+    out, theirs = get_thd_batch_on_this_cp_rank(dict(tensors), cu, cu, torch.tensor([mine["max_seqlen_q"]]),
+                                                cp_size=1, cp_rank=0)
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+    for field in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"):
+        a, b = getattr(theirs, field), mine[field]
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), field
