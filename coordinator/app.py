@@ -42,6 +42,7 @@ from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseHeld, LeaseLost
+from .metrics import CoordinatorMetrics
 from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
                       read_quarantine_journal)
 from .sources import OpenedSources
@@ -58,9 +59,12 @@ SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 
 class Coordinator:
     def __init__(self, job: JobConfig, sources: OpenedSources, bind: str = "tcp://127.0.0.1:5555",
-                 state_dir: str | None = None, allow_config_change: bool = False, lease: Lease | None = None) -> None:
-        """lease: this coordinator's lease on the state dir (taken before: the journal is read here)."""
+                 state_dir: str | None = None, allow_config_change: bool = False, lease: Lease | None = None,
+                 metrics: CoordinatorMetrics | None = None) -> None:
+        """lease: this coordinator's lease on the state dir (taken before: the journal is read here);
+        metrics: Prometheus metrics to keep (served by the caller)."""
         self.job = job
+        self.metrics = metrics
         self.lease = lease
         self.bind = bind
         self.state_dir = state_dir
@@ -172,7 +176,11 @@ class Coordinator:
             header, arrays = wire.decode(frames[1:], P.COORDINATOR_INBOX)
         except ProtocolError as e:
             log.warning("dropped message from peer %s: %s", identity.hex(), e)
+            if self.metrics is not None:
+                self.metrics.dropped.inc()
             return
+        if self.metrics is not None:
+            self.metrics.received.labels(header["type"]).inc()
         try:
             burst.append(from_message(identity, time.monotonic(), header, arrays))
         except Exception:  # a message decode accepted but that makes no event: a bug, not the peer's
@@ -214,9 +222,16 @@ class Coordinator:
         while True:
             await asyncio.sleep(self.state.heartbeat_s)
             self._handle([Tick(at=time.monotonic())])
+            if self.metrics is not None:
+                self.metrics.update(self.state)
 
     def _handle(self, burst: list[Event]) -> None:
+        started = time.perf_counter()
         instructions = self.state.handle(*burst)
+        if self.metrics is not None:
+            headers = [i.header for i in instructions if isinstance(i, Send) and i.header["type"] == "step_header"]
+            if headers:
+                self.metrics.planned(headers, time.perf_counter() - started)
         self.stimuli.record(burst, instructions)
         try:
             self._execute(instructions)
@@ -298,6 +313,8 @@ class Coordinator:
                 delay = min(delay * 2, STATE_DIR_RETRY_MAX_S)
                 continue
             took = time.monotonic() - started
+            if self.metrics is not None:
+                self.metrics.journal.labels(type(ins).__name__).observe(took)
             if self.state_dir_stalled_since is not None:
                 log.warning("state dir %s writable again after %.1fs; carrying on", self.state_dir,
                             time.monotonic() - self.state_dir_stalled_since)
@@ -336,6 +353,8 @@ class Coordinator:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
         # the outcome through a future that is already done for a non-blocking send.
         fut = self.sock.send_multipart([ins.peer, *wire.encode(ins.header, *ins.arrays)], flags=zmq.NOBLOCK)
+        if self.metrics is not None:
+            self.metrics.sent.labels(ins.header["type"]).inc()
         fut.add_done_callback(lambda f: _sent(f, ins.peer, ins.header["type"]))
 
     def _fail(self, reason: str) -> None:
@@ -361,7 +380,8 @@ def _sent(fut: asyncio.Future, identity: bytes, kind: str) -> None:
 
 
 def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | None = None,
-          allow_config_change: bool = False, standby: bool = False) -> None:
+          allow_config_change: bool = False, standby: bool = False, metrics_port: int | None = None,
+          metrics_host: str = "127.0.0.1") -> None:
     """Run a coordinator until SIGINT/SIGTERM. standby: wait until the coordinator holding the
     state dir's lease is gone, then serve (the state dir on a shared file system)."""
     import signal
@@ -373,9 +393,14 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
     except ImportError:  # uvloop is a core dependency; tolerate its absence on exotic platforms
         pass
     lease = take_lease(job, bind, state_dir, standby)
+    metrics = None
+    if metrics_port is not None:
+        metrics = CoordinatorMetrics()
+        metrics.serve(metrics_port, metrics_host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
 
     async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease)
+        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)

@@ -68,9 +68,11 @@ def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) 
               help="Wait until the coordinator holding --state-dir's lease is gone (it stops renewing it for 3 "
                    "heartbeats), then take over from its journal. Workers and clients given both addresses "
                    "(--coordinator tcp://a:5555,tcp://b:5555) move to it.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
 @click.option("--log-level", default="INFO", show_default=True)
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
-                log_level: str) -> None:
+                metrics_port: int | None, metrics_host: str, log_level: str) -> None:
     """Run the job's coordinator."""
     from .config import ConfigError
 
@@ -83,7 +85,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     from .statedir import JobChanged
 
     try:
-        serve(job, sources, bind, state_dir, allow_config_change, standby)
+        serve(job, sources, bind, state_dir, allow_config_change, standby, metrics_port, metrics_host)
     except JobChanged as e:
         click.echo(str(e), err=True)
         sys.exit(1)
