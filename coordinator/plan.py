@@ -134,9 +134,11 @@ class Planner:
         job = self.job
         return Grid(job.dp, job.micro_batches_per_rank, job.batch.micro_batch_size, job.row_capacity_at(step))
 
-    def set_weights(self, from_step: int, weights: list[float]) -> None:
-        """Weights from `from_step` on, replacing the job file's (a run-time mixture change)."""
-        if from_step < self.state.next_step:
+    def set_weights(self, from_step: int, weights: list[float], replaying: bool = False) -> None:
+        """Weights from `from_step` on, replacing the job file's (a run-time mixture change).
+        replaying: a change made earlier in the run (a journal, a carried state), which may lie
+        before the steps already planned."""
+        if from_step < self.state.next_step and not replaying:
             raise ValueError(f"step {from_step} is already planned (the plan stands at step {self.state.next_step})")
         total = sum(weights)
         if total <= 0 or any(w < 0 or math.isnan(w) for w in weights):

@@ -69,8 +69,7 @@ class CoordinatorState:
         self.planner = Planner(job, sources.num_records)
         self.mixture_changes: list[tuple[int, list[float]]] = []  # as asked (msd mix), in order
         for at_step, weights in mixture_changes:
-            self.planner.set_weights(at_step, weights)
-            self.mixture_changes.append((at_step, list(weights)))
+            self._replay_mixture_change(at_step, weights)
             log.info("mixture journal: weights %s from step %d", weights, at_step)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
@@ -99,14 +98,10 @@ class CoordinatorState:
         self._reset_tables()
         self.len_sum = [0] * n
         self.len_count = [0] * n
-        self.skipped = [0] * n
         self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
         self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
-        index = {src.name: src.index for src in job.sources}
         for name, record in quarantined:
-            if name in index:
-                self.quarantined.setdefault(index[name], set()).add(record)
-            else:
+            if not self._replay_quarantine(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
         self.tasks = TaskBook()
         self.deliveries = DeliveryBook()
@@ -212,8 +207,7 @@ class CoordinatorState:
         self.registry.add_host(host)
         log.info("worker host %s registered: %d process(es)%s", host.host, host.procs,
                  f", auto up to {host.max_procs}" if host.auto else "")
-        self._send(ev.peer, P.make(P.SCALE, procs=host.procs, retire=[], reason="registered",
-                                   heartbeat_s=self.heartbeat_s))
+        self._scale(host, host.procs, [], "registered")
 
     def _trainer_refusal(self, ev: TrainerHello) -> str | None:
         rank, next_step = ev.rank, self.planner.state.next_step
@@ -381,17 +375,18 @@ class CoordinatorState:
                         task.task_id, len(ev.lengths), len(task.positions))
             self._issue_prepare(s, task.positions)
             return
-        for entry in ev.skipped:
-            reason, kind = entry[1], (entry[2] if len(entry) > 2 else "corrupt")
+        for _, reason, kind in ev.skipped:
             self._count_skip(s, kind)
             log.warning("source %s: record skipped (%s): %s (%d skipped so far)", self.job.sources[s].name, kind,
-                        reason, self.skipped[s])
+                        reason, self._skipped(s))
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
 
+    def _skipped(self, s: int) -> int:
+        return sum(self.skipped_by_kind[s].values())
+
     def _count_skip(self, s: int, kind: str, n: int = 1) -> None:
-        self.skipped[s] += n
         self.skipped_by_kind[s][kind] = self.skipped_by_kind[s].get(kind, 0) + n
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
@@ -442,8 +437,7 @@ class CoordinatorState:
             log.info("worker host %s: %d -> %d processes (trainers wait %.0f%% of the time, workers %.0f%% busy)",
                      host.host, host.procs, procs, 100 * self.workforce.last_wait, 100 * self.workforce.last_busy)
             host.procs = procs
-            self._send(host.identity, P.make(P.SCALE, procs=procs, retire=[], reason="trainers wait for data",
-                                                          heartbeat_s=self.heartbeat_s))
+            self._scale(host, procs, [], "trainers wait for data")
         for host in reg.hosts.values():
             for wid in sorted(host.retiring):
                 w = reg.workers.get(wid)
@@ -455,9 +449,13 @@ class CoordinatorState:
                     host.procs -= 1
                     log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
                              host.procs)
-                    self._send(host.identity, P.make(P.SCALE, procs=host.procs, retire=[w.pid], reason="idle",
-                                                              heartbeat_s=self.heartbeat_s))
+                    self._scale(host, host.procs, [w.pid], "idle")
                     reg.remove(w.identity)
+
+    def _scale(self, host: HostInfo, procs: int, retire: list[int], reason: str) -> None:
+        """Tell a host agent its process count (and which emptied workers to stop)."""
+        self._send(host.identity, P.make(P.SCALE, procs=procs, retire=retire, reason=reason,
+                                         heartbeat_s=self.heartbeat_s))
 
     def _forget_peer(self, identity: bytes, why: str, blame: int | None = None) -> None:
         """blame: the task the worker died working on (its host agent said so)."""
@@ -851,23 +849,31 @@ class CoordinatorState:
                     ev.rank, state.next_step)
         self.fresh = False
         self.adopted = (ev.resume_step, c)
-        index = {src.name: src.index for src in self.job.sources}
         for at, weights in c["mixture_changes"]:
-            self.planner.overrides.append((int(at), [w / sum(weights) for w in weights]))
-            self.planner.overrides.sort(key=lambda o: o[0])
-            self.mixture_changes.append((int(at), list(weights)))
+            self._replay_mixture_change(int(at), weights)
             if self.history.durable:
                 self._out.append(AppendMixture(int(at), tuple(weights)))
         for name, record in c["quarantined"]:
-            if name in index:
-                self.quarantined.setdefault(index[name], set()).add(int(record))
-                if self.history.durable:
-                    self._out.append(AppendQuarantine(name, int(record), "carried by a trainer's checkpoint"))
+            if self._replay_quarantine(name, int(record)) and self.history.durable:
+                self._out.append(AppendQuarantine(name, int(record), "carried by a trainer's checkpoint"))
         j = self.history.restart_from(state)
         if self.history.durable:  # the journal holds this state alone from now on
             self._journal_lines.clear()
             self._compact_to = j
         self._restart_plan(state)
+
+    def _replay_mixture_change(self, at_step: int, weights: list[float]) -> None:
+        """A mixture change made earlier in the run (the mixture journal, a carried state)."""
+        self.planner.set_weights(at_step, weights, replaying=True)
+        self.mixture_changes.append((at_step, list(weights)))
+
+    def _replay_quarantine(self, name: str, record: int) -> bool:
+        """A record quarantined earlier in the run; False if this job has no such source."""
+        source = next((src.index for src in self.job.sources if src.name == name), None)
+        if source is None:
+            return False
+        self.quarantined.setdefault(source, set()).add(record)
+        return True
 
     def _carried_state(self, step: int) -> dict | None:
         state = self.history.state_before(step)
@@ -899,7 +905,7 @@ class CoordinatorState:
             "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),
             "tasks_in_flight": len(self.tasks),
             "deliveries": self.deliveries.counts(),
-            "skipped": {s.name: self.skipped[s.index] for s in self.job.sources},
+            "skipped": {s.name: self._skipped(s.index) for s in self.job.sources},
             "skipped_by_kind": {s.name: dict(self.skipped_by_kind[s.index]) for s in self.job.sources},
             "quarantined": {self.job.sources[s].name: sorted(r) for s, r in self.quarantined.items()},
             **self.workforce.status(self.registry.hosts, [s.name for s in self.job.sources],

@@ -215,9 +215,14 @@ class DataClient:
         return {"version": STATE_VERSION, "rank": self.rank, "next_step": self.next_step,
                 "next_micro_batch": self.next_micro_batch, "plan_digest": self.plan_digest, "coordinator": carried}
 
+    def _carried_for(self, step: int) -> dict | None:
+        """The coordinator state the loaded checkpoint carries, if it is of this step."""
+        return self._carried[1] if self._carried is not None and self._carried[0] == step else None
+
     def _coordinator_state(self, step: int) -> dict | None:
-        if self._carried is not None and self._carried[0] == step:  # loaded, and not moved since
-            return self._carried[1]
+        carried = self._carried_for(step)
+        if carried is not None:  # loaded, and not moved since
+            return carried
         if self._thread is None or self._closed or not self._thread.is_alive():
             return None
         while not self._state_replies.empty():  # answers to an earlier request that timed out
@@ -307,8 +312,7 @@ class _Receiver:
         self.registration = Registration(
             lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=c.rank, data_address=self.address,
                            resume_step=self.state.step, incarnation=incarnation, metadata_only=int(c.metadata_only),
-                           carried=c._carried[1] if c._carried is not None and c._carried[0] == self.state.step
-                           else None),
+                           carried=c._carried_for(self.state.step)),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
         loop = PeerLoop(control, self.registration, c.coordinator)
