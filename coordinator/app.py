@@ -109,6 +109,11 @@ class Coordinator:
             if not (COMPILED and PERMUTATION_COMPILED):
                 log.warning("coordinator._greedy or _feistel is not built (no C compiler at install?): the planner "
                             "runs in Python, several times slower; reinstall with a compiler to fix")
+            if self.state_dir:  # where tools (msd status, manifest, ...) find this coordinator and its job
+                try:
+                    write_state_file(self.state_dir, self.job, self.address)
+                except OSError as e:
+                    log.warning("%s: could not record this coordinator's address: %s", self.state_dir, e)
             if ready is not None:
                 ready.set_result(self.address)
             loops = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._tick_loop())]
@@ -404,10 +409,7 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)
-        ready = loop.create_future()
-        if state_dir:
-            ready.add_done_callback(lambda f: write_state_file(state_dir, job, f.result()))
-        await coord.run(ready)
+        await coord.run()
         if coord.failed:
             raise SystemExit(1)
 

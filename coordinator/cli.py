@@ -13,6 +13,8 @@ COMMANDS = {
     "mix": "coordinator.commands:mix",
     "keys": "coordinator.commands:keys",
     "demo": "coordinator.commands:demo",
+    "manifest": "coordinator.inspection:manifest",
+    "where": "coordinator.inspection:where",
     "worker": "worker.cli:worker",
 }
 

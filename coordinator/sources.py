@@ -4,6 +4,9 @@ refusal (naming the file) of missing, truncated or foreign shards. Payloads are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from worker.readers import SourceFormatError, SourceReader, open_source
 
@@ -40,3 +43,11 @@ def open_sources(job: JobConfig) -> OpenedSources:
     if problems:
         raise ConfigError(job.path, problems)
     return OpenedSources(counts, mapped)
+
+
+def mapped_lengths(reader: SourceReader, source: Any, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of memory-mapped records from their index, and which are over the source's
+    max_record_bytes (length 0: skipped, as a worker would skip them)."""
+    lengths = reader.lengths(records)
+    over = lengths * reader.dtype.itemsize > source.max_record_bytes
+    return np.where(over, 0, lengths), over

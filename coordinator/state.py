@@ -38,7 +38,7 @@ from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, Compa
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY, PositionTable
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
-from .sources import OpenedSources
+from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
 from .workforce import Workforce
 
@@ -633,15 +633,13 @@ class CoordinatorState:
     def _mapped_lengths(self, s: int, records: np.ndarray) -> np.ndarray:
         """Lengths of memory-mapped records from their index; a record over max_record_bytes is
         skipped (length 0), as a worker would skip it."""
-        lengths = self.mapped[s].lengths(records)
         source = self.job.sources[s]
-        over = lengths * self.mapped[s].dtype.itemsize > source.max_record_bytes
+        lengths, over = mapped_lengths(self.mapped[s], source, records)
         if over.any():
-            for r, n in zip(records[over].tolist(), lengths[over].tolist()):
-                log.warning("source %s: record skipped (over_limit): %s: %d tokens is over max_record_bytes (%d)",
-                            source.name, self.mapped[s].where(r), n, source.max_record_bytes)
+            for r in records[over].tolist():
+                log.warning("source %s: record skipped (over_limit): %s: over max_record_bytes (%d)",
+                            source.name, self.mapped[s].where(r), source.max_record_bytes)
             self._count_skip(s, "over_limit", int(over.sum()))
-            lengths = np.where(over, 0, lengths)
         return lengths
 
     def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int,
