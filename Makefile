@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c M
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[test,torch,torchtitan]'
+	$(PIP) install --quiet -e '.[test,torch,torchtitan,plots]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "coordinator.commands:demo",
     "manifest": "coordinator.inspection:manifest",
     "where": "coordinator.inspection:where",
+    "plan": "coordinator.inspection:plan_command",
     "worker": "worker.cli:worker",
 }
 

@@ -1,5 +1,6 @@
-"""`msd manifest` and `msd where`: what a step of a run held, and where a document went, recomputed
-from the state dir's journals (coordinator/replay.py); no per-step storage, no running job."""
+"""Questions about a job without a running job: `msd manifest` (what a step held) and `msd where`
+(where a document went), recomputed from the state dir's journals, with no per-step storage; and
+`msd plan` (a dry run of the planner over the job's data). All are built on coordinator/replay.py."""
 
 from __future__ import annotations
 
@@ -122,3 +123,74 @@ def where(state_dir: str, steps: str | None, as_json: bool, config: str | None, 
                f"steps {first}..{last - 1}: {len(found)} piece(s)")
     for f in found:
         click.echo(f"  step {f['step']} rank {f['rank']} mb {f['micro_batch']}: [{f['offset']}:+{f['length']}]")
+
+
+@click.command("plan")
+@click.argument("job_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--steps", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Steps to plan (from the start, and from the start of every curriculum stage).")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="What if: this data-parallel size "
+              "(the same sequences per rank).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="What if: this sequence length.")
+@click.option("--measure", is_flag=True, help="Measure each source's reading cost on a sample of records and "
+              "say how many worker processes keep the ranks fed at --step-time.")
+@click.option("--step-time", "step_time_s", type=float, default=1.0, show_default=True,
+              help="Seconds per training step, for --measure.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the summary per stage; --series adds each step).")
+@click.option("--series", is_flag=True, help="With --json: every planned step too.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of mix and balance over the planned steps (matplotlib).")
+def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None, measure: bool,
+                 step_time_s: float, as_json: bool, series: bool, plot_path: str | None) -> None:
+    """Dry-run the job's planner over its real data (no workers, no sockets): per stage the mix,
+    tokens and pieces per step, padding, max/mean rank cost under msd's layout and under
+    arrival-order dealing of the same documents, and the step-time gain the cost model predicts."""
+    from . import dryrun
+    from .config import ConfigError, load_job
+
+    try:
+        job = dryrun.what_if(load_job(job_file), dp, seq_len)
+        report = dryrun.dry_run(job, steps)
+    except ConfigError as e:
+        click.echo(f"{e.source}: invalid job file, {len(e.problems)} problem(s):", err=True)
+        for p in e.problems:
+            click.echo(f"  {p}", err=True)
+        sys.exit(1)
+    except ValueError as e:
+        click.echo(f"msd plan: {e}", err=True)
+        sys.exit(2)
+    known = report.pop("_known")
+    if measure:
+        report["workers"] = dryrun.workers_needed(report, dryrun.measure(job, known), step_time_s)
+    if plot_path:
+        dryrun.plot(report, plot_path)
+    if not series:
+        report.pop("series")
+    if as_json:
+        sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        return
+    click.echo(f"{job_file}: dp={report['dp']}, seq_len={report['seq_len']}, {steps} step(s) per stage")
+    for st in report["stages"]:
+        if not st.get("steps"):
+            click.echo(f"stage {st['stage']} (from step {st['first_step']}): nothing planned ({st.get('end')})")
+            continue
+        click.echo(f"stage {st['stage']} (from step {st['first_step']}, {st['steps']} steps planned):")
+        click.echo("  mix (target -> realised): " + ", ".join(
+            f"{n} {m['target']:.3f}->{m['realised']:.3f}" for n, m in st["mix"].items()))
+        click.echo(f"  per step: {st['tokens_per_step']:.0f} tokens in {st['pieces_per_step']:.1f} pieces, "
+                   f"padding {100 * st['padding_share']:.1f}%")
+        click.echo(f"  max/mean rank cost: {st['max_over_mean']:.3f} (arrival order: {st['naive_max_over_mean']:.3f}); "
+                   f"predicted step-time gain {st['predicted_step_time_gain']:.2f}x")
+        if st.get("end"):
+            click.echo(f"  the stream ends: {st['end']}")
+    if measure:
+        w = report["workers"]
+        click.echo("reading cost: " + ", ".join(f"{n} {1e6 * s:.2f} us/token" for n, s in w["seconds_per_token"].items()))
+        for st in w["stages"]:
+            click.echo(f"stage {st['stage']}: {st['worker_seconds_per_step']:.3f} worker-seconds per step -> "
+                       f"{st['worker_processes']} worker process(es) at {step_time_s:g} s per step")
+    if report["skipped_records"]:
+        click.echo("records that would be skipped: " + ", ".join(f"{n} {k}" for n, k in
+                                                                 report["skipped_records"].items()))
+    if plot_path:
+        click.echo(f"plot: {plot_path}")

@@ -9,6 +9,7 @@ from coordinator.cli import main
 from coordinator.mix import request_mix
 from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
+from trainer_client.doc_keys import split_doc_key
 
 from .harness import run_ranks
 
@@ -55,6 +56,18 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
         long_share.append(m["source_tokens"]["long"] / sum(m["source_tokens"].values()))
     assert max(long_share[:16]) < 0.5 < min(long_share[17:])  # the mix took effect at step 16
 
+    # the dry run of the same job plans what the run delivered (before the mix changed it)
+    r = CliRunner().invoke(main, ["plan", path, "--steps", "16", "--json", "--series"])
+    assert r.exit_code == 0, r.output
+    dry = orjson.loads(r.output)
+    for row in dry["series"]:
+        tokens = [0, 0, 0]
+        for (step, _, _), pieces in got.items():
+            if step == row["step"]:
+                for k, _, n in pieces:
+                    tokens[split_doc_key(k)[0]] += n
+        assert tokens == row["source_tokens"], row["step"]
+
     # one rank, resolved to files and lines
     one = _manifest(state, 20, "--rank", "1", "--resolve")
     assert list(one["ranks"]) == ["1"]
@@ -73,3 +86,31 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     assert r.exit_code == 0, r.output
     found = orjson.loads(r.output)["deliveries"]
     assert sorted((f["step"], f["rank"], f["micro_batch"], f["offset"], f["length"]) for f in found) == want
+
+
+def test_plan_reports_mix_balance_what_ifs_and_workers_needed(dataset_dir, tmp_path):
+    stages = [{"until_step": 40, "weights": {"web": 1, "code": 1, "long": 0}},
+              {"ramp_steps": 10, "weights": {"web": 0.2, "code": 0.2, "long": 0.6}}]
+    path = write_job(dataset_dir, job_dict(mixture=stages), "plan.yaml")
+    png = tmp_path / "plan.png"
+    r = CliRunner().invoke(main, ["plan", path, "--steps", "30", "--dp", "4", "--json", "--measure",
+                                  "--step-time", "0.001", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    report = orjson.loads(r.output)
+    assert report["dp"] == 4 and "series" not in report
+    first, second = report["stages"]
+    assert (first["first_step"], second["first_step"]) == (0, 40)
+    assert first["mix"]["long"]["realised"] == 0 and abs(first["mix"]["web"]["realised"] - 0.5) < 0.05
+    assert second["mix"]["long"]["realised"] > 0.4  # ramped towards 0.6 over the stage's first 10 steps
+    for st in (first, second):
+        assert st["steps"] == 30 and st["tokens_per_step"] == 4 * 4 * 512  # 4 sequences per rank, as at dp 2
+        assert 1.0 <= st["max_over_mean"] < 1.1
+    # short documents dealt in arrival order are unbalanced; the long-document stage is pieces of 512 alike
+    assert first["naive_max_over_mean"] > first["max_over_mean"] and first["predicted_step_time_gain"] > 1.05
+    assert report["skipped_records"] == {"web": 2}  # the two bad lines of web-1.jsonl
+    workers = report["workers"]
+    assert set(workers["seconds_per_token"]) == {"web", "code", "long"}
+    assert all(w["worker_processes"] >= 1 for w in workers["stages"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    r = CliRunner().invoke(main, ["plan", path, "--steps", "5"])
+    assert r.exit_code == 0 and "predicted step-time gain" in r.output, r.output
