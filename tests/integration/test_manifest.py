@@ -93,20 +93,20 @@ def test_plan_reports_mix_balance_what_ifs_and_workers_needed(dataset_dir, tmp_p
               {"ramp_steps": 10, "weights": {"web": 0.2, "code": 0.2, "long": 0.6}}]
     path = write_job(dataset_dir, job_dict(mixture=stages), "plan.yaml")
     png = tmp_path / "plan.png"
-    r = CliRunner().invoke(main, ["plan", path, "--steps", "30", "--dp", "4", "--json", "--measure",
+    r = CliRunner().invoke(main, ["plan", path, "--steps", "30", "--dp", "4", "--seq-len", "2048", "--json", "--measure",
                                   "--step-time", "0.001", "--plot", str(png)])
     assert r.exit_code == 0, r.output
     report = orjson.loads(r.output)
-    assert report["dp"] == 4 and "series" not in report
+    assert report["dp"] == 4 and report["seq_len"] == 2048 and "series" not in report
     first, second = report["stages"]
     assert (first["first_step"], second["first_step"]) == (0, 40)
     assert first["mix"]["long"]["realised"] == 0 and abs(first["mix"]["web"]["realised"] - 0.5) < 0.05
     assert second["mix"]["long"]["realised"] > 0.4  # ramped towards 0.6 over the stage's first 10 steps
     for st in (first, second):
-        assert st["steps"] == 30 and st["tokens_per_step"] == 4 * 4 * 512  # 4 sequences per rank, as at dp 2
+        assert st["steps"] == 30 and st["tokens_per_step"] == 4 * 4 * 2048  # 4 sequences per rank, as at dp 2
         assert 1.0 <= st["max_over_mean"] < 1.1
-    # short documents dealt in arrival order are unbalanced; the long-document stage is pieces of 512 alike
-    assert first["naive_max_over_mean"] > first["max_over_mean"] and first["predicted_step_time_gain"] > 1.05
+    # documents shorter than a row, dealt in arrival order, are unbalanced
+    assert first["naive_max_over_mean"] > first["max_over_mean"] + 0.05 and first["predicted_step_time_gain"] > 1.03
     assert report["skipped_records"] == {"web": 2}  # the two bad lines of web-1.jsonl
     workers = report["workers"]
     assert set(workers["seconds_per_token"]) == {"web", "code", "long"}
