@@ -25,6 +25,7 @@ import tempfile
 import time
 from typing import Any
 
+import orjson
 import zmq
 import zmq.asyncio
 
@@ -91,6 +92,11 @@ class Coordinator:
         self.state_dir_stalled_since: float | None = None  # a state dir write keeps failing since then
         self.slowest_write_s = 0.0
         self._drain_task: asyncio.Task | None = None
+        # ZAP user ids of the operator keys (a CURVE job): the only ones whose control requests count
+        self.operators = security.operator_ids(job.curve_keys) if job.curve_keys else None
+        self.journaled_step = -1  # the last step whose planner state is durable in the journal
+        self.warnings = RecentWarnings()
+        logging.getLogger("msd").addHandler(self.warnings)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,6 +151,7 @@ class Coordinator:
             if self.lease is not None and not self.failed:
                 await asyncio.to_thread(self.lease.release)
         finally:
+            logging.getLogger("msd").removeHandler(self.warnings)
             if self.journal is not None:
                 self.journal.close()
             self.sock.close(linger=500)
@@ -186,6 +193,19 @@ class Coordinator:
             return
         if self.metrics is not None:
             self.metrics.received.labels(header["type"]).inc()
+        if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
+            self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
+            return
+        if header["type"] in P.CONTROL_REQUESTS and self.operators is not None:
+            user = frames[1].get("User-Id")
+            if user not in self.operators:
+                log.warning("refused %s from a key that is not an operator's (%s...)", header["type"], user[:8])
+                if self.metrics is not None:
+                    self.metrics.dropped.inc()
+                self._do(Send(identity, P.make(P.MIX_REPLY, ok=0, at_step=int(header.get("at_step", 0)),
+                                               reason="changes to the plan are taken only from an operator key "
+                                                      "(msd keys generate makes one; pass --keys)")))
+                return
         try:
             burst.append(from_message(identity, time.monotonic(), header, arrays))
         except Exception:  # a message decode accepted but that makes no event: a bug, not the peer's
@@ -336,8 +356,10 @@ class Coordinator:
             self.lease.check()
         if isinstance(ins, AppendJournal):
             self.journal.append(ins.states)
+            self.journaled_step = max(self.journaled_step, max(int(st["next_step"]) for st in ins.states) - 1)
         elif isinstance(ins, CompactJournal):
             self.journal.compact(ins.state)
+            self.journaled_step = max(self.journaled_step, int(ins.state["next_step"]) - 1)
         elif isinstance(ins, AppendMixture):
             append_mixture_journal(self.state_dir, ins.at_step, ins.weights)
         elif isinstance(ins, AppendQuarantine):
@@ -346,6 +368,14 @@ class Coordinator:
             status = self._status(ins.status)
             log.info("status: %s", status)
             write_status(self.state_dir, status)
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for `msd status`: the state's status, the shell's, the recent warnings."""
+        planned = self.state.planner.state.next_step - 1
+        journal = ({"journaled_step": self.journaled_step, "journal_lag_steps": max(0, planned - self.journaled_step)}
+                   if self.journal is not None else {})
+        snapshot = {**self._status(self.state.status()), **journal, "warnings": list(self.warnings.recent)}
+        return orjson.loads(orjson.dumps(snapshot, option=orjson.OPT_NON_STR_KEYS))  # msgpack maps keyed by str
 
     def _status(self, status: dict[str, Any]) -> dict[str, Any]:
         stalled = self.state_dir_stalled_since
@@ -382,6 +412,21 @@ def _sent(fut: asyncio.Future, identity: bytes, kind: str) -> None:
         log.info("send of %s to %s: peer has disconnected", kind, identity.hex())
     elif exc is not None:
         log.warning("send of %s to %s failed: %s", kind, identity.hex(), exc)
+
+
+class RecentWarnings(logging.Handler):
+    """The last warnings and errors of this process, for `msd status`."""
+
+    def __init__(self, keep: int = 20) -> None:
+        super().__init__(logging.WARNING)
+        self.recent: collections.deque[str] = collections.deque(maxlen=keep)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.recent.append(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} "
+                               f"{record.levelname} {record.getMessage()}")
+        except Exception:  # noqa: BLE001 - a log line must never break the coordinator
+            pass
 
 
 def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | None = None,

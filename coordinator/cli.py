@@ -16,6 +16,7 @@ COMMANDS = {
     "manifest": "coordinator.inspection:manifest",
     "where": "coordinator.inspection:where",
     "plan": "coordinator.inspection:plan_command",
+    "status": "coordinator.status_view:status",
     "worker": "worker.cli:worker",
 }
 

@@ -37,8 +37,11 @@ def _fail_config(e: ConfigError) -> None:
               help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
 @click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
 @click.option("--timeout-s", type=float, default=10.0, show_default=True)
+@click.option("--keys", "keys_dir", type=click.Path(file_okay=False), default=None,
+              help="The job's key directory (a job with security.curve): changes are taken only from its "
+                   "operator key (operator.key_secret).")
 @click.argument("weights", nargs=-1, required=True)
-def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) -> None:
+def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weights: tuple[str, ...]) -> None:
     """Set new mixture weights (SOURCE=WEIGHT ...) from step AT_STEP on. The step must lie beyond
     what is already planned; the coordinator journals the change in its --state-dir, so a
     restarted coordinator plans the same stream."""
@@ -49,7 +52,11 @@ def mix(address: str, at_step: int, timeout_s: float, weights: tuple[str, ...]) 
     except ValueError as e:
         click.echo(f"msd mix: {e}", err=True)
         sys.exit(2)
-    ok, reason = request_mix(address, at_step, parsed, timeout_s)
+    try:
+        ok, reason = request_mix(address, at_step, parsed, timeout_s, keys_dir)
+    except FileNotFoundError as e:
+        click.echo(f"msd mix: {e}", err=True)
+        sys.exit(2)
     if not ok:
         click.echo(f"msd mix: refused: {reason}", err=True)
         sys.exit(1)
@@ -99,8 +106,9 @@ def keys() -> None:
 @keys.command("generate")
 @click.argument("directory", type=click.Path(file_okay=False))
 def keys_generate(directory: str) -> None:
-    """Write key pairs for the coordinator, workers and trainers into DIRECTORY, and the public
-    keys the coordinator and trainers accept into DIRECTORY/authorized/."""
+    """Write key pairs for the coordinator, workers, trainers and operators (the key of msd mix and
+    msd status) into DIRECTORY, and the public keys the coordinator and trainers accept into
+    DIRECTORY/authorized/. In a directory of older keys, adds the missing operator pair."""
     from trainer_client.security import generate
 
     try:
@@ -111,7 +119,8 @@ def keys_generate(directory: str) -> None:
     for path in written:
         click.echo(path)
     click.echo("Secret keys (*.key_secret): give each host only its role's. Set security.curve: "
-               f"{directory} in the job file; start workers with --keys and clients with keys_dir=.")
+               f"{directory} in the job file; start workers with --keys and clients with keys_dir=; "
+               "give msd mix and msd status --keys (the operator key: only it may change the plan).")
 
 
 @click.command()

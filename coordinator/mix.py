@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import zmq
-
 from trainer_client import protocol as P
-from trainer_client import wire
-from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket
 
 
 def parse_weights(items: tuple[str, ...]) -> dict[str, float]:
@@ -24,35 +19,15 @@ def parse_weights(items: tuple[str, ...]) -> dict[str, float]:
     return weights
 
 
-def request_mix(address: str, at_step: int, weights: dict[str, float], timeout_s: float = 10.0) -> tuple[bool, str]:
+def request_mix(address: str, at_step: int, weights: dict[str, float], timeout_s: float = 10.0,
+                keys_dir: str | None = None) -> tuple[bool, str]:
     """Send the change and wait for the coordinator's answer: (accepted, reason if not).
-    address: one, or a primary and its standbys (comma-separated): the one that serves answers
-    (a standby that does not serve has no socket bound, so each is given its share of the time)."""
-    from trainer_client.session import split_addresses
+    address: one, or a primary and its standbys (comma-separated); keys_dir: the job's key
+    directory (a job with security.curve takes changes only from its operator key)."""
+    from .control import NoAnswer, ask
 
-    addresses = split_addresses(address)
-    silent = []
-    for one in addresses:
-        answer = _ask(one, at_step, weights, timeout_s / len(addresses))
-        if answer is not None:
-            return answer
-        silent.append(one)
-    return False, f"no answer from {', '.join(silent)} within {timeout_s:.0f}s"
-
-
-def _ask(address: str, at_step: int, weights: dict[str, float], timeout_s: float) -> tuple[bool, str] | None:
-    ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER)
     try:
-        sock.connect(address)
-        sock.send_multipart(wire.encode(P.make(P.MIX_REQUEST, at_step=at_step, weights=weights)))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        try:
-            reply, _ = wire.decode(sock.recv_multipart(), P.TOOL_INBOX)
-        except ProtocolError as e:
-            return False, f"bad answer from {address}: {e}"
-        return bool(reply["ok"]), reply["reason"]
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+        reply = ask(address, P.make(P.MIX_REQUEST, at_step=at_step, weights=weights), timeout_s, keys_dir)
+    except NoAnswer as e:
+        return False, str(e)
+    return bool(reply["ok"]), reply["reason"]

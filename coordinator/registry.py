@@ -23,6 +23,8 @@ class WorkerInfo:
     busy_s: float = 0.0  # total time it reports busy (heartbeats)
     backlog: int = 0  # piece messages waiting for a rank's socket (heartbeats)
     send_waits: int = 0  # sends that found a rank's socket full (heartbeats)
+    busy_share: float = 0.0  # share of the time between its last two heartbeats it was busy
+    busy_at: float | None = None  # when busy_s was last reported
 
 
 @dataclass

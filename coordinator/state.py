@@ -333,6 +333,9 @@ class CoordinatorState:
         self._send(ev.peer, P.make(P.ALIVE))
 
     def _on_worker_heartbeat(self, ev: WorkerHeartbeat, worker: WorkerInfo) -> None:
+        if worker.busy_at is not None and ev.at > worker.busy_at:
+            worker.busy_share = min(1.0, max(0.0, ev.busy_s - worker.busy_s) / (ev.at - worker.busy_at))
+        worker.busy_at = ev.at
         worker.busy_s = max(worker.busy_s, ev.busy_s)
         worker.backlog, worker.send_waits = ev.backlog, ev.send_waits
         self._alive(ev, worker)
@@ -893,7 +896,22 @@ class CoordinatorState:
 
     def status(self) -> dict[str, Any]:
         step = self.planner.state.next_step
+        delivered = self.planner.state.delivered
+        total = sum(delivered) or 1
+        names = [s.name for s in self.job.sources]
+        hosts: dict[str, list] = {}
+        for w in self.registry.workers.values():
+            host = self.registry.hosts.get(w.agent)
+            hosts.setdefault(host.host if host else "?", []).append(
+                {"worker_id": w.worker_id, "pid": w.pid, "busy_share": round(w.busy_share, 3)})
         return {
+            "job": self.job.path,
+            "digest": self.digest,
+            "dp": self.job.dp,
+            "target_share": dict(zip(names, (round(w, 6) for w in self.planner.weights_at(step)))),
+            "realised_share": {n: round(d / total, 6) for n, d in zip(names, delivered)},
+            "data_wait_s": {r: round(t.waited_s, 3) for r, t in self.registry.trainers.items()},
+            "workers_by_host": hosts,
             "events_handled": self.events_handled,
             "messages_sent": self.messages_sent,
             "next_step": step,

@@ -294,6 +294,9 @@ PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens
 STATE_REPLY = _msg("state_reply", step=integer(), ok=integer(0, 1), reason=text(MAX_STR_LEN), state=anything())
 MIX_REQUEST = _msg("mix_request", at_step=integer(), weights=anything())
 MIX_REPLY = _msg("mix_reply", ok=integer(0, 1), reason=text(MAX_STR_LEN), at_step=integer())
+# tools (msd status): a snapshot of the running job, answered by the coordinator's shell
+STATUS_REQUEST = _msg("status_request")
+STATUS_REPLY = _msg("status_reply", status=anything())
 
 ALL_TYPES = {
     m.name: m
@@ -302,7 +305,8 @@ ALL_TYPES = {
         REJECT, ALIVE,
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
-        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY,
+        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
+        STATUS_REPLY,
     )
 }
 
@@ -310,9 +314,12 @@ ALL_TYPES = {
 COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
                      WORKER_EXITED,
-                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST)
+                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST,
+                     STATUS_REQUEST)
 )
-TOOL_INBOX = frozenset({MIX_REPLY.name})
+# requests that change the plan: on a CURVE job, accepted only from an operator key
+CONTROL_REQUESTS = frozenset({MIX_REQUEST.name})
+TOOL_INBOX = frozenset({MIX_REPLY.name, STATUS_REPLY.name})
 HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, ALIVE))
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
                                           ALIVE))

@@ -1,8 +1,10 @@
 """CURVE encryption and authentication of every connection (ZeroMQ's CurveZMQ, via pyzmq).
 
-`msd keys generate DIR` writes one key pair per role - `coordinator`, `worker`, `trainer` - as
-ZeroMQ certificate files (`ROLE.key` public, `ROLE.key_secret` secret) and copies the worker
-and trainer public keys into `DIR/authorized/`. Servers (the coordinator's ROUTER, each
+`msd keys generate DIR` writes one key pair per role - `coordinator`, `worker`, `trainer`,
+`operator` - as ZeroMQ certificate files (`ROLE.key` public, `ROLE.key_secret` secret) and copies
+the worker, trainer and operator public keys into `DIR/authorized/`. The operator's key is the
+one for tools (`msd mix`, `msd status`): the coordinator takes requests that change the plan only
+from a key whose authorised file is named `operator*.key`; any authorised key may read status. Servers (the coordinator's ROUTER, each
 trainer's data PULL) accept only clients whose public key is in `authorized/`; clients
 (workers, trainers) know the server's public key. A process outside the job, or one given
 another key set, completes no handshake: it cannot register, send or receive anything.
@@ -19,7 +21,8 @@ from typing import NamedTuple
 import zmq
 import zmq.auth
 
-ROLES = ("coordinator", "worker", "trainer")
+ROLES = ("coordinator", "worker", "trainer", "operator")
+TOOL_ROLES = ("operator", "trainer", "worker")  # the key a tool uses, first found
 AUTHORIZED = "authorized"
 
 
@@ -30,15 +33,16 @@ class KeyPair(NamedTuple):
 
 def generate(directory: str) -> list[str]:
     """Create the key pairs of every role and the authorized list; returns the files written.
-    Refuses to overwrite existing keys."""
+    Existing keys are kept: a key set made before operator keys existed gets its operator pair
+    added; one that has every role is refused."""
     os.makedirs(directory, exist_ok=True)
-    for role in ROLES:
-        if os.path.exists(os.path.join(directory, f"{role}.key_secret")):
-            raise FileExistsError(f"{directory}: keys exist already (remove them to make new ones)")
+    missing = [role for role in ROLES if not os.path.exists(os.path.join(directory, f"{role}.key_secret"))]
+    if not missing:
+        raise FileExistsError(f"{directory}: keys exist already (remove them to make new ones)")
     written = []
     authorized = os.path.join(directory, AUTHORIZED)
     os.makedirs(authorized, exist_ok=True)
-    for role in ROLES:
+    for role in missing:
         public, secret = zmq.auth.create_certificates(directory, role)
         os.chmod(secret, 0o600)
         written += [public, secret]
@@ -58,6 +62,27 @@ def load(directory: str, role: str) -> KeyPair:
 
 def public_key(directory: str, role: str) -> bytes:
     return zmq.auth.load_certificate(os.path.join(directory, f"{role}.key"))[0]
+
+
+def tool_keys(directory: str) -> tuple[KeyPair, bytes]:
+    """The key pair a tool speaks with (the operator's if the directory holds it, else a trainer's
+    or a worker's: those may read status only) and the coordinator's public key."""
+    for role in TOOL_ROLES:
+        if os.path.exists(os.path.join(directory, f"{role}.key_secret")):
+            return load(directory, role), public_key(directory, "coordinator")
+    raise FileNotFoundError(f"{directory}: no operator.key_secret (nor a trainer's or worker's); "
+                            "`msd keys generate` makes the operator pair")
+
+
+def operator_ids(directory: str) -> frozenset[str]:
+    """The ZAP user ids (z85 public keys, as certificate files hold them) of the operator keys
+    authorised in `directory`."""
+    folder = os.path.join(directory, AUTHORIZED)
+    ids = set()
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.startswith("operator") and name.endswith(".key"):
+            ids.add(zmq.auth.load_certificate(os.path.join(folder, name))[0].decode("ascii"))
+    return frozenset(ids)
 
 
 def as_server(sock: zmq.Socket, keys: KeyPair) -> None:

@@ -64,3 +64,55 @@ def test_a_worker_host_without_an_authorised_key_stops_and_says_why(dataset_dir,
     with open(log) as f:
         text = f.read()
     assert "refuses this host" in text and "check --keys" in text
+
+
+def _trainer_only(keys_dir, tmp_path):
+    """What a trainer host holds: its own pair and the coordinator's public key, no operator key."""
+    import shutil
+
+    d = tmp_path / "trainer-host"
+    d.mkdir()
+    for name in ("trainer.key", "trainer.key_secret", "coordinator.key"):
+        shutil.copy(f"{keys_dir}/{name}", d / name)
+    return str(d)
+
+
+def test_operator_commands_on_a_secured_job_need_the_operator_key(dataset_dir, keys, tmp_path):
+    import orjson
+
+    good, _ = keys
+    trainer_host = _trainer_only(good, tmp_path)
+    with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=good) as job:
+        with DataClient(job.address, rank=0, as_torch=False, timeout_s=30, keys_dir=good) as client:
+            next(client)
+            # without keys, a tool completes no handshake and says what is missing
+            r = CliRunner().invoke(main, ["mix", "--coordinator", job.address, "--at-step", "50", "web=1",
+                                          "--timeout-s", "2"])
+            assert r.exit_code == 1 and "--keys" in r.output, r.output
+            # a trainer's key is authorised, but not to change the plan
+            r = CliRunner().invoke(main, ["mix", "--coordinator", job.address, "--at-step", "50", "web=1",
+                                          "--keys", trainer_host])
+            assert r.exit_code == 1 and "only from an operator key" in r.output, r.output
+            # the operator's key is
+            r = CliRunner().invoke(main, ["mix", "--coordinator", job.address, "--at-step", "50", "web=1",
+                                          "--keys", good])
+            assert r.exit_code == 0, r.output
+            # any authorised key may read status
+            r = CliRunner().invoke(main, ["status", "--coordinator", job.address, "--keys", trainer_host, "--json"])
+            assert r.exit_code == 0, r.output
+            status = orjson.loads(r.output)
+            assert status["target_share"] and status["dp"] == 1
+            assert any("mixture changed from step 50" in w for w in status["warnings"])
+
+
+def test_keys_generate_adds_an_operator_pair_to_an_older_key_set(tmp_path):
+    import os
+
+    d = tmp_path / "old"
+    assert CliRunner().invoke(main, ["keys", "generate", str(d)]).exit_code == 0
+    for name in ("operator.key", "operator.key_secret", "authorized/operator.key"):
+        os.remove(d / name)  # a key set made before operator keys existed
+    r = CliRunner().invoke(main, ["keys", "generate", str(d)])
+    assert r.exit_code == 0, r.output
+    assert sorted(line for line in r.output.splitlines() if line.startswith("/")) == sorted(
+        str(d / n) for n in ("operator.key", "operator.key_secret", "authorized/operator.key"))

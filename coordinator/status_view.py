@@ -1,0 +1,115 @@
+"""`msd status`: a running job as its coordinator sees it, as a live terminal view (rich) or one
+JSON snapshot for scripts."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+import orjson
+
+from trainer_client import protocol as P
+
+
+def fetch_status(address: str, keys_dir: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """One status snapshot of the coordinator at `address` (raises control.NoAnswer)."""
+    from .control import ask
+
+    return ask(address, P.make(P.STATUS_REQUEST), timeout_s, keys_dir)["status"]
+
+
+def render(status: dict[str, Any]) -> Any:
+    """The view of one snapshot: a rich renderable."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    consumed = status.get("consumed") or {}
+    step = min(consumed.values()) if consumed else -1
+    head = Text()
+    head.append(f"{status.get('job')}  ", style="bold")
+    head.append(f"digest {status.get('digest')}  dp={status.get('dp')}\n")
+    head.append(f"planned through step {status.get('next_step', 0) - 1}, slowest rank at step {step}, "
+                f"{status.get('steps_per_s', 0):.2f} steps/s")
+    if "journal_lag_steps" in status:
+        head.append(f", journal lag {status['journal_lag_steps']} step(s)")
+    if status.get("state_dir_stalled_s"):
+        head.append(f"  STATE DIR STALLED {status['state_dir_stalled_s']:.0f}s", style="bold red")
+
+    ranks = Table(title="ranks", title_justify="left")
+    for col in ("rank", "consumed", "data wait s"):
+        ranks.add_column(col, justify="right")
+    waits = status.get("data_wait_s") or {}
+    for r in sorted(consumed, key=int):
+        ranks.add_row(str(r), str(consumed[r]), f"{waits.get(r, 0.0):.2f}")
+
+    sources = Table(title="sources", title_justify="left")
+    for col, just in (("source", "left"), ("target", "right"), ("realised", "right"), ("skipped", "right")):
+        sources.add_column(col, justify=just)
+    skipped = status.get("skipped_by_kind") or {}
+    for name, target in (status.get("target_share") or {}).items():
+        kinds = skipped.get(name) or {}
+        sources.add_row(name, f"{target:.3f}", f"{(status.get('realised_share') or {}).get(name, 0.0):.3f}",
+                        ", ".join(f"{k} {n}" for k, n in kinds.items()) or "0")
+
+    workers = Table(title="workers", title_justify="left")
+    for col, just in (("host", "left"), ("processes", "right"), ("busy share", "right")):
+        workers.add_column(col, justify=just)
+    for host, procs in sorted((status.get("workers_by_host") or {}).items()):
+        shares = [p["busy_share"] for p in procs]
+        workers.add_row(host, str(len(procs)), " ".join(f"{s:.2f}" for s in shares))
+
+    warnings = Text("\n".join(status.get("warnings") or ["(no warnings)"]), style="yellow")
+    return Group(head, ranks, sources, workers, Text("last warnings:", style="bold"), warnings)
+
+
+@click.command()
+@click.option("--coordinator", "address", default=None,
+              help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Find the coordinator's address in its state dir instead.")
+@click.option("--keys", "keys_dir", type=click.Path(file_okay=False), default=None,
+              help="The job's key directory (a job with security.curve): any authorised key may read status.")
+@click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--timeout-s", type=float, default=5.0, show_default=True)
+def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_json: bool, interval: float,
+           timeout_s: float) -> None:
+    """Show a running job: step, steps/s, data wait per rank, target and realised share per source,
+    workers per host and their busy share, skipped records, journal lag, the last warnings."""
+    from .control import NoAnswer
+
+    if address is None:
+        if state_dir is None:
+            raise click.UsageError("give --coordinator ADDR or --state-dir DIR")
+        from .statedir import STATE_FILE
+
+        try:
+            with open(f"{state_dir}/{STATE_FILE}", "rb") as f:
+                address = orjson.loads(f.read())["address"]
+        except (OSError, ValueError, KeyError) as e:
+            click.echo(f"msd status: {state_dir}/{STATE_FILE}: no coordinator address ({e})", err=True)
+            sys.exit(1)
+    try:
+        snapshot = fetch_status(address, keys_dir, timeout_s)
+    except (NoAnswer, FileNotFoundError) as e:
+        click.echo(f"msd status: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        sys.stdout.buffer.write(orjson.dumps(snapshot, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+                                + b"\n")
+        return
+    from rich.live import Live
+
+    with Live(render(snapshot), refresh_per_second=4, screen=False) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                try:
+                    live.update(render(fetch_status(address, keys_dir, timeout_s)))
+                except NoAnswer as e:
+                    live.update(f"[red]{e}[/red]")
+        except KeyboardInterrupt:
+            pass
