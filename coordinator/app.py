@@ -248,7 +248,7 @@ class Coordinator:
             await asyncio.sleep(self.state.heartbeat_s)
             self._handle([Tick(at=time.monotonic())])
             if self.metrics is not None:
-                self.metrics.update(self.state)
+                self.metrics.update(self.state, self.journaled_step if self.journal is not None else None)
 
     def _handle(self, burst: list[Event]) -> None:
         started = time.perf_counter()

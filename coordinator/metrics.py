@@ -3,17 +3,47 @@ prometheus-client on a registry of their own.
 
 The state machine stays free of them: the shell (`app.py`) counts the messages it receives and
 sends and times its file work, takes each step's plan summary from the step headers it sends,
-and copies the state's counters (steps, ranks, peers, skips) into gauges once per heartbeat.
+and copies the state's counters (steps, ranks, peers, skips) once per heartbeat. Totals the state
+keeps (skips, data wait, tokens delivered, re-prepares) are served as counters from that copy by a
+collector: the HTTP thread never reads the state itself.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 RATIO_BUCKETS = (1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
+
+
+class _Totals(Collector):
+    """Counters whose values the state keeps, from the copy taken on the event loop."""
+
+    def __init__(self) -> None:
+        self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = self.copy  # replaced whole on the loop thread: a consistent snapshot
+        skipped = CounterMetricFamily("msd_skipped_records", "Records skipped, by source and kind (corrupt, "
+                                      "over_limit, error, quarantined)", labels=["source", "kind"])
+        for (source, kind), n in c["skipped"].items():
+            skipped.add_metric([source, kind], n)
+        wait = CounterMetricFamily("msd_rank_data_wait_seconds", "Seconds each rank waited for data (its client's "
+                                   "report)", labels=["rank"])
+        for rank, seconds in c["wait"].items():
+            wait.add_metric([rank], seconds)
+        delivered = CounterMetricFamily("msd_source_tokens_delivered", "Tokens per source in steps every rank "
+                                        "consumed", labels=["source"])
+        for source, tokens in c["delivered"].items():
+            delivered.add_metric([source], tokens)
+        reprepared = CounterMetricFamily("msd_records_reprepared", "Records prepared again (lost with a dead "
+                                         "worker)")
+        reprepared.add_metric([], c["reprepared"])
+        yield from (skipped, wait, delivered, reprepared)
 
 
 class CoordinatorMetrics:
@@ -24,16 +54,16 @@ class CoordinatorMetrics:
         self.dropped = Counter("msd_messages_dropped", "Messages dropped as malformed or not allowed", registry=r)
         self.sent = Counter("msd_messages_sent", "Messages the coordinator sent, by type", ["type"], registry=r)
         self.steps_planned = Gauge("msd_steps_planned", "Steps planned so far (the plan's next step)", registry=r)
+        self.steps_journaled = Gauge("msd_steps_journaled", "Steps whose plan is durable in the state dir's journal",
+                                     registry=r)
         self.steps_consumed = Gauge("msd_steps_consumed", "The last step each rank consumed", ["rank"], registry=r)
-        self.data_wait = Gauge("msd_rank_data_wait_seconds", "Seconds each rank waited for data (its client's report)",
-                               ["rank"], registry=r)
         self.workers = Gauge("msd_workers_alive", "Worker processes registered", registry=r)
         self.hosts = Gauge("msd_worker_hosts_alive", "Worker host agents registered", registry=r)
-        self.skipped = Gauge("msd_skipped_records", "Records skipped, by source and kind (corrupt, over_limit, error, "
-                             "quarantined)", ["source", "kind"], registry=r)
         self.source_tokens = Counter("msd_source_tokens_planned", "Tokens planned per source", ["source"], registry=r)
         self.target_share = Gauge("msd_mixture_target_share", "The mixture's weight of each source at the plan's step",
                                   ["source"], registry=r)
+        self.realised_share = Gauge("msd_mixture_realised_share", "Each source's share of every token planned so far",
+                                    ["source"], registry=r)
         self.rank_cost = Histogram("msd_step_rank_cost_max_over_mean", "Max over mean attention cost of a step's ranks",
                                    buckets=RATIO_BUCKETS, registry=r)
         self.naive_cost = Histogram("msd_step_naive_rank_cost_max_over_mean", "The same for the step's documents "
@@ -42,6 +72,10 @@ class CoordinatorMetrics:
                                   buckets=SECONDS_BUCKETS, registry=r)
         self.journal = Histogram("msd_journal_write_seconds", "Time of one state dir write", ["kind"],
                                  buckets=SECONDS_BUCKETS, registry=r)
+        self.totals = _Totals()
+        r.register(self.totals)
+        self._pending: dict[int, dict[str, int]] = {}  # step -> tokens per source, until every rank consumed it
+        self._delivered: dict[str, int] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Serve /metrics over HTTP (a thread of prometheus-client's)."""
@@ -60,20 +94,33 @@ class CoordinatorMetrics:
             self.naive_cost.observe(plan["naive_max_over_mean"])
             for source, tokens in plan["source_tokens"].items():
                 self.source_tokens.labels(source).inc(tokens)
+            self._pending.setdefault(h["step"], plan["source_tokens"])
         for _ in seen:
             self.planning.observe(seconds / len(seen))
 
-    def update(self, state: Any) -> None:
-        """Copy the state's counters (once per heartbeat)."""
+    def update(self, state: Any, journaled_step: int | None = None) -> None:
+        """Copy the state's counters (once per heartbeat, on the event loop)."""
         reg = state.registry
         self.steps_planned.set(state.planner.state.next_step)
+        if journaled_step is not None:
+            self.steps_journaled.set(journaled_step + 1)
         for rank, t in reg.trainers.items():
             self.steps_consumed.labels(str(rank)).set(t.consumed)
-            self.data_wait.labels(str(rank)).set(t.waited_s)
+        if reg.trainers:
+            floor = min(t.consumed for t in reg.trainers.values())
+            for step in [s for s in self._pending if s <= floor]:
+                for source, tokens in self._pending.pop(step).items():
+                    self._delivered[source] = self._delivered.get(source, 0) + tokens
         self.workers.set(len(reg.workers))
         self.hosts.set(len(reg.hosts))
         weights = state.planner.weights_at(state.planner.state.next_step)
+        delivered = state.planner.state.delivered
+        total = sum(delivered) or 1
+        skipped = {}
         for source in state.job.sources:
             self.target_share.labels(source.name).set(weights[source.index])
+            self.realised_share.labels(source.name).set(delivered[source.index] / total)
             for kind, n in state.skipped_by_kind[source.index].items():
-                self.skipped.labels(source.name, kind).set(n)
+                skipped[(source.name, kind)] = n
+        self.totals.copy = {"skipped": skipped, "wait": {str(r): t.waited_s for r, t in reg.trainers.items()},
+                            "delivered": dict(self._delivered), "reprepared": state.reprepared}

@@ -106,6 +106,7 @@ class CoordinatorState:
         self.tasks = TaskBook()
         self.deliveries = DeliveryBook()
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
+        self.reprepared = 0  # records prepared again so far (lost with a dead worker)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
@@ -493,6 +494,7 @@ class CoordinatorState:
         self._assign_queued()
         for s, positions in lost.items():
             if len(positions):
+                self.reprepared += len(positions)
                 self._issue_prepare(s, positions)
         # its deliveries are sent again by the next planning pass, once their records have live holders
 
@@ -920,6 +922,7 @@ class CoordinatorState:
             "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),
             "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),
             "tasks_in_flight": len(self.tasks),
+            "records_reprepared": self.reprepared,
             "deliveries": self.deliveries.counts(),
             "skipped": {s.name: self._skipped(s.index) for s in self.job.sources},
             "skipped_by_kind": {s.name: dict(self.skipped_by_kind[s.index]) for s in self.job.sources},

@@ -16,8 +16,12 @@ import click
               help="With --procs auto: the most processes on this host (default: its CPU count).")
 @click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="Key directory (msd keys generate) when the job sets security.curve.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve the worker processes' Prometheus metrics on this port (/metrics), one target per host.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None, log_level: str) -> None:
+def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None, metrics_port: int | None,
+           metrics_host: str, log_level: str) -> None:
     """Run a worker host agent with N worker processes (or a number the coordinator sets)."""
     if procs != "auto" and not (procs.isdigit() and int(procs) >= 1):
         raise click.BadParameter(f"expected a number >= 1 or 'auto', got {procs!r}", param_hint="--procs")
@@ -29,5 +33,5 @@ def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None
     from .host import HostAgent
 
     agent = HostAgent(address, None if procs == "auto" else int(procs), log_level.upper(), keys_dir=keys_dir,
-                      max_procs=max_procs)
+                      max_procs=max_procs, metrics_port=metrics_port, metrics_host=metrics_host)
     sys.exit(agent.run())

@@ -57,8 +57,10 @@ class _Slot:
 
 class HostAgent:
     def __init__(self, coordinator: str, procs: int | None, log_level: str = "INFO", log_path: str | None = None,
-                 keys_dir: str | None = None, max_procs: int | None = None) -> None:
-        """procs: a fixed process count, or None for `auto` (1 to max_procs, set by the coordinator)."""
+                 keys_dir: str | None = None, max_procs: int | None = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
+        """procs: a fixed process count, or None for `auto` (1 to max_procs, set by the coordinator);
+        metrics_port: serve the worker processes' Prometheus metrics there."""
         if procs is not None and procs < 1:
             raise ValueError("--procs must be >= 1")
         self.auto = procs is None
@@ -77,6 +79,8 @@ class HostAgent:
         self.registration: Registration | None = None
         self.refused: str | None = None  # why the coordinator will not have this host
         self.control: zmq.Socket | None = None
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics = None  # HostMetricsServer, started in run() before the fork server
 
     def _start(self, slot: _Slot) -> None:
         # The worker marks the task it works on here; if it dies, the agent reports that task, so
@@ -110,6 +114,8 @@ class HostAgent:
                             f" while preparing task {task}" if task >= 0 else "", backoff)
                 self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
                                     task_id=task))
+                if self.metrics is not None:
+                    self.metrics.process_gone(p.pid)
                 slot.process = None
                 slot.next_start = now + backoff
             elif now >= slot.next_start:
@@ -126,6 +132,8 @@ class HostAgent:
             slot.process.terminate()
             slot.process.join(timeout=5)
             self.slots.remove(slot)
+            if self.metrics is not None:
+                self.metrics.process_gone(slot.process.pid)
         while len(self.slots) > procs:  # a count lowered without names: the last started go
             slot = self.slots.pop()
             if slot.process is not None:
@@ -139,6 +147,12 @@ class HostAgent:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         # The fork server takes a while to start (it imports the worker's modules): before the
         # hello, so the agent is never silent towards the coordinator while it starts.
+        if self.metrics_port is not None:  # before the fork server: its children inherit the environment
+            from .metrics import HostMetricsServer
+
+            self.metrics = HostMetricsServer(self.metrics_port, self.metrics_host)
+            log.info("Prometheus metrics of this host's workers on http://%s:%d/metrics", self.metrics_host,
+                     self.metrics_port)
         multiprocessing.forkserver.ensure_running()
         zctx = zmq.Context()
         control = self.control = make_socket(zctx, zmq.DEALER)
@@ -162,6 +176,8 @@ class HostAgent:
             control.close(linger=0)
             zctx.term()
             self.shutdown()
+            if self.metrics is not None:
+                self.metrics.close()
         return 1 if self.refused else 0
 
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:

@@ -25,6 +25,7 @@ from trainer_client.session import PeerLoop, Registration
 from trainer_client.sockets import make_socket, send_nowait
 
 from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
+from .metrics import prepared_tokens, worker_metrics
 from .outbox import RankOutbox
 
 log = logging.getLogger("msd.worker")
@@ -59,6 +60,8 @@ class Worker:
             lambda: self.core.heartbeat(self.busy_s, self.outbox.backlog(), self.outbox.waits))
         self.running = True
         self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
+        self.metrics = worker_metrics()  # Prometheus (msd worker --metrics-port), or None
+        self._sampled = 0.0
 
     def close(self) -> None:
         self.outbox.close()
@@ -71,7 +74,7 @@ class Worker:
         loop.on(self.control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:
-            loop.run(lambda: self.running, self._check_parent)
+            loop.run(lambda: self.running, self._each_turn)
         finally:
             handshakes.close()
 
@@ -80,6 +83,12 @@ class Worker:
         if reason is not None:
             log.error("the coordinator refuses this worker: %s; check --keys; stopping", reason)
             self.running = False
+
+    def _each_turn(self, now: float) -> None:
+        self._check_parent(now)
+        if self.metrics is not None and now - self._sampled >= 1.0:
+            self._sampled = now
+            self.metrics.sample(now, self.busy_s, self.outbox.waits)
 
     def _check_parent(self, now: float) -> None:
         if self.parent_pid is not None and not _alive(self.parent_pid):
@@ -99,6 +108,9 @@ class Worker:
         actions = self.core.handle(header, arrays)
         if marked:
             self.current_task.value = -1
+        if self.metrics is not None and header["type"] == "prepare" and 0 <= header["source"] < len(self.core.specs):
+            self.metrics.prepared(self.core.specs[header["source"]]["name"], len(arrays["records"]),
+                                  prepared_tokens(actions), time.perf_counter() - started)
         for action in actions:
             self._do(action, started)
         self.busy_s += time.perf_counter() - started
@@ -111,6 +123,8 @@ class Worker:
             if not send_nowait(self.control, header, *action.arrays):
                 log.warning("coordinator not reading; %s dropped", header["type"])
         elif isinstance(action, ToRank):
+            if self.metrics is not None:
+                self.metrics.pieces.inc(len(action.arrays[0]))
             frames = wire.encode(action.header, *action.arrays)
             self.outbox.send(action.address, frames, copy=action.arrays[1].nbytes < ZERO_COPY_BYTES)
         elif isinstance(action, ReleaseRank):

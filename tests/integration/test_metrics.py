@@ -23,16 +23,24 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_coordinator_serves_prometheus_metrics_of_the_running_job(dataset_dir):
+def _samples(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job(dataset_dir):
     path = write_job(dataset_dir, job_dict(), "metrics.yaml")
-    address, metrics_port = f"tcp://127.0.0.1:{_port()}", _port()
+    address, metrics_port, worker_port = f"tcp://127.0.0.1:{_port()}", _port(), _port()
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     procs = [subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--metrics-port",
                                str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-             subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", "2"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+             subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", "2", "--metrics-port",
+                               str(worker_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         done, scraped = threading.Barrier(3), threading.Event()
 
@@ -50,6 +58,7 @@ def test_the_coordinator_serves_prometheus_metrics_of_the_running_job(dataset_di
         done.wait(90)
         time.sleep(1.5)  # a heartbeat or two: the gauges are copied once per heartbeat
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        worker_text = urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/metrics", timeout=10).read().decode()
         scraped.set()
         for t in threads:
             t.join(30)
@@ -57,21 +66,40 @@ def test_the_coordinator_serves_prometheus_metrics_of_the_running_job(dataset_di
         for p in procs:
             p.terminate()
             p.wait(20)
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    samples = _samples(text)
     names = {name for name, _ in samples}
     for expected in ("msd_messages_received_total", "msd_messages_sent_total", "msd_steps_planned",
                      "msd_workers_alive", "msd_source_tokens_planned_total", "msd_mixture_target_share",
                      "msd_step_rank_cost_max_over_mean_bucket", "msd_planning_seconds_count",
-                     "msd_rank_data_wait_seconds", "msd_skipped_records"):
+                     "msd_rank_data_wait_seconds_total", "msd_skipped_records_total", "msd_steps_journaled",
+                     "msd_mixture_realised_share", "msd_source_tokens_delivered_total", "msd_records_reprepared_total",
+                     "msd_messages_dropped_total"):
         assert expected in names, expected
     assert samples[("msd_steps_planned", ())] >= 13
     assert samples[("msd_workers_alive", ())] == 2
     assert samples[("msd_messages_received_total", (("type", "consumed"),))] >= 2 * 12
-    assert samples[("msd_skipped_records", (("kind", "corrupt"), ("source", "web")))] >= 2  # the two bad lines
+    assert samples[("msd_skipped_records_total", (("kind", "corrupt"), ("source", "web")))] >= 2  # the bad lines
+    assert samples[("msd_rank_data_wait_seconds_total", (("rank", "0"),))] >= 0
+    assert samples[("msd_records_reprepared_total", ())] == 0
+    delivered = {dict(k)["source"]: v for (n, k), v in samples.items() if n == "msd_source_tokens_delivered_total"}
+    assert sum(delivered.values()) >= 12 * 8 * 512  # every step up to 12 consumed by both ranks: 8 x 512 tokens
+    realised = samples[("msd_mixture_realised_share", (("source", "web"),))]
+    assert abs(realised - 0.5) < 0.05
     assert samples[("msd_mixture_target_share", (("source", "web"),))] == pytest.approx(0.5)
     web = samples[("msd_source_tokens_planned_total", (("source", "web"),))]
     total = sum(v for (n, _), v in samples.items() if n == "msd_source_tokens_planned_total")
     assert 0.4 < web / total < 0.6
+
+    # the worker host: its two processes' metrics on one port
+    w = _samples(worker_text)
+    prepared = {dict(k)["source"]: v for (n, k), v in w.items() if n == "msd_worker_records_prepared_total"}
+    assert prepared.get("web", 0) > 0 and prepared.get("long", 0) > 0  # code (Megatron) needs no prepare
+    assert w[("msd_worker_pieces_sent_total", ())] > 0
+    assert w[("msd_worker_busy_seconds_total", ())] > 0
+    assert ("msd_worker_send_waits_total", ()) in w
+    shares = [v for (n, _), v in w.items() if n == "msd_worker_busy_share"]
+    assert len(shares) == 2 and all(0 <= v <= 1 for v in shares)  # one per live process (label pid)
+    per_token = [v for (n, k), v in w.items() if n == "msd_worker_seconds_per_token" and dict(k)["source"] == "web"]
+    assert per_token and all(0 < v < 1e-3 for v in per_token)
+    tokens = {dict(k)["source"]: v for (n, k), v in w.items() if n == "msd_worker_tokens_prepared_total"}
+    assert tokens["web"] > prepared["web"]
