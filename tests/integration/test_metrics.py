@@ -33,12 +33,12 @@ def _samples(text: str) -> dict:
     return samples
 
 
-def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job(dataset_dir):
+def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job_dict(), "metrics.yaml")
     address, metrics_port, worker_port = f"tcp://127.0.0.1:{_port()}", _port(), _port()
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     procs = [subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--metrics-port",
-                               str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                               str(metrics_port), "--state-dir", str(tmp_path / "state")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
              subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", "2", "--metrics-port",
                                str(worker_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
@@ -76,6 +76,8 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
                      "msd_messages_dropped_total"):
         assert expected in names, expected
     assert samples[("msd_steps_planned", ())] >= 13
+    assert 13 <= samples[("msd_steps_journaled", ())] <= samples[("msd_steps_planned", ())]
+    assert samples[("msd_journal_write_seconds_count", (("kind", "AppendJournal"),))] >= 1
     assert samples[("msd_workers_alive", ())] == 2
     assert samples[("msd_messages_received_total", (("type", "consumed"),))] >= 2 * 12
     assert samples[("msd_skipped_records_total", (("kind", "corrupt"), ("source", "web")))] >= 2  # the bad lines
@@ -103,3 +105,13 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
     assert per_token and all(0 < v < 1e-3 for v in per_token)
     tokens = {dict(k)["source"]: v for (n, k), v in w.items() if n == "msd_worker_tokens_prepared_total"}
     assert tokens["web"] > prepared["web"]
+
+    # the Grafana dashboard asks only for metrics that exist
+    import json
+    import re
+
+    dashboard = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "tools", "grafana",
+                                            "msd-dashboard.json")))
+    exported = {name for name, _ in samples} | {name for name, _ in w}
+    asked = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"msd_[a-z_]+", t["expr"])}
+    assert len(asked) >= 15 and asked <= exported, asked - exported
