@@ -17,6 +17,7 @@ COMMANDS = {
     "where": "coordinator.inspection:where",
     "plan": "coordinator.inspection:plan_command",
     "status": "coordinator.status_view:status",
+    "report": "coordinator.inspection:report",
     "worker": "worker.cli:worker",
 }
 

@@ -1,6 +1,7 @@
 """Questions about a job without a running job: `msd manifest` (what a step held) and `msd where`
 (where a document went), recomputed from the state dir's journals, with no per-step storage; and
-`msd plan` (a dry run of the planner over the job's data). All are built on coordinator/replay.py."""
+`msd plan` (a dry run of the planner over the job's data), and `msd report` (a run in one file). All
+are built on coordinator/replay.py."""
 
 from __future__ import annotations
 
@@ -194,3 +195,23 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
                                                                  report["skipped_records"].items()))
     if plot_path:
         click.echo(f"plot: {plot_path}")
+
+
+@click.command()
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="report.html (plots embedded, tables) or report.png (the plots).")
+@click.option("--max-steps", default=200, show_default=True, type=click.IntRange(min=1),
+              help="Steps whose balance is planned again, spread over the run.")
+@_CONFIG
+def report(state_dir: str, out: str, max_steps: int, config: str | None) -> None:
+    """A report of a run from its state dir: realised mix against the target over the steps, balance
+    per step against arrival-order dealing, data wait per rank, skipped and quarantined records."""
+    from .report import gather, write_report
+
+    replay = _open(state_dir, config)
+    if len(replay.journaled) < 2:
+        click.echo(f"msd report: {state_dir}: the journal holds fewer than two steps; nothing to report", err=True)
+        sys.exit(1)
+    write_report(gather(replay, state_dir, max_steps), out)
+    click.echo(out)

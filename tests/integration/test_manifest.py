@@ -78,6 +78,14 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     r = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", "5000"])
     assert r.exit_code == 1 and "not planned" in r.output
 
+    # msd report: one HTML file with the plots embedded, and the same plots as a PNG
+    html_path, png_path = tmp_path / "report.html", tmp_path / "report.png"
+    for out in (html_path, png_path):
+        r = CliRunner().invoke(main, ["report", "--state-dir", state, "--out", str(out), "--max-steps", "10"])
+        assert r.exit_code == 0, r.output
+    _check_report(html_path.read_text(), ["web", "code", "long"])
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     # msd where: a document seen in steps 10..20 is found at every step and rank it was delivered
     key = got[(12, 0, 0)][0][0]
     want = sorted((s, r, mb, off, n) for (s, r, mb), pieces in got.items() if 10 <= s < 20
@@ -86,6 +94,42 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     assert r.exit_code == 0, r.output
     found = orjson.loads(r.output)["deliveries"]
     assert sorted((f["step"], f["rank"], f["micro_batch"], f["offset"], f["length"]) for f in found) == want
+
+
+def _check_report(text, sources):
+    """The report's structure: a valid document, its embedded image a real PNG, a row per source."""
+    import base64
+    from html.parser import HTMLParser
+
+    class Parser(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.images, self.cells, self.open = [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "img":
+                self.images.append(dict(attrs)["src"])
+            if tag not in ("img", "meta", "br"):  # void elements have no end tag
+                self.open.append(tag)
+
+        def handle_endtag(self, tag):
+            assert self.open and self.open[-1] == tag, (tag, self.open[-3:])
+            self.open.pop()
+
+        def handle_data(self, data):
+            if self.open and self.open[-1] == "td":
+                self.cells.append(data)
+
+    p = Parser()
+    p.feed(text)
+    assert p.open == []  # every element closed
+    [src] = p.images
+    assert src.startswith("data:image/png;base64,")
+    png = base64.b64decode(src.split(",", 1)[1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    for name in sources:
+        assert name in p.cells
+    assert "sampled steps" in text and "arrival order" in text
 
 
 def test_plan_reports_mix_balance_what_ifs_and_workers_needed(dataset_dir, tmp_path):

@@ -1,0 +1,146 @@
+"""`msd report --state-dir DIR --out report.html`: one file a person opens in a browser (or a PNG):
+the realised mix against its target over the steps, the balance of every sampled step against
+arrival-order dealing, the data wait of each rank, and the skipped records.
+
+Everything comes from the state dir: the step journal holds each step's cumulative target and
+delivered tokens per source; the balance of a step is planned again from its journaled state
+(coordinator/replay.py), for at most `max_steps` steps spread over the run; data wait and skips
+are the coordinator's last status (status.json) and the quarantine journal.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from typing import Any
+
+import numpy as np
+import orjson
+
+from .balance import imbalance
+from .journal import read_quarantine_journal
+from .replay import Replay
+from .statedir import STATUS_FILE
+
+
+def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, Any]:
+    """The report's data."""
+    names = [s.name for s in replay.job.sources]
+    steps = sorted(replay.journaled)
+    states = [replay.journaled[s] for s in steps]
+    target = np.array([st["target"] for st in states], dtype=np.float64)
+    delivered = np.array([st["delivered"] for st in states], dtype=np.float64)
+    # per step: tokens each source got in it, and its target's growth (the mix the plan aimed at)
+    got, aimed = np.diff(delivered, axis=0), np.diff(target, axis=0)
+    mix_steps = steps[:-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        realised_share = np.nan_to_num(got / got.sum(axis=1, keepdims=True))
+        target_share = np.nan_to_num(aimed / aimed.sum(axis=1, keepdims=True))
+    sampled = (sorted({mix_steps[int(i)] for i in np.linspace(0, len(mix_steps) - 1, max_steps)})
+               if mix_steps else [])
+    balance = []
+    for step in sampled:
+        plan = next(replay.plan_from(step))
+        balance.append((step, imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)))
+    try:
+        with open(os.path.join(state_dir, STATUS_FILE), "rb") as f:
+            status = orjson.loads(f.read())
+    except (OSError, orjson.JSONDecodeError):
+        status = {}
+    return {"job": replay.job.path, "digest": replay.job.digest(), "dp": replay.job.dp, "names": names,
+            "steps": mix_steps, "realised_share": realised_share, "target_share": target_share,
+            "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
+            "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir)}
+
+
+def figure(data: dict[str, Any]):
+    """The report's plots in one matplotlib figure (mix, its error, balance, data wait)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    (mix, error), (bal, wait) = axes
+    names, steps = data["names"], data["steps"]
+    window = max(1, len(steps) // 50)  # a rolling mean over ~2% of the run: one step's share is lumpy
+    kernel = np.ones(window) / window
+    shown = np.argsort(-data["target_share"].mean(axis=0))[:8] if len(steps) else []
+    for i in shown:
+        line = mix.plot(steps[window - 1:], np.convolve(data["realised_share"][:, i], kernel, "valid"),
+                        label=f"{names[i]} realised")[0]
+        mix.plot(steps, data["target_share"][:, i], "--", color=line.get_color(), label=f"{names[i]} target")
+    mix.set_title(f"mix per step (rolling mean of {window} step(s)), top {len(shown)} sources")
+    mix.set_xlabel("step")
+    mix.set_ylabel("share of the step's tokens")
+    mix.legend(fontsize=7, ncol=2)
+    if len(steps):
+        err = np.abs(data["realised_share"] - data["target_share"]).sum(axis=1) / 2
+        error.plot(steps, np.cumsum(err) / np.arange(1, len(err) + 1))
+    error.set_title("distance of the mix from its target (total variation, running mean)")
+    error.set_xlabel("step")
+    if data["balance"]:
+        b = np.array(data["balance"])
+        bal.plot(b[:, 0], b[:, 2], ".-", label="arrival order (per-rank loaders)")
+        bal.plot(b[:, 0], b[:, 1], ".-", label="msd layout")
+    bal.set_title("max / mean rank attention cost per step")
+    bal.set_xlabel("step")
+    bal.legend()
+    waits = data["status"].get("data_wait_s") or {}
+    if waits:
+        ranks = sorted(waits, key=int)
+        wait.bar(ranks, [waits[r] for r in ranks])
+    wait.set_title("data wait per rank, seconds (last status)" if waits else "data wait: no status.json with ranks")
+    wait.set_xlabel("rank")
+    fig.suptitle(f"{data['job']} (digest {data['digest']}, dp={data['dp']})")
+    fig.tight_layout()
+    return fig
+
+
+def write_report(data: dict[str, Any], out: str) -> None:
+    """An HTML file (the plots embedded, tables of mix and skips) or, for a .png path, the plots."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(data)
+    if out.lower().endswith(".png"):
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    image = base64.b64encode(buf.getvalue()).decode("ascii")
+    status = data["status"]
+    skipped = status.get("skipped_by_kind") or {}
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(n)}</td><td>{data['target_share'][:, i].mean() if len(data['steps']) else 0:.4f}</td>"
+        f"<td>{data['total_realised'][i]:.4f}</td>"
+        f"<td>{e(', '.join(f'{k} {v}' for k, v in (skipped.get(n) or {}).items()) or '0')}</td></tr>"
+        for i, n in enumerate(data["names"]))
+    quarantined = "".join(f"<li>{e(s)} record {r}</li>" for s, r in data["quarantined"]) or "<li>none</li>"
+    balance = data["balance"]
+    ours = np.mean([b[1] for b in balance]) if balance else float("nan")
+    naive = np.mean([b[2] for b in balance]) if balance else float("nan")
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>msd report: {e(data['job'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}</style></head>
+<body>
+<h1>msd report</h1>
+<p>Job <code>{e(data['job'])}</code>, digest <code>{e(data['digest'])}</code>, dp={data['dp']};
+steps {data['steps'][0] if data['steps'] else '-'} to {data['steps'][-1] if data['steps'] else '-'} journaled.</p>
+<h2>Balance</h2>
+<p id="balance">Mean max/mean rank cost over {len(balance)} sampled steps: {ours:.3f} (msd layout),
+{naive:.3f} (the same documents dealt in arrival order).</p>
+<img alt="mix, balance and data wait" src="data:image/png;base64,{image}">
+<h2>Mix and skipped records</h2>
+<table id="sources"><tr><th>source</th><th>target share (mean)</th><th>realised share</th><th>skipped</th></tr>
+{rows}</table>
+<h2>Quarantined records</h2><ul id="quarantined">{quarantined}</ul>
+</body></html>
+"""
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
