@@ -4,8 +4,11 @@ it is run, so `msd worker` on a CPU host loads the worker's code and none of the
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
+
+from trainer_client.logs import FORMAT_ENV
 
 COMMANDS = {
     "coordinator": "coordinator.commands:coordinator",
@@ -22,6 +25,23 @@ COMMANDS = {
 }
 
 
+def _log_format(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:  # inherited by every process the command starts (worker processes, fork servers)
+        os.environ[FORMAT_ENV] = value
+
+
+def _with_log_format(cmd: click.Command) -> click.Command:
+    """Every command takes --log-format (added here, once, rather than declared by each)."""
+    if not any(p.name == "log_format" for p in cmd.params):
+        cmd.params.append(click.Option(["--log-format"], type=click.Choice(["text", "json"]), default=None,
+                                       expose_value=False, is_eager=True, callback=_log_format,
+                                       help="Log lines as text (default) or one JSON object per line."))
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _with_log_format(sub)
+    return cmd
+
+
 class _Dispatch(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -31,10 +51,12 @@ class _Dispatch(click.Group):
         if target is None:
             return None
         module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        return _with_log_format(getattr(importlib.import_module(module), attr))
 
 
 @click.group(cls=_Dispatch)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None, expose_value=False,
+              is_eager=True, callback=_log_format, help="Log lines as text (default) or one JSON object per line.")
 def main() -> None:
     """megascale-data: one coordinator plans every global batch; stateless workers read and
     transform samples once and push them straight to the trainer ranks."""

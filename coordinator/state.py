@@ -169,7 +169,8 @@ class CoordinatorState:
         kind = type(ev).__name__
         who = self.registry.lookup(ev.peer)
         if who is None:
-            log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, ev.peer.hex())
+            log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, ev.peer.hex(),
+                        extra={"peer": ev.peer.hex()})
             self._send(ev.peer, P.make(P.UNKNOWN_PEER, reason="not registered: send a hello first"))
             return
         role, pid = who
@@ -194,7 +195,8 @@ class CoordinatorState:
         if ev.peer in self.registry:
             self._forget_peer(ev.peer, "re-registered")
         worker = self.registry.add_worker(ev.peer, ev.at, ev.agent, ev.pid)
-        log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid)
+        log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid,
+                 extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
         self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job(),
                                    heartbeat_s=self.heartbeat_s))
 
@@ -264,7 +266,7 @@ class CoordinatorState:
         rank = ev.rank
         reason = self._trainer_refusal(ev)
         if reason:
-            log.warning("trainer rank %d rejected: %s", rank, reason)
+            log.warning("trainer rank %d rejected: %s", rank, reason, extra={"rank": rank, "peer": ev.peer.hex()})
             self._send(ev.peer, P.make(P.REJECT, reason=reason))
             return
         old = self.registry.trainers.get(rank)
@@ -281,7 +283,8 @@ class CoordinatorState:
         if self.registry.lookup(ev.peer) not in (None, ("trainer", rank)):
             self._forget_peer(ev.peer, "re-registered")
         self.registry.add_trainer(TrainerInfo(rank, ev.peer, ev.data_address, ev.at, ev.resume_step - 1))
-        log.info("rank %d registered, data address %s", rank, ev.data_address)
+        log.info("rank %d registered, data address %s", rank, ev.data_address,
+                 extra={"rank": rank, "peer": ev.peer.hex()})
         batch = {
             "seq_len": self.job.batch.seq_len,
             "micro_batch_size": self.job.batch.micro_batch_size,
@@ -323,7 +326,7 @@ class CoordinatorState:
             self._out.append(AppendMixture(at_step, tuple(weights)))
         self.planner.set_weights(at_step, weights)
         self.mixture_changes.append((at_step, weights))
-        log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)))
+        log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)), extra={"step": at_step})
         self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
 
     # ------------------------------------------------------------------ messages of registered peers
@@ -352,7 +355,7 @@ class CoordinatorState:
         worker = self.registry.worker_by_pid(host.agent_id, ev.pid)
         if worker is not None:
             log.warning("worker %d (pid %d) exited with %d (its host agent says): declared dead", worker.worker_id,
-                        ev.pid, ev.exitcode)
+                        ev.pid, ev.exitcode, extra={"worker_id": worker.worker_id})
             self._forget_peer(worker.identity, "dead", blame)
             return
         wid = self._dead_pids.get((host.agent_id, ev.pid))  # already forgotten: it was silent first
@@ -382,7 +385,7 @@ class CoordinatorState:
         for _, reason, kind in ev.skipped:
             self._count_skip(s, kind)
             log.warning("source %s: record skipped (%s): %s (%d skipped so far)", self.job.sources[s].name, kind,
-                        reason, self._skipped(s))
+                        reason, self._skipped(s), extra={"source": self.job.sources[s].name})
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
@@ -394,7 +397,8 @@ class CoordinatorState:
         self.skipped_by_kind[s][kind] = self.skipped_by_kind[s].get(kind, 0) + n
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
-        log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason)
+        log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason,
+                  extra={"worker_id": worker.worker_id})
         if self.tasks.fail(ev.task_id, worker.worker_id) is not None:
             self._assign_queued()
 
@@ -414,10 +418,11 @@ class CoordinatorState:
         # moment under load): a second of heartbeats at least before it is forgotten.
         for role, info in self.registry.silent(now, 3 * self.heartbeat_s, 3 * max(self.heartbeat_s, HOST_BEAT_MIN_S)):
             if role == "worker":
-                log.warning("worker %d silent for %.1fs: declared dead", info.worker_id, now - info.last_seen)
+                log.warning("worker %d silent for %.1fs: declared dead", info.worker_id, now - info.last_seen,
+                            extra={"worker_id": info.worker_id})
             elif role == "trainer":
                 log.warning("rank %d silent for %.1fs: released (it may register again)", info.rank,
-                            now - info.last_seen)
+                            now - info.last_seen, extra={"rank": info.rank})
             else:
                 log.warning("worker host %s silent for %.1fs: forgotten", info.host, now - info.last_seen)
             self._forget_peer(info.identity, "dead")
@@ -473,7 +478,8 @@ class CoordinatorState:
         if removed is None or removed[0] != "worker":
             return
         wid = removed[1].worker_id
-        log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", wid, why)
+        log.info("worker %d %s: re-preparing its tasks and cached records elsewhere", wid, why,
+                 extra={"worker_id": wid})
         self._dead_pids[(removed[1].agent, removed[1].pid)] = wid  # the agent's report of it may come later
         while len(self._dead_pids) > 4096:
             del self._dead_pids[next(iter(self._dead_pids))]
@@ -510,16 +516,17 @@ class CoordinatorState:
             return
         if len(task.positions) > 1:
             log.warning("worker %d died working on %d records of source %s; trying them one by one", worker_id,
-                        len(task.positions), name)
+                        len(task.positions), name, extra={"worker_id": worker_id})
             self.tasks.split(task)
             return
         record = int(self.tables[task.source].records(task.positions)[0])
         if task.deaths < ALLOWED_DEATHS:
             log.warning("worker %d died working on record %d of source %s (%d of %d allowed deaths); trying another "
-                        "worker", worker_id, record, name, task.deaths, ALLOWED_DEATHS)
+                        "worker", worker_id, record, name, task.deaths, ALLOWED_DEATHS, extra={"worker_id": worker_id})
             return
         reason = f"{task.deaths} worker processes died reading it"
-        log.error("source %s: record %d quarantined: %s; it is skipped from now on", name, record, reason)
+        log.error("source %s: record %d quarantined: %s; it is skipped from now on", name, record, reason,
+                  extra={"source": name, "record": record})
         self.quarantined.setdefault(task.source, set()).add(record)
         if self.history.durable:  # durable before any step planned without it
             self._out.append(AppendQuarantine(name, record, reason))
@@ -643,7 +650,8 @@ class CoordinatorState:
         if over.any():
             for r in records[over].tolist():
                 log.warning("source %s: record skipped (over_limit): %s: over max_record_bytes (%d)",
-                            source.name, self.mapped[s].where(r), source.max_record_bytes)
+                            source.name, self.mapped[s].where(r), source.max_record_bytes,
+                            extra={"source": source.name})
             self._count_skip(s, "over_limit", int(over.sum()))
         return lengths
 
@@ -700,7 +708,7 @@ class CoordinatorState:
                 self._ensure_prepared(need.source, need.position)
                 break
             except SourceExhausted as e:
-                log.warning("%s: the stream ends before step %d", e, e.step)
+                log.warning("%s: the stream ends before step %d", e, e.step, extra={"step": e.step})
                 self.end = (e.step, str(e))
                 for t in trainers.values():
                     self._send(t.identity, P.make(P.END_OF_STREAM, step=e.step, reason=str(e)))
@@ -761,7 +769,7 @@ class CoordinatorState:
         }
         if plan.step % 100 == 0:
             log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
-                     plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"])
+                     plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"], extra={"step": plan.step})
         t = plan.pieces
         refs = np.column_stack([doc_key(t[:, SOURCE], t[:, RECORD]), t[:, OFFSET].astype(np.uint64),
                                 t[:, LENGTH].astype(np.uint64)])  # protocol.RECIPE_PIECE rows
@@ -824,7 +832,8 @@ class CoordinatorState:
         """Plan again from `step` (a trainer resumes from an older checkpoint). The planner is
         deterministic, so the steps planned again are the ones planned before; what was prepared
         or in flight for them is dropped, and the workers start clean (they register again)."""
-        log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step)
+        log.warning("rewinding the plan from step %d to step %d", self.planner.state.next_step, step,
+                    extra={"step": step})
         self.history.forget_after(step)
         self._restart_plan(self.history.state_before(step, journaled))
 

@@ -194,12 +194,14 @@ class WorkerCore:
                 try:
                     tokens, images = reader.read_sample(record)
                 except RecordError as e:
-                    log.warning("source %s: skipped record: %s", reader.name, e)
+                    log.warning("source %s: skipped record: %s", reader.name, e,
+                                extra={"source": reader.name, "record": record})
                     skipped.append([i, str(e), e.kind])
                     continue
                 except Exception as e:  # noqa: BLE001 - one bad record among billions must never stop a job
                     reason = f"{reader.where(record)}: {type(e).__name__}: {e}"
-                    log.warning("source %s: skipped record: %s", reader.name, reason)
+                    log.warning("source %s: skipped record: %s", reader.name, reason,
+                                extra={"source": reader.name, "record": record})
                     skipped.append([i, reason, "error"])
                     continue
                 entry = self.cache[key] = CacheEntry(tokens, 0, images)

@@ -115,3 +115,40 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
     exported = {name for name, _ in samples} | {name for name, _ in w}
     asked = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"msd_[a-z_]+", t["expr"])}
     assert len(asked) >= 15 and asked <= exported, asked - exported
+
+
+def test_log_format_json_gives_one_object_per_line_from_every_process(dataset_dir, tmp_path):
+    """msd coordinator and msd worker with --log-format json: every line of their stderr (the
+    coordinator's, the host agent's, its worker processes') is one JSON object, with the step,
+    source or peer where the record has one."""
+    import orjson
+
+    path = write_job(dataset_dir, job_dict(topology={"dp": 1}), "jsonlogs.yaml")
+    address = f"tcp://127.0.0.1:{_port()}"
+    msd = os.path.join(os.path.dirname(sys.executable), "msd")
+    logs = [tmp_path / "coordinator.log", tmp_path / "worker.log"]
+    with open(logs[0], "wb") as c_err, open(logs[1], "wb") as w_err:
+        procs = [subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--log-format", "json"],
+                                  stdout=subprocess.DEVNULL, stderr=c_err),
+                 subprocess.Popen([msd, "--log-format", "json", "worker", "--coordinator", address, "--procs", "2"],
+                                  stdout=subprocess.DEVNULL, stderr=w_err)]
+        try:
+            with DataClient(address, rank=0, as_torch=False, timeout_s=60) as client:
+                for batch in client:
+                    if batch["step"] >= 20:
+                        break
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(20)
+    records = []
+    for log in logs:
+        for line in log.read_text().splitlines():
+            records.append(orjson.loads(line))  # every line parses
+    assert {r["role"] for r in records} >= {"coordinator", "worker-host", "worker"}
+    assert all({"time", "level", "pid", "logger", "message"} <= r.keys() for r in records)
+    planned = [r for r in records if r["message"].startswith("step 0 planned")]
+    assert planned and planned[0]["step"] == 0
+    skipped = [r for r in records if r["role"] == "worker" and "skipped record" in r["message"]]
+    assert skipped and all(r["source"] == "web" and isinstance(r["record"], int) for r in skipped)
+    assert any(r.get("rank") == 0 and "peer" in r for r in records if r["role"] == "coordinator")
