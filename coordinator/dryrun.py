@@ -95,8 +95,13 @@ def _summary(index: int, start: int, rows: list[dict], names: list[str], seconds
         "padding_share": statistics.mean(r["padding_share"] for r in rows),
         "max_over_mean": statistics.mean(r["max_over_mean"] for r in rows),
         "naive_max_over_mean": statistics.mean(r["naive_max_over_mean"] for r in rows),
-        # the step waits for its busiest rank: the cost model's step time is the max rank cost
-        "predicted_step_time_gain": naive / ours if ours > 0 else 1.0,
+        # The step waits for its busiest rank. Both layouts hold the same tokens, but arrival order
+        # also cuts documents wherever a row ends, which lowers their attention cost (and loses
+        # context): the gain compares the busiest rank against each layout's own mean (the
+        # balance), and the raw ratio of busiest-rank costs is reported beside it.
+        "predicted_step_time_gain": (statistics.mean(r["naive_max_over_mean"] for r in rows)
+                                     / statistics.mean(r["max_over_mean"] for r in rows)),
+        "busiest_rank_cost_ratio": naive / ours if ours > 0 else 1.0,
         "planning_ms_per_step": 1000 * seconds / len(rows),
     }
     if end:
