@@ -209,6 +209,19 @@ def time_ranks(run, got: dict[tuple[int, int], list[int]], ranks: int, steps: in
     return out
 
 
+def summarise(predicted: list[float], measured: list[float]) -> dict:
+    """Predicted against measured max/mean over the steps: medians (a step disturbed by another
+    process on this shared machine shows as an outlier, always upwards), means, the relative error
+    of the medians, and each step's pair."""
+    p, m = statistics.median(predicted), statistics.median(measured)
+    return {"predicted_max_over_mean": round(p, 4), "measured_max_over_mean": round(m, 4),
+            "relative_error": round(abs(p - m) / m, 4),
+            "mean_predicted": round(statistics.mean(predicted), 4), "mean_measured": round(statistics.mean(measured), 4),
+            "per_step_relative_error_median": round(statistics.median(abs(a - b) / b for a, b in
+                                                                      zip(predicted, measured)), 4),
+            "per_step": [[round(a, 3), round(b, 3)] for a, b in zip(predicted, measured)]}
+
+
 def check_against_real_run(root: str, prefixes: dict[str, str], quick: bool) -> dict:
     ranks, seq_len, per_rank = 4, 4096, 2
     run = _piece_time_fn(seq_len)
@@ -223,10 +236,7 @@ def check_against_real_run(root: str, prefixes: dict[str, str], quick: bool) -> 
         predicted = [r["max_over_mean"] for r in report["series"]]
         got = receive(path, ranks, steps)
         measured = time_ranks(run, got, ranks, steps, repeats=5)
-        p, m = statistics.mean(predicted), statistics.mean(measured)
-        runs[method] = {"predicted_max_over_mean": round(p, 4), "measured_max_over_mean": round(m, 4),
-                        "relative_error": round(abs(p - m) / m, 4),
-                        "per_step": [[round(a, 3), round(b, 3)] for a, b in zip(predicted, measured)]}
+        runs[method] = summarise(predicted, measured)
         print(method, runs[method]["predicted_max_over_mean"], runs[method]["measured_max_over_mean"], file=sys.stderr)
     pn, pg = runs["none"]["predicted_max_over_mean"], runs["greedy"]["predicted_max_over_mean"]
     mn, mg = runs["none"]["measured_max_over_mean"], runs["greedy"]["measured_max_over_mean"]
