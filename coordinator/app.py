@@ -92,8 +92,10 @@ class Coordinator:
         self.state_dir_stalled_since: float | None = None  # a state dir write keeps failing since then
         self.slowest_write_s = 0.0
         self._drain_task: asyncio.Task | None = None
+        self._readable: asyncio.Event | None = None  # set when the ROUTER may have messages (_receive_loop)
         # ZAP user ids of the operator keys (a CURVE job): the only ones whose control requests count
         self.operators = security.operator_ids(job.curve_keys) if job.curve_keys else None
+        self._names = [s.name for s in job.sources]
         self.journaled_step = -1  # the last step whose planner state is durable in the journal
         self.warnings = RecentWarnings()
         logging.getLogger("msd").addHandler(self.warnings)
@@ -105,6 +107,9 @@ class Coordinator:
         ctx = zmq.asyncio.Context()
         auth = None
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
+        # The same socket without asyncio's futures, for every send and receive: at a thousand
+        # ranks their bookkeeping costs more than the messages (see _receive_loop).
+        self.plain = zmq.Socket.shadow(self.sock.underlying)
         if self.job.curve_keys:  # only workers and trainers holding an authorised key get through
             auth = security.start_authenticator(ctx, self.job.curve_keys)
             security.as_server(self.sock, security.load(self.job.curve_keys, "coordinator"))
@@ -165,21 +170,33 @@ class Coordinator:
     # ------------------------------------------------------------------ events in
 
     async def _receive_loop(self) -> None:
-        sock = self.sock
-        while True:
-            burst: list[Event] = []
-            self._decode(await sock.recv_multipart(copy=False), burst)
-            # Take what else has arrived before planning: one plan-and-dispatch pass per burst of
-            # messages instead of one per message (the per-pass cost does not depend on the count).
-            for _ in range(MAX_BURST):
-                try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False).result()
-                except zmq.Again:
-                    break
-                self._decode(frames, burst)
-            if burst:
-                await self._attach_journaled_states(burst)
-                self._handle(burst)
+        """Bursts of messages from the ROUTER, read through the plain socket: asyncio only says
+        when its file descriptor is readable (edge-triggered), and every pass checks ZMQ_EVENTS
+        before waiting, since a send may have taken the edge that a pending message would give."""
+        loop = asyncio.get_running_loop()
+        self._readable = readable = asyncio.Event()
+        sock = self.plain
+        loop.add_reader(sock.FD, readable.set)
+        try:
+            while True:
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    readable.clear()
+                    await readable.wait()
+                    continue
+                # Take what has arrived before planning: one plan-and-dispatch pass per burst of
+                # messages instead of one per message (the per-pass cost does not depend on the count).
+                burst: list[Event] = []
+                for _ in range(MAX_BURST):
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._decode(frames, burst)
+                if burst:
+                    await self._attach_journaled_states(burst)
+                    self._handle(burst)
+        finally:
+            loop.remove_reader(sock.FD)
 
     def _decode(self, frames: list, burst: list[Event]) -> None:
         self.messages_received += 1
@@ -192,7 +209,7 @@ class Coordinator:
                 self.metrics.dropped.inc()
             return
         if self.metrics is not None:
-            self.metrics.received.labels(header["type"]).inc()
+            self.metrics.message(self.metrics.received, header["type"])
         if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
             self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
             return
@@ -253,10 +270,8 @@ class Coordinator:
     def _handle(self, burst: list[Event]) -> None:
         started = time.perf_counter()
         instructions = self.state.handle(*burst)
-        if self.metrics is not None:
-            headers = [i.header for i in instructions if isinstance(i, Send) and i.header["type"] == "step_header"]
-            if headers:
-                self.metrics.planned(headers, time.perf_counter() - started)
+        if self.metrics is not None and self.state.planned:
+            self.metrics.planned(self.state.planned, self._names, time.perf_counter() - started)
         self.stimuli.record(burst, instructions)
         try:
             self._execute(instructions)
@@ -385,12 +400,23 @@ class Coordinator:
                 "instructions_waiting": len(self._backlog), **status}
 
     def _send(self, ins: Send) -> None:
-        # NOBLOCK: a slow or vanished peer must never stall the coordinator. zmq.asyncio reports
-        # the outcome through a future that is already done for a non-blocking send.
-        fut = self.sock.send_multipart([ins.peer, *wire.encode(ins.header, *ins.arrays)], flags=zmq.NOBLOCK)
+        # NOBLOCK: a slow or vanished peer must never stall the coordinator. Through the plain
+        # socket shadowing the asyncio one: a non-blocking send needs none of its futures, which
+        # cost more than the send itself at a thousand ranks.
+        try:
+            self.plain.send_multipart([ins.peer, *wire.encode(ins.header, *ins.arrays)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.error("send of %s dropped: peer %s is not reading (high-water mark)", ins.header["type"],
+                      ins.peer.hex())
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                log.info("send of %s to %s: peer has disconnected", ins.header["type"], ins.peer.hex())
+            else:
+                log.warning("send of %s to %s failed: %s", ins.header["type"], ins.peer.hex(), e)
         if self.metrics is not None:
-            self.metrics.sent.labels(ins.header["type"]).inc()
-        fut.add_done_callback(lambda f: _sent(f, ins.peer, ins.header["type"]))
+            self.metrics.message(self.metrics.sent, ins.header["type"])
+        if self._readable is not None:
+            self._readable.set()  # the send may have taken the edge of a message that came meanwhile
 
     def _fail(self, reason: str) -> None:
         self.failed = True
@@ -402,16 +428,6 @@ class Coordinator:
         except Exception:
             log.exception("could not write the stimulus log to %s", path)
         self.stop()
-
-
-def _sent(fut: asyncio.Future, identity: bytes, kind: str) -> None:
-    exc = None if fut.cancelled() else fut.exception()
-    if isinstance(exc, zmq.Again):
-        log.error("send of %s dropped: peer %s is not reading (high-water mark)", kind, identity.hex())
-    elif isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
-        log.info("send of %s to %s: peer has disconnected", kind, identity.hex())
-    elif exc is not None:
-        log.warning("send of %s to %s failed: %s", kind, identity.hex(), exc)
 
 
 class RecentWarnings(logging.Handler):

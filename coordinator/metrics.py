@@ -76,27 +76,40 @@ class CoordinatorMetrics:
         r.register(self.totals)
         self._pending: dict[int, dict[str, int]] = {}  # step -> tokens per source, until every rank consumed it
         self._delivered: dict[str, int] = {}
+        self._token_children: dict[str, Any] = {}
+        self._message_children: dict[int, dict[str, Any]] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Serve /metrics over HTTP (a thread of prometheus-client's)."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def planned(self, headers: list[dict[str, Any]], seconds: float) -> None:
-        """The step headers one handle() call sent: each step's plan summary once, and the call's
-        time spread over its steps."""
-        seen: set[int] = set()
-        for h in headers:
-            if h["step"] in seen:
-                continue
-            seen.add(h["step"])
-            plan = h["plan"]
-            self.rank_cost.observe(plan["max_over_mean"])
-            self.naive_cost.observe(plan["naive_max_over_mean"])
-            for source, tokens in plan["source_tokens"].items():
-                self.source_tokens.labels(source).inc(tokens)
-            self._pending.setdefault(h["step"], plan["source_tokens"])
-        for _ in seen:
-            self.planning.observe(seconds / len(seen))
+    def planned(self, steps: list[tuple[int, float, float, list[int]]], names: list[str], seconds: float) -> None:
+        """The steps one handle() call planned ((step, max/mean, arrival-order max/mean, tokens per
+        source), `CoordinatorState.planned`), and the call's time spread over them."""
+        for step, ours, naive, tokens in steps:
+            self.rank_cost.observe(ours)
+            self.naive_cost.observe(naive)
+            per_source = {}
+            for name, n in zip(names, tokens):
+                if n:
+                    self._source_tokens(name).inc(n)
+                    per_source[name] = n
+            self._pending.setdefault(step, per_source)
+            self.planning.observe(seconds / len(steps))
+
+    def _source_tokens(self, name: str) -> Any:
+        child = self._token_children.get(name)
+        if child is None:
+            child = self._token_children[name] = self.source_tokens.labels(name)
+        return child
+
+    def message(self, counter: Counter, kind: str) -> None:
+        """Count one message of `kind` (children cached: labels() costs more than the count)."""
+        children = self._message_children.setdefault(id(counter), {})
+        child = children.get(kind)
+        if child is None:
+            child = children[kind] = counter.labels(kind)
+        child.inc()
 
     def update(self, state: Any, journaled_step: int | None = None) -> None:
         """Copy the state's counters (once per heartbeat, on the event loop)."""

@@ -16,8 +16,38 @@ UNKNOWN = -1
 NOBODY = -1
 
 
-class PositionTable:
+class HeldCounts:
+    """Prepared copies each worker holds, over several tables, kept up to date as their holders
+    change: the coordinator chooses the worker for a memory-mapped task by it, and summing every
+    table's holders per task made each step O(sources^2)."""
+
     def __init__(self) -> None:
+        self._counts = np.zeros(64, dtype=np.int64)
+
+    def change(self, holders: np.ndarray, delta: int) -> None:
+        held = holders[holders >= 0]
+        if not held.size:
+            return
+        top = int(held.max())
+        if top >= len(self._counts):
+            grown = np.zeros(max(2 * len(self._counts), top + 1), dtype=np.int64)
+            grown[:len(self._counts)] = self._counts
+            self._counts = grown
+        np.add.at(self._counts, held, delta)
+
+    def counts(self, workers: int) -> np.ndarray:
+        """Copies held by each worker id in [0, workers)."""
+        out = np.zeros(workers, dtype=np.int64)
+        n = min(workers, len(self._counts))
+        out[:n] = self._counts[:n]
+        return out
+
+
+class PositionTable:
+    def __init__(self, held: HeldCounts | None = None) -> None:
+        """held: a counter of copies per worker that this table keeps up to date (shared by the
+        tables of memory-mapped sources)."""
+        self.held = held
         self.base = 0  # positions below were forgotten
         self.end = 0  # next position to issue
         self._record = np.zeros(0, dtype=np.int64)
@@ -27,6 +57,8 @@ class PositionTable:
 
     def reset(self, start: int) -> None:
         """Forget everything; the next position issued is `start` (after the plan was rewound)."""
+        if self.held is not None:
+            self.held.change(self._holder[:self.end - self.base], -1)
         self.base = self.end = start
 
     def __len__(self) -> int:
@@ -74,12 +106,19 @@ class PositionTable:
         self._length[i] = lengths
         if patches is not None and len(patches):
             self._patches[i] = patches
-        self._holder[i] = np.where(np.asarray(lengths) > 0, worker, NOBODY)
+        holders = np.where(np.asarray(lengths) > 0, worker, NOBODY)
+        if self.held is not None:
+            self.held.change(self._holder[i], -1)
+            self.held.change(holders, 1)
+        self._holder[i] = holders
         return before
 
     def release(self, positions: np.ndarray) -> None:
         """The prepared copies at these positions are used up (their delivery was acknowledged)."""
-        self._holder[self._index(positions)] = NOBODY
+        i = self._index(positions)
+        if self.held is not None:
+            self.held.change(self._holder[i], -1)
+        self._holder[i] = NOBODY
 
     def count_held(self, worker: int) -> int:
         return int(np.count_nonzero(self._holder[:self.end - self.base] == worker))
@@ -93,6 +132,8 @@ class PositionTable:
         """Positions whose prepared copy the worker holds, dropping its claim on them."""
         size = self.end - self.base
         i = np.flatnonzero(self._holder[:size] == worker)
+        if self.held is not None:
+            self.held.change(self._holder[i], -1)
         self._holder[i] = NOBODY
         return i + self.base
 
@@ -114,6 +155,8 @@ class PositionTable:
             return
         keep = self.end - position
         shift = position - self.base
+        if self.held is not None:
+            self.held.change(self._holder[:shift], -1)
         for a in (self._record, self._length, self._holder, self._patches):
             a[:keep] = a[shift:shift + keep]
         self.base = position

@@ -36,7 +36,7 @@ from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
-from .positions import NOBODY, PositionTable
+from .positions import NOBODY, HeldCounts, PositionTable
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
@@ -73,15 +73,19 @@ class CoordinatorState:
             log.info("mixture journal: weights %s from step %d", weights, at_step)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
+        self._dp_of: dict[int, int] = {}  # global rank -> its data-parallel rank (coords, computed once)
+        self.planned: list[tuple[int, float, float, list[int]]] = []  # see handle()
         self.digest = job.digest()
         self.heartbeat_s = job.runtime.heartbeat_s
         self.registry = Registry()
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
         n = len(job.sources)
-        self.tables = [PositionTable() for _ in range(n)]  # per source: record, length, holder by position
         # Memory-mapped sources: their lengths are in an index the coordinator opened at start-up,
         # so their records need no prepare round trip (a worker reads them straight from the map).
         self.mapped = sources.mapped
+        self.mapped_held = HeldCounts()  # copies of memory-mapped records each worker holds
+        # per source: record, length, holder by position
+        self.tables = [PositionTable(self.mapped_held if s in self.mapped else None) for s in range(n)]
         self.history = history
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
         self._compact_to: dict | None = None
@@ -127,6 +131,7 @@ class CoordinatorState:
     def handle(self, *events: Event) -> list[Instruction]:
         """Apply a burst of events, then plan and dispatch what may be; returns what to do, in order."""
         out = self._out = []
+        self.planned = []  # (step, max/mean, arrival-order max/mean, tokens per source) of the steps planned now
         if self.failed:  # after an internal error nothing more is decided; only the peers are told
             events = tuple(e for e in events if isinstance(e, Shutdown))
         for event in events:
@@ -545,26 +550,39 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------ prepare-ahead
 
-    def _per_step(self, s: int) -> float:
-        """Records of source s a step uses, at the current weights and mean record length."""
+    def _records_per_step(self) -> list[float]:
+        """Records of each source a step uses, at the current weights (now, or at the end of the
+        look-ahead if higher) and mean record length: one pass over the sources."""
         step = self.planner.state.next_step
-        w = max(self.planner.weights_at(step)[s], self.planner.weights_at(step + self.job.runtime.lookahead_steps)[s])
-        if w <= 0:
-            return 0.0
-        mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else self.job.batch.seq_len / 4
-        return w * self.job.step_tokens_at(step) / max(mean_len, 1.0)
+        now = self.planner.weights_at(step)
+        ahead = self.planner.weights_at(step + self.job.runtime.lookahead_steps)
+        tokens = self.job.step_tokens_at(step)
+        guess = self.job.batch.seq_len / 4
+        out = []
+        for s, (a, b) in enumerate(zip(now, ahead)):
+            w = max(a, b)
+            if w <= 0:
+                out.append(0.0)
+                continue
+            mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else guess
+            out.append(w * tokens / max(mean_len, 1.0))
+        return out
 
-    def _task_size(self, s: int) -> int:
+    def _task_size(self, per_step: float, mapped: bool = False) -> int:
         """Records per prepare task: prepare_batch, or fewer for a source a step uses little of
-        (with many sources, a full batch each would hold far more prepared data than needed)."""
-        return max(1, min(self.job.runtime.prepare_batch, math.ceil(self._per_step(s))))
+        (with many sources, a full batch each would hold far more prepared data than needed). A
+        memory-mapped source's records are prepared here from its index and cost a worker nothing
+        to hold, so its tasks are always full: with hundreds of sources, a task of one or two
+        records per source per step made the coordinator's step O(sources) in small numpy calls."""
+        if mapped:
+            return self.job.runtime.prepare_batch
+        return max(1, min(self.job.runtime.prepare_batch, math.ceil(per_step)))
 
-    def _window(self, s: int) -> int:
-        """Records to keep prepared ahead of source s's cursor: enough for the look-ahead steps."""
-        per_step = self._per_step(s)
+    def _window(self, per_step: float, mapped: bool = False) -> int:
+        """Records to keep prepared ahead of a source's cursor: enough for the look-ahead steps."""
         if per_step <= 0:
             return 0
-        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self._task_size(s)
+        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self._task_size(per_step, mapped)
 
     def _left(self, s: int) -> int:
         """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
@@ -574,14 +592,23 @@ class CoordinatorState:
     def _prepare_ahead(self) -> None:
         if not self.registry.workers:
             return
-        for s in range(len(self.job.sources)):
-            cursor = self.planner.state.cursors[s]
-            batch, window = self._task_size(s), self._window(s)  # fixed while tasks are issued
-            while self.tables[s].end - cursor < window and self._left(s):
+        cursors = self.planner.state.cursors
+        for s, per_step in enumerate(self._records_per_step()):
+            table = self.tables[s]
+            if per_step <= 0:
+                continue
+            mapped = s in self.mapped
+            # refilled only when below the window by less than a task: a mapped source then takes
+            # one full task every prepare_batch records, not a small one every step
+            window = self._window(per_step, mapped)
+            if table.end - cursors[s] >= window - (self._task_size(per_step, mapped) - 1 if mapped else 0):
+                continue  # the common case, checked without a call per source
+            batch = self._task_size(per_step, mapped)  # fixed while tasks are issued
+            while table.end - cursors[s] < window and self._left(s):
                 self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
-        batch = self._task_size(s)
+        batch = self._task_size(self._records_per_step()[s], s in self.mapped)
         while self.tables[s].end <= position and self.registry.workers and self._left(s):
             self._prepare_next_batch(s, min(batch, self._left(s)))
 
@@ -613,9 +640,7 @@ class CoordinatorState:
             if s in self.mapped:
                 # Prepared here and now: the lengths come from the index, and the worker that will
                 # read the records from its map is the one holding the fewest such records.
-                held = np.zeros(self.registry.next_worker_id + 1, dtype=np.int64)
-                for m in self.mapped:
-                    held += self.tables[m].held_counts(len(held))
+                held = self.mapped_held.counts(self.registry.next_worker_id + 1)
                 wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
                 self.tasks.assign(task, wid, 0.0)
                 self.tasks.complete(task.task_id, wid)
@@ -760,33 +785,40 @@ class CoordinatorState:
             table.forget_before(floor[s])
 
     def _dispatch(self, plan: StepPlan) -> None:
-        plan_summary = {
-            "rank_costs": plan.rank_costs,
-            "max_over_mean": imbalance(plan.rank_costs),
-            "naive_rank_costs": plan.naive_rank_costs,
-            "naive_max_over_mean": imbalance(plan.naive_rank_costs),
-            "source_tokens": {s.name: plan.source_tokens[s.index] for s in self.job.sources},
-        }
+        ours, naive = imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)
+        self.planned.append((plan.step, ours, naive, plan.source_tokens))
         if plan.step % 100 == 0:
-            log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step,
-                     plan_summary["max_over_mean"], plan_summary["naive_max_over_mean"], extra={"step": plan.step})
+            log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step, ours, naive,
+                     extra={"step": plan.step})
         t = plan.pieces
         refs = np.column_stack([doc_key(t[:, SOURCE], t[:, RECORD]), t[:, OFFSET].astype(np.uint64),
                                 t[:, LENGTH].astype(np.uint64)])  # protocol.RECIPE_PIECE rows
-        bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1))
+        bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1)).tolist()
+        counts = np.zeros((self.job.dp, plan.rows_per_rank), dtype=np.int64)  # pieces per sequence of each rank
+        np.add.at(counts, (plan.rank, plan.row), 1)
         trainers = self.registry.trainers
-        items, positions = [], []
-        # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too)
-        for rank in sorted(self.receivers | (trainers.keys() - self.receivers)):
-            d = self.topology.coords(rank).dp
+        ranks = sorted(self.receivers | (trainers.keys() - self.receivers))
+        # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too).
+        # The summary in a header is O(1): this rank's costs and the step's balance, never every
+        # rank's (that would make each step O(DP^2) to encode).
+        for rank in ranks:
+            d = self._dp_of.get(rank)
+            if d is None:
+                d = self._dp_of[rank] = self.topology.coords(rank).dp
             lo, hi = bounds[d], bounds[d + 1]
-            counts = np.bincount(plan.row[lo:hi], minlength=plan.rows_per_rank)
-            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=plan_summary)
-            self._send(trainers[rank].identity, header, refs[lo:hi], counts)
-            items.append(np.column_stack([np.full(hi - lo, rank, dtype=np.uint64),
-                                          np.arange(hi - lo, dtype=np.uint64), refs[lo:hi]]))  # DELIVER_ITEM rows
-            positions.append(t[lo:hi][:, [SOURCE, POSITION]])
-        self._send_deliveries(plan.step, np.concatenate(items), np.concatenate(positions), plan.finished)
+            summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": plan.rank_costs[d],
+                       "naive_rank_cost": plan.naive_rank_costs[d]}
+            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=summary)
+            self._send(trainers[rank].identity, header, refs[lo:hi], counts[d])
+        # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part
+        dps = np.array([self._dp_of[r] for r in ranks], dtype=np.int64)
+        sizes = np.diff(bounds)[dps]
+        piece = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in dps.tolist()]) if len(dps) else \
+            np.zeros(0, dtype=np.int64)
+        within = piece - np.repeat(np.array(bounds)[dps], sizes)
+        items = np.column_stack([np.repeat(np.array(ranks, dtype=np.uint64), sizes), within.astype(np.uint64),
+                                 refs[piece]])
+        self._send_deliveries(plan.step, items, t[piece][:, [SOURCE, POSITION]], plan.finished)
 
     def _holders(self, positions: np.ndarray) -> np.ndarray:
         """The worker holding each [source, position] row's prepared copy."""

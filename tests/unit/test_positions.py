@@ -27,3 +27,33 @@ def test_issue_prepare_window_release_and_forget():
     assert t.window(1490, 12)[0].tolist() == [UNKNOWN] * 10 + [1600, 1601]
     with pytest.raises(KeyError):
         t.records(np.array([10]))
+
+
+def test_shared_held_counts_follow_every_change_of_holders():
+    """HeldCounts (kept as holders change) always equals the tables' holders counted afresh."""
+    from coordinator.positions import HeldCounts
+
+    rng = np.random.default_rng(5)
+    held = HeldCounts()
+    tables = [PositionTable(held) for _ in range(3)]
+    for _ in range(400):
+        t = tables[int(rng.integers(0, 3))]
+        op = rng.integers(0, 6)
+        live = np.arange(t.base, t.end)
+        if op == 0 or not len(live):
+            t.issue(rng.integers(0, 1000, int(rng.integers(1, 50))))
+        elif op == 1:
+            pos = rng.choice(live, min(len(live), 20), replace=False)
+            t.set_prepared(pos, rng.integers(0, 5, len(pos)), int(rng.integers(0, 100)))  # 0: skipped, no holder
+        elif op == 2:
+            t.release(rng.choice(live, min(len(live), 10), replace=False))
+        elif op == 3:
+            t.held_by(int(rng.integers(0, 100)))
+        elif op == 4:
+            t.forget_before(int(rng.integers(t.base, t.end + 1)))
+        else:
+            if rng.random() < 0.1:
+                t.reset(t.end)
+        want = sum(tab.held_counts(100) for tab in tables)
+        np.testing.assert_array_equal(held.counts(100), want)
+    assert held.counts(100).sum() > 0

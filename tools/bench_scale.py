@@ -1,0 +1,261 @@
+"""Can one coordinator keep up with 1,024 ranks and 306 sources? A fleet on one machine.
+
+    python tools/bench_scale.py --json OUT [--quick] [--points DP:S:R,...]
+
+Per grid point (DP ranks, S sources, R records per source): a real `msd coordinator` (with
+--metrics-port), a real `msd worker` host with 2 worker processes, and DP light trainer ranks
+(tools/scale_ranks.py: the real protocol and the real ReceivingState, no tensors), 256 to a
+process. Sources are Megatron pairs: one index of R documents (lognormal lengths, mean ~1,000
+tokens) with a sparse .bin, hard-linked S times (S sources of R records each, 3 x 10^9 records
+at 306 x 10^7, at the disk cost of one). Each rank gets 8,192 tokens per step (one sequence).
+
+Reported per point: the coordinator's CPU per step (utime+stime from /proc over the steps after
+a warm-up, against the slowest rank's consumed step from its metrics), its peak RSS and, apart,
+its anonymous (heap) and file-backed (mapped indexes) resident memory, messages per second by
+type, sockets per worker process, the step rate, and the time from the coordinator's start to
+the first batch at any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import orjson
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_output import emit  # noqa: E402
+
+from worker.readers.megatron import _HEADER, CODE_OF_DTYPE, MAGIC, VERSION  # noqa: E402
+
+TOKENS_PER_RANK = 8192
+RANKS_PER_PROCESS = 256
+SCRAPE_EVERY_S = 3.0  # the coordinator pays for every scrape (hundreds of series at 306 sources)
+WORKERS = 2
+GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 1, 10**5),
+        (512, 64, 10**5), (512, 306, 10**5), (512, 306, 10**7)]
+QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
+
+
+def write_index(prefix: str, records: int, seed: int = 0) -> None:
+    """A Megatron pair of `records` documents: a real index, a sparse .bin of the right size."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(6.5, 0.9, records), 16, 60_000).astype("<i4")
+    pointers = np.zeros(records, dtype="<i8")
+    pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * 2
+    with open(prefix + ".idx", "wb") as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(np.uint16)], records, records + 1))
+        f.write(lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(records + 1, dtype="<i8").tobytes())
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(int(lengths.sum(dtype=np.int64)) * 2)
+
+
+def sources(root: str, count: int, records: int) -> list[str]:
+    template = os.path.join(root, f"template-{records}", "doc")
+    if not os.path.exists(template + ".idx"):
+        os.makedirs(os.path.dirname(template), exist_ok=True)
+        write_index(template, records)
+    out = []
+    for s in range(count):
+        prefix = os.path.join(root, f"s{records}", f"src{s:03d}")
+        if not os.path.exists(prefix + ".idx"):
+            os.makedirs(os.path.dirname(prefix), exist_ok=True)
+            for ext in (".idx", ".bin"):
+                os.link(template + ext, prefix + ext)
+        out.append(prefix)
+    return out
+
+
+def write_job(root: str, dp: int, prefixes: list[str]) -> str:
+    job = {
+        "seed": 3,
+        "sources": {f"src{i:03d}": {"format": "megatron", "paths": [p]} for i, p in enumerate(prefixes)},
+        "batch": {"seq_len": TOKENS_PER_RANK, "micro_batch_size": 1, "global_batch_size": dp},
+        "topology": {"dp": dp},
+        "mixture": {"weights": {f"src{i:03d}": 1.0 for i in range(len(prefixes))}},
+        "balance": {"cost": {"quadratic": 1.0, "linear": 0.0}},
+        "runtime": {"heartbeat_s": 2.0, "lookahead_steps": 2},
+    }
+    path = os.path.join(root, f"job-{dp}-{len(prefixes)}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(job, f, sort_keys=False)
+    return path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _sockets(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _slowest_step(samples: dict) -> float:
+    steps = [v for (n, _), v in samples.items() if n == "msd_steps_consumed"]
+    return min(steps) if steps else -1
+
+
+PROFILED = """
+import cProfile, sys
+from coordinator.cli import main
+profile = cProfile.Profile()
+profile.enable()
+try:
+    main(sys.argv[2:])
+except SystemExit:
+    pass
+finally:
+    profile.disable()
+    profile.dump_stats(sys.argv[1])
+"""
+
+
+def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None) -> dict:
+    prefixes = sources(root, count, records)
+    job = write_job(root, dp, prefixes)
+    msd = os.path.join(os.path.dirname(sys.executable), "msd")
+    address, metrics = f"tcp://127.0.0.1:{_port()}", _port()
+    logs = tempfile.mkdtemp(prefix="msd-scale-")
+    started = time.time()
+    command = ["coordinator", "--config", job, "--bind", address, "--metrics-port", str(metrics), "--log-level",
+               "WARNING"]
+    command = [sys.executable, "-c", PROFILED, profile, *command] if profile else [msd, *command]
+    coord = subprocess.Popen(command, stderr=open(os.path.join(logs, "coordinator.log"), "wb"))
+    host = subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", str(WORKERS), "--log-level",
+                             "WARNING"], stderr=open(os.path.join(logs, "worker.log"), "wb"))
+    outs = [os.path.join(logs, f"ranks-{i}.json") for i in range(math.ceil(dp / RANKS_PER_PROCESS))]
+    ranks = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "scale_ranks.py"),
+                               "--coordinator", address, "--ranks",
+                               f"{i * RANKS_PER_PROCESS}:{min(dp, (i + 1) * RANKS_PER_PROCESS)}",
+                               "--steps", str(steps), "--out", out]) for i, out in enumerate(outs)]
+    samples, peak_sockets = [], 0
+    try:
+        while any(p.poll() is None for p in ranks):
+            time.sleep(SCRAPE_EVERY_S)
+            try:
+                scraped = _scrape(metrics)
+            except OSError:
+                continue
+            samples.append((time.monotonic(), _cpu_s(coord.pid), _slowest_step(scraped), scraped))
+            for agent_child in _children(host.pid):
+                for w in _children(agent_child) or [agent_child]:
+                    try:
+                        peak_sockets = max(peak_sockets, _sockets(w))
+                    except OSError:
+                        pass
+        memory = _status(coord.pid)
+    finally:
+        for p in (host, coord):
+            p.terminate()
+        for p in (host, coord):
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    results = [orjson.loads(open(o, "rb").read()) for o in outs if os.path.exists(o)]
+    done = min((r["steps_done"] for r in results), default=0)
+    first = min((r["first_batch_at"] for r in results if r["first_batch_at"]), default=None)
+    # the window: from the sample where the slowest rank passed a fifth of the steps to the last
+    # before the ranks leave
+    window = [s for s in samples if steps // 5 <= s[2] < steps - 2]
+    row = {"dp": dp, "sources": count, "records_per_source": records, "records": count * records,
+           "steps": done, "time_to_first_batch_s": round(first - started, 2) if first else None,
+           "coordinator_peak_rss_mb": round(memory.get("VmHWM", 0) / 2**20, 1),
+           "coordinator_heap_mb": round(memory.get("RssAnon", 0) / 2**20, 1),
+           "coordinator_mapped_files_mb": round(memory.get("RssFile", 0) / 2**20, 1),
+           "max_sockets_per_worker_process": peak_sockets}
+    if len(window) >= 2 and window[-1][2] > window[0][2]:
+        (t0, c0, s0, m0), (t1, c1, s1, m1) = window[0], window[-1]
+        row["coordinator_cpu_ms_per_step"] = round(1000 * (c1 - c0) / (s1 - s0), 2)
+        row["steps_per_s"] = round((s1 - s0) / (t1 - t0), 2)
+        rates = {}
+        for (name, labels), v in m1.items():
+            if name in ("msd_messages_received_total", "msd_messages_sent_total"):
+                kind = ("in " if "received" in name else "out ") + dict(labels)["type"]
+                rates[kind] = round((v - m0.get((name, labels), 0.0)) / (t1 - t0), 1)
+        row["messages_per_s"] = dict(sorted(rates.items(), key=lambda kv: -kv[1]))
+    shutil.rmtree(logs, ignore_errors=True)
+    print(orjson.dumps(row).decode(), file=sys.stderr)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--points", default=None, help="DP:S:R,... instead of the grid")
+    ap.add_argument("--profile", default=None, help="cProfile the coordinator of each point into PROFILE-DP-S-R")
+    ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/megascale-data/bench-scale"))
+    args = ap.parse_args()
+    grid = ([tuple(int(x) for x in p.split(":")) for p in args.points.split(",")] if args.points
+            else QUICK if args.quick else GRID)
+    rows = []
+    for dp, s, r in grid:
+        steps = args.steps or max(40 if args.quick else 60, 2000 // dp)  # a few seconds at least
+        profile = f"{args.profile}-{dp}-{s}-{r}" if args.profile else None
+        rows.append(run_point(args.data_dir, dp, s, r, steps, profile))
+    emit({"tokens_per_rank_per_step": TOKENS_PER_RANK, "worker_processes": WORKERS, "points": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()
