@@ -33,7 +33,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket
+from trainer_client.sockets import make_socket, raise_fd_limit
 
 from .balance import COMPILED
 from .config import JobConfig
@@ -104,6 +104,7 @@ class Coordinator:
 
     async def run(self, ready: asyncio.Future | None = None) -> None:
         memory.keep_freed_memory()
+        raise_fd_limit("coordinator")
         ctx = zmq.asyncio.Context()
         auth = None
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)

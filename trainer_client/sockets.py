@@ -39,3 +39,27 @@ def send_nowait(sock: zmq.Socket, header: dict, *arrays) -> bool:
     except zmq.Again:
         return False
     return True
+
+
+def raise_fd_limit(role: str, want: int = 65536) -> int:
+    """Raise this process's open-file limit towards `want` (every peer connection is a file
+    descriptor: a worker pushing to 1,024 ranks holds over 1,024), as far as the hard limit allows;
+    returns the limit now. A hard limit below what a large job needs is logged, naming it."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < 4096:
+        logging.getLogger("msd").warning(
+            "%s: the open-file limit (RLIMIT_NOFILE) is %d and cannot be raised (hard limit %s): each rank this "
+            "process talks to takes a file descriptor, so a job of more than about %d ranks will fail here; raise "
+            "it (ulimit -n, LimitNOFILE= in systemd, or /etc/security/limits.conf)", role, soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard, max(0, soft - 64))
+    return soft

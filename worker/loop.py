@@ -22,7 +22,7 @@ from trainer_client import wire
 from trainer_client.errors import ProtocolError
 from trainer_client.logs import setup_logging
 from trainer_client.session import PeerLoop, Registration
-from trainer_client.sockets import make_socket, send_nowait
+from trainer_client.sockets import make_socket, raise_fd_limit, send_nowait
 
 from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
 from .metrics import prepared_tokens, worker_metrics
@@ -168,6 +168,7 @@ def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str =
     """Entry point of one worker process (spawned by the host agent)."""
     setup_logging(log_level, "worker", log_path)
     memory.keep_freed_memory()
+    raise_fd_limit("worker")
     worker = Worker(coordinator, parent_pid, keys_dir, agent_id, current_task)
     try:
         worker.run()

@@ -29,6 +29,12 @@ DTYPE_CODES = {
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
+FULL_CHECK_RECORDS = 1 << 24  # indexes up to this many entries are checked in full when opened
+
+
+def _sample(n: int, count: int = 1 << 20) -> np.ndarray:
+    """Evenly spread entries of an index of n, both ends included (for a start-up check)."""
+    return np.unique(np.linspace(0, n - 1, count).astype(np.int64))
 
 
 class MegatronIndex:
@@ -67,12 +73,18 @@ class MegatronIndex:
         off += n_seq * 8
         self.document_indices = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off)
         di = self.document_indices
-        if di[0] != 0 or di[-1] != n_seq or (n_doc > 1 and np.any(di[1:] < di[:-1])):
+        # Start-up reads the whole index only while that is cheap; a larger one (a billion records
+        # is 20 GB of index) is checked at its ends and on an even sample, and every length read
+        # later is checked where it is used (lengths_of, pieces).
+        sample = _sample(n_doc) if n_doc > FULL_CHECK_RECORDS else slice(None)
+        checked = di[sample]
+        if di[0] != 0 or di[-1] != n_seq or (len(checked) > 1 and np.any(checked[1:] < checked[:-1])):
             raise SourceFormatError(f"{idx_path}: document indices are not a monotone cover of the sequences")
         bin_size = os.path.getsize(bin_path)
         if n_seq:
             last_end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if last_end > bin_size or np.any(self.sequence_lengths < 0):
+            lengths = self.sequence_lengths[_sample(n_seq) if n_seq > FULL_CHECK_RECORDS else slice(None)]
+            if last_end > bin_size or np.any(lengths < 0):
                 raise SourceFormatError(
                     f"{bin_path}: truncated or foreign data file ({bin_size} bytes, index needs {last_end})"
                 )
@@ -99,6 +111,9 @@ class MegatronIndex:
         out = self.sequence_lengths[first].astype(np.int64)
         for i in np.flatnonzero(last - first != 1).tolist():  # multi-sequence (or empty) documents
             out[i] = int(self.sequence_lengths[first[i]: last[i]].sum())
+        if out.size and out.min() < 0:  # a large index is checked only on a sample when opened
+            bad = int(docs[np.argmin(out)])
+            raise SourceFormatError(f"{self.prefix}.idx: document {bad} has a negative length: a corrupt index")
         return out
 
     def pieces(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
