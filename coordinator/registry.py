@@ -57,6 +57,37 @@ class Registry:
         self.hosts: dict[int, HostInfo] = {}
         self._roles: dict[bytes, tuple[Role, int]] = {}  # socket identity -> (role, id)
         self.next_worker_id = 0
+        # the slowest rank's consumed step and how many ranks are at it: every consumed message
+        # would otherwise cost a pass over all ranks (O(ranks^2) per step at a thousand ranks)
+        self._floor: int | None = None
+        self._at_floor = 0
+        self._present: tuple[set[int], bool] | None = None  # all_present's answer, until ranks change
+
+    def slowest(self) -> int:
+        """The lowest consumed step over the registered ranks (-1 without any)."""
+        if self._floor is None:
+            steps = [t.consumed for t in self.trainers.values()]
+            self._floor = min(steps, default=-1)
+            self._at_floor = steps.count(self._floor)
+        return self._floor
+
+    def all_present(self, ranks: set[int]) -> bool:
+        """Whether every one of `ranks` is registered (remembered until a rank comes or goes)."""
+        if self._present is None or self._present[0] is not ranks:
+            self._present = (ranks, ranks <= self.trainers.keys())
+        return self._present[1]
+
+    def set_consumed(self, trainer: TrainerInfo, step: int) -> None:
+        """A rank's consumed step changes (only through here, so that slowest() stays right)."""
+        old, trainer.consumed = trainer.consumed, step
+        if self._floor is None or step == old:
+            return
+        if step < self._floor:
+            self._floor = None
+        elif old == self._floor:
+            self._at_floor -= 1
+            if self._at_floor <= 0:
+                self._floor = None
 
     def lookup(self, identity: bytes) -> tuple[Role, int] | None:
         return self._roles.get(identity)
@@ -82,6 +113,7 @@ class Registry:
             self._roles.pop(old.identity, None)
         self.trainers[info.rank] = info
         self._roles[info.identity] = ("trainer", info.rank)
+        self._floor = self._present = None
 
     def add_host(self, info: HostInfo) -> None:
         """Register a host agent; an earlier registration of the same agent is replaced."""
@@ -98,6 +130,8 @@ class Registry:
             return None
         role, pid = entry
         table = {"worker": self.workers, "trainer": self.trainers, "host": self.hosts}[role]
+        if role == "trainer":
+            self._floor = self._present = None
         return role, table.pop(pid, None)
 
     def forget_workers(self) -> list[WorkerInfo]:

@@ -369,7 +369,7 @@ class CoordinatorState:
             self._assign_queued()
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
-        trainer.consumed = max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1))
+        self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
         trainer.waited_s = max(trainer.waited_s, ev.waited_s)
 
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
@@ -709,18 +709,19 @@ class CoordinatorState:
 
     def _pump(self) -> None:
         trainers = self.registry.trainers
-        self.deliveries.finish_consumed(lambda r: trainers[r].consumed if r in trainers else -1)
+        self.deliveries.finish_consumed(lambda r: trainers[r].consumed if r in trainers else -1,
+                                        self.registry.slowest())
         if not self.registry.workers:
             return
         self._assign_queued()  # tasks queued while no worker lived
         if self.deliveries.orphaned:  # a dead worker's deliveries whose records have live holders again
             self._reissue_orphans()
-        if self.reprepare or not self.receivers <= trainers.keys():
+        if self.reprepare or not self.registry.all_present(self.receivers):
             # Records lost with a dead worker are being prepared again (a carried-over document may
             # be among them), or not every rank is here yet: plan nothing, but prepare ahead.
             self._prepare_ahead()
             return
-        limit = min(t.consumed for t in trainers.values()) + 1 + self.job.runtime.lookahead_steps
+        limit = self.registry.slowest() + 1 + self.job.runtime.lookahead_steps
         planned = []
         while self.end is None and self.planner.state.next_step < limit:
             if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:

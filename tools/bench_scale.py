@@ -251,7 +251,7 @@ def main() -> None:
             else QUICK if args.quick else GRID)
     rows = []
     for dp, s, r in grid:
-        steps = args.steps or max(40 if args.quick else 60, 2000 // dp)  # a few seconds at least
+        steps = args.steps or max(40 if args.quick else 60, 8000 // dp)  # enough for a few scrapes
         profile = f"{args.profile}-{dp}-{s}-{r}" if args.profile else None
         rows.append(run_point(args.data_dir, dp, s, r, steps, profile))
     emit({"tokens_per_rank_per_step": TOKENS_PER_RANK, "worker_processes": WORKERS, "points": rows}, args.json)

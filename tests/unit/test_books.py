@@ -117,3 +117,28 @@ def test_a_task_that_killed_its_worker_is_split_into_one_task_per_record_keeping
     assert book.queued() == singles and len(book) == 3
     book.drop(singles[0])
     assert len(book) == 2
+
+
+def test_the_registry_knows_the_slowest_rank_without_asking_every_rank_each_time():
+    """slowest() (cached, kept by set_consumed) always equals min(consumed) over the ranks, through
+    ranks consuming, coming, going and rewinding."""
+    import random
+
+    from coordinator.registry import Registry, TrainerInfo
+
+    reg, rng = Registry(), random.Random(3)
+    for r in range(8):
+        reg.add_trainer(TrainerInfo(r, bytes([r]), f"tcp://x:{r}", 0.0, -1))
+    for _ in range(2000):
+        op = rng.random()
+        ranks = list(reg.trainers)
+        if op < 0.85 and ranks:
+            t = reg.trainers[rng.choice(ranks)]
+            reg.set_consumed(t, t.consumed + rng.randint(0, 2) if rng.random() < 0.98 else rng.randint(-1, 5))
+        elif op < 0.93 and len(ranks) > 1:
+            reg.remove(reg.trainers[rng.choice(ranks)].identity)
+        else:
+            r = rng.randint(0, 15)
+            reg.add_trainer(TrainerInfo(r, bytes([r, 1]), f"tcp://x:{r}", 0.0, rng.randint(-1, 30)))
+        assert reg.slowest() == min(t.consumed for t in reg.trainers.values())
+        assert reg.all_present({0, 1}) == ({0, 1} <= reg.trainers.keys())
