@@ -281,6 +281,13 @@ class CoordinatorState:
             log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
             self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
             return
+        if (old is not None and old.identity == ev.peer and old.address == ev.data_address
+                and ev.resume_step == old.consumed + 1):
+            # The same client saying hello again before our welcome reached it (a busy coordinator
+            # at a thousand ranks): nothing to rewind, nothing to register again.
+            old.last_seen = ev.at
+            self._welcome(ev.peer, rank)
+            return
         if ev.resume_step > self.planner.state.next_step:
             self._adopt(ev)
         elif ev.resume_step < self.planner.state.next_step:
@@ -290,6 +297,9 @@ class CoordinatorState:
         self.registry.add_trainer(TrainerInfo(rank, ev.peer, ev.data_address, ev.at, ev.resume_step - 1))
         log.info("rank %d registered, data address %s", rank, ev.data_address,
                  extra={"rank": rank, "peer": ev.peer.hex()})
+        self._welcome(ev.peer, rank)
+
+    def _welcome(self, peer: bytes, rank: int) -> None:
         batch = {
             "seq_len": self.job.batch.seq_len,
             "micro_batch_size": self.job.batch.micro_batch_size,
@@ -300,10 +310,10 @@ class CoordinatorState:
             "sources": [s.name for s in self.job.sources],
             "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
         }
-        self._send(ev.peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
-                                   heartbeat_s=self.heartbeat_s))
+        self._send(peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
+                                heartbeat_s=self.heartbeat_s))
         if self.end is not None:
-            self._send(ev.peer, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
+            self._send(peer, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
 
     def _on_mix_request(self, ev: MixRequest) -> None:
         """New weights from a later step on (msd mix): checked, journaled, then answered."""

@@ -29,6 +29,7 @@ from .metrics import prepared_tokens, worker_metrics
 from .outbox import RankOutbox
 
 log = logging.getLogger("msd.worker")
+MAX_SOCKETS = 65536
 
 # Below this, copying a frame is cheaper than zero-copy bookkeeping (pyzmq tracks zero-copy
 # frames through a garbage-collector thread).
@@ -44,6 +45,9 @@ class Worker:
         self.current_task = current_task
         self.core = WorkerCore()
         self.ctx = zmq.Context()
+        # one PUSH socket per rank: libzmq's default of 1,023 sockets per context stopped a worker
+        # short of a thousand ranks (the open-file limit is raised at start, raise_fd_limit)
+        self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self.control = make_socket(self.ctx, zmq.DEALER)
         # CURVE: this host's worker key pair; the coordinator's and trainers' public keys
         self.keys = security.load(keys_dir, "worker") if keys_dir else None

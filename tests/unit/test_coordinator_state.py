@@ -334,3 +334,24 @@ def test_a_coordinator_with_no_state_resumes_from_the_state_the_ranks_carry(job)
     bare.add_rank(0, resume_step=7)
     [refused] = bare.sends(bare.flush(), "reject")
     assert "does not carry the coordinator's state" in refused.header["reason"]
+
+
+def test_a_second_hello_of_the_same_client_before_it_consumed_anything_rewinds_nothing(job, reference):
+    """A client says hello again when our welcome is slow to reach it (a coordinator busy with a
+    thousand ranks). The same client (identity, data address, nothing consumed) is welcomed again;
+    the plan is not rewound, and the stream is the same."""
+    d = _started(job)
+    for _ in range(50):  # workers prepare and the plan runs ahead; nobody consumes yet
+        if d.state.planner.state.next_step > 0:
+            break
+        d.flush() if d.pending else d.tick()
+    planned = d.state.planner.state.next_step
+    assert planned > 0 and d.state.registry.trainers[0].consumed == -1
+    rank0 = d.state.registry.trainers[0]
+    again = TrainerHello(at=1.0, peer=rank0.identity, version=P.PROTOCOL_VERSION, rank=0,
+                         data_address=rank0.address, resume_step=0, incarnation=1, metadata_only=0)
+    out = d.handle(again)
+    assert [i.peer for i in d.sends(out, "trainer_welcome")] == [rank0.identity]
+    assert not d.sends(out, "unknown_peer") and d.state.planner.state.next_step >= planned  # no rewind
+    d.run(STEPS)
+    assert d.stream(STEPS) == reference and not d.unserved

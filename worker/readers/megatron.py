@@ -32,8 +32,9 @@ _HEADER = struct.Struct("<9sQBQQ")
 FULL_CHECK_RECORDS = 1 << 24  # indexes up to this many entries are checked in full when opened
 
 
-def _sample(n: int, count: int = 1 << 20) -> np.ndarray:
-    """Evenly spread entries of an index of n, both ends included (for a start-up check)."""
+def _sample(n: int, count: int = 4096) -> np.ndarray:
+    """Evenly spread entries of an index of n, both ends included (for a start-up check): a few
+    thousand, so that the check reads a few thousand pages, not the whole index."""
     return np.unique(np.linspace(0, n - 1, count).astype(np.int64))
 
 
@@ -74,8 +75,8 @@ class MegatronIndex:
         self.document_indices = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off)
         di = self.document_indices
         # Start-up reads the whole index only while that is cheap; a larger one (a billion records
-        # is 20 GB of index) is checked at its ends and on an even sample, and every length read
-        # later is checked where it is used (lengths_of, pieces).
+        # is 20 GB of index) is checked at its ends and on 4,096 evenly spread entries, and every
+        # length read later is checked where it is used (lengths_of).
         sample = _sample(n_doc) if n_doc > FULL_CHECK_RECORDS else slice(None)
         checked = di[sample]
         if di[0] != 0 or di[-1] != n_seq or (len(checked) > 1 and np.any(checked[1:] < checked[:-1])):
