@@ -68,6 +68,7 @@ class LightRank:
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
             send_nowait(self.control, P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0))
+            self.registration.spoke(now)
             self.steps_done = step + 1
         msg = self.registration.due(now)
         if msg is not None:

@@ -338,6 +338,7 @@ class _Receiver:
         cmd = wake.recv_json()
         if cmd[0] == "consumed":
             self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2])))
+            self.registration.spoke(time.monotonic())
         elif cmd[0] == "state":
             self._send(P.make(P.STATE_REQUEST, rank=self.c.rank, step=int(cmd[1])))
         elif cmd[0] == "close":

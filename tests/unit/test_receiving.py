@@ -83,3 +83,20 @@ def test_registration_says_hello_until_welcomed_then_heartbeats_and_hello_at_onc
     reg.welcomed()
     reg.waiting()
     assert reg.due(2.8) is None and reg.due(4.7) == {"type": "hello"}
+
+
+def test_a_consuming_rank_sends_no_heartbeats_and_an_idle_one_does():
+    from trainer_client.session import Registration
+
+    reg = Registration(lambda: {"type": "hello"}, lambda: {"type": "beat"}, heartbeat_s=1.0)
+    assert reg.due(0.0) == {"type": "hello"}
+    reg.welcomed(1.0)
+    assert reg.due(0.1) == {"type": "beat"}
+    beats = 0
+    for tenth in range(2, 60):  # consuming a step every 0.5 s for 6 s: no heartbeat is due
+        now = tenth / 10
+        if tenth % 5 == 0:
+            reg.spoke(now)
+        beats += reg.due(now) is not None
+    assert beats == 0
+    assert reg.due(7.0) == {"type": "beat"}  # idle for over an interval: the heartbeat comes back
