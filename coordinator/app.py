@@ -27,7 +27,6 @@ from typing import Any
 
 import orjson
 import zmq
-import zmq.asyncio
 
 from trainer_client import memory, security
 from trainer_client import protocol as P
@@ -82,7 +81,7 @@ class Coordinator:
                                     "durable": state_dir is not None, "loaded_states": loaded,
                                     "mixture_changes": mixture, "quarantined": quarantined},
                                    max_bytes=int(job.runtime.stimulus_log_mb * (1 << 20)))
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: zmq.Socket | None = None
         self.stopped = asyncio.Event()
         self.failed = False
         self.messages_received = 0
@@ -105,12 +104,11 @@ class Coordinator:
     async def run(self, ready: asyncio.Future | None = None) -> None:
         memory.keep_freed_memory()
         raise_fd_limit("coordinator")
-        ctx = zmq.asyncio.Context()
+        # A plain socket, not zmq.asyncio's: at a thousand ranks its futures cost more than the
+        # messages; asyncio only watches the socket's descriptor (see _receive_loop).
+        ctx = zmq.Context()
         auth = None
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
-        # The same socket without asyncio's futures, for every send and receive: at a thousand
-        # ranks their bookkeeping costs more than the messages (see _receive_loop).
-        self.plain = zmq.Socket.shadow(self.sock.underlying)
         if self.job.curve_keys:  # only workers and trainers holding an authorised key get through
             auth = security.start_authenticator(ctx, self.job.curve_keys)
             security.as_server(self.sock, security.load(self.job.curve_keys, "coordinator"))
@@ -171,12 +169,12 @@ class Coordinator:
     # ------------------------------------------------------------------ events in
 
     async def _receive_loop(self) -> None:
-        """Bursts of messages from the ROUTER, read through the plain socket: asyncio only says
-        when its file descriptor is readable (edge-triggered), and every pass checks ZMQ_EVENTS
-        before waiting, since a send may have taken the edge that a pending message would give."""
+        """Bursts of messages from the ROUTER: asyncio only says when its file descriptor is
+        readable (edge-triggered), and every pass checks ZMQ_EVENTS before waiting, since a send
+        may have taken the edge that a pending message would give."""
         loop = asyncio.get_running_loop()
         self._readable = readable = asyncio.Event()
-        sock = self.plain
+        sock = self.sock
         loop.add_reader(sock.FD, readable.set)
         try:
             while True:
@@ -401,11 +399,9 @@ class Coordinator:
                 "instructions_waiting": len(self._backlog), **status}
 
     def _send(self, ins: Send) -> None:
-        # NOBLOCK: a slow or vanished peer must never stall the coordinator. Through the plain
-        # socket shadowing the asyncio one: a non-blocking send needs none of its futures, which
-        # cost more than the send itself at a thousand ranks.
+        # NOBLOCK: a slow or vanished peer must never stall the coordinator.
         try:
-            self.plain.send_multipart([ins.peer, *wire.encode(ins.header, *ins.arrays)], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([ins.peer, *wire.encode(ins.header, *ins.arrays)], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.error("send of %s dropped: peer %s is not reading (high-water mark)", ins.header["type"],
                       ins.peer.hex())

@@ -147,16 +147,14 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
     tokens and pieces per step, padding, max/mean rank cost under msd's layout and under
     arrival-order dealing of the same documents, and the step-time gain the cost model predicts."""
     from . import dryrun
+    from .commands import _fail_config
     from .config import ConfigError, load_job
 
     try:
         job = dryrun.what_if(load_job(job_file), dp, seq_len)
         report = dryrun.dry_run(job, steps)
     except ConfigError as e:
-        click.echo(f"{e.source}: invalid job file, {len(e.problems)} problem(s):", err=True)
-        for p in e.problems:
-            click.echo(f"  {p}", err=True)
-        sys.exit(1)
+        _fail_config(e)
     except ValueError as e:
         click.echo(f"msd plan: {e}", err=True)
         sys.exit(2)

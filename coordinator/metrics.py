@@ -120,7 +120,7 @@ class CoordinatorMetrics:
         for rank, t in reg.trainers.items():
             self.steps_consumed.labels(str(rank)).set(t.consumed)
         if reg.trainers:
-            floor = min(t.consumed for t in reg.trainers.values())
+            floor = reg.slowest()
             for step in [s for s in self._pending if s <= floor]:
                 for source, tokens in self._pending.pop(step).items():
                     self._delivered[source] = self._delivered.get(source, 0) + tokens

@@ -11,12 +11,10 @@ again here exactly as the running coordinator planned it. `msd manifest`, `msd w
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
-import orjson
 
 from worker.readers import SourceReader, open_source
 
@@ -24,7 +22,7 @@ from .config import JobConfig, load_job
 from .journal import JournalFile, read_mixture_journal, read_quarantine_journal
 from .plan import OFFSET, LENGTH, POSITION, RECORD, SOURCE, Planner, PlannerState, StepPlan
 from .sources import OpenedSources, mapped_lengths, open_sources
-from .statedir import STATE_FILE
+from .statedir import STATE_FILE, read_state_file
 
 log = logging.getLogger("msd.replay")
 
@@ -124,9 +122,8 @@ def job_of_state_dir(state_dir: str, config: str | None = None) -> JobConfig:
     """The job a state dir was written for: `config`, or the job file its coordinator recorded."""
     if config is None:
         try:
-            with open(os.path.join(state_dir, STATE_FILE), "rb") as f:
-                config = orjson.loads(f.read())["job"]
-        except (OSError, orjson.JSONDecodeError, KeyError) as e:
+            config = read_state_file(state_dir)["job"]
+        except (OSError, ValueError, KeyError) as e:
             raise ReplayError(f"{state_dir}: no {STATE_FILE} naming the job file ({e}); pass --config") from None
     return load_job(config)
 

@@ -608,12 +608,11 @@ class CoordinatorState:
             if per_step <= 0:
                 continue
             mapped = s in self.mapped
-            # refilled only when below the window by less than a task: a mapped source then takes
-            # one full task every prepare_batch records, not a small one every step
-            window = self._window(per_step, mapped)
-            if table.end - cursors[s] >= window - (self._task_size(per_step, mapped) - 1 if mapped else 0):
-                continue  # the common case, checked without a call per source
-            batch = self._task_size(per_step, mapped)  # fixed while tasks are issued
+            batch, window = self._task_size(per_step, mapped), self._window(per_step, mapped)
+            # a mapped source is refilled only once it is short by a whole task: one full task
+            # every prepare_batch records, not a small one every step
+            if table.end - cursors[s] > window - (batch if mapped else 1):
+                continue
             while table.end - cursors[s] < window and self._left(s):
                 self._prepare_next_batch(s, min(batch, self._left(s)))
 

@@ -64,14 +64,20 @@ def check_job_change(state_dir: str | None, job: JobConfig, allow: bool) -> bool
     return changed
 
 
+def read_state_file(state_dir: str) -> dict[str, Any]:
+    """The record the state dir's coordinator left (address, digest, job file, pid, protocol);
+    OSError or ValueError (orjson's) if there is none or it is not JSON."""
+    with open(os.path.join(state_dir, STATE_FILE), "rb") as f:
+        return orjson.loads(f.read())
+
+
 def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     """Record where this coordinator listens and which job it runs. Tools find the coordinator
     from here; a restart whose job digest differs is reported."""
     os.makedirs(state_dir, exist_ok=True)
     path = os.path.join(state_dir, STATE_FILE)
     try:
-        with open(path, "rb") as f:
-            previous = orjson.loads(f.read())
+        previous = read_state_file(state_dir)
         if previous.get("digest") != job.digest():
             log.warning("%s: the job file changed since the last run (digest %s, now %s)", path,
                         previous.get("digest"), job.digest())

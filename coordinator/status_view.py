@@ -84,11 +84,10 @@ def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_
     if address is None:
         if state_dir is None:
             raise click.UsageError("give --coordinator ADDR or --state-dir DIR")
-        from .statedir import STATE_FILE
+        from .statedir import STATE_FILE, read_state_file
 
         try:
-            with open(f"{state_dir}/{STATE_FILE}", "rb") as f:
-                address = orjson.loads(f.read())["address"]
+            address = read_state_file(state_dir)["address"]
         except (OSError, ValueError, KeyError) as e:
             click.echo(f"msd status: {state_dir}/{STATE_FILE}: no coordinator address ({e})", err=True)
             sys.exit(1)
