@@ -123,7 +123,8 @@ class Planner:
         self.truncate = [src.long_docs == "truncate" for src in job.sources]
         s = len(num_records)
         self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s, [False] * s)
-        self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time
+        self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time, only added to
+        self._weights_kept: dict[tuple, list[float]] = {}
         self.mean_length = [max(1.0, job.batch.seq_len / 4)] * s  # a guess, refined from what is drawn
         self.events: list[str] = []  # things worth logging (exhausted sources), drained by the caller
 
@@ -148,7 +149,17 @@ class Planner:
 
     def weights_at(self, step: int) -> list[float]:
         """The mixture for `step`: the job's curriculum (or a run-time override), renormalised over
-        the sources that still have records."""
+        the sources that still have records. Asked several times per planning pass: the last
+        answers are kept (a fresh list each time, so no caller can change a kept one)."""
+        key = (step, len(self.overrides), tuple(self.state.exhausted))
+        kept = self._weights_kept.get(key)
+        if kept is None:
+            if len(self._weights_kept) >= 8:
+                self._weights_kept.clear()
+            kept = self._weights_kept[key] = self._weights_at(step)
+        return list(kept)
+
+    def _weights_at(self, step: int) -> list[float]:
         weights = self.job.weights_at(step)
         for from_step, override in self.overrides:
             if from_step <= step:
@@ -184,8 +195,8 @@ class Planner:
                 raise NeedLength(s, carry[0])
         target = {s: st.target[s] + weights[s] * capacity for s in active}
         budget = {s: max(target[s] - st.delivered[s], 0.0) + seq_len for s in active}
+        cands = self._candidates_all(active, budget, seq_len, known)
         while True:
-            cands = {s: self._candidates(s, budget[s], seq_len, known) for s in active}
             table = np.concatenate([cands[s].table for s in active])
             keys = np.concatenate([target[s] - (st.delivered[s] + _exclusive_cumsum(cands[s].table[:, LENGTH]))
                                    for s in active])
@@ -212,6 +223,7 @@ class Planner:
                 if cands[s].missing is not None:
                     raise NeedLength(s, cands[s].missing)
                 budget[s] = 2 * budget[s] + seq_len
+                cands[s] = self._candidates(s, budget[s], seq_len, known)
         taken = table[order[:cut + 1]].copy()
         last_take = capacity - (int(filled[cut - 1]) if cut else 0)
         cut_piece = taken[-1].copy()
@@ -266,6 +278,72 @@ class Planner:
             if self.job.sources[s].on_exhausted == "stop":
                 raise SourceExhausted(self.job.sources[s].name, step)
         raise SourceExhausted(", ".join(self.job.sources[s].name for s in active), step)
+
+    def _candidates_all(self, active: list[int], budget: dict[int, float], seq_len: int,
+                        known: Known) -> dict[int, "_Candidates"]:
+        """_candidates of every active source, the same result, in one set of array operations
+        over all of them where a source's first window holds its budget (the usual case); the
+        others go through _candidates. With hundreds of sources, a numpy pass per source per step
+        was the largest part of a step's planning."""
+        st = self.state
+        out: dict[int, _Candidates] = {}
+        fast, counts, have = [], [], []
+        for s in active:
+            carry = st.carry[s]
+            h = carry[3] - carry[2] if carry is not None else 0
+            count = max(64, math.ceil((budget[s] - h) / max(self.mean_length[s], 1.0) * 1.25))
+            limit = self.limit[s]
+            if h >= budget[s] or (limit is not None and count > limit - st.cursors[s]):
+                out[s] = self._candidates(s, budget[s], seq_len, known)
+                continue
+            fast.append(s)
+            counts.append(count)
+            have.append(h)
+        if not fast:
+            return out
+        n = len(fast)
+        windows = [known.window(s, st.cursors[s], c) for s, c in zip(fast, counts)]
+        records = np.concatenate([w[0] for w in windows]).astype(np.int64)
+        lengths = np.concatenate([w[1] for w in windows]).astype(np.int64)
+        size = np.asarray(counts, dtype=np.int64)
+        seg = np.repeat(np.arange(n), size)
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(size, out=starts[1:])
+        within = np.arange(len(lengths)) - starts[seg]
+        src = np.asarray(fast, dtype=np.int64)
+        # positions from the first unknown length on are not used (as _candidates stops there)
+        first_unknown = _first_per_segment(lengths < 0, seg, within, n)
+        usable = (lengths > 0) & (within < first_unknown[seg])
+        ends = np.where(np.asarray(self.truncate)[src][seg], np.minimum(lengths, seq_len), lengths)
+        ends = np.where(usable, ends, 0)
+        cum = np.cumsum(ends)
+        before = np.concatenate([[0], cum])[starts[:-1]]
+        reach = cum - before[seg] + np.asarray(have, dtype=np.int64)[seg]
+        budgets = np.asarray([budget[s] for s in fast], dtype=np.float64)
+        stop = _first_per_segment(usable & (reach >= budgets[seg]), seg, within, n)  # the document reaching it
+        ok = stop < size  # reached within the first window, before any unknown length
+        for i in np.flatnonzero(~ok).tolist():
+            out[fast[i]] = self._candidates(fast[i], budget[fast[i]], seq_len, known)
+        take = usable & ok[seg] & (within <= stop[seg])
+        carried = [i for i in np.flatnonzero(ok).tolist() if st.carry[fast[i]] is not None]
+        carry_rows = np.array([st.carry[fast[i]] for i in carried], dtype=np.int64).reshape(-1, 4)
+        # units in stream order per source: a carried document first, then the documents taken
+        unit_seg = np.concatenate([np.asarray(carried, dtype=np.int64), seg[take]])
+        order = np.argsort(2 * unit_seg + np.concatenate([np.zeros(len(carried), np.int64),
+                                                          np.ones(int(take.sum()), np.int64)]), kind="stable")
+        unit_seg = unit_seg[order]
+        pos = np.concatenate([carry_rows[:, 0], (np.asarray([st.cursors[s] for s in fast])[seg] + within)[take]])[order]
+        rec = np.concatenate([carry_rows[:, 1], records[take]])[order]
+        off = np.concatenate([carry_rows[:, 2], np.zeros(int(take.sum()), np.int64)])[order]
+        end = np.concatenate([carry_rows[:, 3], ends[take]])[order]
+        table, piece_ends = _pieces(src[unit_seg], pos, rec, off, end, seq_len)
+        bounds = np.searchsorted(unit_seg[np.repeat(np.arange(len(pos)), -(-(end - off) // seq_len))],
+                                 np.arange(n + 1))
+        for i in np.flatnonzero(ok).tolist():
+            lo, hi = bounds[i], bounds[i + 1]
+            missing = st.cursors[fast[i]] + int(first_unknown[i]) if first_unknown[i] < size[i] else None
+            out[fast[i]] = _Candidates(table[lo:hi], piece_ends[lo:hi], missing, False)
+        return out
 
     def _candidates(self, s: int, budget: float, seq_len: int, known: Known) -> "_Candidates":
         """Source s's next pieces in stream order, at least `budget` tokens of them where their
@@ -325,19 +403,8 @@ class Planner:
         rec = np.concatenate(units_rec).astype(np.int64)
         off = np.concatenate(units_off).astype(np.int64)
         end = np.concatenate(units_end).astype(np.int64)
-        # each unit -> pieces of at most seq_len
-        n_pieces = -(-(end - off) // seq_len)
-        total = int(n_pieces.sum())
-        unit = np.repeat(np.arange(len(pos)), n_pieces)
-        within = np.arange(total) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-        piece_off = off[unit] + within * seq_len
-        table = np.empty((total, 5), dtype=np.int64)
-        table[:, SOURCE] = s
-        table[:, POSITION] = pos[unit]
-        table[:, RECORD] = rec[unit]
-        table[:, OFFSET] = piece_off
-        table[:, LENGTH] = np.minimum(seq_len, end[unit] - piece_off)
-        return _Candidates(table, end[unit], missing, exhausted)
+        table, piece_ends = _pieces(np.full(len(pos), s, dtype=np.int64), pos, rec, off, end, seq_len)
+        return _Candidates(table, piece_ends, missing, exhausted)
 
     # ------------------------------------------------------------------ the layout
 
@@ -380,6 +447,34 @@ class _Drawn:
     finished: np.ndarray
     source_tokens: list[int]
     doc_lengths: np.ndarray  # tokens of each piece's document (or of its truncated head)
+
+
+def _pieces(src: np.ndarray, pos: np.ndarray, rec: np.ndarray, off: np.ndarray, end: np.ndarray,
+            seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Units (a document from `off` to `end`) -> pieces table rows of at most seq_len tokens, and
+    the end of each piece's document."""
+    n_pieces = -(-(end - off) // seq_len)
+    total = int(n_pieces.sum())
+    unit = np.repeat(np.arange(len(pos)), n_pieces)
+    within = np.arange(total) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+    piece_off = off[unit] + within * seq_len
+    table = np.empty((total, 5), dtype=np.int64)
+    table[:, SOURCE] = src[unit]
+    table[:, POSITION] = pos[unit]
+    table[:, RECORD] = rec[unit]
+    table[:, OFFSET] = piece_off
+    table[:, LENGTH] = np.minimum(seq_len, end[unit] - piece_off)
+    return table, end[unit]
+
+
+def _first_per_segment(flags: np.ndarray, seg: np.ndarray, within: np.ndarray, n: int) -> np.ndarray:
+    """Per segment, the `within` index of its first flagged row (a large number where none)."""
+    out = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    rows = np.flatnonzero(flags)
+    if len(rows):
+        segs, first = np.unique(seg[rows], return_index=True)
+        out[segs] = within[rows[first]]
+    return out
 
 
 def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
-from .positions import NOBODY, HeldCounts, PositionTable
+from .positions import NOBODY, HeldCounts, PositionTable, by_source
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
@@ -86,6 +86,10 @@ class CoordinatorState:
         self.mapped_held = HeldCounts()  # copies of memory-mapped records each worker holds
         # per source: record, length, holder by position
         self.tables = [PositionTable(self.mapped_held if s in self.mapped else None) for s in range(n)]
+        self._mapped_mask = np.array([s in self.mapped for s in range(n)], dtype=bool)
+        self._prepared_stamp = 0  # lengths reported so far (prepare-ahead depends on their mean)
+        self._tables_stamp = 0  # resets of the position tables
+        self._prepare_ahead_stamp: tuple | None = None
         self.history = history
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
         self._compact_to: dict | None = None
@@ -423,8 +427,8 @@ class CoordinatorState:
             log.debug("ack of unknown delivery %d", ev.delivery_id)
             return
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
-        for s in np.unique(d.release[:, 0]).tolist():
-            self.tables[s].release(d.release[d.release[:, 0] == s, 1])
+        for s, rows in by_source(d.release[:, 0]):
+            self.tables[s].release(d.release[rows, 1])
 
     # ------------------------------------------------------------------ time, failures, stopping
 
@@ -560,39 +564,31 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------ prepare-ahead
 
-    def _records_per_step(self) -> list[float]:
+    def _records_per_step(self) -> np.ndarray:
         """Records of each source a step uses, at the current weights (now, or at the end of the
-        look-ahead if higher) and mean record length: one pass over the sources."""
+        look-ahead if higher) and mean record length: arrays over the sources (at hundreds of
+        sources, a Python pass per source on every planning pass was a tenth of the CPU)."""
         step = self.planner.state.next_step
-        now = self.planner.weights_at(step)
-        ahead = self.planner.weights_at(step + self.job.runtime.lookahead_steps)
-        tokens = self.job.step_tokens_at(step)
-        guess = self.job.batch.seq_len / 4
-        out = []
-        for s, (a, b) in enumerate(zip(now, ahead)):
-            w = max(a, b)
-            if w <= 0:
-                out.append(0.0)
-                continue
-            mean_len = self.len_sum[s] / self.len_count[s] if self.len_count[s] else guess
-            out.append(w * tokens / max(mean_len, 1.0))
-        return out
+        w = np.maximum(self.planner.weights_at(step), self.planner.weights_at(step + self.job.runtime.lookahead_steps))
+        counts = np.asarray(self.len_count, dtype=np.float64)
+        mean_len = np.where(counts > 0, np.asarray(self.len_sum, dtype=np.float64) / np.maximum(counts, 1),
+                            self.job.batch.seq_len / 4)
+        return np.where(w > 0, w * self.job.step_tokens_at(step) / np.maximum(mean_len, 1.0), 0.0)
 
-    def _task_size(self, per_step: float, mapped: bool = False) -> int:
-        """Records per prepare task: prepare_batch, or fewer for a source a step uses little of
-        (with many sources, a full batch each would hold far more prepared data than needed). A
-        memory-mapped source's records are prepared here from its index and cost a worker nothing
-        to hold, so its tasks are always full: with hundreds of sources, a task of one or two
-        records per source per step made the coordinator's step O(sources) in small numpy calls."""
-        if mapped:
-            return self.job.runtime.prepare_batch
-        return max(1, min(self.job.runtime.prepare_batch, math.ceil(per_step)))
+    def _task_sizes(self, per_step: np.ndarray) -> np.ndarray:
+        """Records per prepare task of each source: prepare_batch, or fewer for a source a step
+        uses little of (with many sources, a full batch each would hold far more prepared data
+        than needed). A memory-mapped source's records are prepared here from its index and cost
+        a worker nothing to hold, so its tasks are always full: with hundreds of sources, a task
+        of one or two records per source per step made the coordinator's step O(sources) in
+        small numpy calls."""
+        batch = self.job.runtime.prepare_batch
+        return np.where(self._mapped_mask, batch, np.clip(np.ceil(per_step), 1, batch)).astype(np.int64)
 
-    def _window(self, per_step: float, mapped: bool = False) -> int:
-        """Records to keep prepared ahead of a source's cursor: enough for the look-ahead steps."""
-        if per_step <= 0:
-            return 0
-        return math.ceil((self.job.runtime.lookahead_steps + 1) * per_step) + self._task_size(per_step, mapped)
+    def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
+        """Records to keep prepared ahead of each source's cursor: enough for the look-ahead steps."""
+        ahead = np.ceil((self.job.runtime.lookahead_steps + 1) * per_step).astype(np.int64) + task
+        return np.where(per_step > 0, ahead, 0)
 
     def _left(self, s: int) -> int:
         """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
@@ -602,28 +598,75 @@ class CoordinatorState:
     def _prepare_ahead(self) -> None:
         if not self.registry.workers:
             return
-        cursors = self.planner.state.cursors
-        for s, per_step in enumerate(self._records_per_step()):
-            table = self.tables[s]
-            if per_step <= 0:
-                continue
-            mapped = s in self.mapped
-            batch, window = self._task_size(per_step, mapped), self._window(per_step, mapped)
-            # a mapped source is refilled only once it is short by a whole task: one full task
-            # every prepare_batch records, not a small one every step
-            if table.end - cursors[s] > window - (batch if mapped else 1):
-                continue
-            while table.end - cursors[s] < window and self._left(s):
-                self._prepare_next_batch(s, min(batch, self._left(s)))
+        # Called on every planning pass (many per step at hundreds of ranks); what it computes
+        # changes only with these, so an unchanged stamp means there is nothing to refill.
+        stamp = (self.planner.state.next_step, self._prepared_stamp, self._tables_stamp, len(self.registry.workers),
+                 self.registry.next_worker_id, len(self.planner.overrides), tuple(self.planner.state.exhausted))
+        if stamp == self._prepare_ahead_stamp:
+            return
+        self._prepare_ahead_stamp = stamp
+        per_step = self._records_per_step()
+        task = self._task_sizes(per_step)
+        window = self._windows(per_step, task)
+        ahead = np.fromiter((t.end for t in self.tables), dtype=np.int64, count=len(self.tables)) \
+            - np.asarray(self.planner.state.cursors, dtype=np.int64)
+        # a mapped source is refilled only once it is short by a whole task: one full task every
+        # prepare_batch records, not a small one every step
+        short = (per_step > 0) & (ahead <= window - np.where(self._mapped_mask, task, 1))
+        for s in np.flatnonzero(short).tolist():
+            self._refill(s, int(task[s]), int(window[s]))
+
+    def _refill(self, s: int, batch: int, window: int) -> None:
+        table, cursors = self.tables[s], self.planner.state.cursors
+        if s in self.mapped:  # the whole shortfall at once, in whole tasks
+            short = window - (table.end - cursors[s])
+            self._prepare_mapped(s, min(-(-short // batch) * batch, self._left(s)))
+            return
+        while table.end - cursors[s] < window and self._left(s):
+            self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
-        batch = self._task_size(self._records_per_step()[s], s in self.mapped)
+        batch = int(self._task_sizes(self._records_per_step())[s])
+        if s in self.mapped and self.registry.workers and self.tables[s].end <= position:
+            short = position + 1 - self.tables[s].end
+            self._prepare_mapped(s, min(-(-short // batch) * batch, self._left(s)))
         while self.tables[s].end <= position and self.registry.workers and self._left(s):
             self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _prepare_next_batch(self, s: int, batch: int) -> None:
         records = self.planner.streams[s].records_array(self.tables[s].end, batch)
         self._issue_prepare(s, self.tables[s].issue(records))
+
+    def _prepare_mapped(self, s: int, count: int) -> None:
+        """The next `count` records of a memory-mapped source, prepared here in one pass (their
+        lengths come from the index) and dealt to workers in prepare_batch chunks, each chunk to
+        the worker a task of it would go to (workforce.choose: least work queued, then fewest
+        such records held). One pass instead of a task per chunk: at a thousand ranks a step
+        needs thousands of records, and sixty small tasks a step were a sixth of the
+        coordinator's CPU."""
+        if count <= 0:
+            return
+        workers = self.registry.workers
+        retiring = self.workforce.retiring(self.registry.hosts)
+        candidates = [w for w in workers if w not in retiring] or list(workers)
+        records = self.planner.streams[s].records_array(self.tables[s].end, count)
+        positions = self.tables[s].issue(records)
+        lengths = np.zeros(len(records), dtype=np.int64)
+        good = np.ones(len(records), dtype=bool)
+        if s in self.quarantined:
+            good = ~np.isin(records, np.fromiter(self.quarantined[s], dtype=np.int64))
+            if not good.all():
+                self._count_skip(s, "quarantined", int((~good).sum()))
+        lengths[good] = self._mapped_lengths(s, records[good])
+        weights = self.planner.weights_at(self.planner.state.next_step)
+        held = self.mapped_held.counts(self.registry.next_worker_id + 1)
+        batch = self.job.runtime.prepare_batch
+        holders = np.empty(len(records), dtype=np.int64)
+        for lo in range(0, len(records), batch):
+            wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
+            holders[lo:lo + batch] = wid
+            held[wid] += min(batch, len(records) - lo)
+        self._set_prepared(s, positions, lengths, holders)
 
     def _issue_prepare(self, s: int, positions: np.ndarray) -> None:
         self.tasks.new(s, positions)
@@ -689,9 +732,11 @@ class CoordinatorState:
             self._count_skip(s, "over_limit", int(over.sum()))
         return lengths
 
-    def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int,
+    def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,
                       patches: np.ndarray | None = None) -> None:
-        """The records at these positions of source s are prepared, held by the worker."""
+        """The records at these positions of source s are prepared, held by the worker (or by
+        each position's worker, an array)."""
+        self._prepared_stamp += 1
         before = self.tables[s].set_prepared(positions, lengths, worker_id, patches)
         changed = (before >= 0) & (before != lengths)
         for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
@@ -811,15 +856,16 @@ class CoordinatorState:
         # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too).
         # The summary in a header is O(1): this rank's costs and the step's balance, never every
         # rank's (that would make each step O(DP^2) to encode).
+        template = P.make(P.STEP_HEADER, step=plan.step, rank=-1, row_len=plan.row_capacity, plan={})
+        rank_costs, naive_costs = plan.rank_costs, plan.naive_rank_costs
         for rank in ranks:
             d = self._dp_of.get(rank)
             if d is None:
                 d = self._dp_of[rank] = self.topology.coords(rank).dp
             lo, hi = bounds[d], bounds[d + 1]
-            summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": plan.rank_costs[d],
-                       "naive_rank_cost": plan.naive_rank_costs[d]}
-            header = P.make(P.STEP_HEADER, step=plan.step, rank=rank, row_len=plan.row_capacity, plan=summary)
-            self._send(trainers[rank].identity, header, refs[lo:hi], counts[d])
+            summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
+                       "naive_rank_cost": naive_costs[d]}
+            self._send(trainers[rank].identity, {**template, "rank": rank, "plan": summary}, refs[lo:hi], counts[d])
         # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part
         dps = np.array([self._dp_of[r] for r in ranks], dtype=np.int64)
         sizes = np.diff(bounds)[dps]
@@ -833,9 +879,8 @@ class CoordinatorState:
     def _holders(self, positions: np.ndarray) -> np.ndarray:
         """The worker holding each [source, position] row's prepared copy."""
         owners = np.empty(len(positions), dtype=np.int64)
-        for s in np.unique(positions[:, 0]).tolist():
-            mask = positions[:, 0] == s
-            owners[mask] = self.tables[s].holders(positions[mask, 1])
+        for s, rows in by_source(positions[:, 0]):
+            owners[rows] = self.tables[s].holders(positions[rows, 1])
         if (owners == NOBODY).any():
             missing = positions[owners == NOBODY][0].tolist()
             raise RuntimeError(f"no worker holds source {missing[0]} position {missing[1]}")
@@ -856,9 +901,8 @@ class CoordinatorState:
             header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step,
                             addresses=[[r, trainers[r].address] for r in ranks if r in trainers])
             release_keys = np.empty(len(rel), dtype=np.uint64)
-            for s in np.unique(rel[:, 0]).tolist():
-                mask = rel[:, 0] == s
-                release_keys[mask] = doc_key(s, self.tables[s].records(rel[mask, 1]))
+            for s, rows in by_source(rel[:, 0]):
+                release_keys[rows] = doc_key(s, self.tables[s].records(rel[rows, 1]))
             self._send(workers[wid].identity, header, mine, release_keys)
 
     # ------------------------------------------------------------------ resume
@@ -866,6 +910,7 @@ class CoordinatorState:
     def _reset_tables(self) -> None:
         """Start every source's position table at the first position the plan still needs."""
         st = self.planner.state
+        self._tables_stamp += 1
         for s, table in enumerate(self.tables):
             carry = st.carry[s]
             table.reset(min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s])

@@ -95,10 +95,16 @@ def write_job(root: str, dp: int, prefixes: list[str]) -> str:
     return path
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ports(n: int) -> list[int]:
+    """n distinct free ports (held open together: one at a time, the OS may hand out one twice)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -173,7 +179,8 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     prefixes = sources(root, count, records)
     job = write_job(root, dp, prefixes)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
-    address, metrics = f"tcp://127.0.0.1:{_port()}", _port()
+    port, metrics = _ports(2)
+    address = f"tcp://127.0.0.1:{port}"
     logs = tempfile.mkdtemp(prefix="msd-scale-")
     started = time.time()
     command = ["coordinator", "--config", job, "--bind", address, "--metrics-port", str(metrics), "--log-level",
@@ -191,6 +198,8 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     try:
         while any(p.poll() is None for p in ranks):
             time.sleep(SCRAPE_EVERY_S)
+            if coord.poll() is not None or host.poll() is not None:
+                raise RuntimeError(f"the coordinator or worker host exited early; logs in {logs}")
             try:
                 scraped = _scrape(metrics)
             except OSError:
@@ -204,9 +213,10 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                         pass
         memory = _status(coord.pid)
     finally:
-        for p in (host, coord):
-            p.terminate()
-        for p in (host, coord):
+        for p in (*ranks, host, coord):
+            if p.poll() is None:
+                p.terminate()
+        for p in (*ranks, host, coord):
             try:
                 p.wait(20)
             except subprocess.TimeoutExpired:

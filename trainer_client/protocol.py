@@ -13,7 +13,7 @@ one place, before any handler sees it.
 from __future__ import annotations
 
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .doc_keys import RECORD_MASK
@@ -132,10 +132,10 @@ class ArraySpec:
     name: str
     dtype: str | None
     columns: tuple = ()
+    cols: int = field(init=False)  # columns per row (1: a plain vector); read on every message
 
-    @property
-    def cols(self) -> int:
-        return max(1, len(self.columns))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cols", max(1, len(self.columns)))
 
 
 ArrayCheck = Callable[[dict[str, Any], dict[str, Any]], None]

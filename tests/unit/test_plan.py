@@ -284,3 +284,28 @@ def test_every_method_lays_out_the_whole_step(dataset_dir, method, slack):
         rows = plan.rank * plan.rows_per_rank + plan.row
         assert np.bincount(rows, weights=t[:, LENGTH]).max() <= width
         assert (np.diff(rows) >= 0).all()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"long_docs": "truncate"}])
+def test_candidates_of_all_sources_at_once_equal_those_of_each_source(dataset_dir, overrides):
+    """The batched first window (_candidates_all) gives each source exactly what _candidates
+    gives it: with carried documents, lengths not known yet and budgets beyond a first window."""
+    job, planner, lengths = _planner(dataset_dir, **overrides)
+    rng = np.random.default_rng(5)
+    allowed = {(s, p) for s in range(len(COUNTS)) for p in range(400)}
+    known = Known(planner, lengths)
+    compared = 0
+    for step in range(25):
+        partial = Known(planner, lengths, {k for k in allowed if rng.random() < 0.97})
+        for budget_scale in (0.1, 1.0, 6.0):
+            budget = {s: budget_scale * job.step_tokens_at(step) * (s + 1) / 3 + SEQ_LEN for s in range(len(COUNTS))}
+            for k in (known, partial):
+                batched = planner._candidates_all(list(range(len(COUNTS))), budget, SEQ_LEN, k)
+                for s in range(len(COUNTS)):
+                    one = planner._candidates(s, budget[s], SEQ_LEN, k)
+                    got = batched[s]
+                    assert np.array_equal(got.table, one.table) and np.array_equal(got.ends, one.ends)
+                    assert (got.missing, got.exhausted) == (one.missing, one.exhausted)
+                    compared += 1
+        planner.plan_step(known)
+    assert compared == 25 * 3 * 2 * len(COUNTS)
