@@ -14,6 +14,9 @@ import numpy as np
 
 UNKNOWN = -1
 NOBODY = -1
+# the ufuncs' reductions called directly: ndarray.min()/max() go through two Python layers,
+# which cost more than the reduction on the small arrays of one source's part of a step
+_smallest, _largest = np.minimum.reduce, np.maximum.reduce
 
 
 def by_source(sources: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -39,12 +42,12 @@ class HeldCounts:
         held = holders[holders >= 0]
         if not held.size:
             return
-        top = int(held.max())
+        top = int(_largest(held))
         if top >= len(self._counts):
             grown = np.zeros(max(2 * len(self._counts), top + 1), dtype=np.int64)
             grown[:len(self._counts)] = self._counts
             self._counts = grown
-        np.add.at(self._counts, held, delta)
+        self._counts[:top + 1] += delta * np.bincount(held, minlength=top + 1)
 
     def counts(self, workers: int) -> np.ndarray:
         """Copies held by each worker id in [0, workers)."""
@@ -96,7 +99,7 @@ class PositionTable:
 
     def _index(self, positions: np.ndarray) -> np.ndarray:
         i = np.asarray(positions, dtype=np.int64) - self.base
-        if i.size and (i.min() < 0 or i.max() >= self.end - self.base):
+        if i.size and (_smallest(i) < 0 or _largest(i) >= self.end - self.base):
             raise KeyError(f"positions outside the live window [{self.base}, {self.end})")
         return i
 

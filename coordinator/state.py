@@ -678,8 +678,10 @@ class CoordinatorState:
         queued = self.tasks.queued()
         if not workers:
             for task in queued:  # remembered: assigned when a worker registers
-                log.warning("no worker to prepare %d records of source %d; waiting", len(task.positions), task.source)
                 self.tasks.requeue(task)
+            if queued:  # one line, not one per task: with hundreds of sources there are thousands
+                log.warning("no worker to prepare %d records (%d tasks, %d sources); waiting",
+                            sum(len(t.positions) for t in queued), len(queued), len({t.source for t in queued}))
             return
         retiring = self.workforce.retiring(self.registry.hosts)
         weights = self.planner.weights_at(self.planner.state.next_step)

@@ -187,6 +187,16 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                "WARNING"]
     command = [sys.executable, "-c", PROFILED, profile, *command] if profile else [msd, *command]
     coord = subprocess.Popen(command, stderr=open(os.path.join(logs, "coordinator.log"), "wb"))
+    # Peers start once the metrics port is up: their hundreds of outgoing connections take
+    # ephemeral ports, and one of them could otherwise take the metrics port before it is bound.
+    while True:
+        try:
+            _scrape(metrics)
+            break
+        except OSError:
+            if coord.poll() is not None:
+                raise RuntimeError(f"the coordinator exited at start; logs in {logs}")
+            time.sleep(0.05)
     host = subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", str(WORKERS), "--log-level",
                              "WARNING"], stderr=open(os.path.join(logs, "worker.log"), "wb"))
     outs = [os.path.join(logs, f"ranks-{i}.json") for i in range(math.ceil(dp / RANKS_PER_PROCESS))]
