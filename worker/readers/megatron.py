@@ -38,7 +38,7 @@ FULL_CHECK_RECORDS = 1 << 20
 
 def _sample(n: int, count: int = 256) -> np.ndarray:
     """Evenly spread entries of an index of n, both ends included (for a start-up check): a few
-    thousand, so that the check reads a few hundred pages, not the whole index."""
+    hundred, so that the check reads a few hundred pages, not the whole index."""
     return np.unique(np.linspace(0, n - 1, count).astype(np.int64))
 
 
