@@ -25,10 +25,12 @@ Cost constants, Llama-2-7B-like (hidden 4096, 32 layers, 6.7e9 parameters) on an
 rank's step takes --step-s seconds (the ratios between designs do not depend on it as long as
 the loaders keep up; where they do not, the data wait shows it).
 
-Memory: the proportional set size (PSS, /proc/PID/smaps_rollup) of every process the loader
-adds (DataLoader workers; our coordinator, host agent and workers), plus what the loader added
-to each trainer process (its PSS mid-run minus its PSS with torch imported, before the loader
-existed), sampled at the middle step.
+Memory: what each design adds to the machine, from the proportional set size (PSS,
+/proc/PID/smaps_rollup): the PSS at the middle step of every process (the trainer ranks, their
+DataLoader workers; our coordinator, host agent and workers) minus the ranks' PSS with torch
+imported, before the loader existed. Signed: a rank's PSS falls when it forks workers (its pages
+become shared and the workers carry part of them), and that fall is counted
+(e2e_ranks.added_kb).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     for p in procs:
         p.start()
     steps: dict[int, dict[int, tuple]] = {}
-    pss_ranks, pss_loader, done = {}, 0, 0  # kB: added to each trainer; loader processes
+    pss_ranks, pss_ours, done = {}, 0, 0  # kB: (before, now, children now) per rank; our loader's processes
     try:
         deadline = time.monotonic() + timeout_s
         while done < ranks:
@@ -158,11 +160,10 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                 _, rank, step, t, wait, compute, largest, cost = msg
                 steps.setdefault(step, {})[rank] = (t, wait, compute, largest, cost)
             elif msg[0] == "pss":
-                pss_ranks[msg[1]] = msg[2]
-                pss_loader += msg[3]  # a baseline rank's DataLoader workers
+                pss_ranks[msg[1]] = tuple(msg[2:5])
                 if cluster is not None and len(pss_ranks) == 1:  # our loader's own processes, same moment
                     pids = [cluster.coordinator.pid, cluster.host.pid, *e2e_ranks.descendants(cluster.host.pid)]
-                    pss_loader = sum(e2e_ranks.pss_kb(p) for p in pids)
+                    pss_ours = sum(e2e_ranks.pss_kb(p) for p in pids)
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -172,9 +173,13 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                 p.kill()
         if cluster is not None:
             cluster.__exit__(None, None, None)
-    result = summarize(design, steps, params, pss_loader + sum(pss_ranks.values()), time.perf_counter() - started)
-    result["pss_mb_added_to_trainers"] = sum(pss_ranks.values()) / 1024
-    result["pss_mb_loader_processes"] = pss_loader / 1024  # DataLoader workers; our coordinator, host, workers
+    reports = list(pss_ranks.values())
+    result = summarize(design, steps, params, e2e_ranks.added_kb(reports, pss_ours), time.perf_counter() - started)
+    # the parts of loader_pss_mb: the change of the ranks' own PSS (negative where their pages
+    # became shared with forked workers), and the loader's processes (DataLoader workers; our
+    # coordinator, host agent and workers)
+    result["pss_mb_change_of_trainers"] = sum(now - before for before, now, _ in reports) / 1024
+    result["pss_mb_loader_processes"] = (sum(kids for _, _, kids in reports) + pss_ours) / 1024
     return result
 
 

@@ -4,8 +4,9 @@ cost model gives for its pieces (a GPU step leaves the CPU free), then meets the
 a barrier once per step (synchronous data parallelism).
 
 Per step a rank reports: its compute (cost) seconds, its largest piece's cost, the sum of its
-pieces' costs, and the seconds it waited for data. At the middle step it reports the PSS its
-loader added to it and the PSS of its own loader children (DataLoader workers).
+pieces' costs, and the seconds it waited for data. At the middle step it reports its PSS before
+its loader existed, its PSS now and the PSS of its own loader children (DataLoader workers): the
+bench sums them signed (added_kb).
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def pss_now(pid: int, with_descendants: bool = True) -> tuple[int, int]:
+    """(PSS of the process, summed PSS of its descendants), kB."""
+    return pss_kb(pid), sum(pss_kb(c) for c in descendants(pid)) if with_descendants else 0
+
+
+def added_kb(reports: list[tuple[int, int, int]], loader_kb: int = 0) -> int:
+    """What a loader design added to the machine, kB: for every rank (its PSS before its loader
+    existed, its PSS now, its descendants' PSS now), plus the PSS now of the loader's own
+    processes (our coordinator, host agent and workers). Signed, never clipped: forking workers
+    makes a rank's pages shared, so its PSS falls while its workers carry that share; counting
+    the workers whole and the fall as zero counted those pages twice."""
+    return sum(now + kids - before for before, now, kids in reports) + loader_kb
+
+
 def piece_costs(lengths: np.ndarray, a: float, b: float) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.float64)
     return a * lengths * lengths + b * lengths
@@ -79,9 +94,8 @@ def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank
             time.sleep(dt)
             compute += dt
         if step == mid:
-            mine = max(0, pss_kb(os.getpid()) - pss_before)
-            kids = sum(pss_kb(c) for c in descendants(os.getpid())) if loader_children else 0
-            out.put(("pss", rank, mine, kids))
+            now, kids = pss_now(os.getpid(), loader_children)
+            out.put(("pss", rank, pss_before, now, kids))
         barrier.wait()
         out.put(("step", rank, step, time.perf_counter(), wait, compute, largest, cost_sum))
     out.put(("done", rank))
