@@ -111,6 +111,10 @@ class RuntimeConfig:
     # memory for the recent event bursts and their instructions, written to the state dir when the
     # coordinator fails (coordinator/stimulus.py); 0 keeps none
     stimulus_log_mb: float = 4.0
+    # where indexes of JSONL and WebDataset shards and decompressed copies of compressed JSONL go
+    # (on every host that reads them); None: beside the data where writable, else
+    # $MSD_CACHE_DIR or ~/.cache/megascale-data
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ class JobConfig:
                 {"name": s.name, "index": s.index, "format": s.format, "files": list(s.files),
                  "text_key": s.text_key, "tokens_key": s.tokens_key, "tokenizer": s.tokenizer, "eod_id": s.eod_id,
                  "image_token_id": s.image_token_id, "max_pixels": s.max_pixels, "patch_size": s.patch_size,
-                 "max_record_bytes": s.max_record_bytes, "max_image_pixels": s.max_image_pixels}
+                 "max_record_bytes": s.max_record_bytes, "max_image_pixels": s.max_image_pixels,
+                 "cache_dir": self.runtime.cache_dir}
                 for s in self.sources
             ],
         }
@@ -479,7 +484,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
                                                        "status_every_s", "allocation", "shrink_after_s",
-                                                       "stimulus_log_mb"})
+                                                       "stimulus_log_mb", "cache_dir"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -492,6 +497,13 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     stimulus_mb = c.number(rt.get("stimulus_log_mb", 4.0), "runtime.stimulus_log_mb")
     if stimulus_mb is not None and stimulus_mb < 0:
         c.bad("runtime.stimulus_log_mb", "must be >= 0")
+    cache_dir = rt.get("cache_dir")
+    if cache_dir is not None:
+        if not isinstance(cache_dir, str) or not cache_dir:
+            c.bad("runtime.cache_dir", f"expected a directory path, got {cache_dir!r}")
+            cache_dir = None
+        else:  # relative to the job file, like source paths
+            cache_dir = os.path.join(base, os.path.expanduser(cache_dir))
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -522,7 +534,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
-        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb),
+        runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
+                              cache_dir),
         path=path,
     )
 

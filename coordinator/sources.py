@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from worker.readers import SourceFormatError, SourceReader, open_source
+from worker.readers.indexing import build_indexes
 
 from .config import ConfigError, JobConfig
 
@@ -22,12 +23,16 @@ class OpenedSources:
 
 
 def open_sources(job: JobConfig) -> OpenedSources:
-    """Open every source once (building JSONL offset indexes on first use); raises ConfigError
+    """Open every source once (building missing shard indexes first, in parallel); raises ConfigError
     naming each source that cannot be opened, or that has no records but a weight."""
     counts: list[int] = []
     mapped: dict[int, SourceReader] = {}
     problems: list[str] = []
-    for spec in job.worker_job()["sources"]:
+    specs = job.worker_job()["sources"]
+    # Shards without an index yet are indexed by all cores at once; a shard that fails here fails
+    # again below, where its source's error is reported.
+    build_indexes(specs)
+    for spec in specs:
         try:
             reader = open_source(spec)
         except SourceFormatError as e:

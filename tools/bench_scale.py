@@ -43,6 +43,8 @@ TOKENS_PER_RANK = 8192
 RANKS_PER_PROCESS = 256
 SCRAPE_EVERY_S = 3.0  # the coordinator pays for every scrape (hundreds of series at 306 sources)
 WORKERS = 2
+LOG_LEVEL = os.environ.get("BENCH_SCALE_LOG_LEVEL", "WARNING")  # INFO, with BENCH_SCALE_KEEP_LOGS=1, to see start-up
+KEEP_LOGS = bool(os.environ.get("BENCH_SCALE_KEEP_LOGS"))
 GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 1, 10**5),
         (512, 64, 10**5), (512, 306, 10**5), (512, 306, 10**7)]
 QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
@@ -184,7 +186,7 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     logs = tempfile.mkdtemp(prefix="msd-scale-")
     started = time.time()
     command = ["coordinator", "--config", job, "--bind", address, "--metrics-port", str(metrics), "--log-level",
-               "WARNING"]
+               LOG_LEVEL]
     command = [sys.executable, "-c", PROFILED, profile, *command] if profile else [msd, *command]
     coord = subprocess.Popen(command, stderr=open(os.path.join(logs, "coordinator.log"), "wb"))
     # Peers start once the metrics port is up: their hundreds of outgoing connections take
@@ -198,7 +200,7 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                 raise RuntimeError(f"the coordinator exited at start; logs in {logs}")
             time.sleep(0.05)
     host = subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", str(WORKERS), "--log-level",
-                             "WARNING"], stderr=open(os.path.join(logs, "worker.log"), "wb"))
+                             LOG_LEVEL], stderr=open(os.path.join(logs, "worker.log"), "wb"))
     outs = [os.path.join(logs, f"ranks-{i}.json") for i in range(math.ceil(dp / RANKS_PER_PROCESS))]
     ranks = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "scale_ranks.py"),
                                "--coordinator", address, "--ranks",
@@ -253,7 +255,10 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                 kind = ("in " if "received" in name else "out ") + dict(labels)["type"]
                 rates[kind] = round((v - m0.get((name, labels), 0.0)) / (t1 - t0), 1)
         row["messages_per_s"] = dict(sorted(rates.items(), key=lambda kv: -kv[1]))
-    shutil.rmtree(logs, ignore_errors=True)
+    if KEEP_LOGS:
+        print(f"logs of this point: {logs}", file=sys.stderr)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
     print(orjson.dumps(row).decode(), file=sys.stderr)
     return row
 

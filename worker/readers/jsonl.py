@@ -1,7 +1,7 @@
 """JSONL shards (.jsonl, .jsonl.gz, .jsonl.zst) with a cached line-offset index for direct access.
 
 The index is built by one scan and saved beside the shard as `<shard>.msdidx.npy`, or under the
-cache dir when the data dir is read-only. It records the shard's size and mtime and is rebuilt
+cache dir when the data dir is read-only or the job names one (`runtime.cache_dir`). It records the shard's size and mtime and is rebuilt
 when they change. Compressed streams cannot be seeked, so a compressed shard is decompressed once
 into the same place (`<name>.msd.jsonl`) and read from there: disk traded for random access.
 """
@@ -27,17 +27,20 @@ def default_cache_dir() -> str:
     return os.environ.get("MSD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megascale-data")
 
 
-def _sidecar_path(shard: str, suffix: str, cache_dir: str) -> str:
-    """Beside the data when that dir is writable, else in the cache dir under a hash of the path."""
+def _sidecar_path(shard: str, suffix: str, cache_dir: str | None) -> str:
+    """In the cache dir when one is given (the job's `runtime.cache_dir`), under a hash of the
+    shard's path; else beside the data when that dir is writable, else in the default cache dir."""
     shard_dir = os.path.dirname(os.path.abspath(shard))
-    if os.access(shard_dir, os.W_OK):
-        return shard + suffix
+    if cache_dir is None:
+        if os.access(shard_dir, os.W_OK):
+            return shard + suffix
+        cache_dir = default_cache_dir()
     digest = hashlib.sha1(os.path.abspath(shard).encode()).hexdigest()[:16]
     os.makedirs(cache_dir, exist_ok=True)
     return os.path.join(cache_dir, f"{digest}-{os.path.basename(shard)}{suffix}")
 
 
-def _plain_path(shard: str, cache_dir: str) -> str:
+def _plain_path(shard: str, cache_dir: str | None) -> str:
     """Path of an uncompressed copy of `shard` (the shard itself when it is not compressed)."""
     if shard.endswith(".jsonl"):
         return shard
@@ -60,14 +63,28 @@ def _plain_path(shard: str, cache_dir: str) -> str:
     return plain
 
 
+def _newlines(chunk: bytes) -> np.ndarray:
+    """Positions of the newlines in a chunk. Documents are mostly long lines: then a memchr per
+    line (bytes.find) beats comparing every byte in numpy several times over; for short lines
+    the numpy scan wins."""
+    count = chunk.count(b"\n")
+    if count > len(chunk) >> 8:  # lines under 256 bytes on average
+        return np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64)
+    out = np.empty(count, np.int64)
+    find, pos = chunk.find, -1
+    for i in range(count):
+        pos = find(b"\n", pos + 1)
+        out[i] = pos
+    return out
+
+
 def _scan_offsets(path: str) -> np.ndarray:
     """Start offset of every line, plus the end of the file (a final line without newline counts)."""
     starts = [np.zeros(1, np.int64)]
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            nl = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64)
-            starts.append(nl + size + 1)
+            starts.append(_newlines(chunk) + size + 1)
             size += len(chunk)
     offsets = np.concatenate(starts)
     if offsets[-1] != size:  # last line lacks a newline
@@ -82,7 +99,6 @@ class JsonlShard:
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
         self.shard = shard
-        cache_dir = cache_dir or default_cache_dir()
         self.path = _plain_path(shard, cache_dir)
         self.offsets = self._load_index(_sidecar_path(shard, ".msdidx.npy", cache_dir))
         # Lines are read with pread, not through a memory map: a worker touches a few lines of

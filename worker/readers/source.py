@@ -33,6 +33,7 @@ class SourceReader:
     image_token_id, max_pixels, patch_size}."""
 
     def __init__(self, spec: dict[str, Any], cache_dir: str | None = None) -> None:
+        cache_dir = cache_dir or spec.get("cache_dir")  # the job's runtime.cache_dir, if it names one
         self.name: str = spec["name"]
         self.format: str = spec["format"]
         self.text_key: str = spec.get("text_key") or (DEFAULT_CAPTION_KEY if self.format == "webdataset" else "text")

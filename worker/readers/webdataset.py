@@ -19,7 +19,7 @@ import orjson
 from trainer_client.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
-from .jsonl import _sidecar_path, default_cache_dir
+from .jsonl import _sidecar_path
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTS = ("txt", "json")
@@ -70,7 +70,7 @@ class WebDatasetShard:
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
         self.shard = shard
-        self.samples = self._load_index(_sidecar_path(shard, ".msdidx.json", cache_dir or default_cache_dir()))
+        self.samples = self._load_index(_sidecar_path(shard, ".msdidx.json", cache_dir))
         self._fd: int | None = None
 
     def _load_index(self, index_path: str) -> list[dict[str, Any]]:

@@ -1,0 +1,97 @@
+"""runtime.cache_dir and the parallel indexing of shards at start-up (issue 15's cold start)."""
+
+import os
+
+import numpy as np
+import pytest
+import zstandard
+
+from coordinator.config import ConfigError, parse_job
+from coordinator.sources import open_sources
+from tests.conftest import build_dataset, job_dict
+from worker.readers import open_source
+from worker.readers import indexing
+
+
+def _copy_dataset(tmp_path):
+    root = str(tmp_path / "data")
+    os.makedirs(root)
+    build_dataset(root)
+    return root
+
+
+def _sidecars(root):
+    return sorted(n for _, _, files in os.walk(root) for n in files if ".msd" in n)
+
+
+def test_cache_dir_is_a_path_relative_to_the_job_file_and_a_bad_one_is_named(dataset_dir):
+    job = parse_job(job_dict(runtime={"cache_dir": "cache"}), "job.yaml", base_dir=dataset_dir)
+    assert job.runtime.cache_dir == os.path.join(dataset_dir, "cache")
+    assert all(s["cache_dir"] == job.runtime.cache_dir for s in job.worker_job()["sources"])
+    assert parse_job(job_dict(), "job.yaml", base_dir=dataset_dir).runtime.cache_dir is None
+    with pytest.raises(ConfigError, match="runtime.cache_dir"):
+        parse_job(job_dict(runtime={"cache_dir": 7}), "job.yaml", base_dir=dataset_dir)
+
+
+def test_with_a_cache_dir_every_index_and_decompressed_copy_goes_there_and_workers_reuse_them(tmp_path):
+    root = _copy_dataset(tmp_path)
+    cache = str(tmp_path / "elsewhere")
+    plain = open_sources(parse_job(job_dict(), "job.yaml", base_dir=root))
+    beside = [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if ".msd" in n]
+    assert beside  # the same job without a cache dir put them beside the data
+    for path in beside:
+        os.remove(path)
+    job = parse_job(job_dict(runtime={"cache_dir": cache}), "job.yaml", base_dir=root)
+    opened = open_sources(job)
+    assert opened.num_records == plain.num_records
+    assert _sidecars(root) == []  # nothing beside the data
+    cached = _sidecars(cache)
+    assert any(n.endswith("long-0.jsonl.zst.msd.jsonl") for n in cached)  # the decompressed copy
+    assert sum(n.endswith(".msdidx.npy") for n in cached) == 3  # two web shards and the long one
+    stamps = {n: os.path.getmtime(os.path.join(cache, n)) for n in cached}
+    # a worker opens its sources from the spec it is sent: it finds the cache, builds nothing
+    readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+    assert [r.num_records for r in readers] == plain.num_records
+    assert {n: os.path.getmtime(os.path.join(cache, n)) for n in _sidecars(cache)} == stamps
+    assert readers[2].read(0) is not None
+
+
+def _zst_shard(path, rng, lines=2000):
+    data = b"".join(b'{"text": "%s"}\n' % (b"x" * int(n)) for n in rng.integers(10, 200, lines))
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(data))
+
+
+def test_shards_are_indexed_by_a_pool_a_corrupt_one_is_named_and_a_shard_added_later_is_indexed_alone(tmp_path):
+    rng = np.random.default_rng(3)
+    files = [str(tmp_path / f"s{i}.jsonl.zst") for i in range(6)]
+    for path in files:
+        _zst_shard(path, rng)
+    with open(files[4], "wb") as f:  # not zstd at all
+        f.write(b"this is not a zstd frame" * 100)
+    cache = str(tmp_path / "cache")
+    spec = {"name": "s", "format": "jsonl", "files": files, "cache_dir": cache}
+    problems = indexing.build_indexes([spec], threads=3)
+    assert list(problems) == [files[4]] and "cannot decompress" in problems[files[4]]
+    indexes = sorted(n for n in os.listdir(cache) if n.endswith(".msdidx.npy"))
+    assert len(indexes) == 5
+    stamps = {n: os.path.getmtime(os.path.join(cache, n)) for n in indexes}
+    added = str(tmp_path / "s6.jsonl.zst")
+    _zst_shard(added, rng, 300)
+    spec["files"] = [f for f in files if f != files[4]] + [added]
+    assert indexing.build_indexes([spec], threads=3) == {}
+    assert {n: os.path.getmtime(os.path.join(cache, n)) for n in indexes} == stamps  # untouched
+    assert open_source(spec).num_records == 5 * 2000 + 300
+
+
+@pytest.mark.parametrize("line_bytes", [3, 60, 255, 256, 400, 5000])
+def test_line_offsets_are_the_same_by_either_scan(tmp_path, line_bytes):
+    from worker.readers.jsonl import _newlines, _scan_offsets
+
+    rng = np.random.default_rng(line_bytes)
+    data = b"".join(b"y" * int(n) + b"\n" for n in rng.integers(0, 2 * line_bytes, 3000)) + b"tail"
+    assert _newlines(data).tolist() == np.flatnonzero(np.frombuffer(data, np.uint8) == 10).tolist()
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(data)
+    expected = [0] + [i + 1 for i, b in enumerate(data) if b == 10] + [len(data)]
+    assert _scan_offsets(str(path)).tolist() == expected

@@ -1,0 +1,132 @@
+"""Cold start on compressed JSONL: how long before a job can plan, when nothing is indexed yet.
+
+    python tools/bench_coldstart.py --json OUT [--shards 16] [--shard-mb 100]
+
+Writes S shards of real text (this Python's standard library, documents of lognormal length)
+as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alternately and
+--repeats times:
+- the reference: `zstd -d -c SHARD | wc -l` for every shard, one after another (what one core
+  needs to decompress the bytes and count their lines), and that divided by the core count;
+- ours cold: a fresh process opening the job's sources as `msd coordinator` does at start-up
+  (coordinator.sources.open_sources), with every index and decompressed copy removed first;
+- ours warm: the same with everything cached.
+Also the disk the cache takes (decompressed copies and line indexes) against the compressed
+shards. Medians and spreads in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_output import emit  # noqa: E402
+
+from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
+
+OPEN = "import sys; from coordinator.config import load_job; from coordinator.sources import open_sources; " \
+       "print(sum(open_sources(load_job(sys.argv[1])).num_records))"
+
+
+def make_shards(root: str, shards: int, shard_mb: int) -> list[str]:
+    stamp = os.path.join(root, f".complete-{shards}-{shard_mb}")
+    paths = [os.path.join(root, f"shard-{i:03d}.jsonl.zst") for i in range(shards)]
+    if os.path.exists(stamp):
+        return paths
+    os.makedirs(root, exist_ok=True)
+    text = "\n\n".join(src for _, src in _stdlib_sources())
+    rng = np.random.default_rng(15)
+    for i, path in enumerate(paths):
+        plain = path[:-4]
+        written = 0
+        with open(plain, "wb") as f:
+            while written < shard_mb << 20:
+                lines = []
+                for n in np.clip(rng.lognormal(7.0, 1.0, 4096), 50, 200_000).astype(int).tolist():
+                    start = int(rng.integers(0, len(text) - n - 1))
+                    lines.append(orjson.dumps({"text": text[start:start + n]}))
+                block = b"\n".join(lines) + b"\n"
+                f.write(block)
+                written += len(block)
+        subprocess.run(["zstd", "-q", "-3", "-f", "--rm", plain, "-o", path], check=True)
+    open(stamp, "w").close()
+    return paths
+
+
+def clear_cache(root: str, cache: str) -> None:
+    shutil.rmtree(cache, ignore_errors=True)
+    for name in os.listdir(root):
+        if ".msd" in name:
+            os.remove(os.path.join(root, name))
+
+
+def reference_s(paths: list[str]) -> float:
+    started = time.perf_counter()
+    for p in paths:
+        subprocess.run(f"zstd -d -c '{p}' | wc -l", shell=True, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def ours_s(job: str) -> tuple[float, int]:
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", OPEN, job], check=True, capture_output=True, text=True)
+    return time.perf_counter() - started, int(out.stdout.strip())
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(path) for n in files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--shard-mb", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/megascale-data/bench-coldstart"))
+    args = ap.parse_args()
+    root = os.path.join(args.data_dir, f"{args.shards}x{args.shard_mb}")
+    paths = make_shards(root, args.shards, args.shard_mb)
+    cache = os.path.join(args.data_dir, "cache")
+    job = os.path.join(args.data_dir, "job.yaml")
+    with open(job, "w") as f:
+        yaml.safe_dump({"seed": 1, "sources": {"text": {"format": "jsonl", "paths": [os.path.join(root, "*.jsonl.zst")]}},
+                        "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8},
+                        "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
+                        "runtime": {"cache_dir": cache}}, f)
+    cores = os.cpu_count() or 1
+    ref, cold, warm, records = [], [], [], None
+    for _ in range(args.repeats):
+        ref.append(reference_s(paths))
+        clear_cache(root, cache)
+        seconds, records = ours_s(job)
+        cold.append(seconds)
+        warm.append(ours_s(job)[0])
+    compressed = sum(os.path.getsize(p) for p in paths)
+    cache_bytes = _du(cache)
+    med = statistics.median
+    result = {
+        "shards": args.shards, "records": records, "compressed_bytes": compressed, "cores": cores,
+        "reference_serial_s": med(ref), "reference_spread_s": [min(ref), max(ref)],
+        "reference_per_core_s": med(ref) / cores,
+        "ours_cold_s": med(cold), "ours_cold_spread_s": [min(cold), max(cold)],
+        "ours_warm_s": med(warm), "ours_warm_spread_s": [min(warm), max(warm)],
+        "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
+        "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
+        "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
+    }
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Building the indexes that random access needs (JSONL line offsets, decompressed copies of
+compressed JSONL, WebDataset tar indexes) for many shards at once, with progress in the log.
+
+A shard's index is built on first open and cached (jsonl.py, webdataset.py); opened one shard
+after another, a cold start of a large corpus was one core decompressing and scanning every
+byte. Here the shards that have no index yet are built by a pool of processes (spawned: the
+caller may have threads; the scan of long lines is Python and would hold a thread pool to one
+core), so a host's cores share the work. Megatron and Parquet sources carry their own indexes
+and are not touched here.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from typing import Any
+
+from .errors import SourceFormatError
+from .jsonl import JsonlShard, _sidecar_path
+from .webdataset import WebDatasetShard
+
+log = logging.getLogger("msd.indexing")
+
+PROGRESS_EVERY_S = 5.0
+_SHARD_TYPES = {"jsonl": JsonlShard, "webdataset": WebDatasetShard}
+
+
+def build_indexes(specs: list[dict[str, Any]], threads: int | None = None) -> dict[str, str]:
+    """Build and cache the index of every JSONL and WebDataset shard of these source specs that
+    has none yet, `threads` processes at a time (default: the cores). Returns {shard path:
+    problem} for shards that could not be indexed; the caller reports them where it opens the
+    source."""
+    work = [(spec["format"], path, spec.get("cache_dir")) for spec in specs if spec["format"] in _SHARD_TYPES
+            for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+    if not work:
+        return {}
+    sizes = {path: _size(path) for _, path, _ in work}
+    total = sum(sizes.values())
+    threads = threads or os.cpu_count() or 1
+    problems: dict[str, str] = {}
+    done, done_bytes, lock = 0, 0, threading.Lock()
+    started = last_report = time.monotonic()
+
+    threads = min(threads, len(work))
+    pool = (ProcessPoolExecutor(max_workers=threads, mp_context=multiprocessing.get_context("spawn"))
+            if threads > 1 else ThreadPoolExecutor(max_workers=1))
+    with pool:
+        futures = {pool.submit(index_one, *w): w[1] for w in work}
+        for future in as_completed(futures):
+            path = futures[future]
+            try:
+                future.result()
+            except (SourceFormatError, OSError) as e:
+                problems[path] = str(e)
+            with lock:
+                done += 1
+                done_bytes += sizes[path]
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S and done < len(work):
+                last_report = now
+                rate = done_bytes / max(now - started, 1e-9)
+                left = (total - done_bytes) / rate if rate > 0 else float("inf")
+                log.info("indexing shards: %d of %d, %.2f of %.2f GB, %.0f MB/s, about %.0f s left",
+                         done, len(work), done_bytes / 1e9, total / 1e9, rate / 1e6, left)
+    seconds = time.monotonic() - started
+    if seconds >= 1.0:
+        log.info("indexed %d shards (%.2f GB) in %.1f s with %d processes", len(work), total / 1e9, seconds, threads)
+    return problems
+
+
+def index_one(fmt: str, path: str, cache_dir: str | None) -> None:
+    """Build and cache one shard's index if it is missing or stale (in a pool process)."""
+    _SHARD_TYPES[fmt](path, cache_dir)
+
+
+def _looks_indexed(fmt: str, path: str, cache_dir: str | None) -> bool:
+    """An index file newer than the shard exists (a cheap guess: the open that follows checks the
+    index properly, and rebuilds it if the guess was wrong)."""
+    suffix = ".msdidx.npy" if fmt == "jsonl" else ".msdidx.json"
+    try:
+        return os.path.getmtime(_sidecar_path(path, suffix, cache_dir)) >= os.path.getmtime(path)
+    except OSError:
+        return False
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
