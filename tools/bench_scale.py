@@ -1,6 +1,7 @@
 """Can one coordinator keep up with 1,024 ranks and 306 sources? A fleet on one machine.
 
     python tools/bench_scale.py --json OUT [--quick] [--points DP:S:R,...]
+    python tools/bench_scale.py --plot-from OUT PNG
 
 Per grid point (DP ranks, S sources, R records per source): a real `msd coordinator` (with
 --metrics-port), a real `msd worker` host with 2 worker processes, and DP light trainer ranks
@@ -263,7 +264,40 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     return row
 
 
+def plot(result: dict, png: str) -> None:
+    """Coordinator CPU per step against DP (one source) and against sources (DP 512)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in result["points"] if p.get("coordinator_cpu_ms_per_step") is not None]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    by_dp = sorted((p["dp"], p["coordinator_cpu_ms_per_step"]) for p in pts if p["sources"] == 1)
+    left.plot(*zip(*by_dp), marker="o", label="measured, 1 source")
+    left.plot([512, 1024], [100, 200], "r^", label="target")
+    left.set(xscale="log", xlabel="data-parallel ranks", ylabel="coordinator CPU ms per step")
+    for records, style in ((10**5, "o-"), (10**7, "s")):
+        by_s = sorted((p["sources"], p["coordinator_cpu_ms_per_step"]) for p in pts
+                      if p["dp"] == 512 and p["records_per_source"] in (records, 10**5 if p["sources"] == 1 else -1))
+        if by_s:
+            right.plot(*zip(*by_s), style, label=f"DP 512, {records:.0e} records per source")
+    single = next((p["coordinator_cpu_ms_per_step"] for p in pts if p["dp"] == 512 and p["sources"] == 1), None)
+    if single:
+        right.axhline(1.5 * single, color="r", linestyle=":", label="target: 1.5x one source")
+    right.set(xlabel="sources", ylabel="coordinator CPU ms per step")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--plot-from":  # RESULT.json PNG
+        with open(sys.argv[2], "rb") as f:
+            plot(orjson.loads(f.read()), sys.argv[3])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
