@@ -55,6 +55,11 @@ class Registration:
             return self.heartbeat()
         return None
 
+    @property
+    def last_beat(self) -> float:
+        """When the last heartbeat (or a message that counts as one) went out."""
+        return self._last_beat
+
     def heard(self, now: float) -> None:
         self.last_heard = now
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -85,6 +86,21 @@ Action = ToCoordinator | ToRank | ReleaseRank | Registered | Forgotten | Quit
 # kill itself with SIGKILL when it is about to read one of these records, as a crash in a native
 # decoder or the OOM killer would. Nothing else can make a process die on one given record.
 KILL_RECORDS_ENV = "MSD_KILL_RECORDS"
+# fault injection for tests: "source:record=seconds,..." makes reading those records that slow
+SLOW_RECORDS_ENV = "MSD_TEST_SLOW_RECORDS"
+
+
+def _slow_records(specs: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    index = {spec.get("name"): s for s, spec in enumerate(specs)}
+    out: dict[tuple[int, int], float] = {}
+    for item in filter(None, (x.strip() for x in os.environ.get(SLOW_RECORDS_ENV, "").split(","))):
+        where, _, seconds = item.partition("=")
+        name, _, record = where.rpartition(":")
+        try:
+            out[(index[name], int(record))] = float(seconds)
+        except (KeyError, ValueError):
+            log.warning("%s: %r is not source:record=seconds of this job; ignored", SLOW_RECORDS_ENV, item)
+    return out
 
 
 def _kill_records(specs: list[dict[str, Any]]) -> dict[int, set[int]]:
@@ -113,6 +129,12 @@ class WorkerCore:
         self.readers: dict[int, SourceReader] = {}
         self.cache: dict[int, CacheEntry] = {}  # doc key -> entry (memory-mapped records are never cached)
         self.kill_records: dict[int, set[int]] = {}  # fault injection (KILL_RECORDS_ENV), by source index
+        self.slow_records: dict[tuple[int, int], float] = {}  # fault injection (SLOW_RECORDS_ENV)
+        # Called between the parts of long work (each source opened, each record read, each
+        # source gathered): the loop cannot heartbeat while the core works, and a worker busy
+        # for three heartbeats (opening hundreds of sources with a cold page cache) was taken
+        # for dead. The worker loop sets it to send a heartbeat when one is due.
+        self.keep_alive: Callable[[], None] = lambda: None
 
     def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
         kind = msg["type"]
@@ -151,10 +173,12 @@ class WorkerCore:
         self.readers.clear()
         self.cache.clear()
         self.kill_records = _kill_records(self.specs)
+        self.slow_records = _slow_records(self.specs)
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
             if spec.get("format") == "megatron":
+                self.keep_alive()
                 try:
                     self._reader(s)
                 except Exception as e:
@@ -189,8 +213,11 @@ class WorkerCore:
             key = doc_key(s, record)
             entry = self.cache.get(key)
             if entry is None:
+                self.keep_alive()
                 if record in self.kill_records.get(s, ()):
                     _die_as_a_native_crash_would(reader.where(record))
+                if (s, record) in self.slow_records:
+                    time.sleep(self.slow_records[(s, record)])
                 try:
                     tokens, images = reader.read_sample(record)
                 except RecordError as e:
@@ -267,6 +294,7 @@ class WorkerCore:
         sources = split_doc_key(rows[:, DELIVER_ITEM.doc_key])[0]
         kept, parts, patch_parts, patch_counts = [], [], [], []
         for s in np.unique(sources).tolist():
+            self.keep_alive()
             mine = rows[sources == s]
             reader = self._reader(s)
             mine = mine[self._servable(step, reader, mine)]

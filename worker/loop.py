@@ -66,6 +66,8 @@ class Worker:
         self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
         self.metrics = worker_metrics()  # Prometheus (msd worker --metrics-port), or None
         self._sampled = 0.0
+        self._kept_alive = float("-inf")
+        self.core.keep_alive = self._keep_alive
 
     def close(self) -> None:
         self.outbox.close()
@@ -142,6 +144,18 @@ class Worker:
             self.registration.forgotten()
         elif isinstance(action, Quit):
             self.running = False
+
+    def _keep_alive(self) -> None:
+        """A heartbeat now, if one is due, from inside long work of the core (same thread, same
+        socket): a registered worker, or one working through its welcome (opening its sources),
+        is not to be taken for dead while it works."""
+        now = time.monotonic()
+        interval = self.registration.heartbeat_s
+        if self.core.worker_id is None or now - max(self._kept_alive, self.registration.last_beat) < interval:
+            return
+        self._kept_alive = now
+        send_nowait(self.control, self.registration.heartbeat())
+        self.registration.spoke(now)
 
     def _data_socket(self, address: str) -> zmq.Socket:
         sock = make_socket(self.ctx, zmq.PUSH)

@@ -93,3 +93,17 @@ def test_a_frozen_trainer_process_never_makes_a_worker_look_dead(paused_job, tmp
     text = open(log).read()
     assert "rank 1 silent" in text, "the frozen rank was noticed"
     assert "worker" not in "".join(line for line in text.splitlines() if "declared dead" in line)
+
+
+def test_a_worker_busy_reading_for_many_deadlines_is_not_taken_for_dead(paused_job, tmp_path, monkeypatch):
+    """One prepare task can take longer than three heartbeats (slow records, hundreds of sources
+    opened with a cold page cache): the worker's core keeps it alive from inside the work, so
+    nothing is declared dead or prepared again, and the stream is the clean one."""
+    path, clean = paused_job
+    # every early record of `web` takes 0.3 s to read: a task of a few of them takes longer than
+    # the 0.6 s after which a silent worker is declared dead
+    monkeypatch.setenv("MSD_TEST_SLOW_RECORDS", ",".join(f"web:{r}=0.3" for r in range(40)))
+    log = str(tmp_path / "busy.log")
+    busy = run_job(path, workers=2, ranks=2, steps=STEPS, log_path=log, timeout_s=120)
+    assert signature(busy) == signature(clean)
+    _no_recovery(log)
