@@ -93,6 +93,11 @@ class MegatronIndex:
                 raise SourceFormatError(
                     f"{bin_path}: truncated or foreign data file ({bin_size} bytes, index needs {last_end})"
                 )
+        # From here on, lookups land on random entries: without this, each page fault on a cold
+        # index read ahead (128 KB) around it, and a cold first step of hundreds of sources read
+        # mostly pages nobody asked for (after the start-up check, which may scan it in order).
+        if hasattr(mmap, "MADV_RANDOM"):
+            idx.madvise(mmap.MADV_RANDOM)
         self._bin = _map(bin_path) if bin_size else b""
         self._all_tokens = np.frombuffer(self._bin, dtype=self.dtype, count=bin_size // self.dtype.itemsize)
         # .item() gives Python ints without numpy scalar overhead; no .tolist() copies, so memory
