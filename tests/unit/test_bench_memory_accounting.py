@@ -3,42 +3,46 @@ change of the summed PSS of every process. A loader that adds nothing (a rank th
 workers) must read near zero; the old accounting (the rank's fall clipped at zero, its workers
 counted whole) read the shared pages twice."""
 
-import gc
 import os
-import signal
+import subprocess
 import sys
-import time
 
+import orjson
+
+# A fresh process, as a trainer rank is: the test runner's own heap (and its threads, writing to
+# pages it shares with forked children) would be measured too.
+RANK = r'''
+import gc, os, signal, sys, time
 import numpy as np
-
-sys.path.insert(0, "tools")
-
-import e2e_ranks  # noqa: E402
+sys.path.insert(0, sys.argv[1])
+import e2e_ranks, orjson
+heap = np.ones(200 * 2**20 // 8)  # a trainer's 200 MB, touched
+gc.collect()
+gc.freeze()  # as the baselines do before their workers fork
+before = e2e_ranks.pss_kb(os.getpid())
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:  # an idle worker: touches nothing
+        signal.pause()
+        os._exit(0)
+    children.append(pid)
+time.sleep(0.5)
+now, kids = e2e_ranks.pss_now(os.getpid())
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(orjson.dumps({"before": before, "now": now, "kids": kids,
+                    "added": e2e_ranks.added_kb([(before, now, kids)])}).decode())
+'''
 
 
 def test_a_loader_that_adds_nothing_reads_near_zero_where_clipping_read_the_shared_pages_twice():
-    heap = np.ones(200 * 2**20 // 8)  # a trainer's 200 MB, touched
-    gc.collect()
-    gc.freeze()  # as the baselines do before their workers fork
-    before = e2e_ranks.pss_kb(os.getpid())
-    children = []
-    for _ in range(4):
-        pid = os.fork()
-        if pid == 0:  # an idle worker: touches nothing
-            signal.pause()
-            os._exit(0)
-        children.append(pid)
-    try:
-        time.sleep(0.5)
-        now, kids = e2e_ranks.pss_now(os.getpid())
-        added = e2e_ranks.added_kb([(before, now, kids)])
-        clipped = max(0, now - before) + kids
-        assert abs(added) < 24 * 1024, (before, now, kids)  # a few MB of copied pages per worker at most
-        assert clipped > 120 * 1024  # the 4 workers' share of the 200 MB, counted again
-        assert now < before - 120 * 1024  # the rank's own PSS fell: its pages are shared now
-    finally:
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        gc.unfreeze()
-        del heap
+    tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools")
+    out = orjson.loads(subprocess.run([sys.executable, "-c", RANK, tools], check=True, capture_output=True,
+                                      timeout=60).stdout)
+    before, now, kids, added = out["before"], out["now"], out["kids"], out["added"]
+    clipped = max(0, now - before) + kids
+    assert abs(added) < 24 * 1024, out  # a few MB of copied pages per worker at most
+    assert clipped > 120 * 1024, out  # the 4 workers' share of the 200 MB, counted again
+    assert now < before - 120 * 1024, out  # the rank's own PSS fell: its pages are shared now
