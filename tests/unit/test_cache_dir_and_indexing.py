@@ -95,3 +95,20 @@ def test_line_offsets_are_the_same_by_either_scan(tmp_path, line_bytes):
     path.write_bytes(data)
     expected = [0] + [i + 1 for i, b in enumerate(data) if b == 10] + [len(data)]
     assert _scan_offsets(str(path)).tolist() == expected
+
+
+def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_whole(tmp_path):
+    from worker.readers.errors import SourceFormatError
+
+    lines = [b'{"text": "line %d"}\n' % i for i in range(3000)]
+    frames = zstandard.ZstdCompressor().compress(b"".join(lines[:1000])) + \
+        zstandard.ZstdCompressor().compress(b"".join(lines[1000:]))
+    whole = tmp_path / "two-frames.jsonl.zst"
+    whole.write_bytes(frames)
+    spec = {"name": "t", "format": "jsonl", "files": [str(whole)], "cache_dir": str(tmp_path / "cache")}
+    reader = open_source(spec)
+    assert reader.num_records == 3000 and reader.read(2999) is not None
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(frames[: len(frames) - 40])
+    with pytest.raises(SourceFormatError, match="cut.jsonl.zst: cannot decompress: .*truncated"):
+        open_source({**spec, "files": [str(cut)]})

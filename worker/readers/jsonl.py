@@ -45,22 +45,44 @@ def _plain_path(shard: str, cache_dir: str | None) -> str:
     if shard.endswith(".jsonl"):
         return shard
     if shard.endswith(".jsonl.gz"):
-        opener = lambda: gzip.open(shard, "rb")  # noqa: E731
+        def decompress(out) -> None:
+            with gzip.open(shard, "rb") as src:  # a truncated stream raises EOFError
+                shutil.copyfileobj(src, out, _CHUNK)
     elif shard.endswith(".jsonl.zst"):
-        opener = lambda: zstandard.ZstdDecompressor().stream_reader(open(shard, "rb"), closefd=True)  # noqa: E731
+        def decompress(out) -> None:
+            _copy_zstd(shard, out)
     else:
         raise SourceFormatError(f"{shard}: not a .jsonl, .jsonl.gz or .jsonl.zst file")
     plain = _sidecar_path(shard, ".msd.jsonl", cache_dir)
     if not os.path.exists(plain) or os.path.getmtime(plain) < os.path.getmtime(shard):
         def copy(out) -> None:
             try:
-                with opener() as src:
-                    shutil.copyfileobj(src, out, _CHUNK)
+                decompress(out)
             except (OSError, EOFError, zstandard.ZstdError) as e:
                 raise SourceFormatError(f"{shard}: cannot decompress: {e}") from None
 
         atomic_write(plain, copy)
     return plain
+
+
+def _copy_zstd(shard: str, out) -> None:
+    """Decompress every frame of a zstd file into `out`; a stream that ends inside a frame is an
+    error (zstandard's stream reader returns what it has and says nothing: a truncated shard
+    would be read short, its lost records never named)."""
+    decompressor = zstandard.ZstdDecompressor()
+    frame, fed = decompressor.decompressobj(), False
+    with open(shard, "rb") as src:
+        while chunk := src.read(_CHUNK):
+            while chunk:
+                out.write(frame.decompress(chunk))
+                fed = True
+                if frame.eof:  # the next frame, if any, starts in what this one did not use
+                    chunk = frame.unused_data
+                    frame, fed = decompressor.decompressobj(), False
+                else:
+                    chunk = b""
+    if fed and not frame.eof:
+        raise SourceFormatError(f"{shard}: cannot decompress: the zstd stream ends inside a frame (truncated file?)")
 
 
 def _newlines(chunk: bytes) -> np.ndarray:
