@@ -71,7 +71,7 @@ def test_shards_are_indexed_by_a_pool_a_corrupt_one_is_named_and_a_shard_added_l
         f.write(b"this is not a zstd frame" * 100)
     cache = str(tmp_path / "cache")
     spec = {"name": "s", "format": "jsonl", "files": files, "cache_dir": cache}
-    problems = indexing.build_indexes([spec], threads=3)
+    problems = indexing.build_indexes([spec], processes=3)
     assert list(problems) == [files[4]] and "cannot decompress" in problems[files[4]]
     indexes = sorted(n for n in os.listdir(cache) if n.endswith(".msdidx.npy"))
     assert len(indexes) == 5
@@ -79,7 +79,7 @@ def test_shards_are_indexed_by_a_pool_a_corrupt_one_is_named_and_a_shard_added_l
     added = str(tmp_path / "s6.jsonl.zst")
     _zst_shard(added, rng, 300)
     spec["files"] = [f for f in files if f != files[4]] + [added]
-    assert indexing.build_indexes([spec], threads=3) == {}
+    assert indexing.build_indexes([spec], processes=3) == {}
     assert {n: os.path.getmtime(os.path.join(cache, n)) for n in indexes} == stamps  # untouched
     assert open_source(spec).num_records == 5 * 2000 + 300
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from typing import Any
 
-from .errors import SourceFormatError
 from .jsonl import JsonlShard, _sidecar_path
 from .webdataset import WebDatasetShard
 
@@ -29,36 +27,32 @@ PROGRESS_EVERY_S = 5.0
 _SHARD_TYPES = {"jsonl": JsonlShard, "webdataset": WebDatasetShard}
 
 
-def build_indexes(specs: list[dict[str, Any]], threads: int | None = None) -> dict[str, str]:
+def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
     """Build and cache the index of every JSONL and WebDataset shard of these source specs that
-    has none yet, `threads` processes at a time (default: the cores). Returns {shard path:
-    problem} for shards that could not be indexed; the caller reports them where it opens the
-    source."""
+    has none yet, `processes` at a time (default: the cores). Returns {shard path: problem} for
+    shards that could not be indexed; the caller reports them where it opens the source."""
     work = [(spec["format"], path, spec.get("cache_dir")) for spec in specs if spec["format"] in _SHARD_TYPES
             for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
     if not work:
         return {}
     sizes = {path: _size(path) for _, path, _ in work}
     total = sum(sizes.values())
-    threads = threads or os.cpu_count() or 1
+    processes = min(processes or os.cpu_count() or 1, len(work))
     problems: dict[str, str] = {}
-    done, done_bytes, lock = 0, 0, threading.Lock()
+    done = done_bytes = 0
     started = last_report = time.monotonic()
-
-    threads = min(threads, len(work))
-    pool = (ProcessPoolExecutor(max_workers=threads, mp_context=multiprocessing.get_context("spawn"))
-            if threads > 1 else ThreadPoolExecutor(max_workers=1))
+    pool = (ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"))
+            if processes > 1 else ThreadPoolExecutor(max_workers=1))
     with pool:
         futures = {pool.submit(index_one, *w): w[1] for w in work}
         for future in as_completed(futures):
             path = futures[future]
             try:
                 future.result()
-            except (SourceFormatError, OSError) as e:
-                problems[path] = str(e)
-            with lock:
-                done += 1
-                done_bytes += sizes[path]
+            except Exception as e:  # noqa: BLE001 - a bad shard, or a pool process lost: the open after this reports it
+                problems[path] = str(e) or type(e).__name__
+            done += 1
+            done_bytes += sizes[path]
             now = time.monotonic()
             if now - last_report >= PROGRESS_EVERY_S and done < len(work):
                 last_report = now
@@ -68,7 +62,8 @@ def build_indexes(specs: list[dict[str, Any]], threads: int | None = None) -> di
                          done, len(work), done_bytes / 1e9, total / 1e9, rate / 1e6, left)
     seconds = time.monotonic() - started
     if seconds >= 1.0:
-        log.info("indexed %d shards (%.2f GB) in %.1f s with %d processes", len(work), total / 1e9, seconds, threads)
+        log.info("indexed %d shards (%.2f GB) in %.1f s with %d processes", len(work), total / 1e9, seconds,
+                 processes)
     return problems
 
 
