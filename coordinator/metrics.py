@@ -77,8 +77,8 @@ class CoordinatorMetrics:
         self._pending: dict[int, dict[str, int]] = {}  # step -> tokens per source, until every rank consumed it
         self._delivered: dict[str, int] = {}
         self._token_children: dict[str, Any] = {}
-        self._message_counts: dict[tuple[int, str], int] = {}
-        self._message_children: dict[tuple[int, str], Any] = {}
+        self._message_counts: dict[tuple[Counter, str], int] = {}
+        self._message_children: dict[tuple[Counter, str], Any] = {}
         self._consumed_children: dict[int, Any] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
@@ -109,15 +109,14 @@ class CoordinatorMetrics:
         """Count one message of `kind`: a dict increment here, added to the Prometheus counter at
         the next update (at a thousand ranks, the counter's lock and child lookup per message cost
         a noticeable share of the coordinator's CPU)."""
-        key = (id(counter), kind)
+        key = (counter, kind)
         self._message_counts[key] = self._message_counts.get(key, 0) + 1
 
     def _flush_messages(self) -> None:
-        for (counter_id, kind), n in self._message_counts.items():
-            counter = self.received if counter_id == id(self.received) else self.sent
-            child = self._message_children.get((counter_id, kind))
+        for (counter, kind), n in self._message_counts.items():
+            child = self._message_children.get((counter, kind))
             if child is None:
-                child = self._message_children[(counter_id, kind)] = counter.labels(kind)
+                child = self._message_children[(counter, kind)] = counter.labels(kind)
             child.inc(n)
         self._message_counts.clear()
 

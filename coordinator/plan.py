@@ -337,10 +337,11 @@ class Planner:
         off = np.concatenate([carry_rows[:, 2], np.zeros(int(take.sum()), np.int64)])[order]
         end = np.concatenate([carry_rows[:, 3], ends[take]])[order]
         table, piece_ends = _pieces(src[unit_seg], pos, rec, off, end, seq_len)
-        bounds = np.searchsorted(unit_seg[np.repeat(np.arange(len(pos)), -(-(end - off) // seq_len))],
-                                 np.arange(n + 1))
+        # active sources come in ascending order, so the table's rows are grouped by source
+        lows = np.searchsorted(table[:, SOURCE], src, side="left")
+        highs = np.searchsorted(table[:, SOURCE], src, side="right")
         for i in np.flatnonzero(ok).tolist():
-            lo, hi = bounds[i], bounds[i + 1]
+            lo, hi = lows[i], highs[i]
             missing = st.cursors[fast[i]] + int(first_unknown[i]) if first_unknown[i] < size[i] else None
             out[fast[i]] = _Candidates(table[lo:hi], piece_ends[lo:hi], missing, False)
         return out

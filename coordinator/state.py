@@ -618,18 +618,16 @@ class CoordinatorState:
 
     def _refill(self, s: int, batch: int, window: int) -> None:
         table, cursors = self.tables[s], self.planner.state.cursors
-        if s in self.mapped:  # the whole shortfall at once, in whole tasks
-            short = window - (table.end - cursors[s])
-            self._prepare_mapped(s, min(-(-short // batch) * batch, self._left(s)))
+        if s in self.mapped:
+            self._prepare_mapped(s, cursors[s] + window, batch)
             return
         while table.end - cursors[s] < window and self._left(s):
             self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
         batch = int(self._task_sizes(self._records_per_step())[s])
-        if s in self.mapped and self.registry.workers and self.tables[s].end <= position:
-            short = position + 1 - self.tables[s].end
-            self._prepare_mapped(s, min(-(-short // batch) * batch, self._left(s)))
+        if s in self.mapped and self.registry.workers:
+            self._prepare_mapped(s, position + 1, batch)
         while self.tables[s].end <= position and self.registry.workers and self._left(s):
             self._prepare_next_batch(s, min(batch, self._left(s)))
 
@@ -637,13 +635,15 @@ class CoordinatorState:
         records = self.planner.streams[s].records_array(self.tables[s].end, batch)
         self._issue_prepare(s, self.tables[s].issue(records))
 
-    def _prepare_mapped(self, s: int, count: int) -> None:
-        """The next `count` records of a memory-mapped source, prepared here in one pass (their
-        lengths come from the index) and dealt to workers in prepare_batch chunks, each chunk to
-        the worker a task of it would go to (workforce.choose: least work queued, then fewest
-        such records held). One pass instead of a task per chunk: at a thousand ranks a step
-        needs thousands of records, and sixty small tasks a step were a sixth of the
-        coordinator's CPU."""
+    def _prepare_mapped(self, s: int, until: int, batch: int) -> None:
+        """A memory-mapped source's positions up to `until` (exclusive; the shortfall rounded up
+        to whole tasks of `batch`), prepared here in one pass (their lengths come from the index)
+        and dealt to workers in prepare_batch chunks, each chunk to the worker a task of it would
+        go to (workforce.choose: least work queued, then fewest such records held). One pass
+        instead of a task per chunk: at a thousand ranks a step needs thousands of records, and
+        sixty small tasks a step were a sixth of the coordinator's CPU."""
+        short = until - self.tables[s].end
+        count = min(-(-short // batch) * batch, self._left(s))
         if count <= 0:
             return
         workers = self.registry.workers
@@ -654,7 +654,7 @@ class CoordinatorState:
         lengths = np.zeros(len(records), dtype=np.int64)
         good = np.ones(len(records), dtype=bool)
         if s in self.quarantined:
-            good = ~np.isin(records, np.fromiter(self.quarantined[s], dtype=np.int64))
+            good = ~self._is_quarantined(s, records)
             if not good.all():
                 self._count_skip(s, "quarantined", int((~good).sum()))
         lengths[good] = self._mapped_lengths(s, records[good])
@@ -710,7 +710,7 @@ class CoordinatorState:
         """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
         by worker_id, and never handed to a worker; True when nothing of the task is left to do."""
         s = task.source
-        bad = np.isin(self.tables[s].records(task.positions), np.fromiter(self.quarantined[s], dtype=np.int64))
+        bad = self._is_quarantined(s, self.tables[s].records(task.positions))
         if not bad.any():
             return False
         self._count_skip(s, "quarantined", int(bad.sum()))
@@ -720,6 +720,9 @@ class CoordinatorState:
             return False
         self.tasks.drop(task)
         return True
+
+    def _is_quarantined(self, s: int, records: np.ndarray) -> np.ndarray:
+        return np.isin(records, np.fromiter(self.quarantined[s], dtype=np.int64))
 
     def _mapped_lengths(self, s: int, records: np.ndarray) -> np.ndarray:
         """Lengths of memory-mapped records from their index; a record over max_record_bytes is

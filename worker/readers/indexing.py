@@ -18,13 +18,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from typing import Any
 
-from .jsonl import JsonlShard, _sidecar_path
-from .webdataset import WebDatasetShard
+from . import jsonl, webdataset
 
 log = logging.getLogger("msd.indexing")
 
 PROGRESS_EVERY_S = 5.0
-_SHARD_TYPES = {"jsonl": JsonlShard, "webdataset": WebDatasetShard}
+_SHARD_TYPES = {"jsonl": jsonl.JsonlShard, "webdataset": webdataset.WebDatasetShard}
+_INDEX_SUFFIXES = {"jsonl": jsonl.INDEX_SUFFIX, "webdataset": webdataset.INDEX_SUFFIX}
 
 
 def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
@@ -75,9 +75,8 @@ def index_one(fmt: str, path: str, cache_dir: str | None) -> None:
 def _looks_indexed(fmt: str, path: str, cache_dir: str | None) -> bool:
     """An index file newer than the shard exists (a cheap guess: the open that follows checks the
     index properly, and rebuilds it if the guess was wrong)."""
-    suffix = ".msdidx.npy" if fmt == "jsonl" else ".msdidx.json"
     try:
-        return os.path.getmtime(_sidecar_path(path, suffix, cache_dir)) >= os.path.getmtime(path)
+        return os.path.getmtime(jsonl._sidecar_path(path, _INDEX_SUFFIXES[fmt], cache_dir)) >= os.path.getmtime(path)
     except OSError:
         return False
 

@@ -21,6 +21,7 @@ from trainer_client.files import atomic_write
 from .errors import RecordError, SourceFormatError
 
 _CHUNK = 16 << 20
+INDEX_SUFFIX = ".msdidx.npy"
 
 
 def default_cache_dir() -> str:
@@ -122,7 +123,7 @@ class JsonlShard:
             raise SourceFormatError(f"{shard}: file not found")
         self.shard = shard
         self.path = _plain_path(shard, cache_dir)
-        self.offsets = self._load_index(_sidecar_path(shard, ".msdidx.npy", cache_dir))
+        self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir))
         # Lines are read with pread, not through a memory map: a worker touches a few lines of
         # many shards, and mapped pages would count in its resident memory (shared page cache).
         self._fd: int | None = None

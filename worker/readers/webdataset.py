@@ -24,6 +24,7 @@ from .jsonl import _sidecar_path
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTS = ("txt", "json")
 INDEX_VERSION = 1
+INDEX_SUFFIX = ".msdidx.json"
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -70,7 +71,7 @@ class WebDatasetShard:
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
         self.shard = shard
-        self.samples = self._load_index(_sidecar_path(shard, ".msdidx.json", cache_dir))
+        self.samples = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir))
         self._fd: int | None = None
 
     def _load_index(self, index_path: str) -> list[dict[str, Any]]:
