@@ -126,11 +126,17 @@ def keys_generate(directory: str) -> None:
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
-    """Check a job file and its sources; print a one-line summary or every problem."""
+    """Check a job file and its sources (remote objects: that each exists and can be read); print a
+    one-line summary or every problem."""
     from .config import ConfigError
 
+    from .config import load_job
+    from .sources import check_readable, open_sources
+
     try:
-        job, opened = _load_and_open(job_file)
+        job = load_job(job_file)
+        check_readable(job)  # every remote object, by URL, before the slower opening of each source
+        opened = open_sources(job)
         counts = opened.num_records
     except ConfigError as e:
         _fail_config(e)

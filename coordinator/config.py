@@ -22,7 +22,9 @@ from trainer_client.doc_keys import MAX_SOURCES
 from trainer_client.errors import MsdError
 
 from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
+from worker.readers.errors import SourceFormatError
 from worker.readers.limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_RECORD_BYTES
+from worker.readers.storage import SECRET_KEYS, is_url, store_for
 from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 
 from .balance import METHODS
@@ -31,6 +33,8 @@ FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",), "webdataset": (".tar",)}
 ALLOCATIONS = ("adaptive", "fixed")
+INDEX_SUFFIXES = (".msdidx.npy", ".msdidx.json")  # indexes stored beside remote shards (storage.share_indexes)
+DEFAULT_CACHE_BYTES = 64 << 30
 
 
 class ConfigError(MsdError):
@@ -59,6 +63,9 @@ class SourceConfig:
     # Poison limits, checked before a record is decoded; a record over one is skipped with the reason.
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a record's stored bytes (line, row value, tar entries, document)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # WebDataset: pixels an image's header declares
+    # Object storage: the file system's options for URL paths (endpoint, region, profile; never
+    # secrets) and ours (max_retries, share_indexes); see worker/readers/storage.py
+    storage: dict[str, Any] | None = None
 
     @property
     def has_images(self) -> bool:
@@ -115,6 +122,8 @@ class RuntimeConfig:
     # (on every host that reads them); None: beside the data where writable, else
     # $MSD_CACHE_DIR or ~/.cache/megascale-data
     cache_dir: str | None = None
+    # bound of the local copies of remote compressed shards (least recently used evicted first)
+    cache_bytes: int = DEFAULT_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,8 @@ class JobConfig:
                  "text_key": s.text_key, "tokens_key": s.tokens_key, "tokenizer": s.tokenizer, "eod_id": s.eod_id,
                  "image_token_id": s.image_token_id, "max_pixels": s.max_pixels, "patch_size": s.patch_size,
                  "max_record_bytes": s.max_record_bytes, "max_image_pixels": s.max_image_pixels,
-                 "cache_dir": self.runtime.cache_dir}
+                 "cache_dir": self.runtime.cache_dir, "cache_bytes": self.runtime.cache_bytes,
+                 "storage": s.storage}
                 for s in self.sources
             ],
         }
@@ -216,6 +226,7 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     """A source's part of the stream definition. The poison limits appear only when they differ
     from their defaults, so a job written before they existed keeps its digest (and state dir)."""
     out = asdict(source)
+    del out["storage"]  # how the shards are reached, not which tokens they hold
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)):
         if out[key] == default:
             del out[key]
@@ -273,12 +284,40 @@ class _Checker:
         return float(value)
 
 
-def _expand(pattern: str, base: str, fmt: str) -> list[str]:
-    pattern = os.path.join(base, os.path.expanduser(pattern))
+def _expand(pattern: str, base: str, fmt: str, storage: dict[str, Any] | None = None) -> list[str]:
+    """Sorted shard paths (Megatron: prefixes) a pattern matches: local files, or objects of a
+    store when the pattern is a URL."""
+    remote = is_url(pattern)
+    if not remote:
+        pattern = os.path.join(base, os.path.expanduser(pattern))
+    find = store_for(pattern, storage).glob if remote else (
+        lambda p: sorted(f for f in glob.glob(p) if os.path.isfile(f)))
     if fmt == "megatron":
         prefix_pattern = pattern[:-4] if pattern.endswith((".bin", ".idx")) else pattern
-        return sorted({p[:-4] for p in glob.glob(prefix_pattern + ".idx")})
-    return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+        return sorted({p[:-4] for p in find(prefix_pattern + ".idx")})
+    return [p for p in find(pattern) if not p.endswith(INDEX_SUFFIXES)]
+
+
+def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
+    """A source's storage block: file-system options, checked for secrets, and ours."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        c.bad(key, f"expected a mapping of storage options, got {raw!r}")
+        return None
+    def secrets(value: Any, where: str) -> list[str]:
+        if isinstance(value, dict):
+            return [f"{where}.{k}" for k in value if str(k).lower() in SECRET_KEYS] + [
+                hit for k, v in value.items() for hit in secrets(v, f"{where}.{k}")]
+        return []
+    for hit in secrets(raw, key):
+        c.bad(hit, "secrets do not belong in the job file: give credentials through the store's environment "
+                   "(AWS_ACCESS_KEY_ID, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_* ...)")
+    if "max_retries" in raw:
+        c.integer(raw["max_retries"], f"{key}.max_retries", 0)
+    if "share_indexes" in raw and not isinstance(raw["share_indexes"], bool):
+        c.bad(f"{key}.share_indexes", f"expected true or false, got {raw['share_indexes']!r}")
+    return dict(raw)
 
 
 LONG_DOCS = ("split", "truncate")
@@ -299,8 +338,9 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
                                "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size",
-                               "max_record_bytes", "max_image_pixels"},
+                               "max_record_bytes", "max_image_pixels", "storage"},
                     {"format", "paths"})
+    storage = _storage(c, raw.get("storage"), f"{key}.storage")
     fmt = raw.get("format")
     ok = True
     if "format" in raw and fmt not in FORMATS:
@@ -316,7 +356,12 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
             ok = False
         elif fmt in FORMATS:
             for p in paths:
-                matched = _expand(p, base, fmt)
+                try:
+                    matched = _expand(p, base, fmt, storage)
+                except (SourceFormatError, OSError) as e:
+                    c.bad(f"{key}.paths", f"{p!r}: cannot list the store ({e})")
+                    ok = False
+                    continue
                 if not matched:
                     what = "no .idx file" if fmt == "megatron" else "no file"
                     c.bad(f"{key}.paths", f"{p!r} matches {what}")
@@ -396,7 +441,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     if not ok:
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
-                        tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels)
+                        tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels,
+                        storage)
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:
@@ -484,7 +530,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
                                                        "status_every_s", "allocation", "shrink_after_s",
-                                                       "stimulus_log_mb", "cache_dir"})
+                                                       "stimulus_log_mb", "cache_dir", "cache_bytes"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -504,6 +550,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
             cache_dir = None
         else:  # relative to the job file, like source paths
             cache_dir = os.path.join(base, os.path.expanduser(cache_dir))
+    cache_bytes = c.integer(rt.get("cache_bytes", DEFAULT_CACHE_BYTES), "runtime.cache_bytes", 1)
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -535,7 +582,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         balance_method=method,
         token_slack=slack,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
-                              cache_dir),
+                              cache_dir, cache_bytes or DEFAULT_CACHE_BYTES),
         path=path,
     )
 

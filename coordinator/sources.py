@@ -3,6 +3,7 @@ refusal (naming the file) of missing, truncated or foreign shards. Payloads are 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from worker.readers import SourceFormatError, SourceReader, open_source
 from worker.readers.indexing import build_indexes
+from worker.readers.storage import is_url, store_for
 
 from .config import ConfigError, JobConfig
 
@@ -56,3 +58,28 @@ def mapped_lengths(reader: SourceReader, source: Any, records: np.ndarray) -> tu
     lengths = reader.lengths(records)
     over = lengths * reader.dtype.itemsize > source.max_record_bytes
     return np.where(over, 0, lengths), over
+
+
+def check_readable(job: JobConfig) -> None:
+    """Read the first byte of every remote object of the job (Megatron: the .idx and the .bin),
+    many at once; raises ConfigError naming each URL that is missing or cannot be read (a
+    listing may show objects that the job's credentials cannot read)."""
+    objects = [(s, url) for s in job.sources for f in s.files if is_url(f)
+               for url in ((f + ".idx", f + ".bin") if s.format == "megatron" else (f,))]
+    if not objects:
+        return
+
+    def problem(item: tuple[Any, str]) -> str | None:
+        source, url = item
+        store = store_for(url, source.storage)
+        try:
+            size = store.stamp(url)[0]
+            store.read(url, 0, min(1, size))
+        except Exception as e:  # noqa: BLE001 - reported, naming the URL
+            return f"sources.{source.name}: {url}: cannot be read ({e})"
+        return None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        problems = [p for p in pool.map(problem, objects) if p]
+    if problems:
+        raise ConfigError(job.path, problems)

@@ -208,6 +208,10 @@ class WorkerCore:
         skipped: list[list] = []
         patches = np.zeros(len(records) if reader.has_images else 0, dtype=np.int64)
         lengths = np.zeros(len(records), dtype=np.int64)
+        try:  # remote shards: the task's bytes in a few concurrent requests, not one per record
+            reader.prefetch(np.array([r for r in records.tolist() if doc_key(s, r) not in self.cache], np.int64))
+        except Exception as e:  # noqa: BLE001 - each record is read (and, if need be, skipped) below
+            log.warning("source %s: prefetch failed (%s); reading records one by one", reader.name, e)
         for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
             record = int(records[i])
             key = doc_key(s, record)

@@ -24,6 +24,7 @@ from trainer_client.logs import setup_logging
 from trainer_client.session import PeerLoop, Registration
 from trainer_client.sockets import make_socket, raise_fd_limit, send_nowait
 
+from .readers import storage
 from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
 from .metrics import prepared_tokens, worker_metrics
 from .outbox import RankOutbox
@@ -68,6 +69,7 @@ class Worker:
         self._sampled = 0.0
         self._kept_alive = float("-inf")
         self.core.keep_alive = self._keep_alive
+        storage.keep_alive = self._keep_alive  # a read waiting out a throttled store
 
     def close(self) -> None:
         self.outbox.close()

@@ -4,22 +4,44 @@ one record; a text column to tokenize, or a list-of-int column of token ids used
 The file is memory-mapped and its record batches are read without copying (pyarrow's IPC
 reader over a memory map), so opening a shard costs its schema and batch offsets, not its bytes;
 a record's value is converted to Python only when it is read. `datasets` writes the IPC stream
-format; the IPC file format is read too.
+format; the IPC file format is read too. The stream format has no index of its batches, so a
+shard at a URL (storage.py) is copied whole into the cache dir once and mapped from there.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
+from typing import Any
+
+from trainer_client.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
+from .storage import is_url, local_name, store_for
+
+
+def _local_copy(url: str, storage: dict[str, Any] | None, cache_dir: str | None) -> str:
+    from .jsonl import default_cache_dir
+
+    store = store_for(url, storage)
+    try:
+        tag = store.stamp(url)[1]
+    except FileNotFoundError:
+        raise SourceFormatError(f"{url}: object not found") from None
+    path = os.path.join(cache_dir or default_cache_dir(), local_name(url, "", tag))
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, lambda out: store.download(url, out))
+    return path
 
 
 class ArrowShard:
-    def __init__(self, path: str, column: str) -> None:
+    def __init__(self, path: str, column: str, storage: dict[str, Any] | None = None,
+                 cache_dir: str | None = None) -> None:
         import pyarrow as pa
 
         try:
-            source = pa.memory_map(path)
+            source = pa.memory_map(_local_copy(path, storage, cache_dir) if is_url(path) else path)
             try:
                 table = pa.ipc.open_stream(source).read_all()
             except pa.ArrowInvalid:

@@ -6,7 +6,7 @@ after another, a cold start of a large corpus was one core decompressing and sca
 byte. Here the shards that have no index yet are built by a pool of processes (spawned: the
 caller may have threads; the scan of long lines is Python and would hold a thread pool to one
 core), so a host's cores share the work. Megatron and Parquet sources carry their own indexes
-and are not touched here.
+and are not touched here. Remote shards (URLs) are indexed the same way, by streaming them once.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_compl
 from typing import Any
 
 from . import jsonl, webdataset
+from .storage import is_url, store_for
 
 log = logging.getLogger("msd.indexing")
 
@@ -31,11 +32,12 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
     """Build and cache the index of every JSONL and WebDataset shard of these source specs that
     has none yet, `processes` at a time (default: the cores). Returns {shard path: problem} for
     shards that could not be indexed; the caller reports them where it opens the source."""
-    work = [(spec["format"], path, spec.get("cache_dir")) for spec in specs if spec["format"] in _SHARD_TYPES
+    work = [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"))
+            for spec in specs if spec["format"] in _SHARD_TYPES
             for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
     if not work:
         return {}
-    sizes = {path: _size(path) for _, path, _ in work}
+    sizes = {w[1]: _size(w[1], w[3]) for w in work}
     total = sum(sizes.values())
     processes = min(processes or os.cpu_count() or 1, len(work))
     problems: dict[str, str] = {}
@@ -67,22 +69,29 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
     return problems
 
 
-def index_one(fmt: str, path: str, cache_dir: str | None) -> None:
+def index_one(fmt: str, path: str, cache_dir: str | None, storage: dict[str, Any] | None = None,
+              cache_bytes: int | None = None) -> None:
     """Build and cache one shard's index if it is missing or stale (in a pool process)."""
-    _SHARD_TYPES[fmt](path, cache_dir)
+    if fmt == "jsonl":
+        jsonl.JsonlShard(path, cache_dir, storage, cache_bytes)
+    else:
+        webdataset.WebDatasetShard(path, cache_dir, storage)
 
 
 def _looks_indexed(fmt: str, path: str, cache_dir: str | None) -> bool:
     """An index file newer than the shard exists (a cheap guess: the open that follows checks the
-    index properly, and rebuilds it if the guess was wrong)."""
+    index properly, and rebuilds it if the guess was wrong). A remote shard's: any index in the
+    cache (its stamp is checked at open, one request)."""
+    if is_url(path):
+        return os.path.exists(jsonl._sidecar_path(path, _INDEX_SUFFIXES[fmt], cache_dir))
     try:
         return os.path.getmtime(jsonl._sidecar_path(path, _INDEX_SUFFIXES[fmt], cache_dir)) >= os.path.getmtime(path)
     except OSError:
         return False
 
 
-def _size(path: str) -> int:
+def _size(path: str, storage: dict[str, Any] | None) -> int:
     try:
-        return os.path.getsize(path)
-    except OSError:
+        return store_for(path, storage).stamp(path)[0] if is_url(path) else os.path.getsize(path)
+    except Exception:  # noqa: BLE001 - only for the progress figures; the open reports the problem
         return 0

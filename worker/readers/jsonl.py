@@ -4,21 +4,35 @@ The index is built by one scan and saved beside the shard as `<shard>.msdidx.npy
 cache dir when the data dir is read-only or the job names one (`runtime.cache_dir`). It records the shard's size and mtime and is rebuilt
 when they change. Compressed streams cannot be seeked, so a compressed shard is decompressed once
 into the same place (`<name>.msd.jsonl`) and read from there: disk traded for random access.
+
+A shard may be a URL of an object store (storage.py). Its index is then kept in the cache dir
+(and, where the source's `storage.share_indexes` allows, stored beside the shard as
+`<url>.msdidx.npy` for other hosts and later jobs), stamped with the object's size and version
+tag. A plain shard's lines are read by byte range, a task's lines fetched together (`prefetch`);
+a compressed one is copied and decompressed into the bounded local cache (copies.py).
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
+import logging
 import os
 import shutil
+import tempfile
+from typing import Any, BinaryIO, Iterable
 
 import numpy as np
 import zstandard
 
 from trainer_client.files import atomic_write
 
+from .copies import CopyCache, is_evicted
 from .errors import RecordError, SourceFormatError
+from .storage import is_url, local_name, store_for
+
+log = logging.getLogger("msd.jsonl")
 
 _CHUNK = 16 << 20
 INDEX_SUFFIX = ".msdidx.npy"
@@ -30,7 +44,12 @@ def default_cache_dir() -> str:
 
 def _sidecar_path(shard: str, suffix: str, cache_dir: str | None) -> str:
     """In the cache dir when one is given (the job's `runtime.cache_dir`), under a hash of the
-    shard's path; else beside the data when that dir is writable, else in the default cache dir."""
+    shard's path; else beside the data when that dir is writable, else in the default cache dir.
+    A remote shard's are always in a cache dir."""
+    if is_url(shard):
+        directory = cache_dir or default_cache_dir()
+        os.makedirs(directory, exist_ok=True)
+        return os.path.join(directory, local_name(shard, suffix))
     shard_dir = os.path.dirname(os.path.abspath(shard))
     if cache_dir is None:
         if os.access(shard_dir, os.W_OK):
@@ -45,28 +64,31 @@ def _plain_path(shard: str, cache_dir: str | None) -> str:
     """Path of an uncompressed copy of `shard` (the shard itself when it is not compressed)."""
     if shard.endswith(".jsonl"):
         return shard
-    if shard.endswith(".jsonl.gz"):
-        def decompress(out) -> None:
-            with gzip.open(shard, "rb") as src:  # a truncated stream raises EOFError
-                shutil.copyfileobj(src, out, _CHUNK)
-    elif shard.endswith(".jsonl.zst"):
-        def decompress(out) -> None:
-            _copy_zstd(shard, out)
-    else:
-        raise SourceFormatError(f"{shard}: not a .jsonl, .jsonl.gz or .jsonl.zst file")
+    _check_suffix(shard)
     plain = _sidecar_path(shard, ".msd.jsonl", cache_dir)
     if not os.path.exists(plain) or os.path.getmtime(plain) < os.path.getmtime(shard):
-        def copy(out) -> None:
-            try:
-                decompress(out)
-            except (OSError, EOFError, zstandard.ZstdError) as e:
-                raise SourceFormatError(f"{shard}: cannot decompress: {e}") from None
-
-        atomic_write(plain, copy)
+        atomic_write(plain, lambda out: decompress(shard, shard, out))
     return plain
 
 
-def _copy_zstd(shard: str, out) -> None:
+def _check_suffix(shard: str) -> None:
+    if not shard.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
+        raise SourceFormatError(f"{shard}: not a .jsonl, .jsonl.gz or .jsonl.zst file")
+
+
+def decompress(path: str, name: str, out: BinaryIO) -> None:
+    """Decompress the file at `path` (the shard `name`, by its suffix) into `out`."""
+    try:
+        if name.endswith(".jsonl.gz"):
+            with gzip.open(path, "rb") as src:  # a truncated stream raises EOFError
+                shutil.copyfileobj(src, out, _CHUNK)
+        else:
+            _copy_zstd(path, out, name)
+    except (OSError, EOFError, zstandard.ZstdError) as e:
+        raise SourceFormatError(f"{name}: cannot decompress: {e}") from None
+
+
+def _copy_zstd(shard: str, out, name: str | None = None) -> None:
     """Decompress every frame of a zstd file into `out`; a stream that ends inside a frame is an
     error (zstandard's stream reader returns what it has and says nothing: a truncated shard
     would be read short, its lost records never named)."""
@@ -83,7 +105,8 @@ def _copy_zstd(shard: str, out) -> None:
                 else:
                     chunk = b""
     if fed and not frame.eof:
-        raise SourceFormatError(f"{shard}: cannot decompress: the zstd stream ends inside a frame (truncated file?)")
+        raise SourceFormatError(f"{name or shard}: cannot decompress: the zstd stream ends inside a frame "
+                                "(truncated file?)")
 
 
 def _newlines(chunk: bytes) -> np.ndarray:
@@ -103,12 +126,16 @@ def _newlines(chunk: bytes) -> np.ndarray:
 
 def _scan_offsets(path: str) -> np.ndarray:
     """Start offset of every line, plus the end of the file (a final line without newline counts)."""
+    with open(path, "rb") as f:
+        return _scan_chunks(iter(lambda: f.read(_CHUNK), b""))
+
+
+def _scan_chunks(chunks: Iterable[bytes]) -> np.ndarray:
     starts = [np.zeros(1, np.int64)]
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            starts.append(_newlines(chunk) + size + 1)
-            size += len(chunk)
+    for chunk in chunks:
+        starts.append(_newlines(chunk) + size + 1)
+        size += len(chunk)
     offsets = np.concatenate(starts)
     if offsets[-1] != size:  # last line lacks a newline
         offsets = np.append(offsets, size)
@@ -116,21 +143,48 @@ def _scan_offsets(path: str) -> np.ndarray:
 
 
 class JsonlShard:
-    """Line-addressable view of one JSONL shard."""
+    """Line-addressable view of one JSONL shard (a local path or a URL)."""
 
-    def __init__(self, shard: str, cache_dir: str | None = None) -> None:
+    def __init__(self, shard: str, cache_dir: str | None = None, storage: dict[str, Any] | None = None,
+                 cache_bytes: int | None = None) -> None:
+        self.shard = shard
+        self._fd: int | None = None
+        self._prefetched: dict[int, bytes] = {}
+        if is_url(shard):
+            self._open_remote(cache_dir, storage, cache_bytes)
+            return
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
-        self.shard = shard
+        self._store = None
         self.path = _plain_path(shard, cache_dir)
-        self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir))
-        # Lines are read with pread, not through a memory map: a worker touches a few lines of
-        # many shards, and mapped pages would count in its resident memory (shared page cache).
-        self._fd: int | None = None
-
-    def _load_index(self, index_path: str) -> np.ndarray:
         st = os.stat(self.path)
         stamp = np.array([st.st_size, st.st_mtime_ns], np.int64)
+        # Lines are read with pread, not through a memory map: a worker touches a few lines of
+        # many shards, and mapped pages would count in its resident memory (shared page cache).
+        self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp,
+                                        lambda: _scan_offsets(self.path))
+
+    def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None) -> None:
+        _check_suffix(self.shard)
+        self._store = store = store_for(self.shard, storage)
+        try:
+            size, tag = store.stamp(self.shard)
+        except FileNotFoundError:
+            raise SourceFormatError(f"{self.shard}: object not found") from None
+        except OSError as e:
+            raise SourceFormatError(f"{self.shard}: cannot read ({e})") from None
+        self.compressed = not self.shard.endswith(".jsonl")
+        self._copies = CopyCache(cache_dir or default_cache_dir(), cache_bytes)
+        self._copy_name = local_name(self.shard, ".jsonl", tag)
+        self.path = self.shard
+        stamp = np.array([size, tag], np.int64)
+        build = (lambda: _scan_offsets(self._copy())) if self.compressed else (
+            lambda: _scan_chunks(store.chunks(self.shard)))
+        self.offsets = self._load_index(_sidecar_path(self.shard, INDEX_SUFFIX, cache_dir), stamp, build,
+                                        shared=self.shard + INDEX_SUFFIX)
+
+    def _load_index(self, index_path: str, stamp: np.ndarray, build, shared: str | None = None) -> np.ndarray:
+        """The saved index if its stamp matches, else one found beside a remote shard, else built."""
         if os.path.exists(index_path):
             try:
                 saved = np.load(index_path, mmap_mode="r")
@@ -138,19 +192,88 @@ class JsonlShard:
                     return saved[2:]
             except (ValueError, OSError):
                 pass  # unreadable index: rebuild it below
-        offsets = _scan_offsets(self.path)
-        atomic_write(index_path, lambda f: np.save(f, np.concatenate([stamp, offsets])))
+        if shared is not None:
+            offsets = self._shared_index(shared, stamp)
+            if offsets is not None:
+                atomic_write(index_path, lambda f: np.save(f, np.concatenate([stamp, offsets])))
+                return offsets
+        offsets = build()
+        data = np.concatenate([stamp, offsets])
+        atomic_write(index_path, lambda f: np.save(f, data))
+        if shared is not None and self._store.share_indexes:
+            try:
+                buf = io.BytesIO()
+                np.save(buf, data)
+                self._store.put(shared, buf.getvalue())
+            except OSError as e:  # a read-only bucket: every host builds its own
+                log.warning("%s: cannot store the index beside the shard (%s); it stays in the local cache", shared, e)
         return offsets
+
+    def _shared_index(self, url: str, stamp: np.ndarray) -> np.ndarray | None:
+        try:
+            if not self._store.exists(url):
+                return None
+            saved = np.load(io.BytesIO(self._store.read(url, 0, self._store.stamp(url)[0])))
+        except (OSError, ValueError) as e:
+            log.warning("%s: shared index unreadable (%s); building one", url, e)
+            return None
+        if saved.dtype == np.int64 and len(saved) >= 3 and np.array_equal(saved[:2], stamp):
+            return saved[2:]
+        return None  # stale: built for an earlier version of the shard
+
+    def _copy(self) -> str:
+        """The local decompressed copy of a remote compressed shard (fetched into the cache if it
+        is not there)."""
+        def make(out: BinaryIO) -> None:
+            with tempfile.NamedTemporaryFile(dir=self._copies.directory, suffix=".download") as raw:
+                self._store.download(self.shard, raw)
+                raw.flush()
+                decompress(raw.name, self.shard, out)
+        return self._copies.path(self._copy_name, make)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def prefetch(self, lines: Iterable[int]) -> None:
+        """Fetch these lines of a remote plain shard in as few requests as their places allow
+        (a prepare task's records); a line that fails here is fetched again, alone, when read."""
+        self._prefetched = {}
+        if self._store is None or self.compressed:
+            return
+        lines = sorted(set(lines))
+        try:
+            blobs = self._store.fetch(self.shard, [int(self.offsets[i]) for i in lines],
+                                      [int(self.offsets[i + 1]) for i in lines])
+        except OSError as e:
+            log.warning("%s: prefetch of %d lines failed (%s); reading them one by one", self.shard, len(lines), e)
+            return
+        self._prefetched = dict(zip(lines, blobs))
+
     def line(self, i: int) -> bytes:
         """Bytes of line i (0-based), without its newline."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        raw = os.pread(self._fd, end - start, start)
+        raw = self._prefetched.pop(i, None)
+        if raw is None:
+            if self._store is not None and not self.compressed:
+                raw = self._store.read(self.shard, start, end)
+            else:
+                raw = os.pread(self._open(), end - start, start)
         if len(raw) != end - start:
             raise RecordError(f"{self.shard}:{i + 1}: file shorter than its index says (changed while in use?)")
         return raw[:-1] if raw.endswith(b"\n") else raw
+
+    def _open(self) -> int:
+        if self._store is None:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            return self._fd
+        if self._fd is not None and is_evicted(self._fd):  # another process made room in the cache
+            os.close(self._fd)
+            self._fd = None
+        if self._fd is None:
+            path = self._copy()
+            self._fd = os.open(path, os.O_RDONLY)
+            self._copy_path = path
+        else:
+            self._copies.touch(self._copy_path)
+        return self._fd

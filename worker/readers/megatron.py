@@ -9,6 +9,10 @@ i64 document_indices[document_count] (starts at 0; document d spans sequences
 i8 sequence_modes[sequence_count].
 
 One record of ours is one document of the .idx; its tokens are its sequences concatenated.
+
+A prefix may be a URL (storage.py): the .idx is copied into the cache dir once and mapped (the
+coordinator plans from it); the tokens are read from the .bin by byte range, the pieces of one
+delivery fetched together, nearby ones in one request.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
+from trainer_client.files import atomic_write
+
 from .errors import SourceFormatError
+from .storage import is_url, local_name, store_for
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -46,16 +53,21 @@ class MegatronIndex:
     """One `prefix.bin` + `prefix.idx` pair, memory-mapped. Checks the index against the data file
     at open, so a truncated or foreign pair is refused here, naming the file."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, storage: dict[str, Any] | None = None, cache_dir: str | None = None) -> None:
         self.prefix = prefix
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-        for p in (idx_path, bin_path):
-            if not os.path.isfile(p):
-                raise SourceFormatError(f"{p}: file not found")
-        idx_size = os.path.getsize(idx_path)
+        self._store = store_for(prefix, storage) if is_url(prefix) else None
+        if self._store is not None:
+            idx_local, bin_size = self._fetch_index(cache_dir)
+        else:
+            for p in (idx_path, bin_path):
+                if not os.path.isfile(p):
+                    raise SourceFormatError(f"{p}: file not found")
+            idx_local, bin_size = idx_path, os.path.getsize(bin_path)
+        idx_size = os.path.getsize(idx_local)
         if idx_size < _HEADER.size:
             raise SourceFormatError(f"{idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
-        idx = _map(idx_path)
+        idx = _map(idx_local)
         magic, version, code, n_seq, n_doc = _HEADER.unpack(bytes(idx[: _HEADER.size]))
         if magic != MAGIC:
             raise SourceFormatError(f"{idx_path}: not a Megatron index (magic {magic!r})")
@@ -85,7 +97,6 @@ class MegatronIndex:
         checked = di[sample]
         if di[0] != 0 or di[-1] != n_seq or (len(checked) > 1 and np.any(checked[1:] < checked[:-1])):
             raise SourceFormatError(f"{idx_path}: document indices are not a monotone cover of the sequences")
-        bin_size = os.path.getsize(bin_path)
         if n_seq:
             last_end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
             lengths = self.sequence_lengths[_sample(n_seq) if n_seq > FULL_CHECK_RECORDS else slice(None)]
@@ -98,13 +109,36 @@ class MegatronIndex:
         # mostly pages nobody asked for (after the start-up check, which may scan it in order).
         if hasattr(mmap, "MADV_RANDOM"):
             idx.madvise(mmap.MADV_RANDOM)
-        self._bin = _map(bin_path) if bin_size else b""
-        self._all_tokens = np.frombuffer(self._bin, dtype=self.dtype, count=bin_size // self.dtype.itemsize)
+        self._bin = _map(bin_path) if bin_size and self._store is None else b""
+        self._all_tokens = np.frombuffer(self._bin, dtype=self.dtype, count=len(self._bin) // self.dtype.itemsize)
         # .item() gives Python ints without numpy scalar overhead; no .tolist() copies, so memory
         # stays that of the mapped index, whatever the dataset size
         self._first_seq = self.document_indices.item
         self._pointers = self.sequence_pointers.item
         self._lengths = self.sequence_lengths.item
+
+    def _fetch_index(self, cache_dir: str | None) -> tuple[str, int]:
+        """(local copy of the remote .idx, size of the remote .bin)."""
+        from .jsonl import default_cache_dir
+
+        idx_url, bin_url = self.prefix + ".idx", self.prefix + ".bin"
+        try:
+            _, tag = self._store.stamp(idx_url)
+            bin_size = self._store.stamp(bin_url)[0]
+        except FileNotFoundError as e:
+            raise SourceFormatError(f"{e}: object not found") from None
+        except OSError as e:
+            raise SourceFormatError(f"{self.prefix}: cannot read ({e})") from None
+        path = os.path.join(cache_dir or default_cache_dir(), local_name(idx_url, "", tag))
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, lambda out: self._store.download(idx_url, out))
+        return path, bin_size
+
+    def _read_bin(self, starts: list[int], ends: list[int]) -> list[np.ndarray]:
+        """Tokens of byte ranges of a remote .bin (one coalesced, concurrent fetch)."""
+        blobs = self._store.fetch(self.prefix + ".bin", starts, ends)
+        return [np.frombuffer(b, dtype=self.dtype) for b in blobs]
 
     def __len__(self) -> int:
         return len(self.document_indices) - 1
@@ -140,6 +174,9 @@ class MegatronIndex:
         in_range = offsets + lengths <= self.sequence_lengths[first]
         if not (single & in_range).all():
             return [self.document(int(d))[o: o + n] for d, o, n in zip(docs, offsets, lengths)]
+        if self._store is not None:
+            byte_starts = self.sequence_pointers[first] + offsets * self.dtype.itemsize
+            return self._read_bin(byte_starts.tolist(), (byte_starts + lengths * self.dtype.itemsize).tolist())
         starts = (self.sequence_pointers[first] // self.dtype.itemsize + offsets).tolist()
         tokens = self._all_tokens
         return [tokens[a: a + n] for a, n in zip(starts, lengths.tolist())]
@@ -147,6 +184,11 @@ class MegatronIndex:
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
         first, last = self._first_seq(d), self._first_seq(d + 1)
+        if self._store is not None:
+            seqs = range(first, last)
+            parts = self._read_bin([self._pointers(q) for q in seqs],
+                                   [self._pointers(q) + self._lengths(q) * self.dtype.itemsize for q in seqs])
+            return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, self.dtype)
         if last == first + 1:
             return np.frombuffer(self._bin, dtype=self.dtype, count=self._lengths(first), offset=self._pointers(first))
         parts = [self._sequence(s) for s in range(first, last)]

@@ -4,26 +4,32 @@ column of token ids used as stored.
 Rows are read by row group, one column only, never the whole file: a record index maps to (row
 group, row) from the file's metadata, and a few decoded row groups are kept (records of one
 prepare task are read grouped by row group, so each group is decoded once per task at most).
+A shard at a URL (storage.py) is read the same way, by byte range: the footer once, then the
+one column chunk of each row group read.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
 from .errors import RecordError, SourceFormatError
+from .storage import is_url, store_for
 
 ROW_GROUPS_KEPT = 4  # decoded row groups kept per shard (one column each)
 
 
 class ParquetShard:
-    def __init__(self, path: str, column: str) -> None:
-        import pyarrow.parquet as pq
-
+    def __init__(self, path: str, column: str, storage: dict[str, Any] | None = None) -> None:
+        self._store = store_for(path, storage) if is_url(path) else None
+        self.path = path
         try:
-            self.file = pq.ParquetFile(path)
+            self.file = self._open() if self._store is None else self._store.retry(path, self._open)
+        except FileNotFoundError:
+            raise SourceFormatError(f"{path}: {'object' if self._store else 'file'} not found") from None
         except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for foreign bytes
             raise SourceFormatError(f"{path}: not a readable Parquet file ({e})") from None
         names = self.file.schema_arrow.names
@@ -35,6 +41,26 @@ class ParquetShard:
         for g in range(meta.num_row_groups):
             self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
         self._groups: OrderedDict[int, list] = OrderedDict()
+
+    def _open(self):
+        import pyarrow.parquet as pq
+
+        if self._store is None:
+            return pq.ParquetFile(self.path)
+        # no read-ahead cache: pyarrow asks for the footer and column chunks by range itself
+        return pq.ParquetFile(self._store.fs.open(self.path, "rb", cache_type="none"))
+
+    def _read_group(self, g: int):
+        if self._store is None:
+            return self.file.read_row_group(g, columns=[self.column])
+
+        def attempt():
+            try:
+                return self.file.read_row_group(g, columns=[self.column])
+            except OSError:
+                self.file = self._open()  # the failed read may have left the file object anywhere
+                raise
+        return self._store.retry(f"{self.path}: row group {g}", attempt)
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -48,7 +74,7 @@ class ParquetShard:
         rows = self._groups.get(g)
         if rows is None:
             try:
-                table = self.file.read_row_group(g, columns=[self.column])
+                table = self._read_group(g)
             except (OSError, ValueError) as e:
                 raise RecordError(f"{self.path}: row group {g} unreadable ({e})") from None
             rows = self._groups[g] = table.column(0).to_pylist()

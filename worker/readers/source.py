@@ -30,7 +30,8 @@ TABLES = {"parquet": ParquetShard, "arrow": ArrowShard}  # a row per record, a t
 class SourceReader:
     """Reads records of one source. `spec` is the source's entry of the job description that the
     coordinator sends to workers: {name, format, files, text_key, tokens_key, tokenizer, eod_id,
-    image_token_id, max_pixels, patch_size}."""
+    image_token_id, max_pixels, patch_size, cache_dir, cache_bytes, storage}. Files may be URLs of
+    object stores, read with the source's `storage` options (storage.py)."""
 
     def __init__(self, spec: dict[str, Any], cache_dir: str | None = None) -> None:
         cache_dir = cache_dir or spec.get("cache_dir")  # the job's runtime.cache_dir, if it names one
@@ -41,33 +42,55 @@ class SourceReader:
         self.max_record_bytes = int(spec.get("max_record_bytes") or DEFAULT_MAX_RECORD_BYTES)
         self.max_image_pixels = int(spec.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS)
         self.tokenizer = None
+        storage, cache_bytes = spec.get("storage"), spec.get("cache_bytes")
         if self.format == "megatron":
-            self.shards: list[Any] = [MegatronIndex(p) for p in spec["files"]]
+            self.shards: list[Any] = [MegatronIndex(p, storage, cache_dir) for p in spec["files"]]
             dtypes = {s.dtype for s in self.shards}
             self.dtype = np.result_type(*dtypes) if dtypes else np.dtype("<u2")
         elif self.format in ("jsonl", "webdataset") or (self.format in TABLES and not self.tokens_key):
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
             if self.format == "jsonl":
-                self.shards = [JsonlShard(p, cache_dir) for p in spec["files"]]
+                self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes) for p in spec["files"]]
             elif self.format in TABLES:
-                self.shards = [TABLES[self.format](p, self.text_key) for p in spec["files"]]
+                self.shards = [self._table(p, self.text_key, storage, cache_dir) for p in spec["files"]]
             else:
-                self.shards = [WebDatasetShard(p, cache_dir) for p in spec["files"]]
+                self.shards = [WebDatasetShard(p, cache_dir, storage) for p in spec["files"]]
                 self.image_token_id = int(spec["image_token_id"])
                 self.max_pixels = int(spec.get("max_pixels") or DEFAULT_MAX_PIXELS)
                 self.patch_size = int(spec.get("patch_size") or DEFAULT_PATCH_SIZE)
                 if self.image_token_id > np.iinfo(self.dtype).max:
                     self.dtype = np.dtype("<i4")
         elif self.format in TABLES:  # pre-tokenized rows
-            self.shards = [TABLES[self.format](p, self.tokens_key) for p in spec["files"]]
+            self.shards = [self._table(p, self.tokens_key, storage, cache_dir) for p in spec["files"]]
             self.dtype = np.dtype("<i4")
         else:
             raise SourceFormatError(f"source {self.name!r}: unknown format {self.format!r}")
+        self._prefetched_shards: list[int] = []
         counts = [len(s) for s in self.shards]
         self._starts = [0]
         for c in counts:
             self._starts.append(self._starts[-1] + c)
+
+    def _table(self, path: str, column: str, storage: dict[str, Any] | None, cache_dir: str | None) -> Any:
+        if self.format == "arrow":
+            return ArrowShard(path, column, storage, cache_dir)
+        return ParquetShard(path, column, storage)
+
+    def prefetch(self, records: np.ndarray) -> None:
+        """Fetch the stored bytes of these records together where their shards are remote (a
+        prepare task's records: nearby ranges in one request); a no-op for local shards."""
+        if not hasattr(self.shards[0] if self.shards else None, "prefetch"):
+            return
+        records = np.asarray(records, dtype=np.int64)
+        shard_of = np.searchsorted(self._starts, records, side="right") - 1
+        touched = np.unique(shard_of).tolist()
+        for shard_no in set(self._prefetched_shards) - set(touched):  # what the last task left unread
+            self.shards[shard_no].prefetch([])
+        for shard_no in touched:
+            mine = records[shard_of == shard_no] - self._starts[shard_no]
+            self.shards[shard_no].prefetch(mine.tolist())
+        self._prefetched_shards = touched
 
     @property
     def num_records(self) -> int:

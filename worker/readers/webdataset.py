@@ -6,13 +6,17 @@ One sample is one record, in the order of the tar. The shard is scanned once and
 (or in the cache dir), stamped with the shard's size and mtime. Reading a record is then two
 `pread`s. A sample whose entries are split (its key appears again later), or that lacks an
 image or a caption, keeps its record index but raises RecordError, naming shard and key.
+
+A shard may be a URL (storage.py): it is scanned once as a stream, its index kept in the cache
+dir, and a sample's entries are read by byte range, a task's samples fetched together.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tarfile
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 
@@ -20,6 +24,9 @@ from trainer_client.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
 from .jsonl import _sidecar_path
+from .storage import is_url, store_for
+
+log = logging.getLogger("msd.webdataset")
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTS = ("txt", "json")
@@ -34,12 +41,34 @@ def split_key(name: str) -> tuple[str, str]:
     return (os.path.join(directory, stem) if directory else stem), (ext.lower() if dot else "")
 
 
-def scan(path: str) -> list[dict[str, Any]]:
-    """Samples of a tar in order: key, image/caption (offset, size, ext), and a problem or None."""
+class _Chunks:
+    """A read-only stream over an iterator of byte chunks (a remote object read in order)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks, self._buf, self._pos = iter(chunks), b"", 0
+
+    def read(self, n: int = -1) -> bytes:
+        parts = []
+        while n != 0:
+            if self._pos == len(self._buf):
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self._buf, self._pos = chunk, 0
+            take = len(self._buf) - self._pos if n < 0 else min(n, len(self._buf) - self._pos)
+            parts.append(self._buf[self._pos: self._pos + take])
+            self._pos += take
+            n = n - take if n > 0 else n
+        return b"".join(parts)
+
+
+def scan(path: str, fileobj: Any = None) -> list[dict[str, Any]]:
+    """Samples of a tar in order: key, image/caption (offset, size, ext), and a problem or None.
+    With `fileobj`, the tar is read from it as a stream (`path` names it in errors)."""
     samples: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with (tarfile.open(fileobj=fileobj, mode="r|") if fileobj is not None else tarfile.open(path, mode="r:")) as tar:
             for m in tar:
                 if not m.isfile():
                     continue
@@ -67,26 +96,79 @@ def scan(path: str) -> list[dict[str, Any]]:
 
 
 class WebDatasetShard:
-    def __init__(self, shard: str, cache_dir: str | None = None) -> None:
-        if not os.path.isfile(shard):
-            raise SourceFormatError(f"{shard}: file not found")
+    def __init__(self, shard: str, cache_dir: str | None = None, storage: dict[str, Any] | None = None) -> None:
         self.shard = shard
-        self.samples = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir))
         self._fd: int | None = None
+        self._store = store_for(shard, storage) if is_url(shard) else None
+        self._prefetched: dict[int, list[bytes]] = {}
+        if self._store is not None:
+            try:
+                size, tag = self._store.stamp(shard)
+            except FileNotFoundError:
+                raise SourceFormatError(f"{shard}: object not found") from None
+            except OSError as e:
+                raise SourceFormatError(f"{shard}: cannot read ({e})") from None
+            stamp = [INDEX_VERSION, size, tag]
+            build = lambda: scan(shard, _Chunks(self._store.chunks(shard)))  # noqa: E731
+        else:
+            if not os.path.isfile(shard):
+                raise SourceFormatError(f"{shard}: file not found")
+            st = os.stat(self.shard)
+            stamp = [INDEX_VERSION, st.st_size, st.st_mtime_ns]
+            build = lambda: scan(shard)  # noqa: E731
+        self.samples = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp, build)
 
-    def _load_index(self, index_path: str) -> list[dict[str, Any]]:
-        st = os.stat(self.shard)
-        stamp = [INDEX_VERSION, st.st_size, st.st_mtime_ns]
+    def _load_index(self, index_path: str, stamp: list[int], build) -> list[dict[str, Any]]:
         try:
             with open(index_path, "rb") as f:
                 saved = orjson.loads(f.read())
             if saved.get("stamp") == stamp:
                 return saved["samples"]
         except (OSError, orjson.JSONDecodeError, AttributeError):
-            pass  # no index yet, or an unreadable one: scan below
-        samples = scan(self.shard)
-        atomic_write(index_path, lambda f: f.write(orjson.dumps({"stamp": stamp, "samples": samples})))
+            pass  # no index yet, or an unreadable one: look beside a remote shard, else scan
+        shared = self._shared_index(stamp) if self._store is not None else None
+        if shared is not None:
+            atomic_write(index_path, lambda f: f.write(orjson.dumps({"stamp": stamp, "samples": shared})))
+            return shared
+        samples = build()
+        data = orjson.dumps({"stamp": stamp, "samples": samples})
+        atomic_write(index_path, lambda f: f.write(data))
+        if self._store is not None and self._store.share_indexes:
+            try:
+                self._store.put(self.shard + INDEX_SUFFIX, data)
+            except OSError as e:
+                log.warning("%s: cannot store the index beside the shard (%s)", self.shard, e)
         return samples
+
+    def _shared_index(self, stamp: list[int]) -> list[dict[str, Any]] | None:
+        url = self.shard + INDEX_SUFFIX
+        try:
+            if not self._store.exists(url):
+                return None
+            saved = orjson.loads(self._store.read(url, 0, self._store.stamp(url)[0]))
+        except (OSError, orjson.JSONDecodeError) as e:
+            log.warning("%s: shared index unreadable (%s); scanning the shard", url, e)
+            return None
+        return saved["samples"] if isinstance(saved, dict) and saved.get("stamp") == stamp else None
+
+    def prefetch(self, samples: Iterable[int]) -> None:
+        """Fetch the entries of these samples of a remote shard together (a prepare task's)."""
+        self._prefetched = {}
+        if self._store is None:
+            return
+        wanted = [i for i in sorted(set(samples)) if not self.samples[i]["problem"]]
+        starts, ends = [], []
+        for i in wanted:
+            for kind in ("image", "caption"):
+                offset, size, _ = self.samples[i][kind]
+                starts.append(offset)
+                ends.append(offset + size)
+        try:
+            blobs = self._store.fetch(self.shard, starts, ends)
+        except OSError as e:
+            log.warning("%s: prefetch of %d samples failed (%s); reading them one by one", self.shard, len(wanted), e)
+            return
+        self._prefetched = {i: blobs[2 * n: 2 * n + 2] for n, i in enumerate(wanted)}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -96,12 +178,16 @@ class WebDatasetShard:
         s = self.samples[i]
         if s["problem"]:
             raise RecordError(f"{self.shard}: sample {s['key']!r}: {s['problem']}")
-        if self._fd is None:
+        fetched = self._prefetched.pop(i, None)
+        if fetched is None and self._store is not None:
+            fetched = self._store.fetch(self.shard, [s[k][0] for k in ("image", "caption")],
+                                        [s[k][0] + s[k][1] for k in ("image", "caption")])
+        if fetched is None and self._fd is None:
             self._fd = os.open(self.shard, os.O_RDONLY)
         out = []
-        for kind in ("image", "caption"):
+        for n, kind in enumerate(("image", "caption")):
             offset, size, ext = s[kind]
-            data = os.pread(self._fd, size, offset)
+            data = fetched[n] if fetched is not None else os.pread(self._fd, size, offset)
             if len(data) != size:
                 raise RecordError(f"{self.shard}: sample {s['key']!r}: {kind} entry truncated")
             out += [data, ext]

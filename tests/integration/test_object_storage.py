@@ -1,0 +1,175 @@
+"""Sources in a bucket: a real S3-compatible server (moto's server mode, a child process on
+loopback) serves shards of every format; the stream of a job over the bucket must equal the
+stream of the same job over the local files, record for record and token for token, also when
+a proxy in front of the server fails and stalls a share of the requests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from coordinator.commands import validate
+from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
+from coordinator.testing.s3 import LoopbackS3
+from tests.conftest import build_dataset, job_dict, write_job
+
+from .harness import check_content, run_job, signature
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STEPS = 8
+BUCKET = "corpus"
+
+
+def _job(paths: dict[str, str], **runtime) -> dict:
+    job = job_dict()
+    job["sources"]["web"]["paths"] = [paths["web"]]
+    job["sources"]["code"]["paths"] = [paths["code"]]
+    job["sources"]["long"]["paths"] = [paths["long"]]
+    job["sources"]["table"] = {"format": "parquet", "paths": [paths["table"]], "text_key": "text"}
+    job["sources"]["images"] = {"format": "webdataset", "paths": [paths["images"]], "image_token_id": 300,
+                                "max_pixels": 48 * 48, "patch_size": 16}
+    job["mixture"]["weights"] = {"web": 0.25, "code": 0.2, "long": 0.15, "table": 0.2, "images": 0.2}
+    job["balance"]["cost"]["patch_quadratic"] = 10.0
+    job["runtime"].update(runtime)
+    return job
+
+
+LOCAL = {"web": "web/*.jsonl", "code": "code/code_text_document", "long": "long/*.jsonl.zst",
+         "table": "table/*.parquet", "images": "images/*.tar"}
+REMOTE = {k: f"s3://{BUCKET}/data/{v}" for k, v in LOCAL.items()}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bucket-data")
+    build_dataset(str(root))
+    (root / "table").mkdir()
+    (root / "images").mkdir()
+    write_parquet(str(root / "table" / "t-0.parquet"), captions()[:300], row_group_size=40)
+    write_webdataset(str(root / "images" / "img-000.tar"), 30, seed=1, sizes=(32, 96), broken={4: "bad_image"})
+    write_webdataset(str(root / "images" / "img-001.tar"), 30, seed=2, sizes=(32, 96))
+    return root
+
+
+@pytest.fixture(scope="module")
+def local_stream(corpus, tmp_path_factory):
+    work = tmp_path_factory.mktemp("local-job")
+    data = work / "data"
+    shutil.copytree(corpus, data)
+    path = write_job(str(data), _job(LOCAL))
+    return path, run_job(path, workers=2, ranks=2, steps=STEPS)
+
+
+def _same_stream(a: dict, b: dict) -> None:
+    assert signature(a) == signature(b)
+    for rank in a:
+        for x, y in zip(sorted(a[rank], key=lambda m: (m["step"], m["micro_batch"])),
+                        sorted(b[rank], key=lambda m: (m["step"], m["micro_batch"]))):
+            np.testing.assert_array_equal(x["tokens"], y["tokens"])
+            if "pixel_patches" in x or "pixel_patches" in y:
+                np.testing.assert_array_equal(x["pixel_patches"], y["pixel_patches"])
+
+
+def _remote_job(tmp_path, s3: LoopbackS3, monkeypatch, **runtime) -> str:
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return write_job(str(tmp_path), _job(REMOTE, cache_dir=str(tmp_path / "cache"), **runtime))
+
+
+def test_every_format_from_a_bucket_streams_as_the_local_files_do(corpus, local_stream, tmp_path, monkeypatch):
+    local_path, local = local_stream
+    with LoopbackS3(proxy=True) as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        path = _remote_job(tmp_path, s3, monkeypatch, cache_bytes=64 << 10)  # smaller than the two .zst copies
+        remote = run_job(path, workers=2, ranks=2, steps=STEPS)
+        _same_stream(local, remote)
+        assert check_content(local_path, remote) > 50  # and against the local files' tokens
+        fetched = s3.stats()["bytes_out"]
+    assert fetched > 0
+    assert all(len(b) == STEPS * 2 for b in remote.values())
+
+
+def test_a_flaky_store_changes_nothing(corpus, local_stream, tmp_path, monkeypatch):
+    """10% of requests answered 503 SlowDown, 3% dropped, 2% stalled for 2 s: every request is
+    retried until it succeeds; nothing that is not corrupt is skipped."""
+    _, local = local_stream
+    with LoopbackS3(error_rate=0.10, drop_rate=0.03, stall_rate=0.02, stall_s=2.0, seed=5) as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        path = _remote_job(tmp_path, s3, monkeypatch)
+        log = str(tmp_path / "job.log")
+        remote = run_job(path, workers=2, ranks=2, steps=STEPS, log_path=log, timeout_s=240)
+        stats = s3.stats()
+    _same_stream(local, remote)
+    assert stats["errors"] > 5 and stats["drops"] > 0 and stats["stalls"] > 0, stats
+    skipped = [line for line in open(log) if "skipped record" in line]
+    # the corrupt records of the corpus, and nothing else: two bad JSON lines, one bad image
+    assert all("web-1.jsonl" in line or "img-000.tar" in line for line in skipped), skipped
+
+
+def test_validate_names_the_object_that_is_missing_or_unreadable(corpus, tmp_path, monkeypatch):
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        path = _remote_job(tmp_path, s3, monkeypatch)
+        ok = CliRunner().invoke(validate, [path])
+        assert ok.exit_code == 0, ok.output
+        assert "web=jsonl:2 file(s)/120 records" in ok.output
+        # a Megatron pair whose .bin is gone
+        s3.client().delete_object(Bucket=BUCKET, Key="data/code/code_text_document.bin")
+        result = CliRunner().invoke(validate, [path])
+        assert result.exit_code != 0
+        assert f"sources.code: s3://{BUCKET}/data/code/code_text_document.bin: cannot be read" in result.output
+        # a pattern that matches nothing
+        job = yaml.safe_load(open(path))
+        job["sources"]["web"]["paths"] = [f"s3://{BUCKET}/data/nothing-here/*.jsonl"]
+        bad = write_job(str(tmp_path), job, "bad.yaml")
+        result = CliRunner().invoke(validate, [bad])
+        assert result.exit_code != 0
+        assert f"sources.web.paths: 's3://{BUCKET}/data/nothing-here/*.jsonl' matches no file" in result.output
+
+
+def test_secrets_in_the_job_file_are_refused(corpus, tmp_path, monkeypatch):
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        path = _remote_job(tmp_path, s3, monkeypatch)
+        job = yaml.safe_load(open(path))
+        job["sources"]["web"]["storage"] = {"key": "AKIA...", "client_kwargs": {"aws_secret_access_key": "x"},
+                                            "max_retries": 3}
+        bad = write_job(str(tmp_path), job, "secret.yaml")
+        result = CliRunner().invoke(validate, [bad])
+        assert result.exit_code != 0
+        assert "sources.web.storage.key" in result.output
+        assert "sources.web.storage.client_kwargs.aws_secret_access_key" in result.output
+        assert "AKIA" not in result.output
+
+
+def test_indexes_are_shared_beside_the_shards_when_the_job_allows_it(corpus, tmp_path, monkeypatch):
+    with LoopbackS3(proxy=True) as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        path = _remote_job(tmp_path, s3, monkeypatch)
+        job = yaml.safe_load(open(path))
+        for name in ("web", "long", "images"):
+            job["sources"][name]["storage"] = {"share_indexes": True}
+        shared = write_job(str(tmp_path), job, "shared.yaml")
+        from coordinator.config import load_job
+        from coordinator.sources import open_sources
+
+        open_sources(load_job(shared))
+        keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="data/")["Contents"]}
+        assert {"data/web/web-0.jsonl.msdidx.npy", "data/long/long-0.jsonl.zst.msdidx.npy",
+                "data/images/img-001.tar.msdidx.json"} <= keys
+        # another host (an empty cache) takes the shared indexes instead of reading the shards again
+        job["runtime"]["cache_dir"] = str(tmp_path / "other-host-cache")
+        other = write_job(str(tmp_path), job, "other.yaml")
+        s3.reset_stats()
+        opened = open_sources(load_job(other))
+        stats = s3.stats()
+        shard_bytes = sum(os.path.getsize(os.path.join(corpus, d, f)) for d in ("web", "images")
+                          for f in os.listdir(corpus / d) if not f.endswith((".npy", ".json")))
+        assert stats["bytes_out"] < shard_bytes / 2, stats
+        assert opened.num_records[0] == 120

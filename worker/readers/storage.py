@@ -1,0 +1,247 @@
+"""Where shards live: local paths, or URLs of object stores (`s3://`, `gs://`, `az://`, ...) read
+through fsspec's file systems.
+
+A source's `storage:` block (job file) holds the options of its file system (an endpoint, a
+region, a profile: never secrets, which come from each store's standard environment) and two
+of ours: `max_retries` and `share_indexes`. Every request to a store goes through `Store.retry`:
+a transient error (timeout, 5xx, throttling: anything but a missing object, a refused
+permission or a bad argument) is retried with exponential back-off and jitter, up to
+`max_retries` times, and only then raised, naming the URL.
+
+Reads of a task are coalesced (`Store.fetch`): byte ranges that lie near each other in one
+object are fetched in one request, and the requests of a task go out concurrently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from typing import Any, Callable, TypeVar
+
+from .errors import SourceFormatError
+
+log = logging.getLogger("msd.storage")
+
+T = TypeVar("T")
+
+# Keys of a storage block that would put a secret into the job file.
+SECRET_KEYS = frozenset({
+    "key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+    "access_key", "secret_key", "session_token", "account_key", "sas_token", "connection_string", "client_secret",
+    "credentials",
+})
+OUR_KEYS = ("max_retries", "share_indexes")
+DEFAULT_MAX_RETRIES = 8
+BACKOFF_FIRST_S = 0.1
+BACKOFF_CAP_S = 5.0
+COALESCE_GAP = 64 << 10  # ranges this close are fetched in one request (the gap is read and dropped)
+COALESCE_MAX = 8 << 20  # but one request stays under this size
+# The extra packages that serve each store (pip install megascale-data[s3] etc.).
+EXTRAS = {"s3": "s3 (s3fs)", "s3a": "s3 (s3fs)", "gs": "gcs (gcsfs)", "gcs": "gcs (gcsfs)", "az": "azure (adlfs)",
+          "abfs": "azure (adlfs)", "abfss": "azure (adlfs)"}
+
+# Called while a request waits to be retried: a worker sets it to its heartbeat, so that a
+# worker waiting out a throttled store is not taken for dead.
+keep_alive: Callable[[], None] = lambda: None
+
+
+def is_url(path: str) -> bool:
+    """A path of an object store (anything with a scheme but file://)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def options_of(storage: dict[str, Any] | None) -> dict[str, Any]:
+    """The file system's own options of a storage block (ours removed)."""
+    return {k: v for k, v in (storage or {}).items() if k not in OUR_KEYS}
+
+
+class Store:
+    """One object store's file system, with retries and a count of the bytes fetched."""
+
+    def __init__(self, protocol: str, storage: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        self.protocol = protocol
+        self.max_retries = int((storage or {}).get("max_retries", DEFAULT_MAX_RETRIES))
+        self.share_indexes = bool((storage or {}).get("share_indexes", False))
+        try:
+            # not fsspec's instance cache: it keys on arguments alone, and the store's environment
+            # (endpoint, credentials) is part of what a Store is here (store_for)
+            self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options_of(storage))
+        except ImportError as e:
+            extra = EXTRAS.get(protocol)
+            hint = f"pip install 'megascale-data[{extra.split()[0]}]' ({extra})" if extra else str(e)
+            raise SourceFormatError(f"{protocol}:// URLs need a file system that is not installed: {hint}") from None
+        except (ValueError, TypeError) as e:
+            raise SourceFormatError(f"{protocol}:// storage options refused by its file system: {e}") from None
+        self.bytes_fetched = 0
+        self.requests = 0
+
+    def retry(self, what: str, call: Callable[[], T]) -> T:
+        """`call()`, retried on transient errors with back-off and jitter; the last error is raised
+        as OSError naming `what` (a URL)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - sorted into transient and final just below
+                if not _transient(e) or attempt == self.max_retries:
+                    if isinstance(e, (FileNotFoundError, PermissionError)):
+                        raise type(e)(f"{what}: {e}") from None
+                    raise OSError(f"{what}: {type(e).__name__}: {e}" +
+                                  (f" (after {attempt} retries)" if attempt else "")) from None
+                delay = min(BACKOFF_CAP_S, BACKOFF_FIRST_S * 2 ** attempt) * random.uniform(0.5, 1.5)
+                log.info("%s: %s: %s; retrying in %.2f s (%d of %d)", what, type(e).__name__, e, delay, attempt + 1,
+                         self.max_retries)
+                _sleep(delay)
+        raise AssertionError("unreachable")
+
+    def glob(self, pattern: str) -> list[str]:
+        """Sorted URLs of the objects a pattern matches."""
+        found = self.retry(pattern, lambda: self.fs.glob(pattern, detail=True))
+        return sorted(self.fs.unstrip_protocol(p) for p, info in found.items() if info.get("type") != "directory")
+
+    def exists(self, url: str) -> bool:
+        return self.retry(url, lambda: self.fs.exists(url))
+
+    def info(self, url: str) -> dict[str, Any]:
+        return self.retry(url, lambda: self.fs.info(url))
+
+    def stamp(self, url: str) -> tuple[int, int]:
+        """(size, version tag) of an object: the tag changes when the object is rewritten (its ETag,
+        else its modification time), so that an index built for it can be checked."""
+        info = self.info(url)
+        tag = str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+                  or info.get("last_modified") or "")
+        return int(info["size"]), int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "little")
+
+    def fetch(self, url: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Bytes [start, end) of each range of one object, in the order given: nearby ranges in one
+        request, the requests at once; each checked for length."""
+        if not starts:
+            return []
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        groups: list[list[int]] = []  # merged requests, as indices into starts/ends
+        for i in order:
+            if groups:
+                g = groups[-1]
+                lo, hi = starts[g[0]], max(ends[j] for j in g)
+                if starts[i] <= hi + COALESCE_GAP and max(hi, ends[i]) - lo <= COALESCE_MAX:
+                    g.append(i)
+                    continue
+            groups.append([i])
+        g_starts = [starts[g[0]] for g in groups]
+        g_ends = [max(ends[j] for j in g) for g in groups]
+        blobs = self._ranges(url, g_starts, g_ends)
+        out: list[bytes] = [b""] * len(starts)
+        for g, lo, blob in zip(groups, g_starts, blobs):
+            for i in g:
+                out[i] = blob[starts[i] - lo: ends[i] - lo]
+        return out
+
+    def _ranges(self, url: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Whole ranges, concurrently; the ranges that failed (or came back short) are asked again
+        until the retries run out."""
+        out: list[bytes | None] = [b"" if e <= s else None for s, e in zip(starts, ends)]
+        todo = [i for i, blob in enumerate(out) if blob is None]
+        if not todo:
+            return out  # type: ignore[return-value]
+        for attempt in range(self.max_retries + 1):
+            got = self.fs.cat_ranges([url] * len(todo), [starts[i] for i in todo], [ends[i] for i in todo],
+                                     on_error="return")
+            self.requests += len(todo)
+            failed, last = [], None
+            for i, blob in zip(todo, got):
+                if isinstance(blob, bytes) and len(blob) == ends[i] - starts[i]:
+                    out[i] = blob
+                    self.bytes_fetched += len(blob)
+                    continue
+                error = blob if isinstance(blob, BaseException) else OSError(
+                    f"short read: {len(blob)} of {ends[i] - starts[i]} bytes")
+                if isinstance(blob, bytes):
+                    self.bytes_fetched += len(blob)
+                if not _transient(error):
+                    raise OSError(f"{url} bytes {starts[i]}-{ends[i]}: {type(error).__name__}: {error}")
+                failed.append(i)
+                last = error
+            if not failed:
+                return out  # type: ignore[return-value]
+            if attempt == self.max_retries:
+                raise OSError(f"{url}: {type(last).__name__}: {last} (after {attempt} retries)")
+            delay = min(BACKOFF_CAP_S, BACKOFF_FIRST_S * 2 ** attempt) * random.uniform(0.5, 1.5)
+            log.info("%s: %d of %d ranges failed (%s); retrying in %.2f s", url, len(failed), len(todo), last, delay)
+            _sleep(delay)
+            todo = failed
+        raise AssertionError("unreachable")
+
+    def read(self, url: str, start: int, end: int) -> bytes:
+        return self.fetch(url, [start], [end])[0]
+
+    def download(self, url: str, out: Any, chunk: int = 16 << 20) -> int:
+        """Copy a whole object into the open binary file `out`, in ranged requests (a request that
+        fails is retried alone); returns its size."""
+        size = self.stamp(url)[0]
+        for start in range(0, size, chunk):
+            blob = self.read(url, start, min(size, start + chunk))
+            out.write(blob)
+        return size
+
+    def chunks(self, url: str, chunk: int = 16 << 20):
+        """The object's bytes in order, in ranged requests (each retried alone)."""
+        size = self.stamp(url)[0]
+        for start in range(0, size, chunk):
+            yield self.read(url, start, min(size, start + chunk))
+
+    def put(self, url: str, data: bytes) -> None:
+        self.retry(url, lambda: self.fs.pipe_file(url, data))
+
+
+_stores: dict[tuple[str, str, int], Store] = {}
+ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "AZURE_", "FSSPEC_")
+
+
+def store_for(url: str, storage: dict[str, Any] | None = None) -> Store:
+    """The process's Store for a URL's protocol, storage block and store environment (endpoint,
+    credentials: a change of them gives a new Store)."""
+    import orjson
+
+    env = hash(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))))
+    key = (protocol_of(url), orjson.dumps(storage or {}, option=orjson.OPT_SORT_KEYS).decode(), env)
+    store = _stores.get(key)
+    if store is None:
+        store = _stores[key] = Store(key[0], storage)
+    return store
+
+
+def bytes_fetched() -> int:
+    """Bytes this process fetched from object stores."""
+    return sum(s.bytes_fetched for s in _stores.values())
+
+
+def local_name(url: str, suffix: str, tag: int | None = None) -> str:
+    """A file name for something derived from a remote object, in a flat cache directory."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:16]
+    version = f"-{tag:x}" if tag is not None else ""
+    return f"{digest}{version}-{os.path.basename(url.rstrip('/'))}{suffix}"
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth asking again: not a missing object, a refused permission or a bad argument."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError,
+                      TypeError, NotImplementedError, SourceFormatError)):
+        return False
+    return True
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep while keeping the process's heartbeat going."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        keep_alive()
+        time.sleep(min(left, 0.25))
