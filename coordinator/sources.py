@@ -42,7 +42,7 @@ def open_sources(job: JobConfig) -> OpenedSources:
             counts.append(0)
             continue
         counts.append(reader.num_records)
-        if spec["format"] == "megatron":
+        if reader.memory_mapped:  # (a Megatron source in object storage is prepared by workers)
             mapped[spec["index"]] = reader
     for s, n in zip(job.sources, counts):
         if n == 0 and job.weights.get(s.name, 0) > 0 and not any(p.startswith(f"sources.{s.name}:") for p in problems):

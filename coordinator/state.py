@@ -25,6 +25,7 @@ import numpy as np
 from trainer_client import protocol as P
 from trainer_client.doc_keys import doc_key
 from trainer_client.protocol import DELIVER_ITEM
+from worker.readers.storage import is_url
 
 from .balance import imbalance
 from .config import JobConfig
@@ -87,6 +88,10 @@ class CoordinatorState:
         # per source: record, length, holder by position
         self.tables = [PositionTable(self.mapped_held if s in self.mapped else None) for s in range(n)]
         self._mapped_mask = np.array([s in self.mapped for s in range(n)], dtype=bool)
+        # sources in object storage: their tasks are always full too, so that a worker fetches a
+        # task's records in one round of concurrent requests, not a round trip per step's few
+        self._full_tasks = self._mapped_mask | np.array([any(is_url(f) for f in src.files) for src in job.sources],
+                                                        dtype=bool)
         self._prepared_stamp = 0  # lengths reported so far (prepare-ahead depends on their mean)
         self._tables_stamp = 0  # resets of the position tables
         self._prepare_ahead_stamp: tuple | None = None
@@ -581,9 +586,10 @@ class CoordinatorState:
         than needed). A memory-mapped source's records are prepared here from its index and cost
         a worker nothing to hold, so its tasks are always full: with hundreds of sources, a task
         of one or two records per source per step made the coordinator's step O(sources) in
-        small numpy calls."""
+        small numpy calls. A source in object storage has full tasks too: a task is a round of
+        requests, and its latency, not its size, is what a worker waits for."""
         batch = self.job.runtime.prepare_batch
-        return np.where(self._mapped_mask, batch, np.clip(np.ceil(per_step), 1, batch)).astype(np.int64)
+        return np.where(self._full_tasks, batch, np.clip(np.ceil(per_step), 1, batch)).astype(np.int64)
 
     def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Records to keep prepared ahead of each source's cursor: enough for the look-ahead steps."""
@@ -610,9 +616,9 @@ class CoordinatorState:
         window = self._windows(per_step, task)
         ahead = np.fromiter((t.end for t in self.tables), dtype=np.int64, count=len(self.tables)) \
             - np.asarray(self.planner.state.cursors, dtype=np.int64)
-        # a mapped source is refilled only once it is short by a whole task: one full task every
-        # prepare_batch records, not a small one every step
-        short = (per_step > 0) & (ahead <= window - np.where(self._mapped_mask, task, 1))
+        # a source of full tasks is refilled only once it is short by a whole task: one full task
+        # every prepare_batch records, not a small one every step
+        short = (per_step > 0) & (ahead <= window - np.where(self._full_tasks, task, 1))
         for s in np.flatnonzero(short).tolist():
             self._refill(s, int(task[s]), int(window[s]))
 

@@ -23,7 +23,7 @@ from trainer_client import protocol as P
 from trainer_client.doc_keys import doc_key, split_doc_key
 from trainer_client.protocol import DELIVER_ITEM
 
-from .readers import RecordError, SourceReader, open_source
+from .readers import RecordError, SourceReader, is_memory_mapped, open_source
 
 log = logging.getLogger("msd.worker")
 
@@ -177,7 +177,7 @@ class WorkerCore:
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
-            if spec.get("format") == "megatron":
+            if is_memory_mapped(spec):
                 self.keep_alive()
                 try:
                     self._reader(s)
@@ -278,14 +278,14 @@ class WorkerCore:
         document, and a record that is not memory-mapped must be in the cache."""
         keys, offsets = mine[:, DELIVER_ITEM.doc_key], mine[:, DELIVER_ITEM.offset]
         lengths = mine[:, DELIVER_ITEM.length]
-        if reader.format == "megatron":  # checked against the index
+        if reader.memory_mapped:  # checked against the index
             ok = offsets + lengths <= reader.lengths(split_doc_key(keys)[1]).astype(np.uint64)
         else:
             ok = np.array([(e := self.cache.get(key)) is not None and off + n <= e.length
                            for key, off, n in zip(keys.tolist(), offsets.tolist(), lengths.tolist())], dtype=bool)
         for key, off, n in zip(keys[~ok].tolist(), offsets[~ok].tolist(), lengths[~ok].tolist()):
-            entry = self.cache.get(key) if reader.format != "megatron" else None
-            why = ("beyond its document" if reader.format == "megatron" else
+            entry = self.cache.get(key) if not reader.memory_mapped else None
+            why = ("beyond its document" if reader.memory_mapped else
                    "not prepared here" if entry is None else f"beyond its document of {entry.length} tokens")
             log.error("step %d: piece %x[%d:+%d] cannot be served (%s); not sent", step, key, off, n, why)
         return ok
@@ -307,7 +307,7 @@ class WorkerCore:
             kept.append(mine)
             keys, offsets = mine[:, DELIVER_ITEM.doc_key], mine[:, DELIVER_ITEM.offset]
             lengths = mine[:, DELIVER_ITEM.length]
-            if reader.format == "megatron":  # views into the memory map: one copy below
+            if reader.memory_mapped:  # views into the memory map: one copy below
                 parts.extend(reader.pieces(split_doc_key(keys)[1], offsets, lengths))
                 patch_counts.append(np.zeros(len(mine), dtype=np.uint32))
                 continue

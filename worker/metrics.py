@@ -35,7 +35,12 @@ class WorkerMetrics:
         self.pieces = Counter("msd_worker_pieces_sent", "Document pieces sent to trainer ranks")
         self.send_waits = Counter("msd_worker_send_waits", "Sends that found a rank's socket full (kept in the "
                                   "outbox, sent when it drains)")
+        self.storage_bytes = Counter("msd_worker_storage_bytes", "Bytes fetched from object stores (ranged reads)")
+        self.storage_requests = Counter("msd_worker_storage_requests", "Ranged requests to object stores")
+        self.storage_retries = Counter("msd_worker_storage_retries", "Requests to object stores asked again after a "
+                                       "transient error (timeout, 5xx, throttling)")
         self._last: tuple[float, float, int] | None = None  # (time, busy seconds, send waits) at the last sample
+        self._storage_last = (0, 0, 0)
 
     def prepared(self, source: str, records: int, tokens: int, seconds: float) -> None:
         self.records.labels(source).inc(records)
@@ -54,6 +59,14 @@ class WorkerMetrics:
             if send_waits > waits_then:
                 self.send_waits.inc(send_waits - waits_then)
         self._last = (now, busy_s, send_waits)
+        from .readers.storage import totals
+
+        current = totals()
+        for counter, value, before in zip((self.storage_bytes, self.storage_requests, self.storage_retries), current,
+                                          self._storage_last):
+            if value > before:
+                counter.inc(value - before)
+        self._storage_last = current
 
 
 def worker_metrics() -> WorkerMetrics | None:

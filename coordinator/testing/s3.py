@@ -10,9 +10,11 @@ a share of requests and counts the bytes it passes.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -38,9 +40,27 @@ def _wait_for(url: str, timeout_s: float = 60.0) -> None:
             time.sleep(0.1)
 
 
+def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s") from None
+            time.sleep(0.1)
+
+
 class LoopbackS3:
     def __init__(self, error_rate: float = 0.0, drop_rate: float = 0.0, stall_rate: float = 0.0, stall_s: float = 2.0,
-                 seed: int = 0, proxy: bool | None = None, log_path: str | None = None) -> None:
+                 seed: int = 0, proxy: bool | None = None, log_path: str | None = None,
+                 s3rver: str | None = None) -> None:
+        """s3rver: the path of an `s3rver` executable (npm's file-backed S3 server) to serve
+        instead of moto: moto reads a whole object to answer a range of it, which caps ranged
+        reads of large objects at a few dozen per second (benchmarks use s3rver)."""
+        self.s3rver = s3rver
+        self._data_dir: str | None = None
         self.faults = {"error_rate": error_rate, "drop_rate": drop_rate, "stall_rate": stall_rate, "stall_s": stall_s,
                        "seed": seed}
         self.proxy = proxy if proxy is not None else bool(error_rate or drop_rate or stall_rate)
@@ -51,9 +71,16 @@ class LoopbackS3:
         log = open(self.log_path or os.devnull, "ab")
         port = free_port()
         self.server_url = f"http://127.0.0.1:{port}"
-        self._procs.append(subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                            stdout=log, stderr=log))
-        _wait_for(self.server_url + "/moto-api/")
+        if self.s3rver:
+            self._data_dir = tempfile.mkdtemp(prefix="msd-s3rver-")
+            self._procs.append(subprocess.Popen([self.s3rver, "-d", self._data_dir, "-a", "127.0.0.1", "-p", str(port),
+                                                 "--silent", "--allow-mismatched-signatures", "--no-vhost-buckets"],
+                                                stdout=log, stderr=log))
+            _wait_for_port(port)
+        else:
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                                 str(port)], stdout=log, stderr=log))
+            _wait_for(self.server_url + "/moto-api/")
         self.endpoint = self.server_url
         if self.proxy:
             proxy_port = free_port()
@@ -73,18 +100,22 @@ class LoopbackS3:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self._data_dir:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
 
     def env(self) -> dict[str, str]:
         """What an S3 client needs to reach this server (the standard AWS variables)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        key = "S3RVER" if self.s3rver else "testing"  # s3rver knows one account
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": key,
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
     def client(self, direct: bool = True):
         """A boto3 client (direct to the server, past the fault proxy, unless asked otherwise)."""
         import boto3
 
+        key = "S3RVER" if self.s3rver else "testing"
         return boto3.client("s3", endpoint_url=self.server_url if direct else self.endpoint,
-                            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+                            aws_access_key_id=key, aws_secret_access_key=key, region_name="us-east-1")
 
     def upload_dir(self, local_dir: str, bucket: str, prefix: str = "") -> int:
         """Create the bucket and upload every file under local_dir to prefix/<relative path>;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -95,24 +96,44 @@ def handler(upstream: str, faults: Faults) -> type[BaseHTTPRequestHandler]:
             if fate == "stall":
                 faults.count("stalls")
                 time.sleep(faults.stall_s)
-            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-            finally:
-                conn.close()
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+            for attempt in range(2):  # a kept-alive upstream connection may have been closed meanwhile
+                conn = self._upstream()
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    break
+                except (http.client.HTTPException, OSError):
+                    conn.close()
+                    self._conn = None
+                    if attempt:
+                        raise
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in HOP_BY_HOP and (k.lower() != "content-length" or self.command == "HEAD"):
                     self.send_header(k, v)
             if self.command != "HEAD":
                 self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
+            # headers and body in one write: written apart, Nagle's algorithm and the client's
+            # delayed ACK hold each response back by tens of milliseconds
+            self._headers_buffer.append(b"\r\n")
+            head = b"".join(self._headers_buffer)
+            self._headers_buffer = []
+            self.wfile.write(head + (data if self.command != "HEAD" else b""))
             if self.command != "HEAD":
-                self.wfile.write(data)
                 faults.count("bytes_out", len(data))
+
+        def _upstream(self) -> http.client.HTTPConnection:
+            if getattr(self, "_conn", None) is None:
+                self._conn = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
+                self._conn.connect()
+                self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return self._conn
+
+        def setup(self) -> None:
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
@@ -130,6 +151,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
     faults = Faults(a.error_rate, a.drop_rate, a.stall_rate, a.stall_s, a.seed)
+    # a client opens dozens of connections at once: with the default backlog of 5, the rest wait
+    # out SYN retransmits (seconds)
+    ThreadingHTTPServer.request_queue_size = 1024
     server = ThreadingHTTPServer(("127.0.0.1", a.port), handler(a.upstream, faults))
     server.daemon_threads = True
     server.serve_forever()

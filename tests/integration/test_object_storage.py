@@ -95,10 +95,12 @@ def test_every_format_from_a_bucket_streams_as_the_local_files_do(corpus, local_
     assert all(len(b) == STEPS * 2 for b in remote.values())
 
 
-def test_a_flaky_store_changes_nothing(corpus, local_stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ranges", ["obstore", "fsspec"])
+def test_a_flaky_store_changes_nothing(corpus, local_stream, tmp_path, monkeypatch, ranges):
     """10% of requests answered 503 SlowDown, 3% dropped, 2% stalled for 2 s: every request is
-    retried until it succeeds; nothing that is not corrupt is skipped."""
+    retried until it succeeds; nothing that is not corrupt is skipped. Both ranged-read clients."""
     _, local = local_stream
+    monkeypatch.setenv("MSD_STORAGE_RANGES", ranges)
     with LoopbackS3(error_rate=0.10, drop_rate=0.03, stall_rate=0.02, stall_s=2.0, seed=5) as s3:
         s3.upload_dir(str(corpus), BUCKET, "data")
         path = _remote_job(tmp_path, s3, monkeypatch)
@@ -173,3 +175,69 @@ def test_indexes_are_shared_beside_the_shards_when_the_job_allows_it(corpus, tmp
                           for f in os.listdir(corpus / d) if not f.endswith((".npy", ".json")))
         assert stats["bytes_out"] < shard_bytes / 2, stats
         assert opened.num_records[0] == 120
+
+
+def _zst_shard(path: str, seed: int, docs: int = 40) -> None:
+    import orjson
+    import zstandard
+
+    rng = np.random.default_rng(seed)
+    lines = b"".join(orjson.dumps({"text": " ".join(map(str, rng.integers(0, 10**6, 400)))}) + b"\n"
+                     for _ in range(docs))
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(lines))
+
+
+def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetched_again(tmp_path, monkeypatch):
+    from worker.readers import open_source
+
+    local = tmp_path / "local"
+    local.mkdir()
+    for i in range(3):
+        _zst_shard(str(local / f"part-{i}.jsonl.zst"), seed=i)
+    cache = tmp_path / "cache"
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(local), BUCKET, "zst")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        files = [f"s3://{BUCKET}/zst/part-{i}.jsonl.zst" for i in range(3)]
+        expected = open_source({"name": "z", "format": "jsonl", "files": sorted(str(p) for p in local.iterdir())})
+        copy_size = 40 * 2800  # about one decompressed shard: the bound holds one copy, not three
+        spec = {"name": "z", "format": "jsonl", "files": files, "cache_dir": str(cache), "cache_bytes": copy_size}
+        first, second = open_source(spec), open_source(spec)  # two processes sharing one host's cache
+        assert first.num_records == expected.num_records == 120
+        order = [r for i in range(40) for r in (i, 40 + i, 80 + i)]  # every read in another shard
+        for r in order:
+            np.testing.assert_array_equal(first.read(r), expected.read(r))
+            np.testing.assert_array_equal(second.read(119 - r), expected.read(119 - r))
+        copies = list((cache / "copies").glob("*.msd.copy"))
+        assert len(copies) == 1  # the bound held: the others were evicted as each was needed
+        assert sum(p.stat().st_size for p in copies) <= 2 * copy_size
+
+
+def test_arrow_and_pre_tokenized_parquet_from_a_bucket_read_as_local(tmp_path, monkeypatch):
+    import datasets
+
+    from worker.readers import open_source
+
+    local = tmp_path / "local"
+    texts = captions()[:200]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(local / "arrow"), max_shard_size="20KB")
+    (local / "pq").mkdir()
+    write_parquet(str(local / "pq" / "ids.parquet"), texts, row_group_size=30, tokens=True)
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(local), BUCKET, "t")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        from coordinator.config import _expand
+
+        for fmt, sub, pattern, key in (("arrow", "arrow", "*.arrow", {"text_key": "text"}),
+                                       ("parquet", "pq", "*.parquet", {"tokens_key": "tokens"})):
+            urls = _expand(f"s3://{BUCKET}/t/{sub}/{pattern}", "", fmt)
+            paths = _expand(str(local / sub / pattern), "", fmt)
+            assert [u.rsplit("/", 1)[1] for u in urls] == [os.path.basename(p) for p in paths] and urls
+            remote = open_source({"name": "r", "format": fmt, "files": urls, "cache_dir": str(tmp_path / "c"), **key})
+            here = open_source({"name": "r", "format": fmt, "files": paths, **key})
+            assert remote.num_records == here.num_records == 200
+            for r in range(200):
+                np.testing.assert_array_equal(remote.read(r), here.read(r))

@@ -2,6 +2,6 @@
 coordinator (counts and Megatron lengths only; it never reads payloads)."""
 
 from .errors import RecordError, SourceFormatError
-from .source import SourceReader, open_source
+from .source import SourceReader, is_memory_mapped, open_source
 
-__all__ = ["RecordError", "SourceFormatError", "SourceReader", "open_source"]
+__all__ = ["RecordError", "SourceFormatError", "SourceReader", "is_memory_mapped", "open_source"]

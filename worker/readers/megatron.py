@@ -17,6 +17,7 @@ delivery fetched together, nearby ones in one request.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -35,6 +36,7 @@ DTYPE_CODES = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+log = logging.getLogger("msd.megatron")
 _HEADER = struct.Struct("<9sQBQQ")
 # Indexes up to this many entries (20 MB of index) are checked in full when opened. Every
 # process that reads a source opens its index (the coordinator and each worker process): with
@@ -57,6 +59,7 @@ class MegatronIndex:
         self.prefix = prefix
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         self._store = store_for(prefix, storage) if is_url(prefix) else None
+        self._prefetched: dict[int, np.ndarray] = {}
         if self._store is not None:
             idx_local, bin_size = self._fetch_index(cache_dir)
         else:
@@ -135,6 +138,24 @@ class MegatronIndex:
             atomic_write(path, lambda out: self._store.download(idx_url, out))
         return path, bin_size
 
+    def prefetch(self, docs: list[int]) -> None:
+        """Fetch these documents of a remote .bin together (a prepare task's), nearby ones in one
+        request; a document that fails here is fetched again, alone, when read."""
+        self._prefetched: dict[int, np.ndarray] = {}
+        if self._store is None or not docs:
+            return
+        first = self.document_indices[np.asarray(docs, np.int64)]
+        last = self.document_indices[np.asarray(docs, np.int64) + 1]
+        single = [d for d, a, b in zip(docs, first.tolist(), last.tolist()) if b == a + 1]
+        seqs = self.document_indices[np.asarray(single, np.int64)] if single else np.zeros(0, np.int64)
+        starts = self.sequence_pointers[seqs]
+        ends = starts + self.sequence_lengths[seqs].astype(np.int64) * self.dtype.itemsize
+        try:
+            self._prefetched = dict(zip(single, self._read_bin(starts.tolist(), ends.tolist())))
+        except OSError as e:
+            log.warning("%s.bin: prefetch of %d documents failed (%s); reading them one by one", self.prefix,
+                        len(single), e)
+
     def _read_bin(self, starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Tokens of byte ranges of a remote .bin (one coalesced, concurrent fetch)."""
         blobs = self._store.fetch(self.prefix + ".bin", starts, ends)
@@ -185,6 +206,9 @@ class MegatronIndex:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
         first, last = self._first_seq(d), self._first_seq(d + 1)
         if self._store is not None:
+            fetched = self._prefetched.pop(d, None)
+            if fetched is not None:
+                return fetched
             seqs = range(first, last)
             parts = self._read_bin([self._pointers(q) for q in seqs],
                                    [self._pointers(q) + self._lengths(q) * self.dtype.itemsize for q in seqs])

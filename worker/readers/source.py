@@ -21,6 +21,7 @@ from .jsonl import JsonlShard
 from .megatron import MegatronIndex
 from .arrow import ArrowShard
 from .parquet import ParquetShard, token_ids
+from .storage import is_url
 from .webdataset import WebDatasetShard
 
 
@@ -71,6 +72,14 @@ class SourceReader:
         self._starts = [0]
         for c in counts:
             self._starts.append(self._starts[-1] + c)
+
+    @property
+    def memory_mapped(self) -> bool:
+        """Tokens read straight from local memory maps at delivery, lengths from the index: the
+        coordinator prepares such a source itself. A Megatron source in object storage is not:
+        workers prepare it like any other (a task's documents fetched together, ahead of use)."""
+        return is_memory_mapped({"format": self.format, "files": [s.prefix for s in self.shards]}) \
+            if self.format == "megatron" else False
 
     def _table(self, path: str, column: str, storage: dict[str, Any] | None, cache_dir: str | None) -> Any:
         if self.format == "arrow":
@@ -174,7 +183,7 @@ class SourceReader:
         Raises RecordError for a record to skip (corrupt, or over a limit: checked before decoding)."""
         shard_no, i = self.locate(record_index)
         shard = self.shards[shard_no]
-        if self.format == "megatron":
+        if self.format == "megatron":  # (remote: workers prepare it; memory-mapped: only tests read it here)
             check_bytes(shard.lengths_of(np.array([i]))[0] * self.dtype.itemsize, self.max_record_bytes,
                         f"{shard.prefix}: document {i}")
             return shard.document(i), None
@@ -229,6 +238,11 @@ class SourceReader:
         tokens[:len(patches)] = self.image_token_id
         tokens[len(patches):] = words
         return tokens, patches
+
+
+def is_memory_mapped(spec: dict[str, Any]) -> bool:
+    """Whether a source spec is a memory-mapped one (SourceReader.memory_mapped), without opening it."""
+    return spec.get("format") == "megatron" and not any(is_url(f) for f in spec.get("files", ()))
 
 
 def open_source(spec: dict[str, Any], cache_dir: str | None = None) -> SourceReader:
