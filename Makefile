@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration bench clean
+.PHONY: install demo test test-unit test-integration bench bench-remote-env clean
 
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json
+
+# tools/bench_remote.py's two outside parts, kept out of the project's venv: npm's s3rver (the
+# S3-compatible server the benchmark serves from) and Mosaic Streaming in a venv of its own
+# (it pins numpy < 2.2 and imports torchvision, whose PyPI build needs torch 2.14.1 here).
+bench-remote-env:
+	mkdir -p .bench && cd .bench && npm install --silent --no-audit --no-fund s3rver@3.7.1
+	$(PYTHON) -m venv .venv-mosaic
+	.venv-mosaic/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	.venv-mosaic/bin/pip install --quiet mosaicml-streaming==0.13.0

@@ -267,7 +267,12 @@ class FastRanges:
             self._pid, self._stores = os.getpid(), {}
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, daemon=True, name="msd-storage").start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        while True:  # obstore retries inside: a long wait keeps the worker's heartbeat going
+            try:
+                return future.result(timeout=0.25)
+            except TimeoutError:
+                keep_alive()
 
     def get(self, url: str, starts: list[int], ends: list[int]) -> list[bytes | BaseException]:
         import obstore
