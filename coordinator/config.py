@@ -33,6 +33,7 @@ FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",), "webdataset": (".tar",)}
 ALLOCATIONS = ("adaptive", "fixed")
+WHOLE_OBJECT_FORMATS = ("jsonl", "megatron")  # storage.whole_objects: read from a local copy of each object
 INDEX_SUFFIXES = (".msdidx.npy", ".msdidx.json")  # indexes stored beside remote shards (storage.share_indexes)
 DEFAULT_CACHE_BYTES = 64 << 30
 
@@ -64,7 +65,7 @@ class SourceConfig:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a record's stored bytes (line, row value, tar entries, document)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # WebDataset: pixels an image's header declares
     # Object storage: the file system's options for URL paths (endpoint, region, profile; never
-    # secrets) and ours (max_retries, share_indexes); see worker/readers/storage.py
+    # secrets) and ours (max_retries, share_indexes, whole_objects); see worker/readers/storage.py
     storage: dict[str, Any] | None = None
 
     @property
@@ -315,8 +316,9 @@ def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
                    "(AWS_ACCESS_KEY_ID, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_* ...)")
     if "max_retries" in raw:
         c.integer(raw["max_retries"], f"{key}.max_retries", 0)
-    if "share_indexes" in raw and not isinstance(raw["share_indexes"], bool):
-        c.bad(f"{key}.share_indexes", f"expected true or false, got {raw['share_indexes']!r}")
+    for flag in ("share_indexes", "whole_objects"):
+        if flag in raw and not isinstance(raw[flag], bool):
+            c.bad(f"{key}.{flag}", f"expected true or false, got {raw[flag]!r}")
     return dict(raw)
 
 
@@ -346,6 +348,9 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     if "format" in raw and fmt not in FORMATS:
         c.bad(f"{key}.format", f"unknown format {fmt!r} (expected one of: {', '.join(FORMATS)})")
         ok = False
+    elif storage and storage.get("whole_objects") and fmt not in WHOLE_OBJECT_FORMATS:
+        c.bad(f"{key}.storage.whole_objects", f"supported for {' and '.join(WHOLE_OBJECT_FORMATS)} sources, not "
+                                              f"{fmt} (arrow files are always copied whole)")
     paths = raw.get("paths")
     if isinstance(paths, str):
         paths = [paths]

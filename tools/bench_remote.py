@@ -1,5 +1,6 @@
 """Reading from object storage, against Mosaic Streaming: the same text served by an S3-compatible
-server on loopback (moto's server mode, in its own process, behind a byte-counting proxy).
+server on loopback (npm's s3rver, or moto's server mode, in its own process, behind a
+byte-counting proxy).
 
     python tools/bench_remote.py --json OUT [--mb 200] [--ranks 2] [--workers 2] [--steps 150]
         [--repeats 3] [--mosaic-python .venv-mosaic/bin/python]
@@ -11,7 +12,9 @@ tokens, the documents concatenated: how LLM teams feed Mosaic). All are uploaded
 
 Designs, run alternately --repeats times, each with a cold cache:
 - ours-remote-megatron, ours-remote-jsonl: `msd` over s3:// URLs (coordinator, --workers worker
-  processes, --ranks trainer processes);
+  processes, --ranks trainer processes), records read by byte range;
+- ours-whole-megatron, ours-whole-jsonl: the same with `storage: {whole_objects: true}` (each
+  object copied whole into the local cache when first needed, as Mosaic does with its shards);
 - ours-local-megatron, ours-local-jsonl: the same jobs over the local files (the ceiling);
 - mosaic-remote: per rank a StreamingDataset(remote=s3://...) in a torch DataLoader with
   workers/ranks worker processes (Mosaic's venv: make bench-remote-env).
@@ -119,16 +122,19 @@ def _du(path: str) -> int:
     return total
 
 
-def write_job(path: str, fmt: str, where: str, a: argparse.Namespace, cache_dir: str) -> str:
+def write_job(path: str, fmt: str, where: str, a: argparse.Namespace, cache_dir: str, whole: bool = False) -> str:
     pattern = {"megatron": "megatron/part-*", "jsonl": "jsonl/part-*.jsonl"}[fmt]
+    source = {"format": fmt, "paths": [f"{where}/{pattern}"], **({"eod_id": EOD} if fmt == "jsonl" else {})}
+    if whole:
+        source["storage"] = {"whole_objects": True}
     job = {
         "seed": 5,
-        "sources": {"text": {"format": fmt, "paths": [f"{where}/{pattern}"], **({"eod_id": EOD} if fmt == "jsonl" else {})}},
+        "sources": {"text": source},
         "batch": {"seq_len": a.seq_len, "micro_batch_size": a.micro_batch,
                   "global_batch_size": a.micro_batch * a.ranks},
         "topology": {"dp": a.ranks},
         "mixture": {"weights": {"text": 1.0}},
-        "runtime": {"cache_dir": cache_dir, "lookahead_steps": 4},
+        "runtime": {"cache_dir": cache_dir, "lookahead_steps": 4, "prepare_batch": a.prepare_batch},
     }
     with open(path, "w") as f:
         yaml.safe_dump(job, f)
@@ -152,7 +158,8 @@ class PssSampler(threading.Thread):
 
 
 def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, info: dict, work: str) -> dict:
-    kind, where, fmt = design.split("-")  # ours|mosaic, remote|local, megatron|jsonl|mds
+    kind, where, fmt = design.split("-")  # ours|mosaic, remote|whole|local, megatron|jsonl|mds
+    counted = where != "local" and not a.direct  # bytes are counted by the proxy only
     cache = os.path.join(work, f"cache-{design}")
     shutil.rmtree(cache, ignore_errors=True)
     os.makedirs(cache)
@@ -166,8 +173,8 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
     cluster = None
     try:
         if kind == "ours":
-            base = f"s3://{BUCKET}" if where == "remote" else data
-            job = write_job(os.path.join(work, f"{design}.yaml"), fmt, base, a, cache)
+            base = data if where == "local" else f"s3://{BUCKET}"
+            job = write_job(os.path.join(work, f"{design}.yaml"), fmt, base, a, cache, whole=where == "whole")
             cluster = LocalJob(job, workers=a.workers).__enter__()
             cmds = [[sys.executable, os.path.join(HERE, "remote_ranks.py"), "ours", "--address", cluster.address,
                      "--rank", str(r), "--steps", str(a.steps)] for r in range(a.ranks)]
@@ -180,6 +187,9 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
                      "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--seed", "5"]
                     for r in range(a.ranks)]
             roots = lambda: [p.pid for p in procs]  # noqa: E731
+        # what start-up fetched (our coordinator's indexes: line offsets streamed from whole JSONL
+        # objects, Megatron .idx copies), apart from what feeding the ranks fetched
+        startup_bytes = s3.stats()["bytes_out"] if counted else None
         procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for c in cmds]
         sampler = PssSampler(roots)
         sampler.start()
@@ -195,7 +205,7 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
             cluster.__exit__(None, None, None)
         os.environ.clear()
         os.environ.update(saved_env)
-    stats = s3.stats() if where == "remote" else {"bytes_out": 0, "requests": 0}
+    stats = s3.stats() if counted else {"bytes_out": None, "requests": None}
     tokens = sum(r["tokens"] for r in results)
     first = min(r["first_batch_at"] for r in results)
     last = max(r["last_batch_at"] for r in results)
@@ -208,7 +218,10 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
         "first_batch_s": first - started,
         "bytes_fetched": stats["bytes_out"],
         "requests": stats["requests"],
-        "read_amplification": stats["bytes_out"] / (tokens * stored_per_token) if where == "remote" else None,
+        "read_amplification": stats["bytes_out"] / (tokens * stored_per_token) if counted else None,
+        "startup_bytes": startup_bytes,
+        "read_amplification_after_startup": ((stats["bytes_out"] - startup_bytes) / (tokens * stored_per_token)
+                                             if counted else None),
         "cache_disk_mb": _du(cache) / 1e6,
         "peak_pss_mb": sampler.peak_kb / 1024,
     }
@@ -217,6 +230,7 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
 def summarize(runs: list[dict]) -> dict:
     out: dict = {"repeats": len(runs)}
     for key in ("tokens_per_s", "tokens_per_s_after_first_batch", "first_batch_s", "read_amplification",
+                "read_amplification_after_startup", "startup_bytes",
                 "cache_disk_mb", "peak_pss_mb", "bytes_fetched", "requests"):
         values = [r[key] for r in runs if r[key] is not None]
         if values:
@@ -234,6 +248,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prepare-batch", type=int, default=64, help="our runtime.prepare_batch")
     p.add_argument("--direct", action="store_true", help="clients talk to the server, not through the proxy")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "msd-bench-remote"))
@@ -267,12 +282,14 @@ def main() -> None:
     summary = {d: summarize(rs) for d, rs in runs.items()}
     ratios = {}
     for fmt in ("megatron", "jsonl"):
-        remote, local = summary.get(f"ours-remote-{fmt}"), summary.get(f"ours-local-{fmt}")
-        if remote and local:
-            ratios[f"{fmt}_remote_over_local"] = remote["tokens_per_s"]["median"] / local["tokens_per_s"]["median"]
-        if remote and "mosaic-remote-mds" in summary:
-            ratios[f"{fmt}_remote_over_mosaic"] = (remote["tokens_per_s"]["median"]
-                                                   / summary["mosaic-remote-mds"]["tokens_per_s"]["median"])
+        local = summary.get(f"ours-local-{fmt}")
+        for where in ("remote", "whole"):
+            remote = summary.get(f"ours-{where}-{fmt}")
+            if remote and local:
+                ratios[f"{fmt}_{where}_over_local"] = remote["tokens_per_s"]["median"] / local["tokens_per_s"]["median"]
+            if remote and "mosaic-remote-mds" in summary:
+                ratios[f"{fmt}_{where}_over_mosaic"] = (remote["tokens_per_s"]["median"]
+                                                        / summary["mosaic-remote-mds"]["tokens_per_s"]["median"])
     emit({"bench": "remote", "command": " ".join(sys.argv), "corpus": info,
           "params": {k: v for k, v in vars(a).items() if k not in ("json",)},
           "tokens_per_step": a.ranks * a.micro_batch * a.seq_len, "ratios": ratios, "summary": summary,

@@ -241,3 +241,45 @@ def test_arrow_and_pre_tokenized_parquet_from_a_bucket_read_as_local(tmp_path, m
             assert remote.num_records == here.num_records == 200
             for r in range(200):
                 np.testing.assert_array_equal(remote.read(r), here.read(r))
+
+
+def test_whole_objects_are_copied_once_per_host_and_stream_as_local(tmp_path, monkeypatch):
+    """storage.whole_objects: a plain JSONL shard and a Megatron .bin are copied whole into the
+    cache, once for the host although two worker processes and the coordinator read them, and the
+    stream is that of the local files."""
+    data = tmp_path / "data"
+    build_dataset(str(data))
+    local = run_job(write_job(str(data), job_dict()), workers=2, ranks=2, steps=STEPS)
+    whole = {"whole_objects": True}
+    with LoopbackS3(proxy=True) as s3:
+        s3.upload_dir(str(data), BUCKET, "data")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        job = job_dict()
+        for name, rel in (("web", LOCAL["web"]), ("code", LOCAL["code"]), ("long", LOCAL["long"])):
+            job["sources"][name]["paths"] = [f"s3://{BUCKET}/data/{rel}"]
+        job["sources"]["web"]["storage"] = whole
+        job["sources"]["code"]["storage"] = whole
+        job["runtime"]["cache_dir"] = str(tmp_path / "cache")
+        (tmp_path / "remote").mkdir()
+        remote = run_job(write_job(str(tmp_path / "remote"), job), workers=2, ranks=2, steps=STEPS)
+        fetched = s3.stats()["bytes_out"]
+    _same_stream(local, remote)
+    stored = sum(os.path.getsize(p) for p in [*data.glob("web/*.jsonl"), *data.glob("long/*.zst"),
+                                              *data.glob("code/*")])
+    assert stored <= fetched < stored * 1.1 + (64 << 10), (fetched, stored)  # not once per process
+    copies = os.listdir(tmp_path / "cache" / "copies")
+    assert any(n.endswith("code_text_document.bin.msd.copy") for n in copies), copies
+    assert sum(n.endswith(".jsonl.msd.copy") for n in copies) == 3, copies  # two plain, one decompressed
+
+
+def test_whole_objects_is_refused_where_it_does_not_apply(tmp_path):
+    job = job_dict()
+    job["sources"]["table"] = {"format": "parquet", "paths": ["s3://b/t/*.parquet"], "text_key": "text",
+                               "storage": {"whole_objects": True}}
+    job["sources"]["web"]["storage"] = {"whole_objects": "yes"}
+    path = write_job(str(tmp_path), job)
+    result = CliRunner().invoke(validate, [path])
+    assert result.exit_code != 0
+    assert "sources.table.storage.whole_objects" in result.output and "parquet" in result.output
+    assert "sources.web.storage.whole_objects: expected true or false" in result.output

@@ -1,8 +1,9 @@
 """Local copies of remote objects that cannot be read by range (compressed JSONL: a zstd or gzip
-stream has no random access), in a directory bounded to `runtime.cache_bytes` with
-least-recently-used eviction.
+stream has no random access) or that a source asks to read whole (`storage.whole_objects`), in a
+directory bounded to `runtime.cache_bytes` with least-recently-used eviction.
 
-Several worker processes of a host share the directory. A copy is made atomically (written
+Several worker processes of a host share the directory. A copy is made once per host (the
+processes that want it wait on a lock file while one makes it) and atomically (written
 under a temporary name, then renamed), marked used by its modification time, and evicted by
 whichever process goes over the bound; a process still reading an evicted copy notices
 (`is_evicted`: the file it holds has no name left) and fetches it again.
@@ -10,6 +11,7 @@ whichever process goes over the bound; a process still reading an evicted copy n
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -20,6 +22,7 @@ from trainer_client.files import atomic_write
 log = logging.getLogger("msd.copies")
 
 COPY_SUFFIX = ".msd.copy"
+LOCK_SUFFIX = ".msd.lock"
 TOUCH_EVERY_S = 10.0  # a copy in use is marked used at most this often (a syscall per read otherwise)
 
 
@@ -36,7 +39,14 @@ class CopyCache:
             self.touch(path, force=True)
             return path
         os.makedirs(self.directory, exist_ok=True)
-        atomic_write(path, make)
+        # one process of the host makes it; the others wait for it (each fetching its own copy
+        # would read the object once per worker process)
+        with open(os.path.join(self.directory, name + LOCK_SUFFIX), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(path):
+                self.touch(path, force=True)
+                return path
+            atomic_write(path, make)
         self._touched[path] = time.monotonic()
         self.evict(keep=path)
         return path

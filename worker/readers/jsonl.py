@@ -9,7 +9,8 @@ A shard may be a URL of an object store (storage.py). Its index is then kept in 
 (and, where the source's `storage.share_indexes` allows, stored beside the shard as
 `<url>.msdidx.npy` for other hosts and later jobs), stamped with the object's size and version
 tag. A plain shard's lines are read by byte range, a task's lines fetched together (`prefetch`);
-a compressed one is copied and decompressed into the bounded local cache (copies.py).
+a compressed one is copied and decompressed into the bounded local cache (copies.py), and so
+is a plain one whose source sets `storage.whole_objects`.
 """
 
 from __future__ import annotations
@@ -173,12 +174,13 @@ class JsonlShard:
             raise SourceFormatError(f"{self.shard}: object not found") from None
         except OSError as e:
             raise SourceFormatError(f"{self.shard}: cannot read ({e})") from None
-        self.compressed = not self.shard.endswith(".jsonl")
+        # read from a local copy: a compressed shard (no random access), or any with whole_objects
+        self.copied = not self.shard.endswith(".jsonl") or store.whole_objects
         self._copies = CopyCache(cache_dir or default_cache_dir(), cache_bytes)
         self._copy_name = local_name(self.shard, ".jsonl", tag)
         self.path = self.shard
         stamp = np.array([size, tag], np.int64)
-        build = (lambda: _scan_offsets(self._copy())) if self.compressed else (
+        build = (lambda: _scan_offsets(self._copy())) if self.copied else (
             lambda: _scan_chunks(store.chunks(self.shard)))
         self.offsets = self._load_index(_sidecar_path(self.shard, INDEX_SUFFIX, cache_dir), stamp, build,
                                         shared=self.shard + INDEX_SUFFIX)
@@ -222,9 +224,12 @@ class JsonlShard:
         return None  # stale: built for an earlier version of the shard
 
     def _copy(self) -> str:
-        """The local decompressed copy of a remote compressed shard (fetched into the cache if it
-        is not there)."""
+        """The local (decompressed) copy of a remote shard (fetched into the cache if it is not
+        there)."""
         def make(out: BinaryIO) -> None:
+            if self.shard.endswith(".jsonl"):
+                self._store.download(self.shard, out)
+                return
             with tempfile.NamedTemporaryFile(dir=self._copies.directory, suffix=".download") as raw:
                 self._store.download(self.shard, raw)
                 raw.flush()
@@ -238,7 +243,7 @@ class JsonlShard:
         """Fetch these lines of a remote plain shard in as few requests as their places allow
         (a prepare task's records); a line that fails here is fetched again, alone, when read."""
         self._prefetched = {}
-        if self._store is None or self.compressed:
+        if self._store is None or self.copied:
             return
         lines = sorted(set(lines))
         try:
@@ -254,7 +259,7 @@ class JsonlShard:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         raw = self._prefetched.pop(i, None)
         if raw is None:
-            if self._store is not None and not self.compressed:
+            if self._store is not None and not self.copied:
                 raw = self._store.read(self.shard, start, end)
             else:
                 raw = os.pread(self._open(), end - start, start)

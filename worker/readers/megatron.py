@@ -12,7 +12,8 @@ One record of ours is one document of the .idx; its tokens are its sequences con
 
 A prefix may be a URL (storage.py): the .idx is copied into the cache dir once and mapped (the
 coordinator plans from it); the tokens are read from the .bin by byte range, the pieces of one
-delivery fetched together, nearby ones in one request.
+delivery fetched together, nearby ones in one request; or, with `storage.whole_objects`, the .bin
+is copied whole into the bounded local cache by the first worker of a host that reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from trainer_client.files import atomic_write
 
+from .copies import CopyCache
 from .errors import SourceFormatError
 from .storage import is_url, local_name, store_for
 
@@ -55,13 +57,19 @@ class MegatronIndex:
     """One `prefix.bin` + `prefix.idx` pair, memory-mapped. Checks the index against the data file
     at open, so a truncated or foreign pair is refused here, naming the file."""
 
-    def __init__(self, prefix: str, storage: dict[str, Any] | None = None, cache_dir: str | None = None) -> None:
+    def __init__(self, prefix: str, storage: dict[str, Any] | None = None, cache_dir: str | None = None,
+                 cache_bytes: int | None = None) -> None:
         self.prefix = prefix
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         self._store = store_for(prefix, storage) if is_url(prefix) else None
         self._prefetched: dict[int, np.ndarray] = {}
+        # storage.whole_objects: the .bin is copied whole into the local cache when a document is
+        # first read (never by the coordinator, which reads only the .idx), then read locally
+        self._whole_copy: CopyCache | None = None
         if self._store is not None:
             idx_local, bin_size = self._fetch_index(cache_dir)
+            if self._store.whole_objects:
+                self._whole_copy = CopyCache(cache_dir or _default_cache_dir(), cache_bytes)
         else:
             for p in (idx_path, bin_path):
                 if not os.path.isfile(p):
@@ -122,17 +130,15 @@ class MegatronIndex:
 
     def _fetch_index(self, cache_dir: str | None) -> tuple[str, int]:
         """(local copy of the remote .idx, size of the remote .bin)."""
-        from .jsonl import default_cache_dir
-
         idx_url, bin_url = self.prefix + ".idx", self.prefix + ".bin"
         try:
             _, tag = self._store.stamp(idx_url)
-            bin_size = self._store.stamp(bin_url)[0]
+            bin_size, self._bin_tag = self._store.stamp(bin_url)
         except FileNotFoundError as e:
             raise SourceFormatError(f"{e}: object not found") from None
         except OSError as e:
             raise SourceFormatError(f"{self.prefix}: cannot read ({e})") from None
-        path = os.path.join(cache_dir or default_cache_dir(), local_name(idx_url, "", tag))
+        path = os.path.join(cache_dir or _default_cache_dir(), local_name(idx_url, "", tag))
         if not os.path.exists(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             atomic_write(path, lambda out: self._store.download(idx_url, out))
@@ -142,6 +148,8 @@ class MegatronIndex:
         """Fetch these documents of a remote .bin together (a prepare task's), nearby ones in one
         request; a document that fails here is fetched again, alone, when read."""
         self._prefetched: dict[int, np.ndarray] = {}
+        if self._whole_copy is not None:
+            self._read_whole()
         if self._store is None or not docs:
             return
         first = self.document_indices[np.asarray(docs, np.int64)]
@@ -155,6 +163,17 @@ class MegatronIndex:
         except OSError as e:
             log.warning("%s.bin: prefetch of %d documents failed (%s); reading them one by one", self.prefix,
                         len(single), e)
+
+    def _read_whole(self) -> None:
+        """Copy the remote .bin into the cache (once per host) and read it from there on. A copy
+        evicted while mapped stays readable; its disk space is freed when this reader closes."""
+        bin_url = self.prefix + ".bin"
+        path = self._whole_copy.path(local_name(bin_url, "", self._bin_tag),
+                                     lambda out: self._store.download(bin_url, out))
+        if os.path.getsize(path):
+            self._bin = _map(path)
+            self._all_tokens = np.frombuffer(self._bin, dtype=self.dtype, count=len(self._bin) // self.dtype.itemsize)
+        self._store = self._whole_copy = None
 
     def _read_bin(self, starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Tokens of byte ranges of a remote .bin (one coalesced, concurrent fetch)."""
@@ -195,6 +214,8 @@ class MegatronIndex:
         in_range = offsets + lengths <= self.sequence_lengths[first]
         if not (single & in_range).all():
             return [self.document(int(d))[o: o + n] for d, o, n in zip(docs, offsets, lengths)]
+        if self._whole_copy is not None:
+            self._read_whole()
         if self._store is not None:
             byte_starts = self.sequence_pointers[first] + offsets * self.dtype.itemsize
             return self._read_bin(byte_starts.tolist(), (byte_starts + lengths * self.dtype.itemsize).tolist())
@@ -205,6 +226,8 @@ class MegatronIndex:
     def document(self, d: int) -> np.ndarray:
         """The tokens of document d as a read-only array (a view into the mmap when it is one sequence)."""
         first, last = self._first_seq(d), self._first_seq(d + 1)
+        if self._whole_copy is not None:
+            self._read_whole()
         if self._store is not None:
             fetched = self._prefetched.pop(d, None)
             if fetched is not None:
@@ -251,3 +274,9 @@ def write_megatron(prefix: str, documents: Iterable[np.ndarray], dtype: np.dtype
         f.write(pointers.tobytes())
         f.write(doc_indices.tobytes())
     return len(lengths)
+
+
+def _default_cache_dir() -> str:
+    from .jsonl import default_cache_dir  # jsonl imports nothing of ours that imports this module
+
+    return default_cache_dir()

@@ -45,7 +45,7 @@ class SourceReader:
         self.tokenizer = None
         storage, cache_bytes = spec.get("storage"), spec.get("cache_bytes")
         if self.format == "megatron":
-            self.shards: list[Any] = [MegatronIndex(p, storage, cache_dir) for p in spec["files"]]
+            self.shards: list[Any] = [MegatronIndex(p, storage, cache_dir, cache_bytes) for p in spec["files"]]
             dtypes = {s.dtype for s in self.shards}
             self.dtype = np.result_type(*dtypes) if dtypes else np.dtype("<u2")
         elif self.format in ("jsonl", "webdataset") or (self.format in TABLES and not self.tokens_key):

@@ -3,7 +3,7 @@ through fsspec's file systems.
 
 A source's `storage:` block (job file) holds the options of its file system (an endpoint, a
 region, a profile: never secrets, which come from each store's standard environment) and two
-of ours: `max_retries` and `share_indexes`. Every request to a store goes through `Store.retry`:
+of ours: `max_retries`, `share_indexes` and `whole_objects`. Every request to a store goes through `Store.retry`:
 a transient error (timeout, 5xx, throttling: anything but a missing object, a refused
 permission or a bad argument) is retried with exponential back-off and jitter, up to
 `max_retries` times, and only then raised, naming the URL.
@@ -39,13 +39,14 @@ SECRET_KEYS = frozenset({
     "access_key", "secret_key", "session_token", "account_key", "sas_token", "connection_string", "client_secret",
     "credentials",
 })
-OUR_KEYS = ("max_retries", "share_indexes")
+OUR_KEYS = ("max_retries", "share_indexes", "whole_objects")
 DEFAULT_MAX_RETRIES = 8
 BACKOFF_FIRST_S = 0.1
 BACKOFF_CAP_S = 5.0
 COALESCE_GAP = 8 << 10  # ranges this close are fetched in one request (the gap is read and dropped; at
 # 64 KiB, a task of random documents of a few KB read 1.5 bytes per byte it needed)
 COALESCE_MAX = 8 << 20  # but one request stays under this size
+DOWNLOAD_AT_ONCE = 8  # requests of a whole-object copy in flight together (64 MiB buffered)
 # The extra packages that serve each store (pip install megascale-data[s3] etc.).
 EXTRAS = {"s3": "s3 (s3fs)", "s3a": "s3 (s3fs)", "gs": "gcs (gcsfs)", "gcs": "gcs (gcsfs)", "az": "azure (adlfs)",
           "abfs": "azure (adlfs)", "abfss": "azure (adlfs)"}
@@ -78,6 +79,7 @@ class Store:
         self.protocol = protocol
         self.max_retries = int((storage or {}).get("max_retries", DEFAULT_MAX_RETRIES))
         self.share_indexes = bool((storage or {}).get("share_indexes", False))
+        self.whole_objects = bool((storage or {}).get("whole_objects", False))
         try:
             # not fsspec's instance cache: it keys on arguments alone, and the store's environment
             # (endpoint, credentials) is part of what a Store is here (store_for)
@@ -197,13 +199,16 @@ class Store:
     def read(self, url: str, start: int, end: int) -> bytes:
         return self.fetch(url, [start], [end])[0]
 
-    def download(self, url: str, out: Any, chunk: int = 16 << 20) -> int:
-        """Copy a whole object into the open binary file `out`, in ranged requests (a request that
-        fails is retried alone); returns its size."""
+    def download(self, url: str, out: Any, chunk: int = COALESCE_MAX, at_once: int = DOWNLOAD_AT_ONCE) -> int:
+        """Copy a whole object into the open binary file `out`, in ranged requests of `chunk` bytes,
+        `at_once` of them concurrently (one stream is latency-bound; a request that fails is
+        retried alone); returns its size."""
         size = self.stamp(url)[0]
-        for start in range(0, size, chunk):
-            blob = self.read(url, start, min(size, start + chunk))
-            out.write(blob)
+        window = chunk * at_once
+        for first in range(0, size, window):
+            starts = list(range(first, min(size, first + window), chunk))
+            for blob in self.fetch(url, starts, [min(size, s + chunk) for s in starts]):
+                out.write(blob)
         return size
 
     def chunks(self, url: str, chunk: int = 16 << 20):
