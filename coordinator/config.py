@@ -36,6 +36,7 @@ ALLOCATIONS = ("adaptive", "fixed")
 WHOLE_OBJECT_FORMATS = ("jsonl", "megatron")  # storage.whole_objects: read from a local copy of each object
 INDEX_SUFFIXES = (".msdidx.npy", ".msdidx.json")  # indexes stored beside remote shards (storage.share_indexes)
 DEFAULT_CACHE_BYTES = 64 << 30
+MAX_SHUFFLE_BLOCK = 1 << 16
 
 
 class ConfigError(MsdError):
@@ -67,6 +68,9 @@ class SourceConfig:
     # Object storage: the file system's options for URL paths (endpoint, region, profile; never
     # secrets) and ours (max_retries, share_indexes, whole_objects); see worker/readers/storage.py
     storage: dict[str, Any] | None = None
+    # Records shuffled in runs of this many consecutive ones (cursor.BlockPermutation): a run is
+    # one request to object storage; 1 shuffles every record on its own
+    shuffle_block: int = 1
 
     @property
     def has_images(self) -> bool:
@@ -224,11 +228,13 @@ class JobConfig:
 
 
 def _stream_fields(source: SourceConfig) -> dict[str, Any]:
-    """A source's part of the stream definition. The poison limits appear only when they differ
-    from their defaults, so a job written before they existed keeps its digest (and state dir)."""
+    """A source's part of the stream definition. The poison limits and shuffle_block appear only
+    when they differ from their defaults, so a job written before they existed keeps its digest
+    (and state dir)."""
     out = asdict(source)
     del out["storage"]  # how the shards are reached, not which tokens they hold
-    for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)):
+    for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+                         ("shuffle_block", 1)):
         if out[key] == default:
             del out[key]
     return out
@@ -340,7 +346,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
                                "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size",
-                               "max_record_bytes", "max_image_pixels", "storage"},
+                               "max_record_bytes", "max_image_pixels", "storage", "shuffle_block"},
                     {"format", "paths"})
     storage = _storage(c, raw.get("storage"), f"{key}.storage")
     fmt = raw.get("format")
@@ -443,11 +449,18 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     epochs = raw.get("epochs")
     if epochs is not None and c.integer(epochs, f"{key}.epochs") is None:
         ok = False
+    shuffle_block = c.integer(raw.get("shuffle_block", 1), f"{key}.shuffle_block", 1)
+    if shuffle_block is None:
+        ok = False
+    elif shuffle_block > MAX_SHUFFLE_BLOCK:
+        c.bad(f"{key}.shuffle_block", f"{shuffle_block} records: at most {MAX_SHUFFLE_BLOCK} (a run is one prepare "
+                                      "task and one request)")
+        ok = False
     if not ok:
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
                         tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels,
-                        storage)
+                        storage, shuffle_block)
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:

@@ -4,6 +4,11 @@ Position p of a source's stream is record `permute(p mod N, key(seed, source, ep
 epoch = p // N. The permutation is a Feistel network on the smallest even-bit domain >= N with
 cycle walking, so it is a bijection on [0, N) for any N. Our own hash (splitmix64) drives it,
 because library RNG algorithms change between versions and the order must not.
+
+A source with `shuffle_block: B` > 1 is shuffled in blocks (`BlockPermutation`): runs of B
+consecutive records in a random order of the runs, each run's records in a random order among
+themselves. B consecutive stream positions then lie in one run of the shard, which a worker reads
+in one request from object storage (a record-level shuffle asks for one range per record).
 """
 
 from __future__ import annotations
@@ -96,21 +101,87 @@ class Permutation:
         return x
 
 
-class SourceStream:
-    """The shuffled, endlessly repeating record stream of one source (each epoch a new permutation)."""
+class BlockPermutation:
+    """A keyed bijection on [0, n) that keeps runs of `block` consecutive values together: index
+    i falls in slot i // block of the output, slot j holds the values of block Pb(j) (a
+    Permutation of the full blocks), in the order of a Permutation of their own. A last, shorter
+    block (n not a multiple of block) takes a slot of its own, drawn from the key."""
 
-    def __init__(self, seed: int, source_index: int, num_records: int) -> None:
+    def __init__(self, n: int, key: int, block: int) -> None:
+        if n <= 0:
+            raise ValueError("permutation of an empty range")
+        if block < 2:
+            raise ValueError("blocks of fewer than 2 records: use Permutation")
+        self.n, self.block, self.key = n, block, key
+        self.full = n // block  # blocks of `block` values
+        self.tail = n - self.full * block  # values of the last, shorter block (0: none)
+        self.blocks = Permutation(self.full, key) if self.full else None
+        # the slot of the shorter block, among the full blocks' slots
+        self.tail_slot = splitmix64(key ^ 0x5DEECE66D) % (self.full + 1) if self.tail else self.full
+        self._inner: dict[int, Permutation] = {}  # a few recent blocks' own orders
+
+    def _within(self, block_no: int) -> Permutation:
+        perm = self._inner.get(block_no)
+        if perm is None:
+            if len(self._inner) > 4096:
+                self._inner.clear()
+            size = self.tail if block_no == self.full else self.block
+            block_key = splitmix64(self.key ^ (((block_no + 1) * 0x9E3779B97F4A7C15) & _MASK64))
+            perm = self._inner[block_no] = Permutation(size, block_key)
+        return perm
+
+    def _locate(self, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(block number, position within the block's own order) of each index."""
+        tail_start = self.tail_slot * self.block
+        after = i >= tail_start + self.tail  # past the shorter block's slot: shifted back by its size
+        j = np.where(after, i - self.tail, i)
+        in_tail = (i >= tail_start) & ~after if self.tail else np.zeros(len(i), dtype=bool)
+        slot, offset = j // self.block, j % self.block
+        block_no = np.full(len(i), self.full, dtype=np.int64)
+        full = ~in_tail
+        if full.any():
+            block_no[full] = self.blocks.many(slot[full].astype(np.uint64))
+        offset = np.where(in_tail, i - tail_start, offset)
+        return block_no, offset
+
+    def many(self, indices: np.ndarray) -> np.ndarray:
+        i = np.asarray(indices, dtype=np.int64)
+        if len(i) and (int(i.min()) < 0 or int(i.max()) >= self.n):
+            raise IndexError(int(i.max()))
+        block_no, offset = self._locate(i)
+        out = np.empty(len(i), dtype=np.int64)
+        order = np.argsort(block_no, kind="stable")  # one call of a block's own order per block
+        bounds = np.flatnonzero(np.diff(block_no[order])) + 1
+        for group in np.split(order, bounds) if len(order) else ():
+            b = int(block_no[group[0]])
+            out[group] = b * self.block + self._within(b).many(offset[group].astype(np.uint64))
+        return out
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return int(self.many(np.array([i], dtype=np.int64))[0])
+
+
+class SourceStream:
+    """The shuffled, endlessly repeating record stream of one source (each epoch a new permutation;
+    with block > 1 a BlockPermutation)."""
+
+    def __init__(self, seed: int, source_index: int, num_records: int, block: int = 1) -> None:
         self.seed = seed
         self.source_index = source_index
         self.num_records = num_records
-        self._perm: Permutation | None = None
+        self.block = block
+        self._perm: Permutation | BlockPermutation | None = None
         self._perm_epoch = -1
         self._chunk_start = -1  # positions [start, start + len(chunk)) computed in one bulk call
         self._chunk = np.zeros(0, dtype=np.int64)
 
-    def _permutation(self, epoch: int) -> Permutation:
+    def _permutation(self, epoch: int) -> Permutation | BlockPermutation:
         if epoch != self._perm_epoch:
-            self._perm = Permutation(self.num_records, epoch_key(self.seed, self.source_index, epoch))
+            key = epoch_key(self.seed, self.source_index, epoch)
+            self._perm = (BlockPermutation(self.num_records, key, self.block) if self.block > 1
+                          else Permutation(self.num_records, key))
             self._perm_epoch = epoch
         return self._perm
 

@@ -114,7 +114,8 @@ class Planner:
     def __init__(self, job: JobConfig, num_records: list[int]) -> None:
         self.job = job
         self.num_records = list(num_records)
-        self.streams = [SourceStream(job.seed, i, n) if n else None for i, n in enumerate(num_records)]
+        self.streams = [SourceStream(job.seed, i, n, src.shuffle_block) if n else None
+                        for i, (src, n) in enumerate(zip(job.sources, num_records))]
         for src, n in zip(job.sources, num_records):
             if n == 0 and any(stage.weights[src.index] > 0 for stage in job.stages):
                 raise ValueError(f"source {src.name!r} has no records but a weight in the mixture")

@@ -92,6 +92,9 @@ class CoordinatorState:
         # task's records in one round of concurrent requests, not a round trip per step's few
         self._full_tasks = self._mapped_mask | np.array([any(is_url(f) for f in src.files) for src in job.sources],
                                                         dtype=bool)
+        # a source shuffled in blocks gets tasks of whole blocks, each read in one request
+        block = np.array([src.shuffle_block for src in job.sources], dtype=np.int64)
+        self._task_block = np.maximum(block, 1)
         self._prepared_stamp = 0  # lengths reported so far (prepare-ahead depends on their mean)
         self._tables_stamp = 0  # resets of the position tables
         self._prepare_ahead_stamp: tuple | None = None
@@ -587,9 +590,12 @@ class CoordinatorState:
         a worker nothing to hold, so its tasks are always full: with hundreds of sources, a task
         of one or two records per source per step made the coordinator's step O(sources) in
         small numpy calls. A source in object storage has full tasks too: a task is a round of
-        requests, and its latency, not its size, is what a worker waits for."""
+        requests, and its latency, not its size, is what a worker waits for. A source shuffled in
+        blocks (shuffle_block) has tasks of whole blocks: a task is then a few runs of
+        consecutive records, a request each."""
         batch = self.job.runtime.prepare_batch
-        return np.where(self._full_tasks, batch, np.clip(np.ceil(per_step), 1, batch)).astype(np.int64)
+        full = -(-batch // self._task_block) * self._task_block  # prepare_batch rounded up to whole blocks
+        return np.where(self._full_tasks, full, np.clip(np.ceil(per_step), 1, full)).astype(np.int64)
 
     def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Records to keep prepared ahead of each source's cursor: enough for the look-ahead steps."""

@@ -3,7 +3,7 @@ server on loopback (npm's s3rver, or moto's server mode, in its own process, beh
 byte-counting proxy).
 
     python tools/bench_remote.py --json OUT [--mb 200] [--ranks 2] [--workers 2] [--steps 150]
-        [--repeats 3] [--mosaic-python .venv-mosaic/bin/python]
+        [--repeats 3] [--shuffle-block 1] [--mosaic-python .venv-mosaic/bin/python]
 
 Data: real text (this Python's standard library, documents of lognormal length), byte-tokenized
 (one token per byte, end-of-document 256), written three ways from the same documents: 8 Megatron
@@ -16,6 +16,7 @@ Designs, run alternately --repeats times, each with a cold cache:
 - ours-whole-megatron, ours-whole-jsonl: the same with `storage: {whole_objects: true}` (each
   object copied whole into the local cache when first needed, as Mosaic does with its shards);
 - ours-local-megatron, ours-local-jsonl: the same jobs over the local files (the ceiling);
+  every job of ours shuffles in blocks of --shuffle-block records (a run is one request);
 - mosaic-remote: per rank a StreamingDataset(remote=s3://...) in a torch DataLoader with
   workers/ranks worker processes (Mosaic's venv: make bench-remote-env).
 The same tokens per step: ranks x micro-batch x seq_len. Per design: tokens per second at the
@@ -125,6 +126,8 @@ def _du(path: str) -> int:
 def write_job(path: str, fmt: str, where: str, a: argparse.Namespace, cache_dir: str, whole: bool = False) -> str:
     pattern = {"megatron": "megatron/part-*", "jsonl": "jsonl/part-*.jsonl"}[fmt]
     source = {"format": fmt, "paths": [f"{where}/{pattern}"], **({"eod_id": EOD} if fmt == "jsonl" else {})}
+    if a.shuffle_block > 1:
+        source["shuffle_block"] = a.shuffle_block
     if whole:
         source["storage"] = {"whole_objects": True}
     job = {
@@ -141,20 +144,42 @@ def write_job(path: str, fmt: str, where: str, a: argparse.Namespace, cache_dir:
     return path
 
 
-class PssSampler(threading.Thread):
-    """Summed PSS of a set of processes and their descendants, every half second; the peak."""
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
-    def __init__(self, roots) -> None:
+
+class PssSampler(threading.Thread):
+    """Every half second, the summed PSS of a set of processes and their descendants (the peak),
+    and the CPU seconds of each process of each role (the last figure seen: a process that ends
+    between two samples loses at most half a second of its CPU)."""
+
+    def __init__(self, roles) -> None:
         super().__init__(daemon=True)
-        self.roots, self.peak_kb, self.stop = roots, 0, threading.Event()
+        self.roles, self.peak_kb, self.stop = roles, 0, threading.Event()
+        self._cpu: dict[tuple[str, int], float] = {}
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
             pids = set()
-            for r in self.roots():
-                pids.add(r)
-                pids.update(descendants(r))
+            for role, roots in self.roles().items():
+                for r in roots:
+                    for pid in (r, *descendants(r)):
+                        self._cpu[(role, pid)] = max(self._cpu.get((role, pid), 0.0), cpu_s(pid))
+                        if role != "server":
+                            pids.add(pid)
             self.peak_kb = max(self.peak_kb, sum(pss_kb(p) for p in pids))
+
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (role, _), seconds in self._cpu.items():
+            out[role] = out.get(role, 0.0) + seconds
+        return out
 
 
 def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, info: dict, work: str) -> dict:
@@ -178,7 +203,8 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
             cluster = LocalJob(job, workers=a.workers).__enter__()
             cmds = [[sys.executable, os.path.join(HERE, "remote_ranks.py"), "ours", "--address", cluster.address,
                      "--rank", str(r), "--steps", str(a.steps)] for r in range(a.ranks)]
-            roots = lambda: [cluster.coordinator.pid, cluster.host.pid, *[p.pid for p in procs]]  # noqa: E731
+            roots = lambda: {"coordinator": [cluster.coordinator.pid], "workers": [cluster.host.pid],  # noqa: E731
+                             "ranks": [p.pid for p in procs], "server": [p.pid for p in s3._procs]}
         else:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # its ranks meet in torch.distributed
             cmds = [[a.mosaic_python, os.path.join(HERE, "remote_ranks.py"), "mosaic", "--remote",
@@ -186,11 +212,12 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
                      "--ranks", str(a.ranks), "--workers", str(max(1, a.workers // a.ranks)),
                      "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--seed", "5"]
                     for r in range(a.ranks)]
-            roots = lambda: [p.pid for p in procs]  # noqa: E731
+            roots = lambda: {"ranks": [p.pid for p in procs], "server": [p.pid for p in s3._procs]}  # noqa: E731
         # what start-up fetched (our coordinator's indexes: line offsets streamed from whole JSONL
         # objects, Megatron .idx copies), apart from what feeding the ranks fetched
         startup_bytes = s3.stats()["bytes_out"] if counted else None
         procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for c in cmds]
+        server_cpu = sum(cpu_s(p.pid) for p in s3._procs)  # the server's CPU before: uploads, other runs
         sampler = PssSampler(roots)
         sampler.start()
         results = []
@@ -224,6 +251,9 @@ def run_design(design: str, a: argparse.Namespace, s3: LoopbackS3, data: str, in
                                              if counted else None),
         "cache_disk_mb": _du(cache) / 1e6,
         "peak_pss_mb": sampler.peak_kb / 1024,
+        # CPU seconds of each role during the run (server: s3rver and the proxy)
+        "cpu_s": {role: round(v - (server_cpu if role == "server" else 0.0), 2)
+                  for role, v in sampler.cpu_by_role().items()},
     }
 
 
@@ -235,6 +265,8 @@ def summarize(runs: list[dict]) -> dict:
         values = [r[key] for r in runs if r[key] is not None]
         if values:
             out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    roles = sorted({role for r in runs for role in r["cpu_s"]})
+    out["cpu_s"] = {role: statistics.median(r["cpu_s"].get(role, 0.0) for r in runs) for role in roles}
     return out
 
 
@@ -249,6 +281,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prepare-batch", type=int, default=64, help="our runtime.prepare_batch")
+    p.add_argument("--shuffle-block", type=int, default=1,
+                   help="our sources' shuffle_block (1: every record shuffled alone, one request each)")
     p.add_argument("--direct", action="store_true", help="clients talk to the server, not through the proxy")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "msd-bench-remote"))

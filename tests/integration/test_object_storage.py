@@ -283,3 +283,70 @@ def test_whole_objects_is_refused_where_it_does_not_apply(tmp_path):
     assert result.exit_code != 0
     assert "sources.table.storage.whole_objects" in result.output and "parquet" in result.output
     assert "sources.web.storage.whole_objects: expected true or false" in result.output
+
+
+def test_a_block_shuffle_reads_a_run_of_records_in_one_request_and_streams_as_local(tmp_path, monkeypatch):
+    """shuffle_block: the stream over the bucket equals the same job's over the local files, and
+    the records of a task come in a request or two where a record-level shuffle asks for each
+    document alone (documents of 10 KB lie too far apart to be coalesced)."""
+    from worker.readers.megatron import write_megatron
+
+    data = tmp_path / "data"
+    (data / "big").mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    write_megatron(str(data / "big" / "docs"), [rng.integers(0, 250, int(n), dtype=np.uint16)
+                                               for n in rng.integers(4000, 6000, 400)], np.uint16)
+
+    def job(paths: str, block: int, name: str, where: str) -> str:
+        j = job_dict()
+        j["sources"] = {"big": {"format": "megatron", "paths": [paths], "shuffle_block": block}}
+        j["mixture"]["weights"] = {"big": 1.0}
+        j["batch"] = {"seq_len": 2048, "micro_batch_size": 2, "global_batch_size": 8}
+        j["runtime"]["cache_dir"] = str(tmp_path / f"cache-{name}")
+        (tmp_path / where).mkdir(exist_ok=True)
+        return write_job(str(tmp_path / where), j, f"{name}.yaml")
+
+    local = run_job(job(str(data / "big" / "docs"), 16, "local", "data"), workers=2, ranks=2, steps=STEPS)
+    requests = {}
+    with LoopbackS3(proxy=True) as s3:
+        s3.upload_dir(str(data), BUCKET, "data")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        for block in (16, 1):
+            s3.reset_stats()
+            remote = run_job(job(f"s3://{BUCKET}/data/big/docs", block, f"b{block}", "remote"), workers=2, ranks=2,
+                             steps=STEPS)
+            requests[block] = s3.stats()["requests"]
+            if block == 16:
+                _same_stream(local, remote)
+    # 8 steps of 8 x 2048 tokens: about 26 documents a step, most their own request at block 1
+    assert requests[1] > 100, requests
+    assert requests[16] * 4 < requests[1], requests
+
+
+def test_listing_and_metadata_through_obstore_agree_with_fsspec(corpus, monkeypatch):
+    """For s3:// the objects a pattern matches and each object's size and version tag come from
+    obstore (no s3fs import in a worker process); they must be fsspec's answers."""
+    from worker.readers.storage import Store
+
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(corpus), BUCKET, "data")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        fast = Store("s3")
+        monkeypatch.setenv("MSD_STORAGE_RANGES", "fsspec")
+        plain = Store("s3")
+        assert fast._fast is not None and plain._fast is None
+        assert "fs" not in vars(fast)  # no fsspec file system made for it
+        patterns = [f"s3://{BUCKET}/data/web/*.jsonl", f"s3://{BUCKET}/data/**/*.idx", f"s3://{BUCKET}/data/*/web-?.*",
+                    f"s3://{BUCKET}/data/[wc]*/*", f"s3://{BUCKET}/data/code/code_text_document.idx",
+                    f"s3://{BUCKET}/data/none/*.jsonl", f"s3://{BUCKET}/data/web/missing.jsonl", f"s3://{BUCKET}/d*/*/*"]
+        for pattern in patterns:
+            assert fast.glob(pattern) == plain.glob(pattern), pattern
+        assert len(fast.glob(patterns[0])) == 2 and len(fast.glob(patterns[3])) == 4
+        for url in fast.glob(f"s3://{BUCKET}/data/**"):
+            assert fast.stamp(url) == plain.stamp(url), url
+        assert not fast.exists(f"s3://{BUCKET}/data/web/missing.jsonl")
+        with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+            fast.info(f"s3://{BUCKET}/data/web/missing.jsonl")
+        assert "fs" not in vars(fast)

@@ -111,3 +111,16 @@ def test_curriculum_weights_ramp_between_stages(dataset_dir):
     assert cfg.weights_at(10) == pytest.approx([0.75, 0.75 * 0.25, 0.25 * 0.25])  # a quarter of the way
     assert cfg.weights_at(13) == pytest.approx([0.0, 0.75, 0.25])
     assert cfg.seq_len_at(9) == 512 and cfg.seq_len_at(10) == 1024 and cfg.step_tokens_at(10) == 8 * 1024
+
+
+def test_shuffle_block_is_checked_and_enters_the_digest_only_when_set(dataset_dir):
+    plain = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
+    job = job_dict()
+    job["sources"]["web"]["shuffle_block"] = 1
+    assert parse_job(job, "job.yaml", base_dir=dataset_dir).digest() == plain.digest()  # the default: same stream
+    job["sources"]["web"]["shuffle_block"] = 16
+    blocked = parse_job(job, "job.yaml", base_dir=dataset_dir)
+    assert blocked.sources[0].shuffle_block == 16 and blocked.digest() != plain.digest()
+    for bad, why in ((0, "must be >= 1"), ("16", "expected an integer"), (1 << 20, "at most 65536")):
+        job["sources"]["web"]["shuffle_block"] = bad
+        assert any(p.startswith("sources.web.shuffle_block: ") and why in p for p in _problems(dataset_dir, job))

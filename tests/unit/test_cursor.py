@@ -54,3 +54,45 @@ def test_compiled_permutation_matches_the_numpy_reference(n):
     assert perm.many(idx).tolist() == perm._many_np(idx).tolist()
     with pytest.raises(IndexError):
         perm.many(np.array([n], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("n,block", [(1, 4), (3, 4), (4, 4), (5, 4), (63, 8), (64, 8), (1000, 64), (1000, 7),
+                                     (4097, 2), (10**5 + 3, 512)])
+def test_block_permutation_is_a_bijection_of_runs(n, block):
+    """Every `block` consecutive output positions (but the shorter block's slot) hold one run of
+    consecutive records, in an order of its own; the whole is a bijection on [0, n)."""
+    import numpy as np
+
+    from coordinator.cursor import BlockPermutation
+
+    perm = BlockPermutation(n, key=n * 7 + block, block=block)
+    out = perm.many(np.arange(n))
+    assert sorted(out.tolist()) == list(range(n))
+    assert [perm(i) for i in range(0, n, max(1, n // 50))] == out[::max(1, n // 50)].tolist()
+    tail_start = perm.tail_slot * block
+    slots = [(s, s + block) for s in range(0, tail_start, block)]
+    slots += [(s, s + block) for s in range(tail_start + perm.tail, n, block)]
+    if perm.tail:
+        slots.append((tail_start, tail_start + perm.tail))
+    for lo, hi in slots:
+        run = np.sort(out[lo:hi])
+        assert run[0] % block == 0 and (np.diff(run) == 1).all(), (lo, hi, out[lo:hi])
+    if n >= 4 * block:  # the runs are shuffled, and so are the records within them
+        firsts = out[[lo for lo, _ in slots]] // block
+        assert (np.diff(firsts) != 1).any()
+        assert any((np.diff(out[lo:hi]) != 1).any() for lo, hi in slots)
+
+
+def test_a_block_stream_differs_per_epoch_and_bulk_equals_scalar():
+    import numpy as np
+
+    s = SourceStream(seed=3, source_index=2, num_records=103, block=8)
+    e0, e1 = s.records_array(0, 103), s.records_array(103, 103)
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(103))
+    assert e0.tolist() != e1.tolist()
+    assert s.records_array(50, 200).tolist() == [s.record_at(p) for p in range(50, 250)]
+    # a block of 1 is the record-level stream, unchanged
+    assert SourceStream(1, 0, 500, block=1).records_array(0, 500).tolist() == \
+        SourceStream(1, 0, 500).records_array(0, 500).tolist()
+    assert not np.array_equal(SourceStream(1, 0, 500, block=4).records_array(0, 500),
+                              SourceStream(1, 0, 500).records_array(0, 500))

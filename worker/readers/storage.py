@@ -12,17 +12,21 @@ Reads of a task are coalesced (`Store.fetch`): byte ranges that lie near each ot
 object are fetched in one request, and the requests of a task go out concurrently. For s3://
 the ranged reads (the hot path) go through obstore (Rust's object_store) when it is installed
 and the storage block holds nothing it cannot take: measured here at three times the requests
-per second of s3fs for the same CPU (docs/BENCHMARKS.md); listing, metadata, Parquet files and
-index uploads stay with fsspec. `MSD_STORAGE_RANGES=fsspec` turns the fast path off.
+per second of s3fs for the same CPU (docs/BENCHMARKS.md); so do listing and metadata, so that a
+worker process reading Megatron or JSONL shards never imports s3fs and botocore (a second of CPU
+per process at start-up); Parquet files and index uploads stay with fsspec.
+`MSD_STORAGE_RANGES=fsspec` turns the fast path off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
 import random
+import re
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -74,26 +78,36 @@ class Store:
     """One object store's file system, with retries and a count of the bytes fetched."""
 
     def __init__(self, protocol: str, storage: dict[str, Any] | None = None) -> None:
-        import fsspec
-
         self.protocol = protocol
         self.max_retries = int((storage or {}).get("max_retries", DEFAULT_MAX_RETRIES))
         self.share_indexes = bool((storage or {}).get("share_indexes", False))
         self.whole_objects = bool((storage or {}).get("whole_objects", False))
-        try:
-            # not fsspec's instance cache: it keys on arguments alone, and the store's environment
-            # (endpoint, credentials) is part of what a Store is here (store_for)
-            self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options_of(storage))
-        except ImportError as e:
-            extra = EXTRAS.get(protocol)
-            hint = f"pip install 'megascale-data[{extra.split()[0]}]' ({extra})" if extra else str(e)
-            raise SourceFormatError(f"{protocol}:// URLs need a file system that is not installed: {hint}") from None
-        except (ValueError, TypeError) as e:
-            raise SourceFormatError(f"{protocol}:// storage options refused by its file system: {e}") from None
+        self._options = options_of(storage)
         self.bytes_fetched = 0
         self.requests = 0
         self.retries = 0
         self._fast = FastRanges.make(protocol, storage)
+        if self._fast is None:
+            self.fs  # noqa: B018 - made now, so that a missing package or a bad option is named at start-up
+
+    @functools.cached_property
+    def fs(self) -> Any:
+        """The store's fsspec file system. Where obstore serves the store (FastRanges), it is made
+        only for what obstore does not do here (Parquet files, index uploads): importing s3fs and
+        botocore costs each process about a second of CPU at start-up."""
+        import fsspec
+
+        try:
+            # not fsspec's instance cache: it keys on arguments alone, and the store's environment
+            # (endpoint, credentials) is part of what a Store is here (store_for)
+            return fsspec.filesystem(self.protocol, skip_instance_cache=True, **self._options)
+        except ImportError as e:
+            extra = EXTRAS.get(self.protocol)
+            hint = f"pip install 'megascale-data[{extra.split()[0]}]' ({extra})" if extra else str(e)
+            raise SourceFormatError(f"{self.protocol}:// URLs need a file system that is not installed: {hint}") \
+                from None
+        except (ValueError, TypeError) as e:
+            raise SourceFormatError(f"{self.protocol}:// storage options refused by its file system: {e}") from None
 
     def retry(self, what: str, call: Callable[[], T]) -> T:
         """`call()`, retried on transient errors with back-off and jitter; the last error is raised
@@ -115,14 +129,23 @@ class Store:
         raise AssertionError("unreachable")
 
     def glob(self, pattern: str) -> list[str]:
-        """Sorted URLs of the objects a pattern matches."""
+        """Sorted URLs of the objects a pattern matches (fsspec's glob rules)."""
+        if self._fast is not None:
+            return self.retry(pattern, lambda: self._fast.glob(pattern))
         found = self.retry(pattern, lambda: self.fs.glob(pattern, detail=True))
         return sorted(self.fs.unstrip_protocol(p) for p, info in found.items() if info.get("type") != "directory")
 
     def exists(self, url: str) -> bool:
-        return self.retry(url, lambda: self.fs.exists(url))
+        try:
+            self.info(url)
+            return True
+        except FileNotFoundError:
+            return False
 
     def info(self, url: str) -> dict[str, Any]:
+        """The object's metadata: at least its size, and an ETag or a modification time."""
+        if self._fast is not None:
+            return self.retry(url, lambda: self._fast.head(url))
         return self.retry(url, lambda: self.fs.info(url))
 
     def stamp(self, url: str) -> tuple[int, int]:
@@ -279,11 +302,56 @@ class FastRanges:
             except TimeoutError:
                 keep_alive()
 
+    def _where(self, url: str) -> tuple[Any, str]:
+        """(the bucket's store, the object's key) of a URL."""
+        bucket, _, key = url.split("://", 1)[1].partition("/")
+        return self._store(bucket), key
+
+    def head(self, url: str) -> dict[str, Any]:
+        """Size and ETag (the keys fsspec's info gives them) of one object."""
+        import obstore
+
+        store, key = self._where(url)
+
+        async def head() -> dict[str, Any]:  # (obstore's coroutines start on the loop that awaits them)
+            return await obstore.head_async(store, key)
+        try:
+            meta = self._run(head())
+        except Exception as e:  # noqa: BLE001 - raised as the built-in error the retry rules know
+            raise _plain_error(e) from None
+        return {"size": meta["size"], "ETag": meta["e_tag"], "LastModified": meta["last_modified"]}
+
+    def glob(self, pattern: str) -> list[str]:
+        """Sorted URLs of the objects a pattern matches: the objects under the pattern's fixed
+        directory, listed, and matched with fsspec's own translation of the pattern."""
+        import obstore
+        from fsspec.utils import glob_translate
+
+        scheme, rest = pattern.split("://", 1)
+        bucket, _, key_pattern = rest.partition("/")
+        wild = min((i for i in (key_pattern.find(c) for c in "*?[") if i >= 0), default=-1)
+        if wild < 0:  # a plain key
+            try:
+                self.head(pattern)
+                return [pattern]
+            except FileNotFoundError:
+                return []
+        store, _ = self._where(pattern)
+        prefix = key_pattern[:wild].rpartition("/")[0] or None  # whole path segments only
+        matches = re.compile(glob_translate(key_pattern)).match
+
+        async def listing() -> list[str]:
+            return [meta["path"] async for batch in obstore.list(store, prefix) for meta in batch]
+        try:
+            keys = self._run(listing())
+        except Exception as e:  # noqa: BLE001 - raised as the built-in error the retry rules know
+            raise _plain_error(e) from None
+        return sorted(f"{scheme}://{bucket}/{k}" for k in keys if matches(k))
+
     def get(self, url: str, starts: list[int], ends: list[int]) -> list[bytes | BaseException]:
         import obstore
 
-        bucket, _, key = url.split("://", 1)[1].partition("/")
-        store = self._store(bucket)
+        store, key = self._where(url)
 
         async def all_ranges() -> list:
             return await asyncio.gather(*(obstore.get_range_async(store, key, start=a, end=b)
