@@ -130,6 +130,8 @@ def validate(job_file: str) -> None:
     one-line summary or every problem."""
     from .config import ConfigError
 
+    from worker.readers.storage import is_url
+
     from .config import load_job
     from .sources import check_readable, open_sources
 
@@ -148,6 +150,11 @@ def validate(job_file: str) -> None:
         f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
         f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
     )
+    for s in job.sources:
+        if s.shuffle_block == 1 and s.format != "arrow" and any(is_url(f) for f in s.files):
+            click.echo(f"note: sources.{s.name} is read from object storage with a record-level shuffle, one request "
+                       "per record; shuffle_block: 64 reads runs of neighbouring records in one request each "
+                       "(README: Data in object storage)")
 
 
 @click.command()
