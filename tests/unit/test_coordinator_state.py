@@ -355,3 +355,43 @@ def test_a_second_hello_of_the_same_client_before_it_consumed_anything_rewinds_n
     assert not d.sends(out, "unknown_peer") and d.state.planner.state.next_step >= planned  # no rewind
     d.run(STEPS)
     assert d.stream(STEPS) == reference and not d.unserved
+
+
+class _OneReportAtATime(Driver):
+    """A driver whose ranks' consumed reports come one burst each (as at hundreds of ranks)."""
+
+    def flush(self):
+        events, self.pending = self.pending, []
+        reports = [e for e in events if isinstance(e, Consumed)]
+        out = self.handle(*[e for e in events if not isinstance(e, Consumed)])
+        for e in reports:
+            out += self.handle(e)
+        return out
+
+
+def test_rank_reports_that_leave_the_slowest_rank_where_it_was_skip_the_planning_pass_and_change_nothing(
+        job, monkeypatch):
+    from coordinator import state as state_module
+
+    def run(skip: bool) -> tuple[list, int]:
+        passes = []
+        pump = state_module.CoordinatorState._pump
+        monkeypatch.setattr(state_module.CoordinatorState, "_pump", lambda self: passes.append(1) or pump(self))
+        monkeypatch.setattr(state_module, "_RANK_REPORTS", state_module._RANK_REPORTS if skip else ())
+        d = _OneReportAtATime(job)
+        d.add_worker("w0")
+        d.add_rank(0)
+        d.add_rank(1)
+        d.run(STEPS)
+        assert not d.unserved
+        return d.out, len(passes)
+
+    with_skip, passes_with = run(True)
+    without, passes_without = run(False)
+    assert passes_with < passes_without - STEPS // 2, (passes_with, passes_without)  # rank 0's reports skip it
+    assert len(with_skip) == len(without)
+    for a, b in zip(with_skip, without):
+        assert type(a) is type(b)
+        if isinstance(a, Send):
+            assert a.peer == b.peer and a.header == b.header
+            assert all(np.array_equal(x, y) for x, y in zip(a.arrays, b.arrays))
