@@ -44,3 +44,54 @@ def test_a_large_index_opens_on_a_sample_and_a_bad_length_is_named_where_it_is_r
     assert index.lengths_of(np.array([0, 7, n - 1])).tolist() == [9, 9, 9]
     with pytest.raises(SourceFormatError, match=f"{os.path.basename(prefix)}.idx: document {bad} has a negative length"):
         index.lengths_of(np.array([3, bad]))
+
+
+def test_the_pages_of_a_delivery_are_announced_to_the_kernel_in_merged_page_aligned_runs(tmp_path):
+    """_will_need: one madvise(WILLNEED) per run of touching ranges, from the page its first byte
+    lies in, so that a cold delivery's pages are read together; pieces() asks it for exactly the
+    byte ranges it returns, and the tokens are those of the documents."""
+    import mmap
+
+    from worker.readers import megatron
+
+    class Recording(mmap.mmap):
+        calls: list = []
+
+        def madvise(self, option, start=0, length=None):
+            if option == mmap.MADV_WILLNEED:
+                Recording.calls.append((start, start + length))
+            return super().madvise(option, start, length if length is not None else len(self) - start)
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(200_000))
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f:
+        mm = Recording(f.fileno(), 0, access=mmap.ACCESS_READ)
+    megatron._will_need(mm, np.array([5000, 0, 8192 + 3, 100_003]), np.array([6000, 10, 8200 + 3, 100_013]))
+    runs = sorted((a // page * page, b) for a, b in ((5000, 6000), (0, 10), (8195, 8203), (100_003, 100_013)))
+    merged = []  # (on 4 KiB pages: (0, 10), (4096, 6000), (8192, 8203), (98304, 100013))
+    for a, b in runs:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    assert Recording.calls == merged and len(merged) >= 3
+    Recording.calls.clear()
+    megatron._will_need(mm, np.array([0, 100, 4000]), np.array([200, 4100, 4200]))  # one run
+    assert Recording.calls == [(0, 4200)]
+
+    prefix = str(tmp_path / "docs")
+    docs = [np.arange(n, dtype=np.uint16) + i for i, n in enumerate([3000, 10, 7000, 1])]
+    megatron.write_megatron(prefix, docs, np.uint16)
+    index = megatron.MegatronIndex(prefix)
+    asked = []
+    index._bin = type("Spy", (), {})()  # not a map: _will_need is skipped, the tokens still come from the map
+    real = megatron._will_need
+    try:
+        megatron._will_need = lambda mm, starts, ends: asked.append((starts.tolist(), ends.tolist()))
+        parts = index.pieces(np.array([2, 0]), np.array([5, 0]), np.array([100, 3000]))
+    finally:
+        megatron._will_need = real
+    assert [p.tolist() for p in parts] == [docs[2][5:105].tolist(), docs[0].tolist()]
+    start_2 = (3000 + 10) * 2
+    assert asked == [([start_2 + 10, 0], [start_2 + 210, 6000])]
