@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 RATIO_BUCKETS = (1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
@@ -21,13 +21,26 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 
 
 class _Totals(Collector):
-    """Counters whose values the state keeps, from the copy taken on the event loop."""
+    """Counters and per-rank and per-source gauges whose values the state keeps, from the copy
+    taken on the event loop (a plain dict per heartbeat: setting a Gauge child per rank and per
+    source took a lock each, thousands per heartbeat at hundreds of ranks and sources)."""
 
     def __init__(self) -> None:
-        self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0}
+        self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
+                                     "target": {}, "realised": {}}
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
+        for name, doc, label, key in (
+                ("msd_steps_consumed", "The last step each rank consumed", "rank", "consumed"),
+                ("msd_mixture_target_share", "The mixture's weight of each source at the plan's step", "source",
+                 "target"),
+                ("msd_mixture_realised_share", "Each source's share of every token planned so far", "source",
+                 "realised")):
+            gauge = GaugeMetricFamily(name, doc, labels=[label])
+            for value_label, value in c[key].items():
+                gauge.add_metric([value_label], value)
+            yield gauge
         skipped = CounterMetricFamily("msd_skipped_records", "Records skipped, by source and kind (corrupt, "
                                       "over_limit, error, quarantined)", labels=["source", "kind"])
         for (source, kind), n in c["skipped"].items():
@@ -56,14 +69,9 @@ class CoordinatorMetrics:
         self.steps_planned = Gauge("msd_steps_planned", "Steps planned so far (the plan's next step)", registry=r)
         self.steps_journaled = Gauge("msd_steps_journaled", "Steps whose plan is durable in the state dir's journal",
                                      registry=r)
-        self.steps_consumed = Gauge("msd_steps_consumed", "The last step each rank consumed", ["rank"], registry=r)
         self.workers = Gauge("msd_workers_alive", "Worker processes registered", registry=r)
         self.hosts = Gauge("msd_worker_hosts_alive", "Worker host agents registered", registry=r)
         self.source_tokens = Counter("msd_source_tokens_planned", "Tokens planned per source", ["source"], registry=r)
-        self.target_share = Gauge("msd_mixture_target_share", "The mixture's weight of each source at the plan's step",
-                                  ["source"], registry=r)
-        self.realised_share = Gauge("msd_mixture_realised_share", "Each source's share of every token planned so far",
-                                    ["source"], registry=r)
         self.rank_cost = Histogram("msd_step_rank_cost_max_over_mean", "Max over mean attention cost of a step's ranks",
                                    buckets=RATIO_BUCKETS, registry=r)
         self.naive_cost = Histogram("msd_step_naive_rank_cost_max_over_mean", "The same for the step's documents "
@@ -76,10 +84,8 @@ class CoordinatorMetrics:
         r.register(self.totals)
         self._pending: dict[int, dict[str, int]] = {}  # step -> tokens per source, until every rank consumed it
         self._delivered: dict[str, int] = {}
-        self._token_children: dict[str, Any] = {}
         self._message_counts: dict[tuple[Counter, str], int] = {}
-        self._message_children: dict[tuple[Counter, str], Any] = {}
-        self._consumed_children: dict[int, Any] = {}
+        self._children: dict[tuple[Any, str], Any] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Serve /metrics over HTTP (a thread of prometheus-client's)."""
@@ -94,15 +100,18 @@ class CoordinatorMetrics:
             per_source = {}
             for name, n in zip(names, tokens):
                 if n:
-                    self._source_tokens(name).inc(n)
+                    self._child(self.source_tokens, name).inc(n)
                     per_source[name] = n
             self._pending.setdefault(step, per_source)
             self.planning.observe(seconds / len(steps))
 
-    def _source_tokens(self, name: str) -> Any:
-        child = self._token_children.get(name)
+    def _child(self, metric: Any, label: str) -> Any:
+        """A metric's child for one label value, looked up once: prometheus-client's labels() costs
+        about 10 us, and every source's and rank's gauges are set at each update."""
+        key = (metric, label)
+        child = self._children.get(key)
         if child is None:
-            child = self._token_children[name] = self.source_tokens.labels(name)
+            child = self._children[key] = metric.labels(label)
         return child
 
     def message(self, counter: Counter, kind: str) -> None:
@@ -114,10 +123,7 @@ class CoordinatorMetrics:
 
     def _flush_messages(self) -> None:
         for (counter, kind), n in self._message_counts.items():
-            child = self._message_children.get((counter, kind))
-            if child is None:
-                child = self._message_children[(counter, kind)] = counter.labels(kind)
-            child.inc(n)
+            self._child(counter, kind).inc(n)
         self._message_counts.clear()
 
     def update(self, state: Any, journaled_step: int | None = None) -> None:
@@ -127,11 +133,6 @@ class CoordinatorMetrics:
         self.steps_planned.set(state.planner.state.next_step)
         if journaled_step is not None:
             self.steps_journaled.set(journaled_step + 1)
-        for rank, t in reg.trainers.items():
-            child = self._consumed_children.get(rank)
-            if child is None:
-                child = self._consumed_children[rank] = self.steps_consumed.labels(str(rank))
-            child.set(t.consumed)
         if reg.trainers:
             floor = reg.slowest()
             for step in [s for s in self._pending if s <= floor]:
@@ -144,9 +145,11 @@ class CoordinatorMetrics:
         total = sum(delivered) or 1
         skipped = {}
         for source in state.job.sources:
-            self.target_share.labels(source.name).set(weights[source.index])
-            self.realised_share.labels(source.name).set(delivered[source.index] / total)
             for kind, n in state.skipped_by_kind[source.index].items():
                 skipped[(source.name, kind)] = n
+        names = [source.name for source in state.job.sources]
         self.totals.copy = {"skipped": skipped, "wait": {str(r): t.waited_s for r, t in reg.trainers.items()},
-                            "delivered": dict(self._delivered), "reprepared": state.reprepared}
+                            "delivered": dict(self._delivered), "reprepared": state.reprepared,
+                            "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
+                            "target": dict(zip(names, weights)),
+                            "realised": {name: n / total for name, n in zip(names, delivered)}}

@@ -128,12 +128,16 @@ class PositionTable:
         self._holder[i] = holders
         return before
 
-    def release(self, positions: np.ndarray) -> None:
-        """The prepared copies at these positions are used up (their delivery was acknowledged)."""
+    def release(self, positions: np.ndarray, count: bool = True) -> np.ndarray:
+        """The prepared copies at these positions are used up (their delivery was acknowledged);
+        returns their holders. count=False leaves the shared HeldCounts to the caller (one change
+        for the releases of many tables: a delivery releases records of hundreds of sources)."""
         i = self._index(positions)
-        if self.held is not None:
-            self.held.change(self._holder[i], -1)
+        holders = self._holder[i]
+        if self.held is not None and count:
+            self.held.change(holders, -1)
         self._holder[i] = NOBODY
+        return holders
 
     def count_held(self, worker: int) -> int:
         return int(np.count_nonzero(self._holder[:self.end - self.base] == worker))

@@ -441,8 +441,13 @@ class CoordinatorState:
             log.debug("ack of unknown delivery %d", ev.delivery_id)
             return
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
+        mapped_holders = []
         for s, rows in by_source(d.release[:, 0]):
-            self.tables[s].release(d.release[rows, 1])
+            holders = self.tables[s].release(d.release[rows, 1], count=False)
+            if s in self.mapped:
+                mapped_holders.append(holders)
+        if mapped_holders:
+            self.mapped_held.change(np.concatenate(mapped_holders), -1)
 
     # ------------------------------------------------------------------ time, failures, stopping
 
