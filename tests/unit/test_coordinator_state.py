@@ -37,8 +37,8 @@ def reference(job):
     return d.stream(STEPS)
 
 
-def _started(job, workers=("w0", "w1"), history=None) -> Driver:
-    d = Driver(job, history)
+def _started(job, workers=("w0", "w1"), history=None, driver: type[Driver] = Driver) -> Driver:
+    d = driver(job, history)
     for w in workers:
         d.add_worker(w)
     d.add_rank(0)
@@ -378,10 +378,7 @@ def test_rank_reports_that_leave_the_slowest_rank_where_it_was_skip_the_planning
         pump = state_module.CoordinatorState._pump
         monkeypatch.setattr(state_module.CoordinatorState, "_pump", lambda self: passes.append(1) or pump(self))
         monkeypatch.setattr(state_module, "_RANK_REPORTS", state_module._RANK_REPORTS if skip else ())
-        d = _OneReportAtATime(job)
-        d.add_worker("w0")
-        d.add_rank(0)
-        d.add_rank(1)
+        d = _started(job, ("w0",), driver=_OneReportAtATime)
         d.run(STEPS)
         assert not d.unserved
         return d.out, len(passes)
