@@ -128,11 +128,9 @@ def keys_generate(directory: str) -> None:
 def validate(job_file: str) -> None:
     """Check a job file and its sources (remote objects: that each exists and can be read); print a
     one-line summary or every problem."""
-    from .config import ConfigError
-
     from worker.readers.storage import is_url
 
-    from .config import load_job
+    from .config import ConfigError, load_job
     from .sources import check_readable, open_sources
 
     try:

@@ -2,7 +2,7 @@
 through fsspec's file systems.
 
 A source's `storage:` block (job file) holds the options of its file system (an endpoint, a
-region, a profile: never secrets, which come from each store's standard environment) and two
+region, a profile: never secrets, which come from each store's standard environment) and three
 of ours: `max_retries`, `share_indexes` and `whole_objects`. Every request to a store goes through `Store.retry`:
 a transient error (timeout, 5xx, throttling: anything but a missing object, a refused
 permission or a bad argument) is retried with exponential back-off and jitter, up to
