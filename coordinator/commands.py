@@ -127,7 +127,7 @@ def keys_generate(directory: str) -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file: str) -> None:
     """Check a job file and its sources (remote objects: that each exists and can be read); print a
-    one-line summary or every problem."""
+    one-line summary or every problem (notes on the job, if any, go to stderr)."""
     from worker.readers.storage import is_url
 
     from .config import ConfigError, load_job
@@ -152,7 +152,7 @@ def validate(job_file: str) -> None:
         if s.shuffle_block == 1 and s.format != "arrow" and any(is_url(f) for f in s.files):
             click.echo(f"note: sources.{s.name} is read from object storage with a record-level shuffle, one request "
                        "per record; shuffle_block: 64 reads runs of neighbouring records in one request each "
-                       "(README: Data in object storage)")
+                       "(README: Data in object storage)", err=True)
 
 
 @click.command()

@@ -121,7 +121,8 @@ def test_validate_names_the_object_that_is_missing_or_unreadable(corpus, tmp_pat
         ok = CliRunner().invoke(validate, [path])
         assert ok.exit_code == 0, ok.output
         assert "web=jsonl:2 file(s)/120 records" in ok.output
-        assert "note: sources.web is read from object storage with a record-level shuffle" in ok.output
+        assert "note: sources.web is read from object storage with a record-level shuffle" in ok.stderr
+        assert ok.stdout.count("\n") == 1  # the summary stays one line
         # a Megatron pair whose .bin is gone
         s3.client().delete_object(Bucket=BUCKET, Key="data/code/code_text_document.bin")
         result = CliRunner().invoke(validate, [path])
