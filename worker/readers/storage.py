@@ -307,18 +307,23 @@ class FastRanges:
         bucket, _, key = url.split("://", 1)[1].partition("/")
         return self._store(bucket), key
 
+    def _ask(self, make: Callable[[], Any]) -> Any:
+        """The result of the coroutine `make()` gives, run on this process's loop (obstore's
+        coroutines start on the loop that awaits them), its errors raised as the built-in ones
+        the retry rules know."""
+        async def asked() -> Any:
+            return await make()
+        try:
+            return self._run(asked())
+        except Exception as e:  # noqa: BLE001 - sorted by _plain_error, then by the retry rules
+            raise _plain_error(e) from None
+
     def head(self, url: str) -> dict[str, Any]:
         """Size and ETag (the keys fsspec's info gives them) of one object."""
         import obstore
 
         store, key = self._where(url)
-
-        async def head() -> dict[str, Any]:  # (obstore's coroutines start on the loop that awaits them)
-            return await obstore.head_async(store, key)
-        try:
-            meta = self._run(head())
-        except Exception as e:  # noqa: BLE001 - raised as the built-in error the retry rules know
-            raise _plain_error(e) from None
+        meta = self._ask(lambda: obstore.head_async(store, key))
         return {"size": meta["size"], "ETag": meta["e_tag"], "LastModified": meta["last_modified"]}
 
     def glob(self, pattern: str) -> list[str]:
@@ -327,8 +332,8 @@ class FastRanges:
         import obstore
         from fsspec.utils import glob_translate
 
-        scheme, rest = pattern.split("://", 1)
-        bucket, _, key_pattern = rest.partition("/")
+        store, key_pattern = self._where(pattern)
+        root = pattern[:len(pattern) - len(key_pattern)]  # scheme://bucket/
         wild = min((i for i in (key_pattern.find(c) for c in "*?[") if i >= 0), default=-1)
         if wild < 0:  # a plain key
             try:
@@ -336,17 +341,12 @@ class FastRanges:
                 return [pattern]
             except FileNotFoundError:
                 return []
-        store, _ = self._where(pattern)
         prefix = key_pattern[:wild].rpartition("/")[0] or None  # whole path segments only
         matches = re.compile(glob_translate(key_pattern)).match
 
         async def listing() -> list[str]:
             return [meta["path"] async for batch in obstore.list(store, prefix) for meta in batch]
-        try:
-            keys = self._run(listing())
-        except Exception as e:  # noqa: BLE001 - raised as the built-in error the retry rules know
-            raise _plain_error(e) from None
-        return sorted(f"{scheme}://{bucket}/{k}" for k in keys if matches(k))
+        return sorted(root + k for k in self._ask(listing) if matches(k))
 
     def get(self, url: str, starts: list[int], ends: list[int]) -> list[bytes | BaseException]:
         import obstore
