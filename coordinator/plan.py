@@ -197,25 +197,34 @@ class Planner:
         target = {s: st.target[s] + weights[s] * capacity for s in active}
         budget = {s: max(target[s] - st.delivered[s], 0.0) + seq_len for s in active}
         cands = self._candidates_all(active, budget, seq_len, known)
+        # the merge below works on every active source's candidates at once: per-source numpy
+        # steps made this loop and the commit a large part of a step at hundreds of sources
+        src = np.asarray(active, dtype=np.int64)
+        targets = np.asarray([target[s] for s in active], dtype=np.float64)
+        delivered = np.asarray([st.delivered[s] for s in active], dtype=np.int64)
         while True:
-            table = np.concatenate([cands[s].table for s in active])
-            keys = np.concatenate([target[s] - (st.delivered[s] + _exclusive_cumsum(cands[s].table[:, LENGTH]))
-                                   for s in active])
+            tables = [cands[s].table for s in active]
+            table = np.concatenate(tables)
+            sizes = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+            starts = np.zeros(len(active) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=starts[1:])
+            group = np.repeat(np.arange(len(active)), sizes)
+            running = np.zeros(len(table) + 1, dtype=np.int64)  # tokens of all candidates before each row
+            np.cumsum(table[:, LENGTH], out=running[1:])
+            before = running[:-1] - running[starts[:-1]][group]  # tokens of the row's source before it
+            keys = targets[group] - (delivered[group] + before)
             order = np.lexsort((table[:, SOURCE], -keys))
             filled = np.cumsum(table[order, LENGTH])
             cut = int(np.searchsorted(filled, capacity))  # the piece that fills the step
-            short = []
-            for s in active:
-                if cands[s].exhausted:
-                    continue  # nothing more will come from it
-                next_key = target[s] - (st.delivered[s] + int(cands[s].table[:, LENGTH].sum()))
-                # the merge is exact only if no piece not generated yet would sort before the cut
-                if cut >= len(order):
-                    short.append(s)
-                else:
-                    cut_key, cut_source = keys[order[cut]], int(table[order[cut], SOURCE])
-                    if next_key > cut_key or (next_key == cut_key and s < cut_source):
-                        short.append(s)
+            # the merge is exact only if no piece not generated yet would sort before the cut
+            next_keys = targets - (delivered + (running[starts[1:]] - running[starts[:-1]]))
+            live = np.fromiter((not cands[s].exhausted for s in active), dtype=bool, count=len(active))
+            if cut >= len(order):
+                short_rows = live
+            else:
+                cut_key, cut_source = keys[order[cut]], table[order[cut], SOURCE]
+                short_rows = live & ((next_keys > cut_key) | ((next_keys == cut_key) & (src < cut_source)))
+            short = src[short_rows].tolist()
             if cut >= len(order) and not short:
                 self._exhaust_all(cands, active, step)
             if not short:
@@ -229,35 +238,47 @@ class Planner:
         last_take = capacity - (int(filled[cut - 1]) if cut else 0)
         cut_piece = taken[-1].copy()
         taken[-1, LENGTH] = last_take
-        ends = np.concatenate([cands[s].ends for s in active])[order[:cut + 1]]
+        all_ends = np.concatenate([cands[s].ends for s in active])
+        ends = all_ends[order[:cut + 1]]
         finished = taken[taken[:, OFFSET] + taken[:, LENGTH] == ends][:, [SOURCE, POSITION]]
         n_sources = len(weights)
         counts = np.bincount(taken[:, SOURCE], minlength=n_sources)
         source_tokens = [int(x) for x in np.bincount(taken[:, SOURCE], weights=taken[:, LENGTH],
                                                      minlength=n_sources)]
+        # a source's taken pieces are the first n of its candidates (keys fall along its stream):
+        # its last taken row, and the sum of its taken document ends (exact, in int64)
+        n_taken = counts[src]
+        has = n_taken > 0
+        last_rows = (starts[:-1] + n_taken - 1)[has]
+        ends_before = np.zeros(len(all_ends) + 1, dtype=np.int64)
+        np.cumsum(all_ends, out=ends_before[1:])
+        end_sums = (ends_before[starts[:-1] + n_taken] - ends_before[starts[:-1]])[has]
+        last = table[last_rows]
+        rows = zip(src[has].tolist(), n_taken[has].tolist(), last[:, POSITION].tolist(), last[:, RECORD].tolist(),
+                   last[:, OFFSET].tolist(), last[:, LENGTH].tolist(), all_ends[last_rows].tolist(),
+                   end_sums.tolist())
+        cut_source, cut_length = int(cut_piece[SOURCE]), int(cut_piece[LENGTH])
 
         def commit() -> None:
             for s in active:
                 st.target[s] = target[s]
                 st.delivered[s] += source_tokens[s]
+            for s, n, pos, rec, off, length, end, end_sum in rows:
+                # positions never fall along a source's candidates: a new document taken means
+                # the last one taken is new
+                if pos >= st.cursors[s]:
+                    st.cursors[s] = pos + 1
+                    # a running mean of document lengths sizes the next windows (not the result)
+                    self.mean_length[s] = 0.9 * self.mean_length[s] + 0.1 * (end_sum / n)
+                if s == cut_source and last_take < cut_length:
+                    st.carry[s] = (pos, rec, off + last_take, end)
+                elif off + length < end:
+                    st.carry[s] = (pos, rec, off + length, end)
+                else:
+                    st.carry[s] = None
+            for s in active:
                 c = cands[s]
-                n_taken = int(counts[s])
-                if n_taken:
-                    last = c.table[n_taken - 1]
-                    new_docs = c.table[:n_taken, POSITION] >= st.cursors[s]
-                    if new_docs.any():
-                        st.cursors[s] = int(c.table[:n_taken, POSITION][new_docs][-1]) + 1
-                        # a running mean of document lengths sizes the next windows (not the result)
-                        self.mean_length[s] = 0.9 * self.mean_length[s] + 0.1 * float(c.ends[:n_taken].mean())
-                    if s == int(cut_piece[SOURCE]) and last_take < int(cut_piece[LENGTH]):
-                        st.carry[s] = (int(last[POSITION]), int(last[RECORD]), int(last[OFFSET]) + last_take,
-                                       int(c.ends[n_taken - 1]))
-                    elif int(last[OFFSET] + last[LENGTH]) < int(c.ends[n_taken - 1]):
-                        st.carry[s] = (int(last[POSITION]), int(last[RECORD]), int(last[OFFSET] + last[LENGTH]),
-                                       int(c.ends[n_taken - 1]))
-                    else:
-                        st.carry[s] = None
-                if c.exhausted and n_taken == len(c.table) and st.carry[s] is None:
+                if c.exhausted and int(counts[s]) == len(c.table) and st.carry[s] is None:
                     self._exhaust(s, step)
             st.next_step += 1
 
@@ -476,11 +497,4 @@ def _first_per_segment(flags: np.ndarray, seg: np.ndarray, within: np.ndarray, n
     if len(rows):
         segs, first = np.unique(seg[rows], return_index=True)
         out[segs] = within[rows[first]]
-    return out
-
-
-def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(a), dtype=np.int64)
-    if len(a) > 1:
-        np.cumsum(a[:-1], out=out[1:])
     return out
