@@ -1,7 +1,7 @@
 """The coordinator's state machine: `CoordinatorState.handle(*events) -> list[Instruction]`.
 
 It owns everything the coordinator knows: the planner, the registry of peers
-(`registry.py`), which worker holds which prepared record (`positions.PositionTable`), the
+(`registry.py`), which worker holds which prepared record (`positions.PositionTables`), the
 prepare tasks (`tasks.TaskBook`), the deliveries (`deliveries.DeliveryBook`), the per-source
 costs and host sizes (`workforce.py`) and the recent planner states (`history.StepHistory`).
 It never touches a socket, a clock or a file: events bring the time and the messages, and the
@@ -37,7 +37,7 @@ from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
-from .positions import NOBODY, HeldCounts, PositionTable, by_source
+from .positions import NOBODY, HeldCounts, PositionTables
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
@@ -89,7 +89,7 @@ class CoordinatorState:
         self.mapped = sources.mapped
         self.mapped_held = HeldCounts()  # copies of memory-mapped records each worker holds
         # per source: record, length, holder by position
-        self.tables = [PositionTable(self.mapped_held if s in self.mapped else None) for s in range(n)]
+        self.tables = PositionTables([self.mapped_held if s in self.mapped else None for s in range(n)])
         self._mapped_mask = np.array([s in self.mapped for s in range(n)], dtype=bool)
         # sources in object storage: their tasks are always full too, so that a worker fetches a
         # task's records in one round of concurrent requests, not a round trip per step's few
@@ -440,13 +440,9 @@ class CoordinatorState:
             log.debug("ack of unknown delivery %d", ev.delivery_id)
             return
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
-        mapped_holders = []
-        for s, rows in by_source(d.release[:, 0]):
-            holders = self.tables[s].release(d.release[rows, 1], count=False)
-            if s in self.mapped:
-                mapped_holders.append(holders)
-        if mapped_holders:
-            self.mapped_held.change(np.concatenate(mapped_holders), -1)
+        holders = self.tables.release(d.release)
+        if self.mapped:
+            self.mapped_held.change(holders[self._mapped_mask[d.release[:, 0]]], -1)
 
     # ------------------------------------------------------------------ time, failures, stopping
 
@@ -907,9 +903,7 @@ class CoordinatorState:
 
     def _holders(self, positions: np.ndarray) -> np.ndarray:
         """The worker holding each [source, position] row's prepared copy."""
-        owners = np.empty(len(positions), dtype=np.int64)
-        for s, rows in by_source(positions[:, 0]):
-            owners[rows] = self.tables[s].holders(positions[rows, 1])
+        owners = self.tables.holders(positions)
         if (owners == NOBODY).any():
             missing = positions[owners == NOBODY][0].tolist()
             raise RuntimeError(f"no worker holds source {missing[0]} position {missing[1]}")
@@ -929,9 +923,7 @@ class CoordinatorState:
             d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
             header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step,
                             addresses=[[r, trainers[r].address] for r in ranks if r in trainers])
-            release_keys = np.empty(len(rel), dtype=np.uint64)
-            for s, rows in by_source(rel[:, 0]):
-                release_keys[rows] = doc_key(s, self.tables[s].records(rel[rows, 1]))
+            release_keys = doc_key(rel[:, 0], self.tables.records(rel))
             self._send(workers[wid].identity, header, mine, release_keys)
 
     # ------------------------------------------------------------------ resume
