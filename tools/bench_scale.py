@@ -1,12 +1,15 @@
 """Can one coordinator keep up with 1,024 ranks and 306 sources? A fleet on one machine.
 
-    python tools/bench_scale.py --json OUT [--quick] [--points DP:S:R,...]
+    python tools/bench_scale.py --json OUT [--quick] [--points DP:S:R,...] [--step-s S]
     python tools/bench_scale.py --plot-from OUT PNG
 
 Per grid point (DP ranks, S sources, R records per source): a real `msd coordinator` (with
 --metrics-port), a real `msd worker` host with 2 worker processes, and DP light trainer ranks
 (tools/scale_ranks.py: the real protocol and the real ReceivingState, no tensors), 256 to a
-process. Sources are Megatron pairs: one index of R documents (lognormal lengths, mean ~1,000
+process. The ranks finish their steps together, one step per --step-s seconds (default 1: the
+targets are stated at one step per second, and CPU per step at another rate is not comparable:
+a coordinator that falls behind handles many messages per wake-up); --step-s 0: as fast as they
+can. Sources are Megatron pairs: one index of R documents (lognormal lengths, mean ~1,000
 tokens) with a sparse .bin, hard-linked S times (S sources of R records each, 3 x 10^9 records
 at 306 x 10^7, at the disk cost of one). Each rank gets 8,192 tokens per step (one sequence).
 
@@ -178,7 +181,8 @@ finally:
 """
 
 
-def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None) -> dict:
+def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None,
+              step_s: float = 0.0) -> dict:
     prefixes = sources(root, count, records)
     job = write_job(root, dp, prefixes)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
@@ -206,7 +210,8 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     ranks = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "scale_ranks.py"),
                                "--coordinator", address, "--ranks",
                                f"{i * RANKS_PER_PROCESS}:{min(dp, (i + 1) * RANKS_PER_PROCESS)}",
-                               "--steps", str(steps), "--out", out]) for i, out in enumerate(outs)]
+                               "--steps", str(steps), "--out", out, *(["--step-s", str(step_s)] if step_s else [])])
+             for i, out in enumerate(outs)]
     samples, peak_sockets = [], 0
     try:
         while any(p.poll() is None for p in ranks):
@@ -302,6 +307,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--step-s", type=float, default=1.0, help="seconds per step of the ranks (0: as fast as they can)")
     ap.add_argument("--points", default=None, help="DP:S:R,... instead of the grid")
     ap.add_argument("--profile", default=None, help="cProfile the coordinator of each point into PROFILE-DP-S-R")
     ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/megascale-data/bench-scale"))
@@ -310,10 +316,12 @@ def main() -> None:
             else QUICK if args.quick else GRID)
     rows = []
     for dp, s, r in grid:
-        steps = args.steps or max(40 if args.quick else 60, 8000 // dp)  # enough for a few scrapes
+        paced = 40 if args.quick else 60
+        steps = args.steps or (paced if args.step_s else max(60, 24000 // dp))  # enough for a few scrapes
         profile = f"{args.profile}-{dp}-{s}-{r}" if args.profile else None
-        rows.append(run_point(args.data_dir, dp, s, r, steps, profile))
-    emit({"tokens_per_rank_per_step": TOKENS_PER_RANK, "worker_processes": WORKERS, "points": rows}, args.json)
+        rows.append(run_point(args.data_dir, dp, s, r, steps, profile, args.step_s))
+    emit({"tokens_per_rank_per_step": TOKENS_PER_RANK, "worker_processes": WORKERS, "step_s": args.step_s,
+          "points": rows}, args.json)
 
 
 if __name__ == "__main__":

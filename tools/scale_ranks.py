@@ -2,13 +2,16 @@
 (hello, heartbeats, consumed, its own data socket) and runs the real `ReceivingState` (decoding,
 recipe checks, deduplication, assembly into numpy arrays), but hands nothing to a trainer and
 builds no tensors, so that 1,024 ranks fit on one small machine. One poller serves every rank.
+With --step-s, a rank consumes step k no earlier than --step-s x k seconds after its process
+consumed its first step, as ranks of a synchronous job finish their steps together.
 
-    python tools/scale_ranks.py --coordinator ADDR --ranks A:B --steps N --out FILE.json
+    python tools/scale_ranks.py --coordinator ADDR --ranks A:B --steps N --out FILE.json [--step-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -25,8 +28,10 @@ from trainer_client.sockets import make_socket, send_nowait  # noqa: E402
 
 
 class LightRank:
-    def __init__(self, ctx: zmq.Context, rank: int, coordinator: str) -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, coordinator: str, pace: "Pace") -> None:
         self.rank = rank
+        self.pace = pace
+        self.ready: collections.deque[int] = collections.deque()  # finished steps not consumed yet
         self.state = ReceivingState(rank, 0, 0, None)
         self.control = make_socket(ctx, zmq.DEALER)
         self.data = make_socket(ctx, zmq.PULL, hwm=10_000)
@@ -60,11 +65,13 @@ class LightRank:
             self.state.on_pieces(frames)
 
     def turn(self, now: float) -> None:
-        for item in self.state.finished(self.state.step):
+        for item in self.state.finished(self.steps_done if self.pace.step_s else self.state.step):
             if isinstance(item, End):
                 self.ended = True
                 continue
-            step = item[0][0]
+            self.ready.append(item[0][0])
+        while self.ready and self.pace.due(self.ready[0], now):
+            step = self.ready.popleft()
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
             send_nowait(self.control, P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0))
@@ -81,9 +88,26 @@ class LightRank:
         self.data.close(linger=0)
 
 
-def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float) -> dict:
+class Pace:
+    """When a step may be consumed: at once, or step_s x (step - first step) after the process
+    consumed its first step."""
+
+    def __init__(self, step_s: float | None) -> None:
+        self.step_s = step_s
+        self.origin: tuple[int, float] | None = None  # (first step consumed here, when)
+
+    def due(self, step: int, now: float) -> bool:
+        if not self.step_s:
+            return True
+        if self.origin is None:
+            self.origin = (step, now)
+        return now >= self.origin[1] + (step - self.origin[0]) * self.step_s
+
+
+def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float, step_s: float | None = None) -> dict:
     ctx = zmq.Context()
-    ranks = [LightRank(ctx, r, coordinator) for r in range(first, last)]
+    pace = Pace(step_s)
+    ranks = [LightRank(ctx, r, coordinator, pace) for r in range(first, last)]
     poller = zmq.Poller()
     owner = {}
     for lr in ranks:
@@ -117,9 +141,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--step-s", type=float, default=None, help="consume a step every S seconds at most")
     args = ap.parse_args()
     first, last = (int(x) for x in args.ranks.split(":"))
-    result = run(args.coordinator, first, last, args.steps, args.timeout_s)
+    result = run(args.coordinator, first, last, args.steps, args.timeout_s, args.step_s)
     with open(args.out, "wb") as f:
         f.write(orjson.dumps(result))
 
