@@ -33,7 +33,6 @@ import tempfile
 import time
 import urllib.request
 
-import numpy as np
 import orjson
 import yaml
 
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402
 
-from worker.readers.megatron import _HEADER, CODE_OF_DTYPE, MAGIC, VERSION  # noqa: E402
+from coordinator.testing.fleet import sources  # noqa: E402
 
 TOKENS_PER_RANK = 8192
 RANKS_PER_PROCESS = 256
@@ -52,37 +51,6 @@ KEEP_LOGS = bool(os.environ.get("BENCH_SCALE_KEEP_LOGS"))
 GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 1, 10**5),
         (512, 64, 10**5), (512, 306, 10**5), (512, 306, 10**7)]
 QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
-
-
-def write_index(prefix: str, records: int, seed: int = 0) -> None:
-    """A Megatron pair of `records` documents: a real index, a sparse .bin of the right size."""
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(6.5, 0.9, records), 16, 60_000).astype("<i4")
-    pointers = np.zeros(records, dtype="<i8")
-    pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * 2
-    with open(prefix + ".idx", "wb") as f:
-        f.write(_HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(np.uint16)], records, records + 1))
-        f.write(lengths.tobytes())
-        f.write(pointers.tobytes())
-        f.write(np.arange(records + 1, dtype="<i8").tobytes())
-    with open(prefix + ".bin", "wb") as f:
-        f.truncate(int(lengths.sum(dtype=np.int64)) * 2)
-
-
-def sources(root: str, count: int, records: int) -> list[str]:
-    template = os.path.join(root, f"template-{records}", "doc")
-    if not os.path.exists(template + ".idx"):
-        os.makedirs(os.path.dirname(template), exist_ok=True)
-        write_index(template, records)
-    out = []
-    for s in range(count):
-        prefix = os.path.join(root, f"s{records}", f"src{s:03d}")
-        if not os.path.exists(prefix + ".idx"):
-            os.makedirs(os.path.dirname(prefix), exist_ok=True)
-            for ext in (".idx", ".bin"):
-                os.link(template + ext, prefix + ext)
-        out.append(prefix)
-    return out
 
 
 def write_job(root: str, dp: int, prefixes: list[str]) -> str:
