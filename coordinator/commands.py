@@ -96,6 +96,10 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     except JobChanged as e:
         click.echo(str(e), err=True)
         sys.exit(1)
+    finally:
+        from worker.readers.indexing import wait_for_syncs
+
+        wait_for_syncs(timeout_s=60)  # decompressed copies written at start-up reach the disk
 
 
 @click.group()

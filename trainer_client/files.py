@@ -7,11 +7,13 @@ import tempfile
 from typing import BinaryIO, Callable
 
 
-def atomic_write(path: str, content: bytes | Callable[[BinaryIO], None], mode: int = 0o644) -> None:
+def atomic_write(path: str, content: bytes | Callable[[BinaryIO], None], mode: int = 0o644,
+                 durable: bool = True) -> None:
     """Write `content` (bytes, or a function that writes to the open file) to a temporary file
     in the same directory, fsync it, then rename it over `path`. The temporary file is removed
     if anything fails; `mode` because mkstemp makes files 0600 and other users' processes
-    (workers reading a sidecar index) must read them."""
+    (workers reading a sidecar index) must read them. durable=False: no fsync (the caller makes
+    the file durable later, or can tell a lost one from a good one)."""
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-msd-")
     try:
@@ -21,7 +23,8 @@ def atomic_write(path: str, content: bytes | Callable[[BinaryIO], None], mode: i
             else:
                 content(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

@@ -37,12 +37,15 @@ def test_with_a_cache_dir_every_index_and_decompressed_copy_goes_there_and_worke
     root = _copy_dataset(tmp_path)
     cache = str(tmp_path / "elsewhere")
     plain = open_sources(parse_job(job_dict(), "job.yaml", base_dir=root))
+    assert indexing.wait_for_syncs(10)
     beside = [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if ".msd" in n]
     assert beside  # the same job without a cache dir put them beside the data
+    assert any(n.endswith(".msd.jsonl.synced") for n in beside)  # its decompressed copy reached the disk
     for path in beside:
         os.remove(path)
     job = parse_job(job_dict(runtime={"cache_dir": cache}), "job.yaml", base_dir=root)
     opened = open_sources(job)
+    assert indexing.wait_for_syncs(10)
     assert opened.num_records == plain.num_records
     assert _sidecars(root) == []  # nothing beside the data
     cached = _sidecars(cache)
@@ -112,3 +115,44 @@ def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_w
     cut.write_bytes(frames[: len(frames) - 40])
     with pytest.raises(SourceFormatError, match="cut.jsonl.zst: cannot decompress: .*truncated"):
         open_source({**spec, "files": [str(cut)]})
+
+
+def test_a_copy_written_without_waiting_for_the_disk_is_reused_until_a_reboot_unless_synced(tmp_path):
+    """Decompressed copies built at start-up are not fsynced before the job starts (the disk was
+    most of a cold start); they are synced in the background and marked. A copy written before
+    the machine's last boot without its marker may have lost pages in a crash: decompressed again."""
+    from worker.readers import jsonl
+
+    boot = jsonl.boot_time_ns()
+    assert boot is not None  # Linux
+    rng = np.random.default_rng(8)
+    shard = str(tmp_path / "s.jsonl.zst")
+    _zst_shard(shard, rng, 3000)
+    spec = {"name": "s", "format": "jsonl", "files": [shard], "cache_dir": str(tmp_path / "cache")}
+    assert indexing.build_indexes([spec], processes=1) == {}
+    assert indexing.wait_for_syncs(10)
+    copy = jsonl._sidecar_path(shard, ".msd.jsonl", spec["cache_dir"])
+    marker = copy + jsonl.SYNCED_SUFFIX
+    assert os.path.exists(marker)
+    reader = jsonl.JsonlShard(shard, spec["cache_dir"])
+    assert reader.offsets.tolist() == jsonl._scan_offsets(copy).tolist()  # indexed in the same pass as written
+    assert len(reader) == 3000 and reader.unsynced_copy is None
+
+    def age(path, ns):  # as if written `ns` before the boot
+        os.utime(path, ns=(boot - ns, boot - ns))
+
+    age(shard, 3 * 10**12)
+    age(copy, 2 * 10**12)
+    age(marker, 10**12)
+    inode = os.stat(copy).st_ino
+    jsonl.JsonlShard(shard, spec["cache_dir"])
+    assert os.stat(copy).st_ino == inode  # synced before the boot: reused
+    os.remove(marker)
+    rebuilt = jsonl.JsonlShard(shard, spec["cache_dir"], durable_copy=False)
+    assert os.stat(copy).st_ino != inode and rebuilt.unsynced_copy == copy  # unsynced before the boot: again
+    assert not os.path.exists(marker) and len(rebuilt) == 3000
+    inode = os.stat(copy).st_ino
+    jsonl.JsonlShard(shard, spec["cache_dir"])
+    assert os.stat(copy).st_ino == inode  # written since the boot: in the page cache or on disk
+    jsonl.mark_synced(copy)
+    assert os.path.exists(marker)

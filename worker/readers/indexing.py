@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from typing import Any
@@ -41,6 +42,7 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
     total = sum(sizes.values())
     processes = min(processes or os.cpu_count() or 1, len(work))
     problems: dict[str, str] = {}
+    unsynced: list[str] = []
     done = done_bytes = 0
     started = last_report = time.monotonic()
     pool = (ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"))
@@ -50,7 +52,9 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
         for future in as_completed(futures):
             path = futures[future]
             try:
-                future.result()
+                copy = future.result()
+                if copy is not None:
+                    unsynced.append(copy)
             except Exception as e:  # noqa: BLE001 - a bad shard, or a pool process lost: the open after this reports it
                 problems[path] = str(e) or type(e).__name__
             done += 1
@@ -66,16 +70,54 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
     if seconds >= 1.0:
         log.info("indexed %d shards (%.2f GB) in %.1f s with %d processes", len(work), total / 1e9, seconds,
                  processes)
+    sync_later(unsynced)
     return problems
 
 
 def index_one(fmt: str, path: str, cache_dir: str | None, storage: dict[str, Any] | None = None,
-              cache_bytes: int | None = None) -> None:
-    """Build and cache one shard's index if it is missing or stale (in a pool process)."""
+              cache_bytes: int | None = None) -> str | None:
+    """Build and cache one shard's index if it is missing or stale (in a pool process). Returns
+    the path of a decompressed copy written without waiting for the disk (to be synced)."""
     if fmt == "jsonl":
-        jsonl.JsonlShard(path, cache_dir, storage, cache_bytes)
-    else:
-        webdataset.WebDatasetShard(path, cache_dir, storage)
+        return jsonl.JsonlShard(path, cache_dir, storage, cache_bytes, durable_copy=False).unsynced_copy
+    webdataset.WebDatasetShard(path, cache_dir, storage)
+    return None
+
+
+_syncs: list[threading.Thread] = []
+
+
+def wait_for_syncs(timeout_s: float | None = None) -> bool:
+    """Wait for the background syncs started in this process; True if none is left running."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for thread in list(_syncs):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    _syncs[:] = [t for t in _syncs if t.is_alive()]
+    return not _syncs
+
+
+def sync_later(copies: list[str]) -> threading.Thread | None:
+    """Flush these decompressed copies to disk in a background thread, marking each when done
+    (jsonl.mark_synced): the job starts from the page cache meanwhile, and a copy whose marker is
+    missing after a reboot is decompressed again."""
+    if not copies:
+        return None
+
+    def run() -> None:
+        started = time.monotonic()
+        for path in copies:
+            try:
+                jsonl.mark_synced(path)
+            except OSError as e:
+                log.warning("%s: cannot sync the decompressed copy to disk (%s); after a reboot it is "
+                            "decompressed again", path, e)
+        log.info("decompressed copies of %d shards on disk, %.1f s after indexing", len(copies),
+                 time.monotonic() - started)
+
+    thread = threading.Thread(target=run, name="msd-sync-copies", daemon=True)
+    thread.start()
+    _syncs.append(thread)
+    return thread
 
 
 def _looks_indexed(fmt: str, path: str, cache_dir: str | None) -> bool:

@@ -61,15 +61,82 @@ def _sidecar_path(shard: str, suffix: str, cache_dir: str | None) -> str:
     return os.path.join(cache_dir, f"{digest}-{os.path.basename(shard)}{suffix}")
 
 
-def _plain_path(shard: str, cache_dir: str | None) -> str:
-    """Path of an uncompressed copy of `shard` (the shard itself when it is not compressed)."""
+SYNCED_SUFFIX = ".synced"  # beside a decompressed copy: the copy reached the disk (fsync)
+
+
+def boot_time_ns() -> int | None:
+    """When this machine booted (Linux: /proc/stat), or None where that is not known."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return int(line.split()[1]) * 10**9
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _copy_usable(plain: str, shard: str) -> bool:
+    """A decompressed copy is used if it is newer than its shard and cannot have lost data in a
+    crash: it was synced to disk (its marker), or it was written since the machine booted (pages
+    not yet on disk are in the page cache: only a reboot loses them)."""
+    try:
+        st = os.stat(plain)
+        if st.st_mtime < os.path.getmtime(shard):
+            return False
+    except FileNotFoundError:
+        return False
+    try:
+        if os.stat(plain + SYNCED_SUFFIX).st_mtime_ns >= st.st_mtime_ns:
+            return True
+    except FileNotFoundError:
+        pass
+    boot = boot_time_ns()
+    return boot is not None and st.st_mtime_ns > boot
+
+
+def mark_synced(plain: str) -> None:
+    """Flush a copy written without fsync to the disk, then say so beside it (unless the copy
+    was removed or replaced meanwhile)."""
+    try:
+        fd = os.open(plain, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+        synced = os.fstat(fd)
+    finally:
+        os.close(fd)
+    try:
+        now = os.stat(plain)
+    except FileNotFoundError:
+        return
+    if (now.st_ino, now.st_mtime_ns) == (synced.st_ino, synced.st_mtime_ns):
+        atomic_write(plain + SYNCED_SUFFIX, b"")
+
+
+def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True) -> tuple[str, np.ndarray | None, bool]:
+    """(path of an uncompressed copy of `shard`: the shard itself when it is not compressed; its
+    line offsets if the copy was written now, found in the same pass; whether it still has to be
+    synced to disk). durable=False where the caller syncs the copy later (mark_synced) and the
+    boot time tells a copy that may have lost data in a crash: writing 4x the compressed bytes
+    and then waiting for the disk was most of a cold start."""
     if shard.endswith(".jsonl"):
-        return shard
+        return shard, None, False
     _check_suffix(shard)
     plain = _sidecar_path(shard, ".msd.jsonl", cache_dir)
-    if not os.path.exists(plain) or os.path.getmtime(plain) < os.path.getmtime(shard):
-        atomic_write(plain, lambda out: decompress(shard, shard, out))
-    return plain
+    if _copy_usable(plain, shard):
+        return plain, None, False
+    try:
+        os.unlink(plain + SYNCED_SUFFIX)  # it vouched for the old copy
+    except FileNotFoundError:
+        pass
+    defer = not durable and boot_time_ns() is not None
+    scan = _LineScan()
+    atomic_write(plain, lambda out: decompress(shard, shard, scan.writer(out)), durable=not defer)
+    if not defer:
+        atomic_write(plain + SYNCED_SUFFIX, b"")
+    return plain, scan.offsets(), defer
 
 
 def _check_suffix(shard: str) -> None:
@@ -132,23 +199,53 @@ def _scan_offsets(path: str) -> np.ndarray:
 
 
 def _scan_chunks(chunks: Iterable[bytes]) -> np.ndarray:
-    starts = [np.zeros(1, np.int64)]
-    size = 0
+    scan = _LineScan()
     for chunk in chunks:
-        starts.append(_newlines(chunk) + size + 1)
-        size += len(chunk)
-    offsets = np.concatenate(starts)
-    if offsets[-1] != size:  # last line lacks a newline
-        offsets = np.append(offsets, size)
-    return offsets
+        scan.feed(chunk)
+    return scan.offsets()
+
+
+class _LineScan:
+    """Line offsets of a stream of chunks, fed one by one."""
+
+    def __init__(self) -> None:
+        self._starts = [np.zeros(1, np.int64)]
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self._starts.append(_newlines(chunk) + self._size + 1)
+        self._size += len(chunk)
+
+    def writer(self, out: BinaryIO) -> "_Scanning":
+        return _Scanning(out, self)
+
+    def offsets(self) -> np.ndarray:
+        offsets = np.concatenate(self._starts)
+        if offsets[-1] != self._size:  # last line lacks a newline
+            offsets = np.append(offsets, self._size)
+        return offsets
+
+
+class _Scanning:
+    """A file that scans what is written to it for newlines (a copy indexed as it is written)."""
+
+    def __init__(self, out: BinaryIO, scan: _LineScan) -> None:
+        self._out, self._scan = out, scan
+
+    def write(self, data: bytes) -> int:
+        self._scan.feed(data)
+        return self._out.write(data)
 
 
 class JsonlShard:
     """Line-addressable view of one JSONL shard (a local path or a URL)."""
 
     def __init__(self, shard: str, cache_dir: str | None = None, storage: dict[str, Any] | None = None,
-                 cache_bytes: int | None = None) -> None:
+                 cache_bytes: int | None = None, durable_copy: bool = True) -> None:
+        """durable_copy=False: a decompressed copy written here is not synced to disk; its path is
+        left in `unsynced_copy` for the caller to pass to mark_synced (indexing.build_indexes)."""
         self.shard = shard
+        self.unsynced_copy: str | None = None
         self._fd: int | None = None
         self._prefetched: dict[int, bytes] = {}
         if is_url(shard):
@@ -157,13 +254,15 @@ class JsonlShard:
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
         self._store = None
-        self.path = _plain_path(shard, cache_dir)
+        self.path, found, unsynced = _plain_copy(shard, cache_dir, durable_copy)
+        if unsynced:
+            self.unsynced_copy = self.path
         st = os.stat(self.path)
         stamp = np.array([st.st_size, st.st_mtime_ns], np.int64)
         # Lines are read with pread, not through a memory map: a worker touches a few lines of
         # many shards, and mapped pages would count in its resident memory (shared page cache).
         self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp,
-                                        lambda: _scan_offsets(self.path))
+                                        (lambda: found) if found is not None else (lambda: _scan_offsets(self.path)))
 
     def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None) -> None:
         _check_suffix(self.shard)
