@@ -12,7 +12,9 @@ Designs (same sources, same weights, same simulated trainer):
   BlendedDataset over S pre-tokenized Megatron sources (memory-mapped), read through a
   DataLoader with W workers and Megatron's sampler order; no attention mask is built (THD).
 - `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4), R
-  DataClients, greedy balance with token_slack 0.5, over the JSONL sources.
+  DataClients, greedy balance with token_slack 0.5, over the JSONL sources. The coordinator and
+  the worker host agent are the `msd coordinator` and `msd worker` commands, started as a user
+  starts them (not children of this script, which would carry its imports).
 
 The simulated trainer spends, per micro-batch, `time_scale x sum over pieces of a*len^2 +
 b*len` (the cost model of a 7B model, below), then all ranks meet at a barrier (synchronous
@@ -39,8 +41,11 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -54,7 +59,6 @@ from bench_output import emit  # noqa: E402
 import e2e_ranks  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
-from coordinator.testing.local import LocalJob  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -103,6 +107,62 @@ def make_data(root: str, sources: int) -> tuple[list[str], list[str], list[float
     return jsonl, prefixes, means
 
 
+LARGE_SOURCES = 128  # from this many sources on, sources of realistic size (below)
+
+
+def make_large_data(root: str, sources: int, docs: int) -> tuple[list[str], list[str], list[float]]:
+    """S sources of `docs` documents each (realistic sizes: 10^5 documents of ~1,000 or ~5,000
+    tokens), every second one of long documents (lognormal, median ~4k tokens, 1k-48k), the others
+    short (as in make_data). Two base sources are written (JSONL with its line index, and a
+    Megatron pair) and each source is a hard link to one of them, so 306 sources cost the disk of
+    two; each loader still opens, indexes and maps every source under its own name."""
+    os.makedirs(root, exist_ok=True)
+    stamp = os.path.join(root, f".complete-v{DATA_VERSION}-{sources}x{docs}")
+    jsonl = [os.path.join(root, f"s{s:03d}.jsonl") for s in range(sources)]
+    prefixes = [os.path.join(root, f"s{s:03d}_text_document") for s in range(sources)]
+    means_path = os.path.join(root, f"means-{sources}x{docs}.json")
+    if os.path.exists(stamp):
+        with open(means_path, "rb") as f:
+            return jsonl, prefixes, orjson.loads(f.read())
+    from worker.readers.jsonl import INDEX_SUFFIX, JsonlShard
+
+    text = "\n\n".join(src for _, src in _stdlib_sources()).encode("utf-8", "replace").decode("utf-8", "ignore")
+    rng = np.random.default_rng(2027)
+    base_means = []
+    for family in ("short", "long"):
+        lengths = (np.clip(rng.lognormal(8.3, 0.6, docs), 1_000, 48_000) if family == "long"
+                   else np.clip(rng.lognormal(6.5, 0.9, docs), 40, 12_000)).astype(int)
+        starts = rng.integers(0, len(text) - int(lengths.max()) - 1, docs)
+        path, prefix = os.path.join(root, f"base-{family}.jsonl"), os.path.join(root, f"base-{family}_text_document")
+        with open(path, "wb") as f:
+            for start, n in zip(starts.tolist(), lengths.tolist()):
+                f.write(orjson.dumps({"text": text[start:start + n]}) + b"\n")
+        token_counts: list[int] = []
+
+        def documents():  # the byte tokenizer's tokens and the end of document, one at a time
+            for a, n in zip(starts.tolist(), lengths.tolist()):
+                tokens = np.append(np.frombuffer(text[a:a + n].encode("utf-8"), np.uint8).astype(np.uint16), 256)
+                token_counts.append(len(tokens))
+                yield tokens
+
+        write_megatron(prefix, documents(), np.uint16)
+        JsonlShard(path)  # its line index, beside it, shared by every link below
+        base_means.append(float(np.mean(token_counts)))
+    for s in range(sources):
+        family = "long" if s % 2 == 1 else "short"
+        base, base_prefix = os.path.join(root, f"base-{family}.jsonl"), os.path.join(root, f"base-{family}_text_document")
+        for src, dst in ((base, jsonl[s]), (base + INDEX_SUFFIX, jsonl[s] + INDEX_SUFFIX),
+                         (base_prefix + ".bin", prefixes[s] + ".bin"), (base_prefix + ".idx", prefixes[s] + ".idx")):
+            if os.path.exists(dst):
+                os.unlink(dst)
+            os.link(src, dst)
+    means = [base_means[s % 2] for s in range(sources)]
+    with open(means_path, "wb") as f:
+        f.write(orjson.dumps(means))
+    open(stamp, "w").close()
+    return jsonl, prefixes, means
+
+
 def write_job(root: str, files: list[str], ranks: int, seq_len: int, a: float, b: float) -> str:
     job = {
         "seed": 17,
@@ -121,8 +181,54 @@ def write_job(root: str, files: list[str], ranks: int, seq_len: int, a: float, b
 
 # ---------------------------------------------------------------- one run
 
+class MsdCommands:
+    """`msd coordinator` and `msd worker --procs N` as a user starts them, on a free port."""
+
+    def __init__(self, job: str, workers: int) -> None:
+        msd = os.path.join(os.path.dirname(sys.executable), "msd")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.logs = tempfile.mkdtemp(prefix="msd-e2e-")
+        self.coordinator = subprocess.Popen(
+            [msd, "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING"],
+            stderr=open(os.path.join(self.logs, "coordinator.log"), "wb"))
+        deadline = time.monotonic() + 60
+        while True:  # the worker host agent starts once the coordinator listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the coordinator did not start; log in {self.logs}")
+                time.sleep(0.05)
+        self.host = subprocess.Popen(
+            [msd, "worker", "--coordinator", self.address, "--procs", str(workers), "--log-level", "WARNING"],
+            stderr=open(os.path.join(self.logs, "worker.log"), "wb"))
+
+    def pids(self) -> list[int]:
+        """The coordinator, the host agent and everything under it (fork server, resource
+        tracker, worker processes)."""
+        return [self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)]
+
+    def close(self) -> None:
+        for p in (self.host, self.coordinator):
+            if p.poll() is None:
+                p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def worker_count(point: dict, k: int, procs: int | None) -> int:
+    """Ours: --procs worker processes where given, else W x R / k."""
+    return procs or max(1, point["workers"] * point["ranks"] // k)
+
+
 def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
-               timeout_s: float = 400) -> dict:
+               timeout_s: float = 900, procs: int | None = None) -> dict:
     ranks, workers = point["ranks"], point["workers"]
     jsonl, prefixes, means = data
     weights = [1.0 / len(jsonl)] * len(jsonl)
@@ -131,7 +237,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     cluster = None
     if design == "ours":
         job = write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
-        cluster = LocalJob(job, workers=max(1, workers * ranks // k)).__enter__()
+        cluster = MsdCommands(job, workers=worker_count(point, k, procs))
         targets = [(e2e_ranks.ours_rank, (cluster.address, r, params, barrier, out)) for r in range(ranks)]
     elif design == "torch":
         targets = [(e2e_ranks.torch_rank, (jsonl, weights, means, workers, r, params, barrier, out))
@@ -162,8 +268,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
             elif msg[0] == "pss":
                 pss_ranks[msg[1]] = tuple(msg[2:5])
                 if cluster is not None and len(pss_ranks) == 1:  # our loader's own processes, same moment
-                    pids = [cluster.coordinator.pid, cluster.host.pid, *e2e_ranks.descendants(cluster.host.pid)]
-                    pss_ours = sum(e2e_ranks.pss_kb(p) for p in pids)
+                    pss_ours = sum(e2e_ranks.pss_kb(p) for p in cluster.pids())
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -172,7 +277,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
             if p.is_alive():
                 p.kill()
         if cluster is not None:
-            cluster.__exit__(None, None, None)
+            cluster.close()
     reports = list(pss_ranks.values())
     result = summarize(design, steps, params, e2e_ranks.added_kb(reports, pss_ours), time.perf_counter() - started)
     # the parts of loader_pss_mb: the change of the ranks' own PSS (negative where their pages
@@ -210,7 +315,8 @@ def summarize(design: str, steps: dict, params: dict, pss_kb: int, wall_s: float
 
 
 def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
-    data = make_data(os.path.join(root, f"s{point['sources']}"), point["sources"])
+    data = (make_large_data(data_root(args, point), point["sources"], args.docs_per_source)
+            if point["sources"] >= LARGE_SOURCES else make_data(data_root(args, point), point["sources"]))
     tokens_per_rank = 2 * point["seq_len"]
     params = {
         "seq_len": point["seq_len"], "micro_batches": 2, "warmup": args.warmup, "seed": 17,
@@ -219,9 +325,10 @@ def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
         "steps": args.steps * max(1, 8 // point["ranks"]),
         "a": A_7B, "b": B_7B, "time_scale": args.step_s / (B_7B * tokens_per_rank),
     }
-    res = {"point": point, "k": k, "time_scale": params["time_scale"]}
+    res = {"point": point, "k": k, "worker_processes": worker_count(point, k, args.procs),
+           "fixed_procs": args.procs, "time_scale": params["time_scale"]}
     for d in designs:
-        r = run_design(d, point, data, params, k, data_root(args, point))
+        r = run_design(d, point, data, params, k, data_root(args, point), procs=args.procs)
         res[d] = r
         print(f"# {point} {d}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['data_wait_share']:.0f}%, "
               f"max/mean {r['max_over_mean_rank_cost']:.2f}, PSS {r['loader_pss_mb']:.0f} MB ({r['wall_s']:.0f}s)",
@@ -238,7 +345,8 @@ def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
 
 
 def data_root(args, point: dict) -> str:
-    return os.path.join(args.data_dir, f"s{point['sources']}")
+    name = f"s{point['sources']}x{args.docs_per_source}" if point["sources"] >= LARGE_SOURCES else f"s{point['sources']}"
+    return os.path.join(args.data_dir, name)
 
 
 def grid(quick: bool) -> list[dict]:
@@ -260,19 +368,31 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
     designs = ("torch", "megatron", "ours")
     labels = {"torch": "per-rank PyTorch DataLoader", "megatron": "Megatron-Core datasets", "ours": "megascale-data"}
     for axis, fixed, fixed_key in (("ranks", 64, "sources"), ("sources", 8, "ranks")):
-        pts = sorted((r for r in results if r["point"][fixed_key] == fixed and r["point"]["seq_len"] == 32768
-                      and r["k"] == 4), key=lambda r: r["point"][axis])
+        def series(fixed_procs):
+            return sorted((r for r in results if r["point"][fixed_key] == fixed and r["point"]["seq_len"] == 32768
+                           and r["k"] == 4 and r.get("fixed_procs") == fixed_procs), key=lambda r: r["point"][axis])
+
+        pts = series(None)
         if len(pts) < 2:
             continue
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
         for d in designs:
             xs = [r["point"][axis] for r in pts if d in r]
-            left.plot(xs, [r[d]["steps_per_s"] for r in pts if d in r], marker="o", label=labels[d])
-            right.plot(xs, [r[d]["loader_pss_mb"] for r in pts if d in r], marker="o", label=labels[d])
+            label = f"{labels[d]}, R worker processes (W x R / 4)" if d == "ours" else labels[d]
+            left.plot(xs, [r[d]["steps_per_s"] for r in pts if d in r], marker="o", label=label)
+            right.plot(xs, [r[d]["loader_pss_mb"] for r in pts if d in r], marker="o", label=label)
+        for procs in sorted({r["fixed_procs"] for r in results if r.get("fixed_procs")}):
+            extra = [r for r in series(procs) if "ours" in r]
+            if len(extra) >= 2:
+                label = f"{labels['ours']}, {procs} worker processes"
+                xe = [r["point"][axis] for r in extra]
+                left.plot(xe, [r["ours"]["steps_per_s"] for r in extra], marker="s", linestyle="--", label=label)
+                right.plot(xe, [r["ours"]["loader_pss_mb"] for r in extra], marker="s", linestyle="--", label=label)
         for ax, title in ((left, "training steps/s"), (right, "loader memory (PSS, MB)")):
             ax.set_xlabel(f"{axis} ({fixed_key} = {fixed}, 32k context)")
             ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
+            ticks = sorted({r["point"][axis] for r in pts})
+            ax.set_xticks(ticks, [str(x) for x in ticks])
             ax.set_title(title)
             ax.grid(alpha=0.3)
         right.set_yscale("log")
@@ -287,14 +407,14 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
 
 def markdown(result: dict) -> str:
     """The grid as a markdown table (docs/BENCHMARKS.md)."""
-    rows = ["| R | S | context | k | steps/s torch / megatron / ours | data wait (ours) | max/mean cost torch / megatron / ours "
+    rows = ["| R | S | context | k (worker processes) | steps/s torch / megatron / ours | data wait (ours) | max/mean cost torch / megatron / ours "
             "| PSS MB torch / megatron / ours | throughput ratio (ideal) | memory ratio |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for g in result["grid"]:
         p = g["point"]
         get = lambda d, k, f: f.format(g[d][k]) if d in g else "-"  # noqa: E731
         rows.append(
-            f"| {p['ranks']} | {p['sources']} | {p['seq_len'] // 1024}k | {g['k']} "
+            f"| {p['ranks']} | {p['sources']} | {p['seq_len'] // 1024}k | {'-' if g.get('fixed_procs') else g['k']} ({g.get('worker_processes', '-')}) "
             f"| {get('torch', 'steps_per_s', '{:.2f}')} / {get('megatron', 'steps_per_s', '{:.2f}')} / "
             f"{get('ours', 'steps_per_s', '{:.2f}')} | {get('ours', 'data_wait_share', '{:.1%}')} "
             f"| {get('torch', 'max_over_mean_rank_cost', '{:.3f}')} / "
@@ -320,6 +440,10 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.3, help="simulated seconds of a rank's linear compute per step")
     ap.add_argument("--k", type=int, default=4, help="ours: W x R / k worker processes")
     ap.add_argument("--k-sweep", default="1,2,4,8", help="k values tried at the headline point (full grid only)")
+    ap.add_argument("--procs", type=int, default=None,
+                    help="ours: this many worker processes whatever R (instead of W x R / k)")
+    ap.add_argument("--docs-per-source", type=int, default=100_000,
+                    help=f"documents per source at points of {LARGE_SOURCES} sources or more")
     ap.add_argument("--designs", default="torch,megatron,ours")
     ap.add_argument("--points", default=None, help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext)")
     ap.add_argument("--plots", default=None, help="write PNG plots here")
