@@ -3,9 +3,9 @@ compressed JSONL, WebDataset tar indexes) for many shards at once, with progress
 
 A shard's index is built on first open and cached (jsonl.py, webdataset.py); opened one shard
 after another, a cold start of a large corpus was one core decompressing and scanning every
-byte. Here the shards that have no index yet are built by a pool of processes (spawned: the
-caller may have threads; the scan of long lines is Python and would hold a thread pool to one
-core), so a host's cores share the work. Megatron and Parquet sources carry their own indexes
+byte. Here the shards that have no index yet are built by a pool of processes (forked where the
+caller has no other thread, as the coordinator at start-up, else spawned; the scan of long lines
+is Python and would hold a thread pool to one core), so a host's cores share the work. Megatron and Parquet sources carry their own indexes
 and are not touched here. Remote shards (URLs) are indexed the same way, by streaming them once.
 """
 
@@ -45,7 +45,10 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
     unsynced: list[str] = []
     done = done_bytes = 0
     started = last_report = time.monotonic()
-    pool = (ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"))
+    # fork where this process has no other thread (the coordinator at start-up): a spawned pool
+    # process imports numpy and the readers again first, a third of a small cold start
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = (ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context(method))
             if processes > 1 else ThreadPoolExecutor(max_workers=1))
     with pool:
         futures = {pool.submit(index_one, *w): w[1] for w in work}
