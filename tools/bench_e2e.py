@@ -70,20 +70,34 @@ HEADLINE = dict(ranks=8, workers=4, sources=64, seq_len=32768)
 
 # ---------------------------------------------------------------- data
 
+def _data_paths(root: str, sources: int, tag: str) -> tuple[str, list[str], list[str], str, list[float] | None]:
+    """(completion stamp, JSONL files, Megatron prefixes, file of mean tokens per source, those
+    means if the data set is complete) of the data set `tag` under root."""
+    os.makedirs(root, exist_ok=True)
+    stamp = os.path.join(root, f".complete-v{DATA_VERSION}-{tag}")
+    jsonl = [os.path.join(root, f"s{s:03d}.jsonl") for s in range(sources)]
+    prefixes = [os.path.join(root, f"s{s:03d}_text_document") for s in range(sources)]
+    means_path = os.path.join(root, f"means-{tag}.json")
+    saved = None
+    if os.path.exists(stamp):
+        with open(means_path, "rb") as f:
+            saved = orjson.loads(f.read())
+    return stamp, jsonl, prefixes, means_path, saved
+
+
+def _text() -> str:
+    """This Python's standard library sources as one text (valid UTF-8)."""
+    return "\n\n".join(src for _, src in _stdlib_sources()).encode("utf-8", "replace").decode("utf-8", "ignore")
+
+
 def make_data(root: str, sources: int) -> tuple[list[str], list[str], list[float]]:
     """S sources of real text (the standard library's files), every second one of long documents
     (8k-48k tokens), the others short (lognormal, median ~700 tokens). Each as JSONL and as a
     Megatron pair of the same documents. Returns (JSONL files, Megatron prefixes, mean tokens)."""
-    os.makedirs(root, exist_ok=True)
-    stamp = os.path.join(root, f".complete-v{DATA_VERSION}-{sources}")
-    jsonl = [os.path.join(root, f"s{s:03d}.jsonl") for s in range(sources)]
-    prefixes = [os.path.join(root, f"s{s:03d}_text_document") for s in range(sources)]
-    means_path = os.path.join(root, f"means-{sources}.json")
-    if os.path.exists(stamp):
-        with open(means_path, "rb") as f:
-            return jsonl, prefixes, orjson.loads(f.read())
-    text = "\n\n".join(src for _, src in _stdlib_sources()).encode("utf-8", "replace")
-    text = text.decode("utf-8", "ignore")
+    stamp, jsonl, prefixes, means_path, saved = _data_paths(root, sources, f"{sources}")
+    if saved is not None:
+        return jsonl, prefixes, saved
+    text = _text()
     rng = np.random.default_rng(2026)
     means = []
     for s in range(sources):
@@ -116,17 +130,12 @@ def make_large_data(root: str, sources: int, docs: int) -> tuple[list[str], list
     short (as in make_data). Two base sources are written (JSONL with its line index, and a
     Megatron pair) and each source is a hard link to one of them, so 306 sources cost the disk of
     two; each loader still opens, indexes and maps every source under its own name."""
-    os.makedirs(root, exist_ok=True)
-    stamp = os.path.join(root, f".complete-v{DATA_VERSION}-{sources}x{docs}")
-    jsonl = [os.path.join(root, f"s{s:03d}.jsonl") for s in range(sources)]
-    prefixes = [os.path.join(root, f"s{s:03d}_text_document") for s in range(sources)]
-    means_path = os.path.join(root, f"means-{sources}x{docs}.json")
-    if os.path.exists(stamp):
-        with open(means_path, "rb") as f:
-            return jsonl, prefixes, orjson.loads(f.read())
+    stamp, jsonl, prefixes, means_path, saved = _data_paths(root, sources, f"{sources}x{docs}")
+    if saved is not None:
+        return jsonl, prefixes, saved
     from worker.readers.jsonl import INDEX_SUFFIX, JsonlShard
 
-    text = "\n\n".join(src for _, src in _stdlib_sources()).encode("utf-8", "replace").decode("utf-8", "ignore")
+    text = _text()
     rng = np.random.default_rng(2027)
     base_means = []
     for family in ("short", "long"):
