@@ -46,8 +46,10 @@ def test_random_worker_kills_through_300_steps(dataset_dir, tmp_path):
         killer(cluster)
 
     log = os.environ.get("MSD_CHAOS_LOG") or str(tmp_path / "chaos.log")
+    # 600 micro-batches of 25 ms: the run lasts 15 s at least however fast the loader, and a kill
+    # comes every 0.5-2 s, so at least 8 of them land inside it
     faulty = run_job(path, workers=3, ranks=2, steps=STEPS, during=chaos, log_path=log, timeout_s=300,
-                     compute_s=0.01)
+                     compute_s=0.025)
     assert len(kills) >= 5, kills
     assert signature(faulty) == signature(clean)  # no lost, duplicated or reordered piece
     assert check_content(path, faulty) > 1000
@@ -85,9 +87,10 @@ def test_a_real_runs_life_in_one_run_of_300_steps(dataset_dir, tmp_path):
             primary_killed.append(time.monotonic())
 
     # seconds per micro-batch (2 a step): every rank stops for 3 s after step 100; rank 1 is 3x
-    # slower for steps 150-199
-    pause_and_slow = {0: [(0, 0.005), (100, 1.5), (101, 0.005)],
-                      1: [(0, 0.005), (100, 1.5), (101, 0.005), (150, 0.015), (200, 0.005)]}
+    # slower for steps 150-199. The run lasts 13 s at least however fast the loader, so that at
+    # least 5 kills (one every 0.5-2.5 s) land inside it
+    pause_and_slow = {0: [(0, 0.015), (100, 1.5), (101, 0.015)],
+                      1: [(0, 0.015), (100, 1.5), (101, 0.015), (150, 0.045), (200, 0.015)]}
     log = str(tmp_path / "life.log")
     with LocalJob(path, workers=3, log_path=log, log_level="INFO", state_dir=str(tmp_path / "state"),
                   standby=True) as cluster:
