@@ -23,7 +23,7 @@ from trainer_client import protocol as P
 from trainer_client.doc_keys import doc_key, split_doc_key
 from trainer_client.protocol import DELIVER_ITEM
 
-from .readers import RecordError, SourceReader, is_memory_mapped, open_source
+from .readers import RecordError, SourceReader, indexing, is_memory_mapped, open_source
 
 log = logging.getLogger("msd.worker")
 
@@ -174,6 +174,12 @@ class WorkerCore:
         self.cache.clear()
         self.kill_records = _kill_records(self.specs)
         self.slow_records = _slow_records(self.specs)
+        # Shards this host has no index (or decompressed copy) for yet are built now, shared with
+        # this host's other worker processes (a lock per shard), rather than by the first task of
+        # each process that opens them, one shard after another, on every host.
+        _, problems = indexing.build_indexes_shared(self.specs, self.keep_alive, first=self.worker_id)
+        for shard, problem in problems.items():
+            log.warning("%s: cannot index it on this host (%s); tasks reading it fail", shard, problem)
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):

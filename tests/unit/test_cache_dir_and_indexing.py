@@ -156,3 +156,58 @@ def test_a_copy_written_without_waiting_for_the_disk_is_reused_until_a_reboot_un
     assert os.stat(copy).st_ino == inode  # written since the boot: in the page cache or on disk
     jsonl.mark_synced(copy)
     assert os.path.exists(marker)
+
+
+def _shared_build(specs, first, out, start):
+    start.wait()  # both begin together, imports done
+    built, problems = indexing.build_indexes_shared(specs, first=first)
+    out.put((first, built, problems))
+
+
+def test_the_worker_processes_of_a_host_share_the_indexing_of_shards_it_lacks(tmp_path):
+    """Two processes of one host, each given every shard: each shard is built once, by one of
+    them, both return once all are built, and a corrupt shard is named by the one that tried it."""
+    import multiprocessing as mp
+
+    rng = np.random.default_rng(21)
+    files = [str(tmp_path / f"s{i}.jsonl.zst") for i in range(8)]
+    for path in files:
+        _zst_shard(path, rng, 30000)
+    with open(files[5], "wb") as f:
+        f.write(b"not zstd" * 64)
+    specs = [{"name": "s", "format": "jsonl", "files": files, "cache_dir": str(tmp_path / "host-cache")}]
+    ctx = mp.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_shared_build, args=(specs, first, out, start)) for first in (0, 4)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    built = [set(b) for _, b, _ in results]
+    assert built[0] and built[1] and not built[0] & built[1]  # both worked, never on the same shard
+    assert built[0] | built[1] == set(files) - {files[5]}
+    problems = {k: v for _, _, p in results for k, v in p.items()}
+    assert list(problems) == [files[5]] and "cannot decompress" in problems[files[5]]
+    assert indexing.build_indexes_shared(specs) == ([], {files[5]: problems[files[5]]})  # nothing left to build
+    assert open_source({**specs[0], "files": [f for f in files if f != files[5]]}).num_records == 7 * 30000
+
+
+def test_a_welcomed_worker_builds_what_its_host_lacks_keeping_itself_alive(tmp_path):
+    from worker.core import Registered, WorkerCore
+    from trainer_client import protocol as P
+
+    rng = np.random.default_rng(22)
+    files = [str(tmp_path / f"w{i}.jsonl.zst") for i in range(3)]
+    for path in files:
+        _zst_shard(path, rng, 500)
+    cache = tmp_path / "this-host"
+    spec = {"name": "w", "format": "jsonl", "files": files, "cache_dir": str(cache), "index": 0, "text_key": "text",
+            "tokenizer": "byte"}
+    core = WorkerCore()
+    beats = []
+    core.keep_alive = lambda: beats.append(1)
+    actions = core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job={"sources": [spec]}), {})
+    assert actions == [Registered(1, 0.5)]
+    assert sum(n.endswith(".msdidx.npy") for n in os.listdir(cache)) == 3  # before its first task
+    assert len(beats) >= 3

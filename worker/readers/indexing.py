@@ -11,13 +11,14 @@ and are not touched here. Remote shards (URLs) are indexed the same way, by stre
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
-from typing import Any
+from typing import Any, Callable
 
 from . import jsonl, webdataset
 from .storage import is_url, store_for
@@ -29,13 +30,18 @@ _SHARD_TYPES = {"jsonl": jsonl.JsonlShard, "webdataset": webdataset.WebDatasetSh
 _INDEX_SUFFIXES = {"jsonl": jsonl.INDEX_SUFFIX, "webdataset": webdataset.INDEX_SUFFIX}
 
 
+def _missing(specs: list[dict[str, Any]]) -> list[tuple]:
+    """(format, shard, cache dir, storage, cache bytes) of every shard of these specs with no index yet."""
+    return [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"))
+            for spec in specs if spec["format"] in _SHARD_TYPES
+            for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+
+
 def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
     """Build and cache the index of every JSONL and WebDataset shard of these source specs that
     has none yet, `processes` at a time (default: the cores). Returns {shard path: problem} for
     shards that could not be indexed; the caller reports them where it opens the source."""
-    work = [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"))
-            for spec in specs if spec["format"] in _SHARD_TYPES
-            for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+    work = _missing(specs)
     if not work:
         return {}
     sizes = {w[1]: _size(w[1], w[3]) for w in work}
@@ -75,6 +81,59 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
                  processes)
     sync_later(unsynced)
     return problems
+
+
+def build_indexes_shared(specs: list[dict[str, Any]], keep_alive: Callable[[], None] = lambda: None,
+                         first: int = 0) -> tuple[list[str], dict[str, str]]:
+    """Build the missing indexes (and decompressed copies) of these specs in this process, sharing
+    the work with the other processes of this host doing the same (the worker processes of a host
+    the coordinator's start-up did not index for): a shard is built by the process that takes its
+    lock first; the others go on to the next and then wait for it. `first`: where in the list
+    this process starts (its worker id), so that the processes start apart. keep_alive is called
+    between shards and while waiting. Returns (shards built here, {shard: problem})."""
+    work = _missing(specs)
+    if not work:
+        return [], {}
+    first %= len(work)
+    built, problems, others = [], {}, []
+    unsynced: list[str] = []
+    for w in work[first:] + work[:first]:
+        keep_alive()
+        with open(_lock_path(w), "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                others.append(w)  # another process builds it
+                continue
+            try:
+                if not _looks_indexed(w[0], w[1], w[2]):
+                    copy = index_one(*w)
+                    built.append(w[1])
+                    if copy is not None:
+                        unsynced.append(copy)
+            except Exception as e:  # noqa: BLE001 - the open on first use reports it again, by name
+                problems[w[1]] = str(e) or type(e).__name__
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    for w in others:  # wait until the process building it lets go
+        with open(_lock_path(w), "a+b") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    keep_alive()
+                    time.sleep(0.1)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if built:
+        log.info("indexed %d shards of this host's %d missing ones", len(built), len(work))
+    sync_later(unsynced)
+    return built, problems
+
+
+def _lock_path(work: tuple) -> str:
+    """The lock file beside a shard's index (in its cache dir)."""
+    return jsonl._sidecar_path(work[1], _INDEX_SUFFIXES[work[0]] + ".lock", work[2])
 
 
 def index_one(fmt: str, path: str, cache_dir: str | None, storage: dict[str, Any] | None = None,
