@@ -9,7 +9,10 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
   needs to decompress the bytes and count their lines), and that divided by the core count;
 - ours cold: a fresh process opening the job's sources as `msd coordinator` does at start-up
   (coordinator.sources.open_sources), with every index and decompressed copy removed first;
-- ours warm: the same with everything cached.
+- ours warm: the same with everything cached;
+- ours cold on a worker host: its worker processes (as many as cores) building what the host
+  lacks when they are welcomed (indexing.build_indexes_shared, a lock per shard), everything
+  removed first.
 Also the disk the cache takes (decompressed copies and line indexes) against the compressed
 shards. Medians and spreads in the JSON.
 """
@@ -83,6 +86,24 @@ def ours_s(job: str) -> tuple[float, int]:
     return time.perf_counter() - started, int(out.stdout.strip())
 
 
+WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_shared; " \
+    "specs = json.loads(sys.argv[1]); built, problems = build_indexes_shared(specs, first=int(sys.argv[2])); " \
+    "assert not problems, problems; print(len(built))"
+
+
+def workers_s(paths: list[str], cache: str, processes: int) -> float:
+    """Seconds until `processes` fresh processes, started together, have indexed every shard."""
+    import json
+
+    spec = json.dumps([{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}])
+    started = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKERS, spec, str(i * len(paths) // processes)],
+                              stdout=subprocess.PIPE, text=True) for i in range(processes)]
+    built = sum(int(p.communicate()[0].strip()) for p in procs)
+    assert built == len(paths), built
+    return time.perf_counter() - started
+
+
 def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(path) for n in files)
 
@@ -105,13 +126,15 @@ def main() -> None:
                         "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
                         "runtime": {"cache_dir": cache}}, f)
     cores = os.cpu_count() or 1
-    ref, cold, warm, records = [], [], [], None
+    ref, cold, warm, on_workers, records = [], [], [], [], None
     for _ in range(args.repeats):
         ref.append(reference_s(paths))
         clear_cache(root, cache)
         seconds, records = ours_s(job)
         cold.append(seconds)
         warm.append(ours_s(job)[0])
+        clear_cache(root, cache)
+        on_workers.append(workers_s(paths, cache, cores))
     compressed = sum(os.path.getsize(p) for p in paths)
     cache_bytes = _du(cache)
     med = statistics.median
@@ -121,6 +144,9 @@ def main() -> None:
         "reference_per_core_s": med(ref) / cores,
         "ours_cold_s": med(cold), "ours_cold_spread_s": [min(cold), max(cold)],
         "ours_warm_s": med(warm), "ours_warm_spread_s": [min(warm), max(warm)],
+        "ours_cold_on_worker_processes_s": med(on_workers), "ours_cold_on_worker_processes_spread_s":
+            [min(on_workers), max(on_workers)], "worker_processes": cores,
+        "cold_on_workers_over_reference_per_core": med(on_workers) / (med(ref) / cores),
         "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
         "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
         "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
