@@ -5,8 +5,10 @@ A shard's index is built on first open and cached (jsonl.py, webdataset.py); ope
 after another, a cold start of a large corpus was one core decompressing and scanning every
 byte. Here the shards that have no index yet are built by a pool of processes (forked where the
 caller has no other thread, as the coordinator at start-up, else spawned; the scan of long lines
-is Python and would hold a thread pool to one core), so a host's cores share the work. Megatron and Parquet sources carry their own indexes
-and are not touched here. Remote shards (URLs) are indexed the same way, by streaming them once.
+is Python and would hold a thread pool to one core), so a host's cores share the work; on the
+other hosts, by their worker processes, sharing the shards by a lock each (build_indexes_shared).
+Megatron and Parquet sources carry their own indexes and are not touched here. Remote shards
+(URLs) are indexed the same way, by streaming them once.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ def build_indexes_shared(specs: list[dict[str, Any]], keep_alive: Callable[[], N
     unsynced: list[str] = []
     for w in work[first:] + work[:first]:
         keep_alive()
-        with open(_lock_path(w), "a+b") as lock:
+        try:
+            lock = open(_lock_path(w), "a+b")
+        except OSError as e:  # no writable cache here: the open on first use builds it, or says why
+            problems[w[1]] = f"cannot lock its index ({e})"
+            continue
+        with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
