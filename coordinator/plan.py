@@ -254,9 +254,9 @@ class Planner:
         np.cumsum(all_ends, out=ends_before[1:])
         end_sums = (ends_before[starts[:-1] + n_taken] - ends_before[starts[:-1]])[has]
         last = table[last_rows]
-        rows = zip(src[has].tolist(), n_taken[has].tolist(), last[:, POSITION].tolist(), last[:, RECORD].tolist(),
-                   last[:, OFFSET].tolist(), last[:, LENGTH].tolist(), all_ends[last_rows].tolist(),
-                   end_sums.tolist())
+        rows = list(zip(src[has].tolist(), n_taken[has].tolist(), last[:, POSITION].tolist(),
+                        last[:, RECORD].tolist(), last[:, OFFSET].tolist(), last[:, LENGTH].tolist(),
+                        all_ends[last_rows].tolist(), end_sums.tolist()))
         cut_source, cut_length = int(cut_piece[SOURCE]), int(cut_piece[LENGTH])
 
         def commit() -> None:
