@@ -41,6 +41,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import statistics
 import subprocess
@@ -200,9 +201,10 @@ class MsdCommands:
             port = s.getsockname()[1]
         self.address = f"tcp://127.0.0.1:{port}"
         self.logs = tempfile.mkdtemp(prefix="msd-e2e-")
+        self._log_files = [open(os.path.join(self.logs, name), "wb") for name in ("coordinator.log", "worker.log")]
         self.coordinator = subprocess.Popen(
             [msd, "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING"],
-            stderr=open(os.path.join(self.logs, "coordinator.log"), "wb"))
+            stderr=self._log_files[0])
         deadline = time.monotonic() + 60
         while True:  # the worker host agent starts once the coordinator listens
             try:
@@ -214,7 +216,7 @@ class MsdCommands:
                 time.sleep(0.05)
         self.host = subprocess.Popen(
             [msd, "worker", "--coordinator", self.address, "--procs", str(workers), "--log-level", "WARNING"],
-            stderr=open(os.path.join(self.logs, "worker.log"), "wb"))
+            stderr=self._log_files[1])
 
     def pids(self) -> list[int]:
         """The coordinator, the host agent and everything under it (fork server, resource
@@ -222,6 +224,7 @@ class MsdCommands:
         return [self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)]
 
     def close(self) -> None:
+        """Stop both; their logs are removed unless they hold something (warnings, errors)."""
         for p in (self.host, self.coordinator):
             if p.poll() is None:
                 p.terminate()
@@ -229,6 +232,12 @@ class MsdCommands:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for f in self._log_files:
+            f.close()
+        if any(os.path.getsize(f.name) for f in self._log_files):
+            print(f"# msd logs kept in {self.logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def worker_count(point: dict, k: int, procs: int | None) -> int:
