@@ -53,7 +53,7 @@ GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 
 QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
 
 
-def write_job(root: str, dp: int, prefixes: list[str]) -> str:
+def write_job(root: str, dp: int, prefixes: list[str], records: int) -> str:
     job = {
         "seed": 3,
         "sources": {f"src{i:03d}": {"format": "megatron", "paths": [p]} for i, p in enumerate(prefixes)},
@@ -63,7 +63,7 @@ def write_job(root: str, dp: int, prefixes: list[str]) -> str:
         "balance": {"cost": {"quadratic": 1.0, "linear": 0.0}},
         "runtime": {"heartbeat_s": 2.0, "lookahead_steps": 2},
     }
-    path = os.path.join(root, f"job-{dp}-{len(prefixes)}.yaml")
+    path = os.path.join(root, f"job-{dp}-{len(prefixes)}-{records}.yaml")  # one per point, records included
     with open(path, "w") as f:
         yaml.safe_dump(job, f, sort_keys=False)
     return path
@@ -152,7 +152,7 @@ finally:
 def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None,
               step_s: float = 0.0) -> dict:
     prefixes = sources(root, count, records)
-    job = write_job(root, dp, prefixes)
+    job = write_job(root, dp, prefixes, records)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     port, metrics = _ports(2)
     address = f"tcp://127.0.0.1:{port}"
