@@ -64,9 +64,9 @@ class StepAssembler:
         self.lengths = lengths
         self.dst = row_of * row_len + starts  # where each piece's first token goes
         self.used = used
-        self.tokens = np.empty(rows * row_len, dtype=np.int64)  # from the header on; the other fields once done
-        for r in np.flatnonzero(used < row_len).tolist():  # only padding needs a value now; pieces overwrite the rest
-            self.tokens[r * row_len + used[r]:(r + 1) * row_len] = pad_id
+        # Received tokens wait in the senders' dtype (2 or 4 bytes, not int64): the coordinator's
+        # look-ahead delivers several steps early, and a finished step is built only when it is due.
+        self.tokens: np.ndarray | None = None  # allocated by the first message, in its dtype
         self.have = np.zeros(len(lengths), dtype=bool)
         self.missing = len(lengths)
 
@@ -95,7 +95,7 @@ class StepAssembler:
         breaks = np.flatnonzero((src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])) + 1
         first = np.concatenate([[0], breaks]).astype(np.intp)
         last = np.concatenate([breaks, [len(take)]]).astype(np.intp) - 1
-        out = self.tokens
+        out = self._buffer_for(tokens.dtype)
         if len(take):
             for s, d, e in zip(src[first].tolist(), dst[first].tolist(), (src[last] + n[last]).tolist()):
                 out[d: d + e - s] = tokens[s:e]
@@ -109,6 +109,24 @@ class StepAssembler:
                 if counts[k]:
                     self.patches[i] = patches[patch_at[k]: patch_at[k] + counts[k]]
         return len(items) - len(take)
+
+    def _buffer_for(self, dtype: np.dtype) -> np.ndarray:
+        """The step's token buffer, able to hold tokens of `dtype` (widened if a message needs it)."""
+        if self.tokens is None:
+            self.tokens = np.empty(len(self.counts) * self.row_len, dtype=dtype)
+        elif not np.can_cast(dtype, self.tokens.dtype, casting="safe"):
+            self.tokens = self.tokens.astype(np.promote_types(self.tokens.dtype, dtype))
+        return self.tokens
+
+    def _int64_tokens(self) -> np.ndarray:
+        """The step's tokens as int64, padding in place (the buffer's padding was never written)."""
+        tokens = np.empty(len(self.counts) * self.row_len, dtype=np.int64)
+        if self.tokens is not None:
+            tokens[:] = self.tokens
+        row_len = self.row_len
+        for r in np.flatnonzero(self.used < row_len).tolist():
+            tokens[r * row_len + int(self.used[r]):(r + 1) * row_len] = self.pad_id
+        return tokens
 
     @property
     def done(self) -> bool:
@@ -137,7 +155,7 @@ class StepAssembler:
         fields = np.empty(FIELD_BYTES * total, np.uint8)
         labels, position_ids = fields[:8 * total].view(np.int64), fields[8 * total:16 * total].view(np.int64)
         loss_mask = fields[16 * total:].view(np.float32)
-        tokens = self.tokens
+        tokens = self._int64_tokens()
         labels[:-1] = tokens[1:]
         labels[ends - 1] = self.pad_id  # the last position of every segment has no label inside it
         loss_mask.fill(1.0)

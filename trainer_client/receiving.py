@@ -22,7 +22,7 @@ from .topology import Topology, cp_share
 
 log = logging.getLogger("msd.client")
 
-READY_STEPS_AHEAD = 1  # finished steps kept ready beyond the one being consumed
+READY_STEPS_AHEAD = 0  # finished steps kept ready beyond the one being consumed
 MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
 MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
 
@@ -166,9 +166,11 @@ class ReceivingState:
     def finished(self, consuming_step: int) -> list[Any]:
         """Steps to hand to the trainer, each a list of (step, micro_batch, batch) from where the
         client resumes, and End once the stream's end is reached. Steps are finished at most
-        READY_STEPS_AHEAD beyond `consuming_step`, the one the trainer is consuming: a finished
-        step (int64 tokens, labels, position ids, float32 loss mask) takes ~14x the memory of its
-        received tokens, and the coordinator's look-ahead may deliver several steps early."""
+        READY_STEPS_AHEAD beyond `consuming_step`, the step of the next micro-batch the trainer
+        takes: a finished step (int64 tokens, labels, position ids, float32 loss mask: 28 bytes a
+        token) takes 7-14x the memory of its received tokens, and the coordinator's look-ahead
+        may deliver several steps early. With 0, step s+1 is built when the trainer takes the
+        last micro-batch of step s, so it is built while that micro-batch is computed."""
         out: list[Any] = []
         while (self.step in self.steps and self.steps[self.step][0].done
                and self.step <= consuming_step + READY_STEPS_AHEAD):

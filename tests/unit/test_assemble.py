@@ -89,6 +89,33 @@ def test_pieces_in_any_order_and_messages_give_the_same_step():
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_a_step_waits_in_its_messages_dtype_and_widens_for_a_wider_message():
+    """Steps delivered ahead hold their tokens in the wire's 2 bytes, not int64; a later message
+    of 4-byte tokens (values past 65535) widens the buffer, and the finished step is the same."""
+    from trainer_client.assemble import StepAssembler, assemble_step
+
+    rng = np.random.default_rng(7)
+    refs, counts, pieces = _random_step(rng)
+    last = tuple(refs[-1].tolist())
+    pieces[last] = pieces[last].astype(np.uint32) + 70_000
+    seqs, at = [], 0
+    for c in counts:
+        seqs.append([list(map(int, r)) for r in refs[at:at + c]])
+        at += c
+    expected = assemble_step(seqs, pieces, 16, 257, 2)
+    step = StepAssembler(refs, counts, 16, 257, 2)
+    first = np.arange(len(refs) - 1)
+    step.add(np.column_stack([first.astype(np.uint64), refs[first]]),
+             np.concatenate([pieces[tuple(refs[i].tolist())] for i in first]))
+    assert step.tokens.dtype == np.uint16 and step.tokens.nbytes == 2 * len(counts) * 16
+    step.add(np.array([[len(refs) - 1, *refs[-1]]], np.uint64), pieces[last])
+    assert step.done and step.tokens.dtype == np.uint32
+    for got, want in zip(step.batches(), expected):
+        assert got["tokens"].dtype == np.int64
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 def test_items_that_do_not_match_the_recipe_are_not_taken():
     from trainer_client.assemble import StepAssembler
 

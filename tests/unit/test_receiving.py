@@ -56,8 +56,10 @@ def test_a_resumed_rank_starts_mid_step_and_steps_are_not_finished_far_ahead_of_
         state.on_control(header)
         state.on_pieces(_pieces(step, [0, 1, 2], recipe))
     first = state.finished(3)
-    assert [[(s, m) for s, m, _ in ready] for ready in first] == [[(3, 1)], [(4, 0), (4, 1)]]
-    assert [[s for s, _, _ in ready] for ready in state.finished(4)] == [[5, 5]]  # only once the trainer is on
+    assert [[(s, m) for s, m, _ in ready] for ready in first] == [[(3, 1)]]
+    assert state.finished(3) == []  # step 4 is built only once the trainer takes step 3's last micro-batch
+    assert [[s for s, _, _ in ready] for ready in state.finished(4)] == [[4, 4]]
+    assert [[s for s, _, _ in ready] for ready in state.finished(5)] == [[5, 5]]
 
 
 def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
