@@ -11,8 +11,8 @@ Designs (same sources, same weights, same simulated trainer):
 - `megatron`: each rank builds megatron-core's BlendedMegatronDatasetBuilder / GPTDataset /
   BlendedDataset over S pre-tokenized Megatron sources (memory-mapped), read through a
   DataLoader with W workers and Megatron's sampler order; no attention mask is built (THD).
-- `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4), R
-  DataClients, greedy balance with token_slack 0.5, over the JSONL sources. The coordinator and
+- `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4; or
+  --procs N, or --procs auto: the coordinator sizes them by the work), R DataClients, greedy balance with token_slack 0.5, over the JSONL sources. The coordinator and
   the worker host agent are the `msd coordinator` and `msd worker` commands, started as a user
   starts them (not children of this script, which would carry its imports).
 
@@ -192,9 +192,10 @@ def write_job(root: str, files: list[str], ranks: int, seq_len: int, a: float, b
 # ---------------------------------------------------------------- one run
 
 class MsdCommands:
-    """`msd coordinator` and `msd worker --procs N` as a user starts them, on a free port."""
+    """`msd coordinator` and `msd worker --procs N` (or `--procs auto`) as a user starts them, on
+    a free port."""
 
-    def __init__(self, job: str, workers: int) -> None:
+    def __init__(self, job: str, workers: int | str) -> None:
         msd = os.path.join(os.path.dirname(sys.executable), "msd")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -223,6 +224,17 @@ class MsdCommands:
         tracker, worker processes)."""
         return [self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)]
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes now running: the fork server's children."""
+        for pid in e2e_ranks.children(self.host.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"forkserver" in f.read():
+                        return e2e_ranks.children(pid)
+            except OSError:
+                pass
+        return []
+
     def close(self) -> None:
         """Stop both; their logs are removed unless they hold something (warnings, errors)."""
         for p in (self.host, self.coordinator):
@@ -240,13 +252,14 @@ class MsdCommands:
             shutil.rmtree(self.logs, ignore_errors=True)
 
 
-def worker_count(point: dict, k: int, procs: int | None) -> int:
-    """Ours: --procs worker processes where given, else W x R / k."""
+def worker_count(point: dict, k: int, procs: int | str | None) -> int | str:
+    """Ours: --procs worker processes where given (a count, or "auto": the coordinator sizes the
+    host's processes by the work), else W x R / k."""
     return procs or max(1, point["workers"] * point["ranks"] // k)
 
 
 def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
-               timeout_s: float = 900, procs: int | None = None) -> dict:
+               timeout_s: float = 900, procs: int | str | None = None) -> dict:
     ranks, workers = point["ranks"], point["workers"]
     jsonl, prefixes, means = data
     weights = [1.0 / len(jsonl)] * len(jsonl)
@@ -269,6 +282,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
         p.start()
     steps: dict[int, dict[int, tuple]] = {}
     pss_ranks, pss_ours, done = {}, 0, 0  # kB: (before, now, children now) per rank; our loader's processes
+    running = None  # our worker processes at that moment
     try:
         deadline = time.monotonic() + timeout_s
         while done < ranks:
@@ -287,6 +301,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                 pss_ranks[msg[1]] = tuple(msg[2:5])
                 if cluster is not None and len(pss_ranks) == 1:  # our loader's own processes, same moment
                     pss_ours = sum(e2e_ranks.pss_kb(p) for p in cluster.pids())
+                    running = len(cluster.worker_pids())
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -303,6 +318,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     # coordinator, host agent and workers)
     result["pss_mb_change_of_trainers"] = sum(now - before for before, now, _ in reports) / 1024
     result["pss_mb_loader_processes"] = (sum(kids for _, _, kids in reports) + pss_ours) / 1024
+    if running is not None:
+        result["worker_processes_running"] = running
     return result
 
 
@@ -388,7 +405,8 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
     for axis, fixed, fixed_key in (("ranks", 64, "sources"), ("sources", 8, "ranks")):
         def series(fixed_procs):
             return sorted((r for r in results if r["point"][fixed_key] == fixed and r["point"]["seq_len"] == 32768
-                           and r["k"] == 4 and r.get("fixed_procs") == fixed_procs), key=lambda r: r["point"][axis])
+                           and r["k"] == 4 and r["point"]["workers"] == 4 and r.get("fixed_procs") == fixed_procs),
+                          key=lambda r: r["point"][axis])
 
         pts = series(None)
         if len(pts) < 2:
@@ -399,10 +417,11 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
             label = f"{labels[d]}, R worker processes (W x R / 4)" if d == "ours" else labels[d]
             left.plot(xs, [r[d]["steps_per_s"] for r in pts if d in r], marker="o", label=label)
             right.plot(xs, [r[d]["loader_pss_mb"] for r in pts if d in r], marker="o", label=label)
-        for procs in sorted({r["fixed_procs"] for r in results if r.get("fixed_procs")}):
+        for procs in sorted({r["fixed_procs"] for r in results if r.get("fixed_procs")}, key=str):
             extra = [r for r in series(procs) if "ours" in r]
             if len(extra) >= 2:
-                label = f"{labels['ours']}, {procs} worker processes"
+                label = (f"{labels['ours']}, worker processes sized by msd (--procs auto)" if procs == "auto"
+                         else f"{labels['ours']}, {procs} worker processes")
                 xe = [r["point"][axis] for r in extra]
                 left.plot(xe, [r["ours"]["steps_per_s"] for r in extra], marker="s", linestyle="--", label=label)
                 right.plot(xe, [r["ours"]["loader_pss_mb"] for r in extra], marker="s", linestyle="--", label=label)
@@ -423,6 +442,16 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def _processes(g: dict) -> str:
+    """Worker processes of a point: the count asked for, or with auto the count running when
+    memory was measured."""
+    if "ours" not in g:
+        return "-"
+    if g.get("fixed_procs") == "auto":
+        return f"auto: {g.get('ours', {}).get('worker_processes_running', '?')}"
+    return str(g.get("worker_processes", "-"))
+
+
 def markdown(result: dict) -> str:
     """The grid as a markdown table (docs/BENCHMARKS.md)."""
     rows = ["| R | S | context | k (worker processes) | steps/s torch / megatron / ours | data wait (ours) | max/mean cost torch / megatron / ours "
@@ -431,8 +460,10 @@ def markdown(result: dict) -> str:
     for g in result["grid"]:
         p = g["point"]
         get = lambda d, k, f: f.format(g[d][k]) if d in g else "-"  # noqa: E731
+        ranks = p["ranks"] if p["workers"] == 4 else f"{p['ranks']}, W = {p['workers']}"  # baselines' workers per rank
         rows.append(
-            f"| {p['ranks']} | {p['sources']} | {p['seq_len'] // 1024}k | {'-' if g.get('fixed_procs') else g['k']} ({g.get('worker_processes', '-')}) "
+            f"| {ranks} | {p['sources']} | {p['seq_len'] // 1024}k | {'-' if g.get('fixed_procs') or 'ours' not in g else g['k']} "
+            f"({_processes(g)}) "
             f"| {get('torch', 'steps_per_s', '{:.2f}')} / {get('megatron', 'steps_per_s', '{:.2f}')} / "
             f"{get('ours', 'steps_per_s', '{:.2f}')} | {get('ours', 'data_wait_share', '{:.1%}')} "
             f"| {get('torch', 'max_over_mean_rank_cost', '{:.3f}')} / "
@@ -458,12 +489,14 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.3, help="simulated seconds of a rank's linear compute per step")
     ap.add_argument("--k", type=int, default=4, help="ours: W x R / k worker processes")
     ap.add_argument("--k-sweep", default="1,2,4,8", help="k values tried at the headline point (full grid only)")
-    ap.add_argument("--procs", type=int, default=None,
-                    help="ours: this many worker processes whatever R (instead of W x R / k)")
+    ap.add_argument("--procs", type=lambda v: v if v == "auto" else int(v), default=None,
+                    help="ours: this many worker processes whatever R (instead of W x R / k), or auto: "
+                         "`msd worker --procs auto`, the coordinator sizing them by the work")
     ap.add_argument("--docs-per-source", type=int, default=100_000,
                     help=f"documents per source at points of {LARGE_SOURCES} sources or more")
     ap.add_argument("--designs", default="torch,megatron,ours")
-    ap.add_argument("--points", default=None, help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext)")
+    ap.add_argument("--points", default=None, help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext[xW]: W DataLoader "
+                         "workers per rank of the baselines, 4 unless given)")
     ap.add_argument("--plots", default=None, help="write PNG plots here")
     ap.add_argument("--data-dir", default=os.path.join(os.environ.get("MSD_CACHE_DIR") or
                                                        os.path.expanduser("~/.cache/megascale-data"), "bench-e2e"))
@@ -473,8 +506,8 @@ def main() -> None:
     started = time.perf_counter()
     points = grid(args.quick)
     if args.points:
-        points = [dict(ranks=int(r), workers=4, sources=int(s), seq_len=int(c))
-                  for r, s, c in (p.split("x") for p in args.points.split(","))]
+        points = [dict(ranks=int(f[0]), workers=int(f[3]) if len(f) > 3 else 4, sources=int(f[1]), seq_len=int(f[2]))
+                  for f in (p.split("x") for p in args.points.split(","))]
     results = [run_point(p, designs, args.k, args, args.data_dir) for p in points]
     if not args.quick and not args.points:
         head = dict(HEADLINE)
