@@ -1,6 +1,7 @@
 """runtime.cache_dir and the parallel indexing of shards at start-up (issue 15's cold start)."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -115,6 +116,35 @@ def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_w
     cut.write_bytes(frames[: len(frames) - 40])
     with pytest.raises(SourceFormatError, match="cut.jsonl.zst: cannot decompress: .*truncated"):
         open_source({**spec, "files": [str(cut)]})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
+def test_a_decompressed_copy_has_its_disk_reserved_first_and_is_exactly_the_content(tmp_path):
+    from trainer_client.files import preallocate
+    from worker.readers.jsonl import _declared_size
+
+    reserved = tmp_path / "reserved"
+    with open(reserved, "wb") as f:
+        assert preallocate(f, 1 << 20)  # ext4, xfs, tmpfs, overlayfs on them all support it
+    assert reserved.stat().st_size == 0 and reserved.stat().st_blocks * 512 >= 1 << 20  # length kept
+    assert not preallocate(open(reserved, "wb"), 0)
+    lines = b"".join(b'{"text": "doc %d"}\n' % i for i in range(5000))
+    shard = tmp_path / "one-frame.jsonl.zst"
+    shard.write_bytes(zstandard.ZstdCompressor().compress(lines))
+    assert _declared_size(str(shard)) == len(lines)
+    streamed = tmp_path / "streamed.jsonl.zst"
+    c = zstandard.ZstdCompressor().compressobj()
+    streamed.write_bytes(c.compress(lines) + c.flush())  # a streaming compressor does not know the size
+    assert _declared_size(str(streamed)) == -1 and _declared_size(str(tmp_path / "x.jsonl.gz")) == -1
+    for path in (shard, streamed):
+        spec = {"name": "t", "format": "jsonl", "files": [str(path)], "cache_dir": str(tmp_path / "cache")}
+        reader = open_source(spec)
+        assert reader.num_records == 5000
+    copies = [os.path.join(tmp_path / "cache", n) for n in os.listdir(tmp_path / "cache") if n.endswith(".msd.jsonl")]
+    assert len(copies) == 2
+    for copy in copies:
+        with open(copy, "rb") as f:
+            assert f.read() == lines  # nothing reserved shows: the copy is the content, byte for byte
 
 
 def test_a_copy_written_without_waiting_for_the_disk_is_reused_until_a_reboot_unless_synced(tmp_path):

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 import zstandard
 
-from trainer_client.files import atomic_write
+from trainer_client.files import atomic_write, preallocate
 
 from .copies import CopyCache, is_evicted
 from .errors import RecordError, SourceFormatError
@@ -133,10 +133,29 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True) -> tupl
         pass
     defer = not durable and boot_time_ns() is not None
     scan = _LineScan()
-    atomic_write(plain, lambda out: decompress(shard, shard, scan.writer(out)), durable=not defer)
+
+    def write_copy(out: BinaryIO) -> None:
+        preallocate(out, _declared_size(shard))
+        decompress(shard, shard, scan.writer(out))
+
+    atomic_write(plain, write_copy, durable=not defer)
     if not defer:
         atomic_write(plain + SYNCED_SUFFIX, b"")
     return plain, scan.offsets(), defer
+
+
+def _declared_size(shard: str) -> int:
+    """The decompressed size a .zst shard's first frame declares (zstd writes it whenever it knows
+    the input's size): the whole copy's size for a one-frame shard, less for more frames, never
+    more. -1 where it is not known (gzip, a frame without it, not zstd at all: decompress says
+    what is wrong)."""
+    if not shard.endswith(".zst"):
+        return -1
+    try:
+        with open(shard, "rb") as f:
+            return zstandard.frame_content_size(f.read(18))  # 18: the longest frame header
+    except (OSError, zstandard.ZstdError):
+        return -1
 
 
 def _check_suffix(shard: str) -> None:
