@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import zmq
@@ -42,13 +42,15 @@ from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseHeld, LeaseLost
-from .metrics import CoordinatorMetrics
 from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
                       read_quarantine_journal)
 from .sources import OpenedSources
 from .state import CoordinatorState
 from .statedir import check_job_change, write_state_file, write_status
 from .stimulus import StimulusLog
+
+if TYPE_CHECKING:  # imported where a job serves metrics: prometheus-client is 3.3 MB of a coordinator's memory
+    from .metrics import CoordinatorMetrics
 
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
@@ -468,6 +470,8 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
     lease = take_lease(job, bind, state_dir, standby)
     metrics = None
     if metrics_port is not None:
+        from .metrics import CoordinatorMetrics
+
         metrics = CoordinatorMetrics()
         metrics.serve(metrics_port, metrics_host)
         log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
