@@ -12,7 +12,8 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
 - ours warm: the same with everything cached;
 - ours cold on a worker host: its worker processes (as many as cores) building what the host
   lacks when they are welcomed (indexing.build_indexes_shared, a lock per shard), everything
-  removed first.
+  removed first: as fresh processes (their imports counted), and forked from this process once
+  it has imported the readers, as a host's fork server forks its workers.
 Also the disk the cache takes (decompressed copies and line indexes) against the compressed
 shards. Medians and spreads in the JSON.
 """
@@ -104,6 +105,30 @@ def workers_s(paths: list[str], cache: str, processes: int) -> float:
     return time.perf_counter() - started
 
 
+def forked_workers_s(paths: list[str], cache: str, processes: int) -> float:
+    """Seconds until `processes` processes forked from this one, which has imported the readers
+    (as a host's fork server has before it forks its workers), have indexed every shard: what a
+    welcomed worker spends, without the fresh interpreter's imports that workers_s includes."""
+    from worker.readers.indexing import build_indexes_shared
+
+    spec = [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}]
+    started = time.perf_counter()
+    pids = []
+    for i in range(processes):
+        pid = os.fork()
+        if pid == 0:  # the child: build, and say by the exit status whether it went well
+            status = 1
+            try:
+                _, problems = build_indexes_shared(spec, first=i * len(paths) // processes)
+                status = 1 if problems else 0
+            finally:
+                os._exit(status)
+        pids.append(pid)
+    statuses = [os.waitpid(pid, 0)[1] for pid in pids]
+    assert all(os.waitstatus_to_exitcode(st) == 0 for st in statuses), statuses
+    return time.perf_counter() - started
+
+
 def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(path) for n in files)
 
@@ -126,7 +151,7 @@ def main() -> None:
                         "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
                         "runtime": {"cache_dir": cache}}, f)
     cores = os.cpu_count() or 1
-    ref, cold, warm, on_workers, records = [], [], [], [], None
+    ref, cold, warm, on_workers, on_forked, records = [], [], [], [], [], None
     for _ in range(args.repeats):
         ref.append(reference_s(paths))
         clear_cache(root, cache)
@@ -135,6 +160,8 @@ def main() -> None:
         warm.append(ours_s(job)[0])
         clear_cache(root, cache)
         on_workers.append(workers_s(paths, cache, cores))
+        clear_cache(root, cache)
+        on_forked.append(forked_workers_s(paths, cache, cores))
     compressed = sum(os.path.getsize(p) for p in paths)
     cache_bytes = _du(cache)
     med = statistics.median
@@ -147,6 +174,9 @@ def main() -> None:
         "ours_cold_on_worker_processes_s": med(on_workers), "ours_cold_on_worker_processes_spread_s":
             [min(on_workers), max(on_workers)], "worker_processes": cores,
         "cold_on_workers_over_reference_per_core": med(on_workers) / (med(ref) / cores),
+        "ours_cold_on_forked_workers_s": med(on_forked), "ours_cold_on_forked_workers_spread_s":
+            [min(on_forked), max(on_forked)],
+        "cold_on_forked_workers_over_reference_per_core": med(on_forked) / (med(ref) / cores),
         "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
         "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
         "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
