@@ -68,16 +68,23 @@ def _random_step(rng, rows=6, row_len=16, mbs=2):
     return np.array(refs, dtype=np.uint64), np.array(counts), pieces
 
 
-def test_pieces_in_any_order_and_messages_give_the_same_step():
-    from trainer_client.assemble import StepAssembler, assemble_step
+def _expected_step(refs, counts, pieces):
+    """The step assembled with every piece given at once (assemble_step), rows of 16, pad 257, 2 a micro-batch."""
+    from trainer_client.assemble import assemble_step
 
-    rng = np.random.default_rng(5)
-    refs, counts, pieces = _random_step(rng)
     seqs, at = [], 0
     for c in counts:
         seqs.append([list(map(int, r)) for r in refs[at:at + c]])
         at += c
-    expected = assemble_step(seqs, pieces, 16, 257, 2)
+    return assemble_step(seqs, pieces, 16, 257, 2)
+
+
+def test_pieces_in_any_order_and_messages_give_the_same_step():
+    from trainer_client.assemble import StepAssembler
+
+    rng = np.random.default_rng(5)
+    refs, counts, pieces = _random_step(rng)
+    expected = _expected_step(refs, counts, pieces)
     step = StepAssembler(refs, counts, 16, 257, 2)
     order = rng.permutation(len(refs))
     for chunk in np.array_split(order, 4):  # four messages, pieces shuffled
@@ -92,17 +99,13 @@ def test_pieces_in_any_order_and_messages_give_the_same_step():
 def test_a_step_waits_in_its_messages_dtype_and_widens_for_a_wider_message():
     """Steps delivered ahead hold their tokens in the wire's 2 bytes, not int64; a later message
     of 4-byte tokens (values past 65535) widens the buffer, and the finished step is the same."""
-    from trainer_client.assemble import StepAssembler, assemble_step
+    from trainer_client.assemble import StepAssembler
 
     rng = np.random.default_rng(7)
     refs, counts, pieces = _random_step(rng)
     last = tuple(refs[-1].tolist())
     pieces[last] = pieces[last].astype(np.uint32) + 70_000
-    seqs, at = [], 0
-    for c in counts:
-        seqs.append([list(map(int, r)) for r in refs[at:at + c]])
-        at += c
-    expected = assemble_step(seqs, pieces, 16, 257, 2)
+    expected = _expected_step(refs, counts, pieces)
     step = StepAssembler(refs, counts, 16, 257, 2)
     first = np.arange(len(refs) - 1)
     step.add(np.column_stack([first.astype(np.uint64), refs[first]]),
