@@ -92,13 +92,21 @@ WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_s
     "assert not problems, problems; print(len(built))"
 
 
+def _worker_specs(paths: list[str], cache: str) -> list[dict]:
+    """The source specs a worker of the job is given (the part build_indexes_shared reads)."""
+    return [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}]
+
+
+def _first_shard(i: int, paths: list[str], processes: int) -> int:
+    """Where worker process i starts in the shard list, so that the processes start apart."""
+    return i * len(paths) // processes
+
+
 def workers_s(paths: list[str], cache: str, processes: int) -> float:
     """Seconds until `processes` fresh processes, started together, have indexed every shard."""
-    import json
-
-    spec = json.dumps([{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}])
+    spec = orjson.dumps(_worker_specs(paths, cache)).decode()
     started = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKERS, spec, str(i * len(paths) // processes)],
+    procs = [subprocess.Popen([sys.executable, "-c", WORKERS, spec, str(_first_shard(i, paths, processes))],
                               stdout=subprocess.PIPE, text=True) for i in range(processes)]
     built = sum(int(p.communicate()[0].strip()) for p in procs)
     assert built == len(paths), built
@@ -111,7 +119,7 @@ def forked_workers_s(paths: list[str], cache: str, processes: int) -> float:
     welcomed worker spends, without the fresh interpreter's imports that workers_s includes."""
     from worker.readers.indexing import build_indexes_shared
 
-    spec = [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}]
+    spec = _worker_specs(paths, cache)
     started = time.perf_counter()
     pids = []
     for i in range(processes):
@@ -119,7 +127,7 @@ def forked_workers_s(paths: list[str], cache: str, processes: int) -> float:
         if pid == 0:  # the child: build, and say by the exit status whether it went well
             status = 1
             try:
-                _, problems = build_indexes_shared(spec, first=i * len(paths) // processes)
+                _, problems = build_indexes_shared(spec, first=_first_shard(i, paths, processes))
                 status = 1 if problems else 0
             finally:
                 os._exit(status)

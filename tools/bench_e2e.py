@@ -448,7 +448,7 @@ def _processes(g: dict) -> str:
     if "ours" not in g:
         return "-"
     if g.get("fixed_procs") == "auto":
-        return f"auto: {g.get('ours', {}).get('worker_processes_running', '?')}"
+        return f"auto: {g['ours'].get('worker_processes_running', '?')}"
     return str(g.get("worker_processes", "-"))
 
 

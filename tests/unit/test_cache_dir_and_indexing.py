@@ -127,7 +127,8 @@ def test_a_decompressed_copy_has_its_disk_reserved_first_and_is_exactly_the_cont
     with open(reserved, "wb") as f:
         assert preallocate(f, 1 << 20)  # ext4, xfs, tmpfs, overlayfs on them all support it
     assert reserved.stat().st_size == 0 and reserved.stat().st_blocks * 512 >= 1 << 20  # length kept
-    assert not preallocate(open(reserved, "wb"), 0)
+    with open(reserved, "wb") as f:
+        assert not preallocate(f, 0)  # nothing to reserve
     lines = b"".join(b'{"text": "doc %d"}\n' % i for i in range(5000))
     shard = tmp_path / "one-frame.jsonl.zst"
     shard.write_bytes(zstandard.ZstdCompressor().compress(lines))
