@@ -60,6 +60,7 @@ from bench_output import emit  # noqa: E402
 import e2e_ranks  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
+from coordinator.testing.ports import free_port  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -197,9 +198,7 @@ class MsdCommands:
 
     def __init__(self, job: str, workers: int | str) -> None:
         msd = os.path.join(os.path.dirname(sys.executable), "msd")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
         self.logs = tempfile.mkdtemp(prefix="msd-e2e-")
         self._log_files = [open(os.path.join(self.logs, name), "wb") for name in ("coordinator.log", "worker.log")]

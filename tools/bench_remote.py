@@ -50,7 +50,8 @@ from e2e_ranks import descendants, pss_kb  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
 from coordinator.testing.local import LocalJob  # noqa: E402
-from coordinator.testing.s3 import LoopbackS3, free_port  # noqa: E402
+from coordinator.testing.ports import free_port  # noqa: E402
+from coordinator.testing.s3 import LoopbackS3  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 
 BUCKET = "bench"

@@ -26,7 +26,6 @@ import argparse
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_output import emit  # noqa: E402
 
 from coordinator.testing.fleet import sources  # noqa: E402
+from coordinator.testing.ports import free_port  # noqa: E402
 
 TOKENS_PER_RANK = 8192
 RANKS_PER_PROCESS = 256
@@ -67,18 +67,6 @@ def write_job(root: str, dp: int, prefixes: list[str], records: int) -> str:
     with open(path, "w") as f:
         yaml.safe_dump(job, f, sort_keys=False)
     return path
-
-
-def _ports(n: int) -> list[int]:
-    """n distinct free ports (held open together: one at a time, the OS may hand out one twice)."""
-    held = [socket.socket() for _ in range(n)]
-    try:
-        for s in held:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in held]
-    finally:
-        for s in held:
-            s.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -154,7 +142,7 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     prefixes = sources(root, count, records)
     job = write_job(root, dp, prefixes, records)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
-    port, metrics = _ports(2)
+    port, metrics = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     logs = tempfile.mkdtemp(prefix="msd-scale-")
     started = time.time()

@@ -13,6 +13,8 @@ from typing import Any
 
 from trainer_client.logs import setup_logging
 
+from .ports import free_address
+
 _SPAWN = mp.get_context("spawn")
 
 
@@ -59,14 +61,6 @@ def _host_main(address: str, procs: int | None, log_level: str, log_path: str | 
     raise SystemExit(HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -101,7 +95,7 @@ class LocalJob:
     def __enter__(self) -> "LocalJob":
         self.address = self.primary_address = self._start_coordinator(self.bind)
         if self.standby:
-            self.standby_address = f"tcp://127.0.0.1:{_free_port()}"
+            self.standby_address = free_address()
             self._standby_queue = _SPAWN.Queue()  # kept: the child unpickles it after start()
             self.standby_process = _SPAWN.Process(
                 target=_coordinator_main, name="msd-standby",

@@ -21,11 +21,7 @@ from typing import Any
 
 import orjson
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .ports import free_port
 
 
 def _wait_for(url: str, timeout_s: float = 60.0) -> None:

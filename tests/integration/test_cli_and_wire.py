@@ -2,7 +2,6 @@
 
 import os
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ import zmq
 
 from trainer_client import protocol as P
 
+from coordinator.testing.ports import free_address, free_port
 from tests.conftest import job_dict, write_job
 
 from .harness import SPAWN, check_content, collect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _msd(*args, log):
@@ -62,7 +56,7 @@ def _receive(address, ranks, steps, timeout_s=60, while_waiting=None):
 @pytest.fixture
 def cli_job(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job_dict(), "cli.yaml")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = free_address()
     log = open(tmp_path / "msd.log", "w+")
     coord = _msd("coordinator", "--config", path, "--bind", address, "--state-dir", str(tmp_path / "state"), log=log)
     host = _msd("worker", "--coordinator", address, "--procs", "2", log=log)
@@ -146,15 +140,12 @@ def test_msd_demo_writes_its_summary(tmp_path):
 def _run_the_printed_commands(output: str, tmp_path, env: dict) -> None:
     """A new user runs the demo's job by hand with the three commands it printed (a free port
     instead of 5555, a few steps of the DDP trainer)."""
-    import socket
     import time
 
     commands = [line.strip() for line in output.splitlines()
                 if any(w in line for w in (" coordinator --config ", " worker --coordinator ", "train_tiny.py "))]
     assert len(commands) == 3, output
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     fix = lambda c: (c.replace("5555", str(port)).replace("/tmp/msd-demo-state", str(tmp_path / "state"))  # noqa: E731
                      .split("   #")[0].replace("--steps 50", "--steps 3").split())
     coordinator, worker, trainer = (fix(c) for c in commands)
@@ -164,7 +155,7 @@ def _run_the_printed_commands(output: str, tmp_path, env: dict) -> None:
              for c in (coordinator, worker)]
     try:
         time.sleep(1.0)
-        done = subprocess.run(trainer + ["--port", str(port + 1)], capture_output=True,
+        done = subprocess.run(trainer + ["--port", str(free_port())], capture_output=True,
                               text=True, timeout=240, env={**env, "PYTHONPATH": os.getcwd()})
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "step 2: loss" in done.stdout

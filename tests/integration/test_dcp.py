@@ -2,11 +2,11 @@
 processes): each rank's state comes back to that rank, and the resumed stream continues exactly."""
 
 import os
-import socket
 
 import pytest
 
 from coordinator.testing.local import LocalJob
+from coordinator.testing.ports import free_port
 from tests.conftest import job_dict, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -40,9 +40,7 @@ def test_each_rank_gets_its_own_state_back_through_dcp(dataset_dir, tmp_path):
     import multiprocessing as mp
 
     path = write_job(dataset_dir, job_dict(), "dcp.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with LocalJob(path, workers=2) as job:

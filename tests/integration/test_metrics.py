@@ -2,7 +2,6 @@
 Prometheus metrics scraped over HTTP and parsed with prometheus-client's own parser."""
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -11,16 +10,11 @@ import urllib.request
 
 import pytest
 
+from coordinator.testing.ports import free_port
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(text: str) -> dict:
@@ -35,7 +29,7 @@ def _samples(text: str) -> dict:
 
 def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job(dataset_dir, tmp_path):
     path = write_job(dataset_dir, job_dict(), "metrics.yaml")
-    address, metrics_port, worker_port = f"tcp://127.0.0.1:{_port()}", _port(), _port()
+    address, metrics_port, worker_port = f"tcp://127.0.0.1:{free_port()}", free_port(), free_port()
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     procs = [subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--metrics-port",
                                str(metrics_port), "--state-dir", str(tmp_path / "state")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
@@ -124,7 +118,7 @@ def test_log_format_json_gives_one_object_per_line_from_every_process(dataset_di
     import orjson
 
     path = write_job(dataset_dir, job_dict(topology={"dp": 1}), "jsonlogs.yaml")
-    address = f"tcp://127.0.0.1:{_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     logs = [tmp_path / "coordinator.log", tmp_path / "worker.log"]
     with open(logs[0], "wb") as c_err, open(logs[1], "wb") as w_err:

@@ -5,13 +5,13 @@ between: the per-step losses are equal bit for bit, and the loss falls."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from coordinator.testing.local import LocalJob
+from coordinator.testing.ports import free_port
 from tests.conftest import job_dict, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -19,16 +19,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(job_path: str, steps: int, tmp_path, name: str, save=None, resume=None) -> list:
     losses = str(tmp_path / f"{name}.json")
     args = [sys.executable, os.path.join(ROOT, "tools", "train_tiny.py"), "--steps", str(steps), "--losses", losses,
-            "--port", str(_port())]
+            "--port", str(free_port())]
     args += ["--save", save] if save else []
     args += ["--resume", resume] if resume else []
     with LocalJob(job_path, workers=2) as job:

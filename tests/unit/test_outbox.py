@@ -2,43 +2,20 @@
 (here: not there, with a high-water mark of 1 message) never blocks; what waits goes out in
 order once the rank reads; a released rank's backlog is dropped."""
 
-import random
-import socket
 import time
 
 import zmq
 
+from coordinator.testing.ports import free_address
 from trainer_client.sockets import make_socket
 from worker.outbox import RankOutbox
-
-
-def _free_address() -> str:
-    """A port nobody listens on, below the ephemeral range. Found with a plain socket: a zmq
-    socket's listener closes in its I/O thread after close() returns, and could still hold the
-    port when the rank binds it; and a connect to a closed port inside the ephemeral range can
-    land on itself (TCP simultaneous open on loopback), taking the port."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except OSError:
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 8000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return f"tcp://127.0.0.1:{port}"
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def test_sends_never_block_and_the_backlog_goes_out_in_order_once_the_rank_is_there():
     ctx = zmq.Context()
     polled: dict = {}
     outbox = RankOutbox(lambda a: _connected(ctx, a), lambda sock, on: polled.__setitem__(sock, on))
-    address = _free_address()  # nobody listens there yet
+    address = free_address()  # nobody listens there yet
     started = time.monotonic()
     for i in range(5):
         outbox.send(address, [str(i).encode()], copy=True)
@@ -62,7 +39,7 @@ def test_sends_never_block_and_the_backlog_goes_out_in_order_once_the_rank_is_th
 def test_a_released_rank_drops_what_waits_for_it():
     ctx = zmq.Context()
     outbox = RankOutbox(lambda a: _connected(ctx, a), lambda sock, on: None)
-    address = _free_address()
+    address = free_address()
     outbox.send(address, [b"x"], copy=True)
     outbox.send(address, [b"y"], copy=True)
     outbox.send(address, [b"z"], copy=True)
