@@ -98,7 +98,8 @@ def test_every_format_from_a_bucket_streams_as_the_local_files_do(corpus, local_
 @pytest.mark.parametrize("ranges", ["obstore", "fsspec"])
 def test_a_flaky_store_changes_nothing(corpus, local_stream, tmp_path, monkeypatch, ranges):
     """10% of requests answered 503 SlowDown, 3% dropped, 2% stalled for 2 s: every request is
-    retried until it succeeds; nothing that is not corrupt is skipped. Both ranged-read clients."""
+    retried until it succeeds; nothing that is not corrupt is skipped; no worker is taken for dead
+    while it waits (heartbeats every 0.5 s). Both ranged-read clients."""
     _, local = local_stream
     monkeypatch.setenv("MSD_STORAGE_RANGES", ranges)
     with LoopbackS3(error_rate=0.10, drop_rate=0.03, stall_rate=0.02, stall_s=2.0, seed=5) as s3:
@@ -112,6 +113,9 @@ def test_a_flaky_store_changes_nothing(corpus, local_stream, tmp_path, monkeypat
     skipped = [line for line in open(log) if "skipped record" in line]
     # the corrupt records of the corpus, and nothing else: two bad JSON lines, one bad image
     assert all("web-1.jsonl" in line or "img-000.tar" in line for line in skipped), skipped
+    # a worker waiting on a stalled request keeps its heartbeat: none is taken for dead
+    dead = [line for line in open(log) if "declared dead" in line]
+    assert not dead, dead
 
 
 def test_validate_names_the_object_that_is_missing_or_unreadable(corpus, tmp_path, monkeypatch):

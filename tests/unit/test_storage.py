@@ -4,6 +4,8 @@ stand-in for its file system); the integration tests run a real S3 server."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from coordinator.config import ConfigError, load_job
@@ -87,6 +89,44 @@ def test_retry_wraps_other_calls_the_same_way(monkeypatch):
     assert store.retry("s3://b/*", listing) == ["a"]
     with pytest.raises(FileNotFoundError, match="s3://b/x"):
         store.retry("s3://b/x", lambda: (_ for _ in ()).throw(FileNotFoundError("gone")))
+
+
+class Stalled(Recording):
+    """A store that answers every request after `stall_s` seconds (fsspec's calls block meanwhile)."""
+
+    def __init__(self, data: bytes, stall_s: float) -> None:
+        super().__init__(data)
+        self.stall_s = stall_s
+
+    def cat_ranges(self, paths, starts, ends, on_error="return"):
+        time.sleep(self.stall_s)
+        return super().cat_ranges(paths, starts, ends, on_error)
+
+    def info(self, url):
+        time.sleep(self.stall_s)
+        return {"size": len(self.data), "ETag": "x"}
+
+
+def test_a_worker_waiting_on_a_stalled_store_keeps_its_heartbeat(monkeypatch):
+    """A request that takes 1.2 s (the coordinator declares a worker dead after 3 silent
+    heartbeats) calls keep_alive all along; the test failed when fsspec's calls blocked the
+    worker's thread (a flaky-store test saw workers declared dead over and over)."""
+    beats = []
+    monkeypatch.setattr(storage, "keep_alive", lambda: beats.append(time.monotonic()))
+    store = _store(Stalled(b"abcdef", stall_s=1.2), monkeypatch)
+    started = time.monotonic()
+    assert store.read("s3://b/k", 1, 4) == b"bcd"
+    assert store.stamp("s3://b/k")[0] == 6
+    gaps = [b - a for a, b in zip([started, *beats], beats + [time.monotonic()])]
+    assert len(beats) >= 6 and max(gaps) < 0.5, gaps
+
+
+def test_a_call_that_raises_timeout_ends_the_wait(monkeypatch):
+    """A store call that itself raises TimeoutError is retried and then named, not waited on forever."""
+    store = _store(Recording(b"abc", fail=10, error=TimeoutError("stalled")), monkeypatch, retries=1)
+    store.fs.info = lambda url: (_ for _ in ()).throw(TimeoutError("read timed out"))
+    with pytest.raises(OSError, match=r"s3://b/k: TimeoutError: read timed out \(after 1 retries\)"):
+        store.info("s3://b/k")
 
 
 def test_storage_blocks_are_checked_in_the_job_file(tmp_path, dataset_dir):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RecordError, SourceFormatError
-from .storage import is_url, store_for
+from .storage import is_url, store_for, waited
 
 ROW_GROUPS_KEPT = 4  # decoded row groups kept per shard (one column each)
 
@@ -27,7 +27,7 @@ class ParquetShard:
         self._store = store_for(path, storage) if is_url(path) else None
         self.path = path
         try:
-            self.file = self._open() if self._store is None else self._store.retry(path, self._open)
+            self.file = self._open() if self._store is None else self._store.retry(path, lambda: waited(self._open))
         except FileNotFoundError:
             raise SourceFormatError(f"{path}: {'object' if self._store else 'file'} not found") from None
         except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for foreign bytes
@@ -55,10 +55,10 @@ class ParquetShard:
             return self.file.read_row_group(g, columns=[self.column])
 
         def attempt():
-            try:
-                return self.file.read_row_group(g, columns=[self.column])
+            try:  # on a thread of its own: the worker's heartbeat goes on while pyarrow waits for the store
+                return waited(lambda: self.file.read_row_group(g, columns=[self.column]))
             except OSError:
-                self.file = self._open()  # the failed read may have left the file object anywhere
+                self.file = waited(self._open)  # the failed read may have left the file object anywhere
                 raise
         return self._store.retry(f"{self.path}: row group {g}", attempt)
 

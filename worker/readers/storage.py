@@ -21,6 +21,7 @@ per process at start-up); Parquet files and index uploads stay with fsspec.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -100,7 +101,8 @@ class Store:
         try:
             # not fsspec's instance cache: it keys on arguments alone, and the store's environment
             # (endpoint, credentials) is part of what a Store is here (store_for)
-            return fsspec.filesystem(self.protocol, skip_instance_cache=True, **self._options)
+            # (its import takes a second of CPU or more on a busy host: the heartbeat goes on)
+            return waited(lambda: fsspec.filesystem(self.protocol, skip_instance_cache=True, **self._options))
         except ImportError as e:
             extra = EXTRAS.get(self.protocol)
             hint = f"pip install 'megascale-data[{extra.split()[0]}]' ({extra})" if extra else str(e)
@@ -132,7 +134,7 @@ class Store:
         """Sorted URLs of the objects a pattern matches (fsspec's glob rules)."""
         if self._fast is not None:
             return self.retry(pattern, lambda: self._fast.glob(pattern))
-        found = self.retry(pattern, lambda: self.fs.glob(pattern, detail=True))
+        found = self.retry(pattern, lambda: waited(lambda: self.fs.glob(pattern, detail=True)))
         return sorted(self.fs.unstrip_protocol(p) for p, info in found.items() if info.get("type") != "directory")
 
     def exists(self, url: str) -> bool:
@@ -146,7 +148,7 @@ class Store:
         """The object's metadata: at least its size, and an ETag or a modification time."""
         if self._fast is not None:
             return self.retry(url, lambda: self._fast.head(url))
-        return self.retry(url, lambda: self.fs.info(url))
+        return self.retry(url, lambda: waited(lambda: self.fs.info(url)))
 
     def stamp(self, url: str) -> tuple[int, int]:
         """(size, version tag) of an object: the tag changes when the object is rewritten (its ETag,
@@ -191,8 +193,8 @@ class Store:
             if self._fast is not None:
                 got = self._fast.get(url, [starts[i] for i in todo], [ends[i] for i in todo])
             else:
-                got = self.fs.cat_ranges([url] * len(todo), [starts[i] for i in todo], [ends[i] for i in todo],
-                                         on_error="return")
+                got = waited(lambda: self.fs.cat_ranges([url] * len(todo), [starts[i] for i in todo],
+                                                         [ends[i] for i in todo], on_error="return"))
             self.requests += len(todo)
             failed, last = [], None
             for i, blob in zip(todo, got):
@@ -241,7 +243,7 @@ class Store:
             yield self.read(url, start, min(size, start + chunk))
 
     def put(self, url: str, data: bytes) -> None:
-        self.retry(url, lambda: self.fs.pipe_file(url, data))
+        self.retry(url, lambda: waited(lambda: self.fs.pipe_file(url, data)))
 
 
 class FastRanges:
@@ -295,12 +297,8 @@ class FastRanges:
             self._pid, self._stores = os.getpid(), {}
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, daemon=True, name="msd-storage").start()
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        while True:  # obstore retries inside: a long wait keeps the worker's heartbeat going
-            try:
-                return future.result(timeout=0.25)
-            except TimeoutError:
-                keep_alive()
+        # obstore retries inside: a long wait keeps the worker's heartbeat going
+        return _result_keeping_alive(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
 
     def _where(self, url: str) -> tuple[Any, str]:
         """(the bucket's store, the object's key) of a URL."""
@@ -405,6 +403,31 @@ def _transient(e: BaseException) -> bool:
                       TypeError, NotImplementedError, SourceFormatError)):
         return False
     return True
+
+
+_waiter: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, its thread)
+_on_waiter = threading.local()
+
+
+def waited(call: Callable[[], T]) -> T:
+    """`call()` run on a thread of this process's own while this one keeps the heartbeat going:
+    a request to a stalled store (fsspec's calls block until it answers or times out) must not
+    leave a worker silent for longer than the coordinator waits before declaring it dead."""
+    global _waiter
+    if getattr(_on_waiter, "yes", False):  # already there (a call inside a waited call): run it
+        return call()
+    if _waiter is None or _waiter[0] != os.getpid():  # (a forked worker makes its own)
+        _waiter = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="msd-store", initializer=lambda: setattr(_on_waiter, "yes", True)))
+    return _result_keeping_alive(_waiter[1].submit(call))
+
+
+def _result_keeping_alive(future: concurrent.futures.Future) -> Any:
+    """The future's result (or its error), calling keep_alive while it is not done. Waited with
+    wait(), not result(timeout): a call that itself raises TimeoutError must end the wait."""
+    while not concurrent.futures.wait([future], timeout=0.25).done:
+        keep_alive()
+    return future.result()
 
 
 def _sleep(seconds: float) -> None:
