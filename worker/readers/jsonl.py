@@ -36,6 +36,7 @@ from .storage import is_url, local_name, store_for
 log = logging.getLogger("msd.jsonl")
 
 _CHUNK = 1 << 20  # read size: 16 MB reads made decompression and the line scan ~1.8x slower (cache misses)
+_SAMPLE = 1 << 16  # bytes of a chunk whose newlines choose how the chunk is scanned
 INDEX_SUFFIX = ".msdidx.npy"
 
 
@@ -198,17 +199,18 @@ def _copy_zstd(shard: str, out, name: str | None = None) -> None:
 
 def _newlines(chunk: bytes) -> np.ndarray:
     """Positions of the newlines in a chunk. Documents are mostly long lines: then a memchr per
-    line (bytes.find) beats comparing every byte in numpy several times over; for short lines
-    the numpy scan wins."""
-    count = chunk.count(b"\n")
-    if count > len(chunk) >> 8:  # lines under 256 bytes on average
+    line (bytes.find) beats comparing every byte in numpy; for short lines the numpy scan wins.
+    Which one is told by the chunk's first 64 KiB: counting the whole chunk first (bytes.count
+    does not use memchr: ~1.5 GB/s) took four times as long as the scan it chose (109 MB of
+    ~2 KB lines: 80 ms against 15 ms for the find loop alone, 25 ms for numpy)."""
+    if chunk.count(b"\n", 0, _SAMPLE) > min(len(chunk), _SAMPLE) >> 8:  # lines under 256 bytes on average
         return np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64)
-    out = np.empty(count, np.int64)
-    find, pos = chunk.find, -1
-    for i in range(count):
+    found, find = [], chunk.find
+    pos = find(b"\n")
+    while pos >= 0:
+        found.append(pos)
         pos = find(b"\n", pos + 1)
-        out[i] = pos
-    return out
+    return np.array(found, dtype=np.int64)
 
 
 def _scan_offsets(path: str) -> np.ndarray:
