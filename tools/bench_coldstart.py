@@ -68,10 +68,14 @@ def make_shards(root: str, shards: int, shard_mb: int) -> list[str]:
 
 
 def clear_cache(root: str, cache: str) -> None:
+    """Remove every index and copy, and let the disk finish writing what the run before wrote:
+    each measured run starts with no dirty pages (the runs alternate, and one that followed a
+    run which had just written 1.7 GB of copies was throttled by that run's writes)."""
     shutil.rmtree(cache, ignore_errors=True)
     for name in os.listdir(root):
         if ".msd" in name:
             os.remove(os.path.join(root, name))
+    os.sync()
 
 
 def reference_s(paths: list[str]) -> float:

@@ -282,6 +282,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     steps: dict[int, dict[int, tuple]] = {}
     pss_ranks, pss_ours, done = {}, 0, 0  # kB: (before, now, children now) per rank; our loader's processes
     running = None  # our worker processes at that moment
+    ours_mb = None  # PSS of each of our processes at that moment
     try:
         deadline = time.monotonic() + timeout_s
         while done < ranks:
@@ -299,8 +300,10 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
             elif msg[0] == "pss":
                 pss_ranks[msg[1]] = tuple(msg[2:5])
                 if cluster is not None and len(pss_ranks) == 1:  # our loader's own processes, same moment
-                    pss_ours = sum(e2e_ranks.pss_kb(p) for p in cluster.pids())
+                    by_process = {pid: e2e_ranks.pss_kb(pid) for pid in cluster.pids()}
+                    pss_ours = sum(by_process.values())
                     running = len(cluster.worker_pids())
+                    ours_mb = {f"{e2e_ranks.process_name(pid)} {pid}": kb / 1024 for pid, kb in by_process.items()}
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -319,6 +322,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     result["pss_mb_loader_processes"] = (sum(kids for _, _, kids in reports) + pss_ours) / 1024
     if running is not None:
         result["worker_processes_running"] = running
+        result["pss_mb_by_process"] = ours_mb
+        result["pss_mb_per_trainer"] = sorted((now - before) / 1024 for before, now, _ in reports)
     return result
 
 
