@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 import zmq
@@ -64,10 +64,12 @@ SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 class Coordinator:
     def __init__(self, job: JobConfig, sources: OpenedSources, bind: str = "tcp://127.0.0.1:5555",
                  state_dir: str | None = None, allow_config_change: bool = False, lease: Lease | None = None,
-                 metrics: CoordinatorMetrics | None = None) -> None:
+                 metrics: CoordinatorMetrics | None = None, router: Router | None = None) -> None:
         """lease: this coordinator's lease on the state dir (taken before: the journal is read here);
-        metrics: Prometheus metrics to keep (served by the caller)."""
+        metrics: Prometheus metrics to keep (served by the caller); router: the control socket,
+        already bound (the counting phase's, whose peers carry on), else bound by run()."""
         self.job = job
+        self.router = router
         self.metrics = metrics
         self.lease = lease
         self.bind = bind
@@ -108,17 +110,12 @@ class Coordinator:
     async def run(self, ready: asyncio.Future | None = None) -> None:
         memory.keep_freed_memory()
         raise_fd_limit("coordinator")
-        # A plain socket, not zmq.asyncio's: at a thousand ranks its futures cost more than the
-        # messages; asyncio only watches the socket's descriptor (see _receive_loop).
-        ctx = zmq.Context()
-        auth = None
-        self.sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
-        if self.job.curve_keys:  # only workers and trainers holding an authorised key get through
-            auth = security.start_authenticator(ctx, self.job.curve_keys)
-            security.as_server(self.sock, security.load(self.job.curve_keys, "coordinator"))
+        router = self.router
         try:
-            self.sock.bind(self.bind)
-            self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            if router is None:
+                router = Router.open(self.job, self.bind)
+            self.sock = router.sock
+            self.address = router.address
             log.info("coordinator for %s (digest %s) listening on %s", self.job.path, self.state.digest, self.address)
             if not (COMPILED and PERMUTATION_COMPILED):
                 log.warning("coordinator._greedy or _feistel is not built (no C compiler at install?): the planner "
@@ -162,10 +159,8 @@ class Coordinator:
             logging.getLogger("msd").removeHandler(self.warnings)
             if self.journal is not None:
                 self.journal.close()
-            self.sock.close(linger=500)
-            if auth is not None:
-                auth.stop()
-            ctx.term()
+            if router is not None:
+                router.close()
 
     def stop(self) -> None:
         self.stopped.set()
@@ -216,6 +211,8 @@ class Coordinator:
             return
         if self.metrics is not None:
             self.metrics.message(self.metrics.received, header["type"])
+        if header["type"] == P.SOURCE_COUNTS.name:  # late for the counting at start-up (counting.py): settled
+            return
         if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
             self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
             return
@@ -439,6 +436,37 @@ class Coordinator:
         self.stop()
 
 
+class Router:
+    """The coordinator's control socket: one ROUTER that workers, host agents, trainers and tools
+    connect to (with CURVE and its authenticator on a job that sets security.curve). A plain
+    socket, not zmq.asyncio's: at a thousand ranks its futures cost more than the messages;
+    asyncio only watches the socket's descriptor (Coordinator._receive_loop)."""
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, auth: Any, address: str) -> None:
+        self.ctx, self.sock, self.auth, self.address = ctx, sock, auth, address
+
+    @classmethod
+    def open(cls, job: JobConfig, bind: str) -> "Router":
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
+        auth = None
+        try:
+            if job.curve_keys:  # only workers and trainers holding an authorised key get through
+                auth = security.start_authenticator(ctx, job.curve_keys)
+                security.as_server(sock, security.load(job.curve_keys, "coordinator"))
+            sock.bind(bind)
+        except BaseException:
+            cls(ctx, sock, auth, bind).close()
+            raise
+        return cls(ctx, sock, auth, sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+
+    def close(self) -> None:
+        self.sock.close(linger=500)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+
 class RecentWarnings(logging.Handler):
     """The last warnings and errors of this process, for `msd status`."""
 
@@ -475,9 +503,12 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         metrics = CoordinatorMetrics()
         metrics.serve(metrics_port, metrics_host)
         log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+    sources, router = counted_sources(job, sources, bind, lease)
+    if sources is None:
+        return
 
     async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics)
+        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics, router)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop)
@@ -486,6 +517,23 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
             raise SystemExit(1)
 
     asyncio.run(main())
+
+
+def counted_sources(job: JobConfig, sources: OpenedSources, bind: str, lease: Lease | None,
+                    on_bound: Callable[[str], None] | None = None) -> tuple[OpenedSources | None, Router | None]:
+    """The sources with every record count known: those this host has no index of are counted
+    by the workers (runtime.index_on: workers; counting.py), on the socket the coordinator then
+    serves on. (None, None) if stopped meanwhile. Raises ConfigError (a source the workers cannot
+    open) and LeaseLost."""
+    if not sources.pending:
+        return sources, None
+    from .counting import Stopped, count_on_workers
+
+    try:
+        return count_on_workers(job, sources, bind, lease, on_bound)
+    except Stopped as e:
+        log.info("stopped while the workers were counting (%s)", e)
+        return None, None
 
 
 def take_lease(job: JobConfig, bind: str, state_dir: str | None, standby: bool) -> Lease | None:

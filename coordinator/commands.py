@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 
 
 def _load_and_open(path: str) -> tuple[JobConfig, OpenedSources]:
+    """The job and its sources, opened as its coordinator opens them: the sources this host has
+    no index of are left to the workers when the job says so (runtime.index_on: workers)."""
     from .config import load_job
     from .sources import open_sources
 
     job = load_job(path)
-    return job, open_sources(job)
+    return job, open_sources(job, index_here=job.runtime.index_on == "coordinator")
 
 
 def _fail_config(e: ConfigError) -> None:
@@ -96,6 +98,8 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     except JobChanged as e:
         click.echo(str(e), err=True)
         sys.exit(1)
+    except ConfigError as e:  # a source the workers could not open (runtime.index_on: workers)
+        _fail_config(e)
     finally:
         from worker.readers.indexing import wait_for_syncs
 

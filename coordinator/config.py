@@ -33,6 +33,7 @@ FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",), "webdataset": (".tar",)}
 ALLOCATIONS = ("adaptive", "fixed")
+INDEX_ON = ("coordinator", "workers")  # runtime.index_on: who builds missing shard indexes at start-up
 WHOLE_OBJECT_FORMATS = ("jsonl", "megatron")  # storage.whole_objects: read from a local copy of each object
 INDEX_SUFFIXES = (".msdidx.npy", ".msdidx.json")  # indexes stored beside remote shards (storage.share_indexes)
 DEFAULT_CACHE_BYTES = 64 << 30
@@ -129,6 +130,10 @@ class RuntimeConfig:
     cache_dir: str | None = None
     # bound of the local copies of remote compressed shards (least recently used evicted first)
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    # who builds the indexes (and copies) of JSONL and WebDataset shards this host has none of,
+    # at start-up: "coordinator" (a pool of this host's cores, before it listens) or "workers"
+    # (the worker processes of every host, sharing the shards; they report the record counts)
+    index_on: str = "coordinator"
 
 
 @dataclass(frozen=True)
@@ -548,7 +553,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
 
     rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
                                                        "status_every_s", "allocation", "shrink_after_s",
-                                                       "stimulus_log_mb", "cache_dir", "cache_bytes"})
+                                                       "stimulus_log_mb", "cache_dir", "cache_bytes", "index_on"})
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -569,6 +574,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         else:  # relative to the job file, like source paths
             cache_dir = os.path.join(base, os.path.expanduser(cache_dir))
     cache_bytes = c.integer(rt.get("cache_bytes", DEFAULT_CACHE_BYTES), "runtime.cache_bytes", 1)
+    index_on = rt.get("index_on", "coordinator")
+    _choice(c, index_on, "runtime.index_on", INDEX_ON)
 
     sec = c.mapping(top.get("security", {}), "security", {"curve"})
     curve = sec.get("curve")
@@ -600,7 +607,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         balance_method=method,
         token_slack=slack,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
-                              cache_dir, cache_bytes or DEFAULT_CACHE_BYTES),
+                              cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on),
         path=path,
     )
 

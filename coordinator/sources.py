@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from worker.readers import SourceFormatError, SourceReader, open_source
-from worker.readers.indexing import build_indexes
+from worker.readers import indexing
 from worker.readers.storage import is_url, store_for
 
 from .config import ConfigError, JobConfig
@@ -22,19 +22,36 @@ class OpenedSources:
     # memory-mapped (Megatron) sources by index, kept open: the coordinator reads their lengths
     # from the index itself instead of asking a worker
     mapped: dict[int, SourceReader] = field(default_factory=dict)
+    # sources with shards this host has no index of, left to the workers to index and count
+    # (runtime.index_on: workers): their num_records are 0 until counted (with_counts)
+    pending: dict[int, list[str]] = field(default_factory=dict)
+
+    def with_counts(self, job: JobConfig, counts: dict[int, int]) -> "OpenedSources":
+        """The pending sources' records, as the workers counted them; raises ConfigError for a
+        source with no records but a weight."""
+        num_records = [counts.get(s, n) for s, n in enumerate(self.num_records)]
+        _check_not_empty(job, num_records, [])
+        return OpenedSources(num_records, self.mapped)
 
 
-def open_sources(job: JobConfig) -> OpenedSources:
+def open_sources(job: JobConfig, index_here: bool = True) -> OpenedSources:
     """Open every source once (building missing shard indexes first, in parallel); raises ConfigError
-    naming each source that cannot be opened, or that has no records but a weight."""
+    naming each source that cannot be opened, or that has no records but a weight. With
+    index_here False, a JSONL or WebDataset source with a shard this host has no index of is
+    not opened but left pending, for the workers to index and count (coordinator/counting.py)."""
     counts: list[int] = []
     mapped: dict[int, SourceReader] = {}
     problems: list[str] = []
     specs = job.worker_job()["sources"]
+    pending = {} if index_here else indexing.unindexed_shards(specs)
     # Shards without an index yet are indexed by all cores at once; a shard that fails here fails
     # again below, where its source's error is reported.
-    build_indexes(specs)
-    for spec in specs:
+    if index_here:
+        indexing.build_indexes(specs)
+    for i, spec in enumerate(specs):
+        if i in pending:
+            counts.append(0)
+            continue
         try:
             reader = open_source(spec)
         except SourceFormatError as e:
@@ -44,12 +61,17 @@ def open_sources(job: JobConfig) -> OpenedSources:
         counts.append(reader.num_records)
         if reader.memory_mapped:  # (a Megatron source in object storage is prepared by workers)
             mapped[spec["index"]] = reader
-    for s, n in zip(job.sources, counts):
-        if n == 0 and job.weights.get(s.name, 0) > 0 and not any(p.startswith(f"sources.{s.name}:") for p in problems):
+    _check_not_empty(job, counts, problems, skip=set(pending))
+    return OpenedSources(counts, mapped, pending)
+
+
+def _check_not_empty(job: JobConfig, counts: list[int], problems: list[str], skip: set[int] = frozenset()) -> None:
+    for i, (s, n) in enumerate(zip(job.sources, counts)):
+        if (i not in skip and n == 0 and job.weights.get(s.name, 0) > 0
+                and not any(p.startswith(f"sources.{s.name}:") for p in problems)):
             problems.append(f"sources.{s.name}: no records in {len(s.files)} file(s), but its weight is > 0")
     if problems:
         raise ConfigError(job.path, problems)
-    return OpenedSources(counts, mapped)
 
 
 def mapped_lengths(reader: SourceReader, source: Any, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -220,7 +220,7 @@ class CoordinatorState:
         log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid,
                  extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
         self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job(),
-                                   heartbeat_s=self.heartbeat_s))
+                                   heartbeat_s=self.heartbeat_s, count=[]))
 
     def _on_host_hello(self, ev: HostHello) -> None:
         if ev.version != P.PROTOCOL_VERSION:

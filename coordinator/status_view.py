@@ -35,6 +35,11 @@ def render(status: dict[str, Any]) -> Any:
                 f"{status.get('steps_per_s', 0):.2f} steps/s")
     if "journal_lag_steps" in status:
         head.append(f", journal lag {status['journal_lag_steps']} step(s)")
+    counting = status.get("counting")
+    if counting:  # runtime.index_on: workers, before the first plan
+        head.append(f"\nwaiting for the workers to index {counting['shards_to_index']} shard(s): "
+                    f"{counting['counted']} of {counting['sources']} source(s) counted, {counting['workers']} "
+                    f"worker(s)", style="bold yellow")
     if status.get("state_dir_stalled_s"):
         head.append(f"  STATE DIR STALLED {status['state_dir_stalled_s']:.0f}s", style="bold red")
 

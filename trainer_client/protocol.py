@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: welcome.count and source_counts (runtime.index_on: workers)
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -218,10 +218,17 @@ HOST_HELLO = _msg("host_hello", version=integer(), agent_id=integer(), host=text
                   min_procs=integer(), max_procs=integer(), auto=integer(0, 1))
 HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer())
 TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
+# worker -> coordinator, answering a welcome's `count`: the records of each source it names, as this
+# host's indexes count them (problems[i]: why source i could not be opened here, "" if it could)
+SOURCE_COUNTS = _msg("source_counts", worker_id=integer(), sources=seq(integer(0, 0xFFFF), 0x10000),
+                     records=seq(integer(), 0x10000), problems=seq(text(MAX_STR_LEN), 0x10000))
 DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
 
 # coordinator -> worker
-WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number())
+# count: sources whose record counts the coordinator asks for (a coordinator waiting for its workers
+# to index them, runtime.index_on: workers); empty otherwise
+WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number(),
+               count=seq(integer(0, 0xFFFF), 0x10000))
 # coordinator -> host agent: run this many worker processes (within its limits)
 # retire: pids to stop; heartbeat_s: how often the host heartbeats (the job's runtime.heartbeat_s)
 SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text(), heartbeat_s=number())
@@ -302,7 +309,7 @@ ALL_TYPES = {
     m.name: m
     for m in (
         WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, RELEASE_RANK,
-        REJECT, ALIVE,
+        REJECT, ALIVE, SOURCE_COUNTS,
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
@@ -313,7 +320,7 @@ ALL_TYPES = {
 # What each socket role may receive; anything else is rejected at decode.
 COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
-                     WORKER_EXITED,
+                     WORKER_EXITED, SOURCE_COUNTS,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST,
                      STATUS_REQUEST)
 )

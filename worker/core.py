@@ -192,7 +192,28 @@ class WorkerCore:
                               spec.get("name"), e)
                     return [Quit(f"cannot open source {spec.get('name')}")]
         log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
-        return [Registered(self.worker_id, float(msg["heartbeat_s"]))]
+        out: list[Action] = [Registered(self.worker_id, float(msg["heartbeat_s"]))]
+        if msg["count"]:  # the coordinator waits for these sources' record counts before it plans
+            out.append(ToCoordinator(self._source_counts(msg["count"])))
+        return out
+
+    def _source_counts(self, sources: list[int]) -> dict[str, Any]:
+        """The records of each of these sources as this host's indexes count them (built just
+        above), or why a source cannot be opened here."""
+        records, problems = [], []
+        for s in sources:
+            self.keep_alive()
+            try:
+                if not 0 <= s < len(self.specs):
+                    raise ValueError(f"the job has no source {s}")
+                records.append(int(self._reader(s).num_records))
+                problems.append("")
+            except Exception as e:  # noqa: BLE001 - named to the coordinator, which refuses the job
+                records.append(0)
+                problems.append(str(e) or type(e).__name__)
+        log.info("counted the records of %d sources for the coordinator", len(sources))
+        return P.make(P.SOURCE_COUNTS, worker_id=self.worker_id, sources=list(sources), records=records,
+                      problems=problems)
 
     def _reader(self, source: int) -> SourceReader:
         reader = self.readers.get(source)

@@ -21,7 +21,7 @@ _SPAWN = mp.get_context("spawn")
 def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None,
                       state_dir: str | None = None, standby: bool = False) -> None:
     setup_logging(log_level, "coordinator" if not standby else "standby", log_path)
-    from ..app import Coordinator, take_lease
+    from ..app import Coordinator, counted_sources, take_lease
     from ..config import load_job
     from ..sources import open_sources
 
@@ -33,19 +33,34 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         pass
     try:
         job = load_job(job_path)
-        sources = open_sources(job)
+        sources = open_sources(job, index_here=job.runtime.index_on == "coordinator")
     except Exception as e:
         addr_queue.put(("error", str(e)))
         return
 
     lease = take_lease(job, bind, state_dir, standby)
+    told = []  # the address goes out once: when the counting phase listens, else when the coordinator does
+
+    def tell(address: str) -> None:
+        if not told:
+            told.append(address)
+            addr_queue.put(("ok", address))
+
+    try:
+        sources, router = counted_sources(job, sources, bind, lease, tell)
+    except Exception as e:  # a source the workers could not open
+        if not told:
+            addr_queue.put(("error", str(e)))
+        raise
+    if sources is None:
+        return
 
     async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir, lease=lease)
+        coord = Coordinator(job, sources, bind, state_dir, lease=lease, router=router)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, coord.stop)
         ready = loop.create_future()
-        ready.add_done_callback(lambda f: addr_queue.put(("ok", f.result())))
+        ready.add_done_callback(lambda f: tell(f.result()))
         await coord.run(ready)
         if coord.failed:
             raise SystemExit(1)

@@ -13,7 +13,7 @@ from worker.readers import open_source
 def _welcomed(dataset_dir):
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job()), {})
+    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job(), count=[]), {})
     assert actions == [Registered(3, 0.5)]
     return core, job
 
@@ -68,7 +68,7 @@ def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_
     raw["sources"]["web"]["max_record_bytes"] = 400
     job = parse_job(raw, "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job()), {})
+    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job(), count=[]), {})
     reader = open_source(job.worker_job()["sources"][0])
     sizes = [int(reader.shards[0].offsets[i + 1] - reader.shards[0].offsets[i]) for i in range(60)]
     big = [i for i, n in enumerate(sizes) if n > 400]

@@ -39,6 +39,17 @@ def _missing(specs: list[dict[str, Any]]) -> list[tuple]:
             for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
 
 
+def unindexed_shards(specs: list[dict[str, Any]]) -> dict[int, list[str]]:
+    """{position in specs: its shards with no index on this host} of the sources that have any."""
+    out: dict[int, list[str]] = {}
+    for i, spec in enumerate(specs):
+        if spec["format"] in _SHARD_TYPES:
+            missing = [p for p in spec["files"] if not _looks_indexed(spec["format"], p, spec.get("cache_dir"))]
+            if missing:
+                out[i] = missing
+    return out
+
+
 def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
     """Build and cache the index of every JSONL and WebDataset shard of these source specs that
     has none yet, `processes` at a time (default: the cores). Returns {shard path: problem} for

@@ -1,0 +1,181 @@
+"""Record counts from the workers, before the coordinator plans (`runtime.index_on: workers`).
+
+The coordinator needs each source's record count before it can plan; a JSONL or WebDataset
+shard's count is its index's, and building indexes (scanning, decompressing) is the bulk of a
+cold start. With `index_on: coordinator` this host builds them, with all its cores, before it
+listens. With `index_on: workers` it builds none: it binds its control socket, welcomes every
+worker that says hello with the job and the sources it wants counted, and the worker processes
+of every host build what their host lacks (sharing the shards by a lock each, as they do at
+every welcome) and answer with the counts (`source_counts`). Once every source is counted, the
+same socket is handed to the coordinator proper; the workers welcomed here are told to say hello
+again (`unknown_peer`), and the coordinator registers them as usual.
+
+Only workers are served here: trainers, host agents and `msd mix` wait (their hellos are not
+answered and they say hello again); `msd status` is answered with the counting's progress. Two
+workers that count one source differently see different files, and the job is refused, naming
+both hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import orjson
+import zmq
+
+from trainer_client import protocol as P
+from trainer_client import wire
+from trainer_client.errors import ProtocolError
+from trainer_client.sockets import raise_fd_limit
+
+from .app import Router
+from .config import ConfigError, JobConfig
+from .lease import Lease
+from .sources import OpenedSources
+
+log = logging.getLogger("msd.coordinator")
+
+PROGRESS_EVERY_S = 10.0
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM while the workers were counting."""
+
+
+class _Counting:
+    """What the counting phase knows: the sources asked for, who counted what, whom it welcomed."""
+
+    def __init__(self, job: JobConfig, pending: dict[int, list[str]]) -> None:
+        self.job = job
+        self.pending = pending
+        self.counts: dict[int, tuple[int, str]] = {}  # source -> (records, host that counted it)
+        self.problems: dict[int, str] = {}  # source -> why a worker could not open it
+        self.welcomed: dict[bytes, str] = {}  # peer -> its host
+        self.next_id = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s in self.counts or s in self.problems for s in self.pending)
+
+    def handle(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The answer to one message, if it gets one."""
+        kind = msg["type"]
+        if kind == P.WORKER_HELLO.name:
+            if msg["version"] != P.PROTOCOL_VERSION:
+                log.warning("worker from %s speaks protocol %d, we speak %d: rejected", msg["host"], msg["version"],
+                            P.PROTOCOL_VERSION)
+                return P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}")
+            self.welcomed[peer] = msg["host"]
+            self.next_id += 1
+            return P.make(P.WELCOME, worker_id=self.next_id - 1, job=self.job.worker_job(),
+                          heartbeat_s=self.job.runtime.heartbeat_s, count=sorted(self.pending))
+        if kind == P.WORKER_HEARTBEAT.name:
+            return P.make(P.ALIVE) if peer in self.welcomed else None
+        if kind == P.SOURCE_COUNTS.name and peer in self.welcomed:
+            self._counted(self.welcomed[peer], msg)
+        elif kind == P.STATUS_REQUEST.name:
+            return P.make(P.STATUS_REPLY, status=self.status())
+        return None
+
+    def _counted(self, host: str, msg: dict[str, Any]) -> None:
+        names = [s.name for s in self.job.sources]
+        for s, records, problem in zip(msg["sources"], msg["records"], msg["problems"]):
+            if s not in self.pending:
+                continue
+            if problem:
+                self.problems.setdefault(s, f"sources.{names[s]}: {problem} (on host {host})")
+            elif s not in self.counts:
+                self.counts[s] = (records, host)
+            elif self.counts[s][0] != records:
+                self.problems[s] = (f"sources.{names[s]}: host {self.counts[s][1]} counts {self.counts[s][0]} "
+                                    f"records, host {host} {records}: the hosts see different files")
+
+    def status(self) -> dict[str, Any]:
+        return orjson.loads(orjson.dumps({
+            "time": time.time(), "job": self.job.path, "digest": self.job.digest(), "dp": self.job.dp,
+            "counting": {"sources": len(self.pending), "counted": len(self.counts),
+                         "shards_to_index": sum(len(v) for v in self.pending.values()),
+                         "workers": len(self.welcomed)},
+            "warnings": [],
+        }))
+
+
+def count_on_workers(job: JobConfig, opened: OpenedSources, bind: str, lease: Lease | None = None,
+                     on_bound: Callable[[str], None] | None = None) -> tuple[OpenedSources, Router]:
+    """Serve workers at `bind` until every pending source of `opened` is counted; returns the
+    sources with their counts and the bound socket, for the Coordinator. The lease on the state
+    dir, if any, is renewed meanwhile; on_bound(address) is called once the socket listens.
+    Raises ConfigError for a source the workers cannot open (or count alike), Stopped on SIGINT
+    or SIGTERM, LeaseLost if another coordinator took the state dir."""
+    raise_fd_limit("coordinator")
+    counting = _Counting(job, opened.pending)
+    router = Router.open(job, bind)
+    if lease is not None:
+        lease.address = router.address
+    stop: list[int] = []
+    previous = ({sig: signal.signal(sig, lambda signum, _: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
+    shards = sum(len(v) for v in opened.pending.values())
+    log.info("listening on %s; waiting for workers to index %d shard(s) and count %d source(s) (runtime.index_on: "
+             "workers)", router.address, shards, len(opened.pending))
+    if on_bound is not None:
+        on_bound(router.address)
+    started = last_report = renewed = time.monotonic()
+    try:
+        while not counting.done:
+            if stop:
+                raise Stopped(f"signal {stop[0]}")
+            if lease is not None and time.monotonic() - renewed >= job.runtime.heartbeat_s:
+                renewed = time.monotonic()
+                try:
+                    lease.renew()  # (LeaseLost: another coordinator serves the state dir now)
+                except OSError as e:
+                    if lease.overdue():  # as the coordinator does: stop before a standby may start
+                        raise Stopped(f"the lease of the state dir could not be renewed: {e}") from None
+                    log.warning("renewing the lease of the state dir failed (%s); trying again", e)
+            if router.sock.poll(250, zmq.POLLIN):
+                _serve_one(router.sock, counting)
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                log.info("counting on workers: %d of %d source(s) counted, %d worker(s) welcomed, %.0f s so far",
+                         len(counting.counts), len(opened.pending), len(counting.welcomed), now - started)
+        if counting.problems:
+            raise ConfigError(job.path, [counting.problems[s] for s in sorted(counting.problems)])
+        counts = {s: records for s, (records, _) in counting.counts.items()}
+        sources = opened.with_counts(job, counts)
+    except BaseException:
+        router.close()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("workers counted %d source(s) (%s) in %.1f s", len(counts),
+             ", ".join(f"{job.sources[s].name}={n}" for s, n in sorted(counts.items())), time.monotonic() - started)
+    for peer in counting.welcomed:  # registered here, not with the coordinator: hello again
+        _send(router.sock, peer, P.make(P.UNKNOWN_PEER, reason="the sources are counted; the coordinator now "
+                                                                "plans the job"))
+    return sources, router
+
+
+def _serve_one(sock: zmq.Socket, counting: _Counting) -> None:
+    frames = sock.recv_multipart(copy=True)
+    try:
+        header, _ = wire.decode(frames[1:], P.COORDINATOR_INBOX)
+    except ProtocolError as e:
+        log.warning("dropped message from peer %s: %s", frames[0].hex(), e)
+        return
+    answer = counting.handle(frames[0], header)
+    if answer is not None:
+        _send(sock, frames[0], answer)
+
+
+def _send(sock: zmq.Socket, peer: bytes, header: dict[str, Any]) -> None:
+    try:
+        sock.send_multipart([peer, *wire.encode(header)], flags=zmq.NOBLOCK)
+    except zmq.ZMQError as e:  # a peer gone or not reading: it says hello again
+        log.info("send of %s to %s failed: %s", header["type"], peer.hex(), e)
