@@ -13,7 +13,10 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
 - ours cold on a worker host: its worker processes (as many as cores) building what the host
   lacks when they are welcomed (indexing.build_indexes_shared, a lock per shard), everything
   removed first: as fresh processes (their imports counted), and forked from this process once
-  it has imported the readers, as a host's fork server forks its workers.
+  it has imported the readers, as a host's fork server forks its workers;
+- ours cold as a user runs it with `runtime.index_on: workers`: `msd coordinator` and
+  `msd worker --procs N` (N = the cores) started together, until the coordinator has the record
+  counts from the workers (its "workers counted" log line): every process's start-up included.
 Also the disk the cache takes (decompressed copies and line indexes) against the compressed
 shards. Medians and spreads in the JSON.
 """
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_output import emit  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
+from coordinator.testing.ports import free_address  # noqa: E402
 
 OPEN = "import sys; from coordinator.config import load_job; from coordinator.sources import open_sources; " \
        "print(sum(open_sources(load_job(sys.argv[1])).num_records))"
@@ -141,6 +145,27 @@ def forked_workers_s(paths: list[str], cache: str, processes: int) -> float:
     return time.perf_counter() - started
 
 
+def commands_s(job: str, processes: int) -> float:
+    """Seconds from starting `msd coordinator` (the job says index_on: workers) and `msd worker
+    --procs N` until the coordinator logs that the workers counted the sources."""
+    msd = os.path.join(os.path.dirname(sys.executable), "msd")
+    address = free_address()
+    started = time.perf_counter()
+    coordinator = subprocess.Popen([msd, "coordinator", "--config", job, "--bind", address],
+                                   stderr=subprocess.PIPE, text=True)
+    host = subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", str(processes), "--log-level",
+                             "WARNING"])
+    try:
+        for line in coordinator.stderr:
+            if "workers counted" in line:
+                return time.perf_counter() - started
+        raise RuntimeError(f"the coordinator exited ({coordinator.wait()}) before the workers counted")
+    finally:
+        for p in (host, coordinator):
+            p.terminate()
+            p.wait(30)
+
+
 def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(path) for n in files)
 
@@ -162,8 +187,13 @@ def main() -> None:
                         "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8},
                         "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
                         "runtime": {"cache_dir": cache}}, f)
+    workers_job = os.path.join(args.data_dir, "job-index-on-workers.yaml")
+    with open(job) as f, open(workers_job, "w") as out:
+        spec = yaml.safe_load(f)
+        spec["runtime"]["index_on"] = "workers"
+        yaml.safe_dump(spec, out)
     cores = os.cpu_count() or 1
-    ref, cold, warm, on_workers, on_forked, records = [], [], [], [], [], None
+    ref, cold, warm, on_workers, on_forked, commands, records = [], [], [], [], [], [], None
     for _ in range(args.repeats):
         ref.append(reference_s(paths))
         clear_cache(root, cache)
@@ -174,6 +204,8 @@ def main() -> None:
         on_workers.append(workers_s(paths, cache, cores))
         clear_cache(root, cache)
         on_forked.append(forked_workers_s(paths, cache, cores))
+        clear_cache(root, cache)
+        commands.append(commands_s(workers_job, cores))
     compressed = sum(os.path.getsize(p) for p in paths)
     cache_bytes = _du(cache)
     med = statistics.median
@@ -189,6 +221,9 @@ def main() -> None:
         "ours_cold_on_forked_workers_s": med(on_forked), "ours_cold_on_forked_workers_spread_s":
             [min(on_forked), max(on_forked)],
         "cold_on_forked_workers_over_reference_per_core": med(on_forked) / (med(ref) / cores),
+        "ours_cold_index_on_workers_commands_s": med(commands), "ours_cold_index_on_workers_commands_spread_s":
+            [min(commands), max(commands)],
+        "cold_index_on_workers_commands_over_reference_per_core": med(commands) / (med(ref) / cores),
         "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
         "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
         "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
