@@ -1,7 +1,8 @@
 """Many light trainer ranks in one process, for tools/bench_scale.py: each speaks the real protocol
 (hello, heartbeats, consumed, its own data socket) and runs the real `ReceivingState` (decoding,
-recipe checks, deduplication, assembly into numpy arrays), but hands nothing to a trainer and
-builds no tensors, so that 1,024 ranks fit on one small machine. One poller serves every rank.
+recipe checks, deduplication, each step's tokens copied into place), but hands nothing to a
+trainer and builds no micro-batches (a DataClient builds each in the trainer's thread when it is
+taken), so that 1,024 ranks fit on one small machine. One poller serves every rank.
 With --step-s, a rank consumes step k no earlier than --step-s x k seconds after its process
 consumed its first step, as ranks of a synchronous job finish their steps together.
 
@@ -65,11 +66,11 @@ class LightRank:
             self.state.on_pieces(frames)
 
     def turn(self, now: float) -> None:
-        for item in self.state.finished(self.steps_done if self.pace.step_s else self.state.step):
+        for item in self.state.finished():  # finished steps (whose micro-batches a trainer would build)
             if isinstance(item, End):
                 self.ended = True
                 continue
-            self.ready.append(item[0][0])
+            self.ready.append(item.step)
         while self.ready and self.pace.due(self.ready[0], now):
             step = self.ready.popleft()
             if self.first_batch_at is None:

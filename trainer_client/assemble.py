@@ -26,7 +26,7 @@ from .protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
-FIELD_BYTES = 8 + 8 + 4  # per token of a finished step: int64 label and position id, float32 loss mask (one allocation)
+FIELD_BYTES = 8 + 8 + 4  # per token of a micro-batch: int64 label and position id, float32 loss mask (one allocation)
 
 
 RAMP_MIN_SEGMENT = 1024  # mean tokens per segment from which position ids are copied from a ramp
@@ -133,10 +133,16 @@ class StepAssembler:
         return self.missing == 0
 
     def batches(self) -> list[dict[str, Any]]:
-        """The step's micro-batches; their arrays are views into one allocation per field."""
-        rows, row_len, mbs = len(self.counts), self.row_len, self.mbs
-        pad = row_len - self.used  # padding at the end of each row
-        # segments in flat order: each row's pieces, then its padding if any
+        """All the step's micro-batches."""
+        return [self.micro_batch(m) for m in range(len(self.counts) // self.mbs)]
+
+    @functools.cached_property
+    def _layout(self) -> dict[str, np.ndarray]:
+        """The step's segments (each row's pieces, then its padding if any), in flat order: their
+        lengths, starts and ends in the step's tokens, which are padding, and where each row's
+        segments end; computed once, when the first micro-batch is built."""
+        rows = len(self.counts)
+        pad = self.row_len - self.used  # padding at the end of each row
         has_pad = (pad > 0).astype(np.int64)
         segs_per_row = self.counts + has_pad
         seg_row_end = np.cumsum(segs_per_row)
@@ -148,14 +154,36 @@ class StepAssembler:
         seg_len[pad_seg] = pad[has_pad > 0]
         seg_pad = np.zeros(n_segs, bool)
         seg_pad[pad_seg] = True
-        seg_row = np.repeat(np.arange(rows), segs_per_row)
         ends = np.cumsum(seg_len)
+        piece_ends = np.zeros(len(self.lengths) + 1, np.int64)
+        np.cumsum(self.lengths, out=piece_ends[1:])
+        row_pieces = np.zeros(rows + 1, np.int64)
+        np.cumsum(self.counts, out=row_pieces[1:])
+        return {"seg_len": seg_len, "seg_pad": seg_pad, "ends": ends, "seg_row_end": seg_row_end,
+                "piece_ends": piece_ends, "row_pieces": row_pieces}
+
+    def micro_batch(self, m: int) -> dict[str, Any]:
+        """Micro-batch m of the step, in arrays of its own (one allocation per field), so that a
+        trainer holding it holds only it: a client builds each micro-batch when the trainer takes
+        the one before, not the whole step at once."""
+        lay = self._layout
+        row_len, mbs = self.row_len, self.mbs
+        first_row, last_row = m * mbs, (m + 1) * mbs
+        total, base = mbs * row_len, first_row * row_len
+        seg_lo = int(lay["seg_row_end"][first_row - 1]) if first_row else 0
+        seg_hi = int(lay["seg_row_end"][last_row - 1])
+        seg_len, seg_pad = lay["seg_len"][seg_lo:seg_hi], lay["seg_pad"][seg_lo:seg_hi]
+        ends = lay["ends"][seg_lo:seg_hi] - base
         starts = ends - seg_len
-        total = rows * row_len
+        n_segs = seg_hi - seg_lo
+        tokens = np.empty(total, dtype=np.int64)
+        if self.tokens is not None:
+            tokens[:] = self.tokens[base:base + total]
+        for r in np.flatnonzero(self.used[first_row:last_row] < row_len).tolist():  # the padding was never written
+            tokens[r * row_len + int(self.used[first_row + r]):(r + 1) * row_len] = self.pad_id
         fields = np.empty(FIELD_BYTES * total, np.uint8)
         labels, position_ids = fields[:8 * total].view(np.int64), fields[8 * total:16 * total].view(np.int64)
         loss_mask = fields[16 * total:].view(np.float32)
-        tokens = self._int64_tokens()
         labels[:-1] = tokens[1:]
         labels[ends - 1] = self.pad_id  # the last position of every segment has no label inside it
         loss_mask.fill(1.0)
@@ -169,44 +197,27 @@ class StepAssembler:
             ramp = _ramp(row_len)
             for s, n in zip(starts.tolist(), seg_len.tolist()):
                 position_ids[s: s + n] = ramp[:n]
-        else:
+        elif n_segs:
             position_ids.fill(1)
             position_ids[starts] = 1 - np.concatenate([[1], seg_len[:-1]])
             np.cumsum(position_ids, out=position_ids)
-        shape = (rows, row_len)
-        tokens, labels, loss_mask, position_ids = (a.reshape(shape) for a in (tokens, labels, loss_mask, position_ids))
-        n_mb = rows // mbs
-        # cu_seqlens of every micro-batch in one array: a 0, then its segments' ends, flattened
-        seg_mb = seg_row // mbs
-        seg_bounds = np.searchsorted(seg_mb, np.arange(n_mb + 1))
-        cu = np.zeros(n_segs + n_mb, np.int32)
-        cu[np.arange(n_segs) + seg_mb + 1] = ends - seg_mb * (mbs * row_len)
-        cu_bounds = (seg_bounds + np.arange(n_mb + 1)).tolist()
-        piece_bounds = np.zeros(n_mb + 1, np.int64)
-        np.cumsum(self.counts.reshape(-1, mbs).sum(axis=1), out=piece_bounds[1:])
-        token_ends = np.zeros(len(self.lengths) + 1, np.int64)
-        np.cumsum(self.lengths, out=token_ends[1:])
-        real_tokens = np.diff(token_ends[piece_bounds]).tolist()
-        piece_bounds = piece_bounds.tolist()
-        doc_keys = self.refs[:, RECIPE_PIECE.doc_key].astype(np.int64)  # 63-bit keys: int64 for torch
-        doc_offsets = self.refs[:, RECIPE_PIECE.offset].astype(np.int64)
-        out = []
-        for m in range(n_mb):
-            p0, p1 = piece_bounds[m], piece_bounds[m + 1]
-            rows_m = slice(m * mbs, (m + 1) * mbs)
-            out.append({
-                "tokens": tokens[rows_m],
-                "labels": labels[rows_m],
-                "loss_mask": loss_mask[rows_m],
-                "position_ids": position_ids[rows_m],
-                "cu_seqlens": cu[cu_bounds[m]: cu_bounds[m + 1]],
-                "doc_keys": doc_keys[p0:p1],
-                "doc_offsets": doc_offsets[p0:p1],
-                "piece_lengths": self.lengths[p0:p1],
-                "num_tokens": real_tokens[m],
-            })
-            if self.patch_bytes:
-                out[-1].update(self._images(range(p0, p1), self.dst, m * mbs))
+        cu = np.zeros(n_segs + 1, np.int32)  # a 0, then the segments' ends
+        cu[1:] = ends
+        p0, p1 = int(lay["row_pieces"][first_row]), int(lay["row_pieces"][last_row])
+        shape = (mbs, row_len)
+        out = {
+            "tokens": tokens.reshape(shape),
+            "labels": labels.reshape(shape),
+            "loss_mask": loss_mask.reshape(shape),
+            "position_ids": position_ids.reshape(shape),
+            "cu_seqlens": cu,
+            "doc_keys": self.refs[p0:p1, RECIPE_PIECE.doc_key].astype(np.int64),  # 63-bit keys: int64 for torch
+            "doc_offsets": self.refs[p0:p1, RECIPE_PIECE.offset].astype(np.int64),
+            "piece_lengths": self.lengths[p0:p1],
+            "num_tokens": int(lay["piece_ends"][p1] - lay["piece_ends"][p0]),
+        }
+        if self.patch_bytes:
+            out.update(self._images(range(p0, p1), self.dst, first_row))
         return out
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:

@@ -10,7 +10,6 @@ about what data it gets; it only assembles what the coordinator planned.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
@@ -26,7 +25,7 @@ from . import memory, security
 from . import protocol as P
 from .errors import PeerLostError, RejectedError
 from .batch import Batch
-from .receiving import End, Forgotten, ReceivingState, StateReply, Welcomed
+from .receiving import End, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed
 from .session import PeerLoop, Registration
 from .sockets import make_socket, send_nowait
 
@@ -106,8 +105,8 @@ class DataClient:
         self.metadata_only = metadata_only
         self._auth = security.start_authenticator(self._ctx, keys_dir) if keys_dir else None
         # SimpleQueue (C) rather than Queue: its hand-off costs far less than Condition.notify per batch
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # whole steps, errors and the end, in order
-        self._ready: collections.deque = collections.deque()  # micro-batches of the step being handed out
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # finished steps, errors and the end, in order
+        self._step: ReadyStep | None = None  # the step being handed out, micro-batch by micro-batch
         self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
         self._wake: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -179,30 +178,38 @@ class DataClient:
 
     def __next__(self) -> dict[str, Any]:
         self.start()
-        if not self._ready:
-            started = time.perf_counter()
-            try:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
-                    item = self._queue.get(timeout=self.timeout_s)
-                    self.waited_s += time.perf_counter() - started
-            except queue.Empty:
-                raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
-                                    f"(waiting for step {self.next_step})") from None
-            if isinstance(item, BaseException):
-                self._queue.put(item)  # sticky: every later call raises the same error
-                raise item
-            if isinstance(item, End):
-                self._queue.put(item)
-                raise StopIteration
-            self._ready.extend(item)  # one item per step: one hand-over between the threads, not one per micro-batch
-        step, m, batch = self._ready.popleft()
-        self.next_step, self.next_micro_batch = (step, m + 1)
-        if self.next_micro_batch == self.batch_info["micro_batches"]:
-            self.next_step, self.next_micro_batch = step + 1, 0
-            self._command(["consumed", step, self.waited_s])
+        if self._step is None:
+            self._step = self._next_step()
+        ready = self._step
+        m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
+        batch = ready.micro_batch(m)  # built here, when taken: the client holds no built micro-batch ahead
+        if m + 1 == ready.micro_batches:
+            self.next_step, self.next_micro_batch = ready.step + 1, 0
+            self._step = None  # its received tokens are let go
+            self._command(["consumed", ready.step, self.waited_s])
+        else:
+            self.next_step, self.next_micro_batch = ready.step, m + 1
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
+
+    def _next_step(self) -> ReadyStep:
+        """The next finished step from the I/O thread (waiting for it: counted and reported)."""
+        started = time.perf_counter()
+        try:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
+                item = self._queue.get(timeout=self.timeout_s)
+                self.waited_s += time.perf_counter() - started
+        except queue.Empty:
+            raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
+                                f"(waiting for step {self.next_step})") from None
+        if isinstance(item, BaseException):
+            self._queue.put(item)  # sticky: every later call raises the same error
+            raise item
+        if isinstance(item, End):
+            self._queue.put(item)
+            raise StopIteration
+        return item
 
     def state_dict(self) -> dict[str, Any]:
         """Small, JSON-serialisable: the next micro-batch this rank will consume, the plan digest,
@@ -375,5 +382,5 @@ class _Receiver:
             self.state.on_pieces(frames)
 
     def _hand_over(self, now: float) -> None:
-        for item in self.state.finished(self.c.next_step):
+        for item in self.state.finished():
             self.c._queue.put(item)

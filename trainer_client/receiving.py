@@ -22,7 +22,6 @@ from .topology import Topology, cp_share
 
 log = logging.getLogger("msd.client")
 
-READY_STEPS_AHEAD = 0  # finished steps kept ready beyond the one being consumed
 MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broken or hostile sender)
 MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
 
@@ -163,42 +162,60 @@ class ReceivingState:
 
     # ------------------------------------------------------------------ finished steps
 
-    def finished(self, consuming_step: int) -> list[Any]:
-        """Steps to hand to the trainer, each a list of (step, micro_batch, batch) from where the
-        client resumes, and End once the stream's end is reached. Steps are finished at most
-        READY_STEPS_AHEAD beyond `consuming_step`, the step of the next micro-batch the trainer
-        takes: a finished step (int64 tokens, labels, position ids, float32 loss mask: 28 bytes a
-        token) takes 7-14x the memory of its received tokens, and the coordinator's look-ahead
-        may deliver several steps early. With 0, step s+1 is built when the trainer takes the
-        last micro-batch of step s, so it is built while that micro-batch is computed."""
+    def finished(self) -> list[Any]:
+        """Steps whose recipe and pieces are all in, in order from where the client resumes, for
+        the trainer's thread (ReadyStep), and End once the stream's end is reached."""
         out: list[Any] = []
-        while (self.step in self.steps and self.steps[self.step][0].done
-               and self.step <= consuming_step + READY_STEPS_AHEAD):
+        while self.step in self.steps and self.steps[self.step][0].done:
             assembler, plan = self.steps.pop(self.step)
-            batches = assembler.batches()
-            ready = []
-            for m in range(self.micro_batch, len(batches)):
-                batch = self._for_this_rank(batches[m])
-                batch["step"], batch["micro_batch"] = self.step, m
-                if m == 0:
-                    batch["plan"] = plan
-                ready.append((self.step, m, batch))
-            out.append(ready)
+            out.append(ReadyStep(self.step, self.micro_batch, assembler, plan, self.rank, self.batch_info,
+                                 self.metadata_only))
             self.step, self.micro_batch = self.step + 1, 0
         if self.end is not None and self.step >= self.end[0]:
             out.append(End(self.end[1]))
             self.end = None
         return out
 
-    def _for_this_rank(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """What this global rank gets of its DP rank's micro-batch: its CP share, and the fields
-        of its pipeline stage (trainer_client.topology)."""
-        info = self.batch_info
-        topo = Topology(**info["topology"])
-        if topo.world_size == topo.dp:
-            return batch
-        coords = topo.coords(self.rank)
-        if topo.cp > 1:
-            batch = cp_share(batch, topo.cp, coords.cp, info["pad_id"])
-        keep = set(topo.fields(self.rank, want_metadata=self.metadata_only))
-        return {k: v for k, v in batch.items() if k in keep}
+
+@dataclass(frozen=True, slots=True)
+class ReadyStep:
+    """A step of one rank whose pieces are all in, as received (tokens in the wire's dtype). Its
+    micro-batches are built one at a time, by the trainer's thread as it takes them: built
+    micro-batches (int64 tokens, labels and position ids, float32 loss mask: 28 bytes a token)
+    take 7-14x the memory of the received tokens, and the coordinator's look-ahead delivers
+    several steps early, so a client holds the micro-batch its trainer holds and nothing more
+    built (until 2026-12-02 the client's I/O thread built whole steps, one ahead of the trainer:
+    two steps of int64 arrays per rank). The step is complete and no longer touched by the I/O
+    thread, so building it in another thread is safe."""
+
+    step: int
+    first: int  # the first micro-batch the trainer takes (a resume mid-step)
+    assembler: StepAssembler
+    plan: Any
+    rank: int
+    batch_info: dict[str, Any]
+    metadata_only: bool
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.assembler.counts) // self.assembler.mbs
+
+    def micro_batch(self, m: int) -> dict[str, Any]:
+        batch = for_rank(self.assembler.micro_batch(m), self.batch_info, self.rank, self.metadata_only)
+        batch["step"], batch["micro_batch"] = self.step, m
+        if m == 0:
+            batch["plan"] = self.plan
+        return batch
+
+
+def for_rank(batch: dict[str, Any], info: dict[str, Any], rank: int, metadata_only: bool) -> dict[str, Any]:
+    """What a global rank gets of its DP rank's micro-batch: its CP share, and the fields of its
+    pipeline stage (trainer_client.topology)."""
+    topo = Topology(**info["topology"])
+    if topo.world_size == topo.dp:
+        return batch
+    coords = topo.coords(rank)
+    if topo.cp > 1:
+        batch = cp_share(batch, topo.cp, coords.cp, info["pad_id"])
+    keep = set(topo.fields(rank, want_metadata=metadata_only))
+    return {k: v for k, v in batch.items() if k in keep}

@@ -5,6 +5,7 @@ import numpy as np
 
 from trainer_client import protocol as P
 from trainer_client import wire
+from trainer_client.assemble import FIELD_BYTES
 from trainer_client.errors import RejectedError
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed
 from trainer_client.session import Registration
@@ -36,30 +37,37 @@ def test_a_step_is_finished_once_its_recipe_and_every_piece_are_in_whatever_the_
     assert state.on_control(_welcome()) == [Welcomed(0.5)] and state.batch_info == BATCH
     header, recipe = _header(0)
     state.on_pieces(_pieces(0, [2], recipe))  # before its recipe: buffered
-    assert state.buffered == 1 and state.finished(0) == []
+    assert state.buffered == 1 and state.finished() == []
     state.on_control(header)
     state.on_pieces(_pieces(0, [0], recipe))
-    assert state.finished(0) == []  # piece 1 is missing
+    assert state.finished() == []  # piece 1 is missing
     state.on_pieces(_pieces(0, [0, 1], recipe))  # piece 0 again: counted as a duplicate
-    [ready] = state.finished(0)
+    [ready] = state.finished()
     assert state.duplicates == 1
-    assert [(step, m) for step, m, _ in ready] == [(0, 0), (0, 1)]
-    assert ready[0][2]["tokens"].tolist() == [[0, 1, 2, 3, 4, 10, 11, 12]]
-    assert ready[1][2]["tokens"].tolist()[0][:6] == [20, 21, 22, 23, 24, 25]
+    assert (ready.step, ready.first, ready.micro_batches) == (0, 0, 2)
+    first, second = ready.micro_batch(0), ready.micro_batch(1)
+    assert (first["step"], first["micro_batch"], second["micro_batch"]) == (0, 0, 1) and "plan" in first
+    assert first["tokens"].tolist() == [[0, 1, 2, 3, 4, 10, 11, 12]]
+    assert second["tokens"].tolist()[0][:6] == [20, 21, 22, 23, 24, 25]
 
 
-def test_a_resumed_rank_starts_mid_step_and_steps_are_not_finished_far_ahead_of_the_trainer():
+def test_a_resumed_rank_starts_mid_step_and_each_micro_batch_is_built_alone_when_taken():
     state = ReceivingState(rank=0, next_step=3, next_micro_batch=1, plan_digest="d1")
     state.on_control(_welcome())
-    for step in (3, 4, 5):
+    header, recipe = _header(4)  # the step after the resume point first: it waits for step 3
+    state.on_control(header)
+    state.on_pieces(_pieces(4, [0, 1, 2], recipe))
+    assert state.finished() == []
+    for step in (3, 5):
         header, recipe = _header(step)
         state.on_control(header)
         state.on_pieces(_pieces(step, [0, 1, 2], recipe))
-    first = state.finished(3)
-    assert [[(s, m) for s, m, _ in ready] for ready in first] == [[(3, 1)]]
-    assert state.finished(3) == []  # step 4 is built only once the trainer takes step 3's last micro-batch
-    assert [[s for s, _, _ in ready] for ready in state.finished(4)] == [[4, 4]]
-    assert [[s for s, _, _ in ready] for ready in state.finished(5)] == [[5, 5]]
+    ready = state.finished()
+    assert [(r.step, r.first) for r in ready] == [(3, 1), (4, 0), (5, 0)]  # resumed at (3, 1)
+    assert not state.steps  # handed over: the I/O thread keeps nothing of them
+    batch = ready[1].micro_batch(0)
+    # arrays of its own, one micro-batch long (the step has 16 tokens): holding it holds nothing more
+    assert batch["tokens"].base.size == 8 and batch["labels"].base.nbytes == FIELD_BYTES * 8
 
 
 def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
@@ -70,7 +78,7 @@ def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
     [refused] = state.on_control(wire.encode(P.make(P.REJECT, reason="no")))
     assert isinstance(refused, RejectedError)
     state.on_control(wire.encode(P.make(P.END_OF_STREAM, step=0, reason="source ran out")))
-    [end] = state.finished(0)
+    [end] = state.finished()
     assert isinstance(end, End) and end.reason == "source ran out"
     assert state.on_control([b"\xc1"]) == []  # undecodable: dropped
 
