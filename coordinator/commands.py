@@ -144,10 +144,12 @@ def validate(job_file: str) -> None:
     try:
         job = load_job(job_file)
         check_readable(job)  # every remote object, by URL, before the slower opening of each source
-        opened = open_sources(job)
-        counts = opened.num_records
+        # as the coordinator opens them: with index_on: workers, a corpus this host has not
+        # indexed is not indexed here either (it may be terabytes)
+        opened = open_sources(job, index_here=job.runtime.index_on == "coordinator")
     except ConfigError as e:
         _fail_config(e)
+    counts = [("?" if i in opened.pending else n) for i, n in enumerate(opened.num_records)]
     sources = ", ".join(
         f"{s.name}={s.format}:{len(s.files)} file(s)/{n} records/w={job.weights[s.name]:.3f}"
         for s, n in zip(job.sources, counts)
@@ -156,6 +158,9 @@ def validate(job_file: str) -> None:
         f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
         f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
     )
+    for i, shards in sorted(opened.pending.items()):
+        click.echo(f"note: sources.{job.sources[i].name}: {len(shards)} shard(s) not indexed on this host; the "
+                   "workers index them and count its records at start-up (runtime.index_on: workers)", err=True)
     for s in job.sources:
         if s.shuffle_block == 1 and s.format != "arrow" and any(is_url(f) for f in s.files):
             click.echo(f"note: sources.{s.name} is read from object storage with a record-level shuffle, one request "

@@ -10,8 +10,10 @@ every welcome) and answer with the counts (`source_counts`). Once every source i
 same socket is handed to the coordinator proper; the workers welcomed here are told to say hello
 again (`unknown_peer`), and the coordinator registers them as usual.
 
-Only workers are served here: trainers, host agents and `msd mix` wait (their hellos are not
-answered and they say hello again); `msd status` is answered with the counting's progress. Two
+Only workers and their host agents are served here: a host agent is told to run as many
+processes as it may (`--procs auto --max-procs N`: indexing is work for all of them; the
+coordinator shrinks idle hosts later as usual). Trainers and `msd mix` wait (their hellos are
+not answered and they say hello again); `msd status` is answered with the counting's progress. Two
 workers that count one source differently see different files, and the job is refused, naming
 both hosts.
 """
@@ -55,6 +57,7 @@ class _Counting:
         self.counts: dict[int, tuple[int, str]] = {}  # source -> (records, host that counted it)
         self.problems: dict[int, str] = {}  # source -> why a worker could not open it
         self.welcomed: dict[bytes, str] = {}  # peer -> its host
+        self.hosts: set[bytes] = set()  # host agents answered
         self.next_id = 0
 
     @property
@@ -75,6 +78,14 @@ class _Counting:
                           heartbeat_s=self.job.runtime.heartbeat_s, count=sorted(self.pending))
         if kind == P.WORKER_HEARTBEAT.name:
             return P.make(P.ALIVE) if peer in self.welcomed else None
+        if kind == P.HOST_HELLO.name:  # indexing is work for every process a host may run
+            if msg["version"] != P.PROTOCOL_VERSION:
+                return P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}")
+            self.hosts.add(peer)
+            return P.make(P.SCALE, procs=msg["max_procs"], retire=[], reason="indexing the job's shards",
+                          heartbeat_s=self.job.runtime.heartbeat_s)
+        if kind == P.HOST_HEARTBEAT.name:
+            return P.make(P.ALIVE) if peer in self.hosts else None
         if kind == P.SOURCE_COUNTS.name and peer in self.welcomed:
             self._counted(self.welcomed[peer], msg)
         elif kind == P.STATUS_REQUEST.name:
@@ -154,9 +165,10 @@ def count_on_workers(job: JobConfig, opened: OpenedSources, bind: str, lease: Le
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    log.info("workers counted %d source(s) (%s) in %.1f s", len(counts),
-             ", ".join(f"{job.sources[s].name}={n}" for s, n in sorted(counts.items())), time.monotonic() - started)
-    for peer in counting.welcomed:  # registered here, not with the coordinator: hello again
+    log.info("workers counted %d source(s) (%s) in %.1f s (%d worker process(es) on %d host(s))", len(counts),
+             ", ".join(f"{job.sources[s].name}={n}" for s, n in sorted(counts.items())), time.monotonic() - started,
+             len(counting.welcomed), len(set(counting.welcomed.values())))
+    for peer in [*counting.welcomed, *counting.hosts]:  # registered here, not with the coordinator: hello again
         _send(router.sock, peer, P.make(P.UNKNOWN_PEER, reason="the sources are counted; the coordinator now "
                                                                 "plans the job"))
     return sources, router

@@ -80,6 +80,16 @@ def test_workers_index_and_count_the_stream_is_the_coordinators(tmp_path):
     assert "workers counted" not in open(logs["coordinator"]).read()
 
 
+def test_an_auto_host_indexes_with_all_the_processes_it_may_run(tmp_path):
+    """`msd worker --procs auto --max-procs 2` starts one process; while the sources are counted
+    the host is told to run both (its hello comes before its first process's)."""
+    build_dataset(str(tmp_path))
+    path = write_job(str(tmp_path), job_dict(runtime=_runtime(index_on="workers")))
+    log = str(tmp_path / "job.log")
+    run_job(path, workers=None, max_procs=2, ranks=2, steps=2, log_path=log)
+    assert "worker processes: 1 -> 2 (indexing the job's shards)" in open(log).read()
+
+
 def test_two_hosts_over_a_bucket_only_the_workers_host_indexes(tmp_path):
     """Shards in a bucket, the coordinator and the workers on hosts with caches of their own: the
     coordinator's cache stays empty, the workers' holds every shard's index (and the decompressed

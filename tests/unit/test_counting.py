@@ -56,6 +56,17 @@ def test_a_welcomed_worker_counts_what_it_is_asked_and_the_counting_ends(dataset
     assert "waiting for the workers to index 2 shard(s): 2 of 2 source(s) counted, 1 worker(s)" in console.export_text()
 
 
+def test_a_host_agent_is_told_to_run_all_the_processes_it_may(dataset_dir):
+    """Indexing is work for every process: an auto host (1..max_procs) runs its maximum meanwhile."""
+    counting, _ = _counting(dataset_dir)
+    hello = P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=7, host="a", procs=1, min_procs=1, max_procs=6,
+                   auto=1)
+    scale = counting.handle(b"h0", hello)
+    assert scale["type"] == "scale" and scale["procs"] == 6 and scale["retire"] == []
+    assert counting.handle(b"h0", P.make(P.HOST_HEARTBEAT, agent_id=7, procs=6))["type"] == "alive"
+    assert counting.handle(b"h1", P.make(P.HOST_HEARTBEAT, agent_id=8, procs=1)) is None  # never said hello
+
+
 def test_counts_from_a_peer_never_welcomed_are_ignored(dataset_dir):
     counting, _ = _counting(dataset_dir)
     counting.handle(b"stranger", _counts([0, 2], [5, 6]))
@@ -94,3 +105,23 @@ def test_index_on_takes_two_values(dataset_dir, value):
 
     with pytest.raises(ConfigError, match="runtime.index_on: expected one of coordinator, workers"):
         parse_job(job_dict(runtime={"index_on": value}), "job.yaml", base_dir=dataset_dir)
+
+
+def test_msd_validate_does_not_index_what_the_workers_will(tmp_path):
+    """With index_on: workers, `msd validate` opens the sources as the coordinator does: a corpus
+    this host has no index of (terabytes, maybe) is not indexed; its counts are '?', with a note."""
+    import glob
+
+    from click.testing import CliRunner
+
+    from coordinator.commands import validate
+    from tests.conftest import build_dataset, write_job
+
+    build_dataset(str(tmp_path))
+    path = write_job(str(tmp_path), job_dict(runtime={"index_on": "workers"}))
+    result = CliRunner().invoke(validate, [path])
+    assert result.exit_code == 0, result.output
+    assert "web=jsonl:2 file(s)/? records" in result.stdout and "code=megatron:1 file(s)/80 records" in result.stdout
+    assert ("note: sources.long: 1 shard(s) not indexed on this host; the workers index them and count its records "
+            "at start-up (runtime.index_on: workers)") in result.stderr
+    assert not glob.glob(str(tmp_path / "**" / "*.msd*"), recursive=True)  # nothing indexed here
