@@ -41,6 +41,7 @@ from bench_output import emit  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
 from coordinator.testing.ports import free_address  # noqa: E402
+from coordinator.testing.processes import stop  # noqa: E402
 
 OPEN = "import sys; from coordinator.config import load_job; from coordinator.sources import open_sources; " \
        "print(sum(open_sources(load_job(sys.argv[1])).num_records))"
@@ -161,9 +162,7 @@ def commands_s(job: str, processes: int) -> float:
                 return time.perf_counter() - started
         raise RuntimeError(f"the coordinator exited ({coordinator.wait()}) before the workers counted")
     finally:
-        for p in (host, coordinator):
-            p.terminate()
-            p.wait(30)
+        stop([host, coordinator], timeout_s=30)
 
 
 def _du(path: str) -> int:

@@ -61,6 +61,7 @@ import e2e_ranks  # noqa: E402
 
 from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
 from coordinator.testing.ports import free_port  # noqa: E402
+from coordinator.testing.processes import stop  # noqa: E402
 from worker.readers.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -236,13 +237,7 @@ class MsdCommands:
 
     def close(self) -> None:
         """Stop both; their logs are removed unless they hold something (warnings, errors)."""
-        for p in (self.host, self.coordinator):
-            if p.poll() is None:
-                p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop([self.host, self.coordinator])
         for f in self._log_files:
             f.close()
         if any(os.path.getsize(f.name) for f in self._log_files):

@@ -41,6 +41,7 @@ from bench_output import emit  # noqa: E402
 
 from coordinator.testing.fleet import sources  # noqa: E402
 from coordinator.testing.ports import free_port  # noqa: E402
+from coordinator.testing.processes import stop  # noqa: E402
 
 TOKENS_PER_RANK = 8192
 RANKS_PER_PROCESS = 256
@@ -187,14 +188,7 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                         pass
         memory = _status(coord.pid)
     finally:
-        for p in (*ranks, host, coord):
-            if p.poll() is None:
-                p.terminate()
-        for p in (*ranks, host, coord):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop([*ranks, host, coord])
     results = [orjson.loads(open(o, "rb").read()) for o in outs if os.path.exists(o)]
     done = min((r["steps_done"] for r in results), default=0)
     first = min((r["first_batch_at"] for r in results if r["first_batch_at"]), default=None)

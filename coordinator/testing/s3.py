@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from .ports import free_port
+from .processes import stop
 
 
 def _wait_for(url: str, timeout_s: float = 60.0) -> None:
@@ -90,12 +91,7 @@ class LoopbackS3:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for p in reversed(self._procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(reversed(self._procs), timeout_s=10)
         if self._data_dir:
             shutil.rmtree(self._data_dir, ignore_errors=True)
 

@@ -14,6 +14,7 @@ import zmq
 from trainer_client import protocol as P
 
 from coordinator.testing.ports import free_address, free_port
+from coordinator.testing.processes import stop
 from tests.conftest import job_dict, write_job
 
 from .harness import SPAWN, check_content, collect
@@ -63,13 +64,7 @@ def cli_job(dataset_dir, tmp_path):
     try:
         yield path, address, log, tmp_path / "state"
     finally:
-        for p in (host, coord):
-            p.terminate()
-        for p in (host, coord):
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop([host, coord])
         log.close()
 
 
@@ -160,9 +155,7 @@ def _run_the_printed_commands(output: str, tmp_path, env: dict) -> None:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "step 2: loss" in done.stdout
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=20)
+        stop(procs)
 
 
 def test_the_example_job_file_validates_as_written():

@@ -16,6 +16,7 @@ import pytest
 import zstandard
 
 from coordinator.testing.ports import free_address
+from coordinator.testing.processes import stop
 from coordinator.testing.s3 import LoopbackS3
 from tests.conftest import build_dataset, job_dict, write_job
 
@@ -50,13 +51,7 @@ class _Commands:
                                      env={**os.environ, **worker_env}, stdout=self.logs[1], stderr=subprocess.STDOUT)
 
     def close(self) -> None:
-        for p in (self.host, self.coordinator):
-            if p.poll() is None:
-                p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop([self.host, self.coordinator])
         for f in self.logs:
             f.close()
 

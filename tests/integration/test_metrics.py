@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from coordinator.testing.ports import free_port
+from coordinator.testing.processes import stop
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 
@@ -57,9 +58,7 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
         for t in threads:
             t.join(30)
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(20)
+        stop(procs)
     samples = _samples(text)
     names = {name for name, _ in samples}
     for expected in ("msd_messages_received_total", "msd_messages_sent_total", "msd_steps_planned",
@@ -132,9 +131,7 @@ def test_log_format_json_gives_one_object_per_line_from_every_process(dataset_di
                     if batch["step"] >= 20:
                         break
         finally:
-            for p in procs:
-                p.terminate()
-                p.wait(20)
+            stop(procs)
     records = []
     for log in logs:
         for line in log.read_text().splitlines():

@@ -1,0 +1,22 @@
+"""Stopping the processes a test or a benchmark started (`msd coordinator`, `msd worker`, servers)."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Iterable
+
+
+def stop(procs: Iterable[subprocess.Popen | None], timeout_s: float = 20.0) -> None:
+    """SIGTERM every one still running, all at once (each may take seconds to stop, and the
+    others' stops go on meanwhile), then wait for each; one that has not stopped by then is
+    killed."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
