@@ -504,7 +504,9 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         metrics.serve(metrics_port, metrics_host)
         log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
     sources, router = counted_sources(job, sources, bind, lease)
-    if sources is None:
+    if sources is None:  # stopped before the workers had counted
+        if lease is not None:
+            lease.release()
         return
 
     async def main() -> None:

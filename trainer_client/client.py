@@ -3,8 +3,8 @@
 A background thread owns both sockets (a DEALER to the coordinator, a PULL data socket that
 workers push pieces to) and keeps heartbeats flowing while the trainer computes; what arrives
 goes to a ReceivingState (receiving.py), which deduplicates pieces by (step, index in the step's
-recipe), checks each against its recipe entry, and assembles micro-batches once a step's recipe
-and its pieces are in. The iterator hands them out in training order. The client decides nothing
+recipe), checks each against its recipe entry, and hands a step over once its recipe and all its
+pieces are in. The iterator builds each micro-batch when the trainer takes it, in training order. The client decides nothing
 about what data it gets; it only assembles what the coordinator planned.
 """
 

@@ -2,8 +2,10 @@
 
 `ReceivingState` takes the frames of every message (from the coordinator, and the workers'
 pieces) and decides everything about them: decoding and checks, deduplication by (step, index in
-the recipe), assembly of finished steps. It never touches a socket; the client's I/O thread
-(`client.py`) moves bytes in and carries out what it returns. It lives in the I/O thread only.
+the recipe), each piece's tokens copied into its step, and finished steps handed over
+(`ReadyStep`, whose micro-batches the trainer's thread builds as it takes them). It never
+touches a socket; the client's I/O thread (`client.py`) moves bytes in and carries out what it
+returns. It lives in the I/O thread only; a ReadyStep, once handed over, belongs to the trainer.
 """
 
 from __future__ import annotations
