@@ -32,22 +32,22 @@ _SHARD_TYPES = {"jsonl": jsonl.JsonlShard, "webdataset": webdataset.WebDatasetSh
 _INDEX_SUFFIXES = {"jsonl": jsonl.INDEX_SUFFIX, "webdataset": webdataset.INDEX_SUFFIX}
 
 
+def _unindexed(spec: dict[str, Any]) -> list[str]:
+    """The shards of one source spec that have no index on this host (none for formats that need none)."""
+    if spec["format"] not in _SHARD_TYPES:
+        return []
+    return [path for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+
+
 def _missing(specs: list[dict[str, Any]]) -> list[tuple]:
     """(format, shard, cache dir, storage, cache bytes) of every shard of these specs with no index yet."""
     return [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"))
-            for spec in specs if spec["format"] in _SHARD_TYPES
-            for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+            for spec in specs for path in _unindexed(spec)]
 
 
 def unindexed_shards(specs: list[dict[str, Any]]) -> dict[int, list[str]]:
     """{position in specs: its shards with no index on this host} of the sources that have any."""
-    out: dict[int, list[str]] = {}
-    for i, spec in enumerate(specs):
-        if spec["format"] in _SHARD_TYPES:
-            missing = [p for p in spec["files"] if not _looks_indexed(spec["format"], p, spec.get("cache_dir"))]
-            if missing:
-                out[i] = missing
-    return out
+    return {i: missing for i, spec in enumerate(specs) if (missing := _unindexed(spec))}
 
 
 def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
