@@ -21,10 +21,10 @@ def _load_and_open(path: str) -> tuple[JobConfig, OpenedSources]:
     """The job and its sources, opened as its coordinator opens them: the sources this host has
     no index of are left to the workers when the job says so (runtime.index_on: workers)."""
     from .config import load_job
-    from .sources import open_sources
+    from .sources import open_as_coordinator
 
     job = load_job(path)
-    return job, open_sources(job, index_here=job.runtime.index_on == "coordinator")
+    return job, open_as_coordinator(job)
 
 
 def _fail_config(e: ConfigError) -> None:
@@ -139,14 +139,14 @@ def validate(job_file: str) -> None:
     from worker.readers.storage import is_url
 
     from .config import ConfigError, load_job
-    from .sources import check_readable, open_sources
+    from .sources import check_readable, open_as_coordinator
 
     try:
         job = load_job(job_file)
         check_readable(job)  # every remote object, by URL, before the slower opening of each source
         # as the coordinator opens them: with index_on: workers, a corpus this host has not
         # indexed is not indexed here either (it may be terabytes)
-        opened = open_sources(job, index_here=job.runtime.index_on == "coordinator")
+        opened = open_as_coordinator(job)
     except ConfigError as e:
         _fail_config(e)
     counts = [("?" if i in opened.pending else n) for i, n in enumerate(opened.num_records)]

@@ -65,6 +65,12 @@ def open_sources(job: JobConfig, index_here: bool = True) -> OpenedSources:
     return OpenedSources(counts, mapped, pending)
 
 
+def open_as_coordinator(job: JobConfig) -> OpenedSources:
+    """The sources as `msd coordinator` opens them: indexed here, or, with runtime.index_on:
+    workers, those this host has no index of left pending for the workers."""
+    return open_sources(job, index_here=job.runtime.index_on == "coordinator")
+
+
 def _check_not_empty(job: JobConfig, counts: list[int], problems: list[str], skip: set[int] = frozenset()) -> None:
     for i, (s, n) in enumerate(zip(job.sources, counts)):
         if (i not in skip and n == 0 and job.weights.get(s.name, 0) > 0

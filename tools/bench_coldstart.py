@@ -20,8 +20,8 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
 The cold variants run in a different order in each repeat: on a virtual machine that hands
 freed memory back to its host, the first touch of that memory is slow, and a run's time depends
 on what ran before it (`dd` of 1.7 GB into the page cache: 0.33 s right after 1.7 GB had been
-freed, 3.7-4.2 s after a 20 s pause). Minimums and medians are both reported. Also the disk the cache takes (decompressed copies and line indexes) against the compressed
-shards. Medians and spreads in the JSON.
+freed, 3.7-4.2 s after a 20 s pause). Also the disk the cache takes (decompressed copies and
+line indexes) against the compressed shards. Medians, spreads and the fastest runs in the JSON.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ def main() -> None:
         yaml.safe_dump(spec, out)
     cores = os.cpu_count() or 1
     ref, cold, warm, on_workers, on_forked, commands, records = [], [], [], [], [], [], None
+
     def coordinator_cold() -> None:
         nonlocal records
         seconds, records = ours_s(job)

@@ -132,15 +132,20 @@ class StepAssembler:
     def done(self) -> bool:
         return self.missing == 0
 
+    @property
+    def micro_batches(self) -> int:
+        return len(self.counts) // self.mbs
+
     def batches(self) -> list[dict[str, Any]]:
         """All the step's micro-batches."""
-        return [self.micro_batch(m) for m in range(len(self.counts) // self.mbs)]
+        return [self.micro_batch(m) for m in range(self.micro_batches)]
 
     @functools.cached_property
     def _layout(self) -> dict[str, np.ndarray]:
         """The step's segments (each row's pieces, then its padding if any), in flat order: their
-        lengths, starts and ends in the step's tokens, which are padding, and where each row's
-        segments end; computed once, when the first micro-batch is built."""
+        lengths, their ends in the step's tokens, which are padding, and where each row's segments
+        end; and where each row's pieces and each piece's tokens end. Computed once, when the
+        first micro-batch is built."""
         rows = len(self.counts)
         pad = self.row_len - self.used  # padding at the end of each row
         has_pad = (pad > 0).astype(np.int64)

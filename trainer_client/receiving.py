@@ -200,7 +200,7 @@ class ReadyStep:
 
     @property
     def micro_batches(self) -> int:
-        return len(self.assembler.counts) // self.assembler.mbs
+        return self.assembler.micro_batches
 
     def micro_batch(self, m: int) -> dict[str, Any]:
         batch = for_rank(self.assembler.micro_batch(m), self.batch_info, self.rank, self.metadata_only)

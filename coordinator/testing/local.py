@@ -23,7 +23,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
     setup_logging(log_level, "coordinator" if not standby else "standby", log_path)
     from ..app import Coordinator, counted_sources, take_lease
     from ..config import load_job
-    from ..sources import open_sources
+    from ..sources import open_as_coordinator
 
     try:
         import uvloop
@@ -33,7 +33,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
         pass
     try:
         job = load_job(job_path)
-        sources = open_sources(job, index_here=job.runtime.index_on == "coordinator")
+        sources = open_as_coordinator(job)
     except Exception as e:
         addr_queue.put(("error", str(e)))
         return
