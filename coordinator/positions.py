@@ -18,6 +18,10 @@ NOBODY = -1
 # the ufuncs' reductions called directly: ndarray.min()/max() go through two Python layers,
 # which cost more than the reduction on the small arrays of one source's part of a step
 _smallest, _largest = np.minimum.reduce, np.maximum.reduce
+# the fewest slots a table gets, and the fewest forgotten positions worth a copy: small, because
+# every source has a table (1024 cost 15 MB of mostly dead slots at 306 sources); amortised
+# anyway, rooms doubling and a copy only once half a table is dead
+MIN_ROOM = 128
 
 
 class HeldCounts:
@@ -71,7 +75,7 @@ class _Arena:
 
     def make_room(self, t: "PositionTable", need: int) -> None:
         """Move table t to a segment with room for `need` live slots."""
-        room = max(1024, 2 * need)
+        room = max(MIN_ROOM, 2 * need)
         if self.used + room > len(self.record):
             self._pack(room)
         size = t.end - t.base
@@ -84,7 +88,7 @@ class _Arena:
 
     def _pack(self, extra: int) -> None:
         rooms = sum(t.room for t in self.tables)
-        length = max(1024, 2 * (rooms + extra))
+        length = max(MIN_ROOM, 2 * (rooms + extra))
         fresh = {f: np.zeros(length, dtype=np.int64) for f in self.FIELDS}
         at = 0
         for t in self.tables:
@@ -221,7 +225,7 @@ class PositionTable:
         """Drop positions below `position` (nothing refers to them any more). Copies only when
         the dropped prefix is large, so the cost is amortised."""
         position = min(position, self.end)
-        if position - self.base < max(1024, (self.end - self.base) // 2):
+        if position - self.base < max(MIN_ROOM, (self.end - self.base) // 2):
             return
         keep = self.end - position
         shift = position - self.base

@@ -42,6 +42,20 @@ def test_bulk_stream_matches_scalar_across_epochs():
     assert s.records_array(20, 100).tolist() == [s.record_at(p) for p in range(20, 120)]
 
 
+def test_requests_small_and_large_give_the_stream_and_keep_one_small_chunk():
+    from coordinator.cursor import CHUNK
+
+    n = 3 * CHUNK + 5
+    reference = SourceStream(seed=5, source_index=1, num_records=n)
+    s = SourceStream(seed=5, source_index=1, num_records=n)
+    got, pos = [], 0
+    for count in (10, 3 * CHUNK, 7, 2 * n, 1, CHUNK + 1):  # small, large, across epochs
+        got += s.records_array(pos, count).tolist()
+        pos += count
+        assert len(s._chunk) <= CHUNK  # a large request is not kept: one source holds O(1)
+    assert got == [reference.record_at(p) for p in range(pos)]
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 1000, 65536, 65537, 10**6 + 3, 2**40 + 5])
 def test_compiled_permutation_matches_the_numpy_reference(n):
     import numpy as np
