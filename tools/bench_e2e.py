@@ -220,20 +220,15 @@ class MsdCommands:
             stderr=self._log_files[1])
 
     def pids(self) -> list[int]:
-        """The coordinator, the host agent and everything under it (fork server, resource
-        tracker, worker processes)."""
+        """The coordinator, the host agent and everything under it (fork server, worker
+        processes)."""
         return [self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)]
 
     def worker_pids(self) -> list[int]:
         """The worker processes now running: the fork server's children."""
-        for pid in e2e_ranks.children(self.host.pid):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"forkserver" in f.read():
-                        return e2e_ranks.children(pid)
-            except OSError:
-                pass
-        return []
+        from worker.forks import host_worker_pids
+
+        return host_worker_pids(self.host.pid)
 
     def close(self) -> None:
         """Stop both; their logs are removed unless they hold something (warnings, errors)."""

@@ -32,18 +32,20 @@ def pss_kb(pid: int) -> int:
 
 
 def process_name(pid: int) -> str:
-    """What a process of ours is, from its command line: coordinator, worker host agent, fork
-    server, resource tracker, or worker process."""
-    cmd = _cmdline(pid)
-    if not cmd:
+    """What a process of ours is: coordinator, host agent, fork server or worker process (by the
+    names worker/forks.py gives the forked ones, then the command line)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
         return "gone"
-    if "forkserver" in cmd:  # the fork server, or a worker it forked (which keeps its command line)
-        return "worker process" if "forkserver" in _cmdline(_parent(pid)) else "fork server"
-    for key, name in (("resource_tracker", "resource tracker"), (" coordinator ", "coordinator"),
-                      (" worker ", "host agent")):
+    if comm in ("msd-forks", "msd-worker"):
+        return "fork server" if comm == "msd-forks" else "worker process"
+    cmd = _cmdline(pid)
+    for key, name in ((" coordinator ", "coordinator"), (" worker ", "host agent")):
         if key in cmd:
             return name
-    return "worker process"
+    return "other"
 
 
 def _cmdline(pid: int) -> str:
@@ -52,14 +54,6 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def children(pid: int) -> list[int]:

@@ -38,13 +38,15 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
-def setup_logging(level: str, who: str, filename: str | None = None, fmt: str | None = None) -> None:
+def setup_logging(level: str, who: str, filename: str | None = None, fmt: str | None = None,
+                  replace: bool = False) -> None:
     """Log records of `level` and above to stderr (or `filename`), as text or JSON (fmt, else
-    $MSD_LOG_FORMAT, else text)."""
+    $MSD_LOG_FORMAT, else text). replace: drop the handlers the process has (a forked worker
+    inherits its agent's)."""
     fmt = fmt or os.environ.get(FORMAT_ENV) or "text"
     if fmt not in ("text", "json"):
         raise ValueError(f"log format {fmt!r}: expected text or json")
     handler = logging.FileHandler(filename) if filename else logging.StreamHandler()
     handler.setFormatter(JsonFormatter(who) if fmt == "json" else
                          logging.Formatter(f"%(asctime)s {who}[%(process)d] %(levelname)s %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=replace)

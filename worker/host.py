@@ -1,10 +1,10 @@
 """The per-host agent (`msd worker`): starts worker processes and keeps them running.
 
-Workers are forked by a multiprocessing fork server that has imported the worker's modules
-(`worker/preload.py`), never by the agent itself (forking a process that holds a zmq context
-crashes): forked workers share those modules' memory, and each creates its own zmq context. A
-worker that dies is restarted with exponential back-off; the agent stops its workers when it
-is stopped, and workers exit on their own if the agent disappears.
+The agent imports the worker's modules (`worker/preload.py`) and forks a fork server of its own
+before it opens any zmq socket (`worker/forks.py`); the server forks every worker process, so
+the agent, the server and the workers share those modules' memory, and each worker creates its
+own zmq context. A worker that dies is restarted with exponential back-off; the agent stops its
+workers when it is stopped, and workers exit on their own if the agent disappears.
 
 The agent registers with the coordinator (`host_hello`: its process count and limits) and
 heartbeats. With `--procs auto` it starts one process and the coordinator grows or shrinks the
@@ -16,8 +16,6 @@ nothing), so no prepared record is lost by scaling down.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -31,6 +29,8 @@ from trainer_client.errors import ProtocolError
 from trainer_client.session import PeerLoop, Registration
 from trainer_client.sockets import make_socket, send_nowait
 
+from .forks import ForkedWorker, ForkServer
+
 log = logging.getLogger("msd.worker.host")
 
 MAX_BACKOFF_S = 30.0
@@ -40,7 +40,7 @@ HEARTBEAT_S = 1.0
 
 
 def _worker_main(*args) -> None:
-    """Entry point of a worker process (imported lazily: the agent itself needs none of it)."""
+    """Entry point of a worker process (its modules were imported by the agent before the fork)."""
     from .loop import run_worker
 
     run_worker(*args)
@@ -48,8 +48,7 @@ def _worker_main(*args) -> None:
 
 class _Slot:
     def __init__(self) -> None:
-        self.process: mp.Process | None = None
-        self.task = None  # shared int64: the prepare task its process works on (-1: none)
+        self.process: ForkedWorker | None = None
         self.restarts = 0
         self.started_at = 0.0
         self.next_start = 0.0
@@ -72,24 +71,22 @@ class HostAgent:
         self.coordinator = coordinator
         self.log_level, self.log_path, self.keys_dir = log_level, log_path, keys_dir
         self.agent_id = int.from_bytes(os.urandom(6), "little")
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["worker.preload"])
+        self.forks = ForkServer(_worker_main)
         self.slots: list[_Slot] = []
         self.stopping = False
         self.registration: Registration | None = None
         self.refused: str | None = None  # why the coordinator will not have this host
+        self.failed = False  # the fork server died
         self.control: zmq.Socket | None = None
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self.metrics = None  # HostMetricsServer, started in run() before the fork server
+        self.metrics = None  # HostMetricsServer, made in run() before the fork server
 
     def _start(self, slot: _Slot) -> None:
-        # The worker marks the task it works on here; if it dies, the agent reports that task, so
-        # a record that kills whatever reads it is found and quarantined (state._blame).
-        slot.task = self.ctx.Value("q", -1, lock=False)
-        p = self.ctx.Process(target=_worker_main, args=(self.coordinator, os.getpid(), self.log_level, self.log_path,
-                                                        self.keys_dir, self.agent_id, slot.task),
-                             name="msd-worker", daemon=True)
-        p.start()
+        # The worker marks the task it works on in a cell the fork server reads when it dies; the
+        # agent reports that task, so a record that kills whatever reads it is found and
+        # quarantined (state._blame).
+        p = self.forks.start_worker((self.coordinator, os.getpid(), self.log_level, self.log_path, self.keys_dir,
+                                     self.agent_id))
         slot.process, slot.started_at = p, time.monotonic()
         log.info("started a worker process (pid %d); %d running", p.pid, self.running)
 
@@ -98,6 +95,12 @@ class HostAgent:
         return sum(1 for s in self.slots if s.process is not None and s.process.is_alive())
 
     def _keep_alive(self, now: float) -> None:
+        self.forks.poll()
+        if self.forks.gone and not self.stopping:
+            log.error("the fork server of this host (pid %s) is gone: no worker process can start; stopping",
+                      self.forks.pid)
+            self.failed = self.stopping = True
+            return
         while len(self.slots) < self.target:
             self.slots.append(_Slot())
         for slot in self.slots:
@@ -109,7 +112,7 @@ class HostAgent:
                     slot.restarts = 0  # it ran fine for a while, or was killed: not a crash loop
                 slot.restarts += 1
                 backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
-                task = slot.task.value if slot.task is not None else -1
+                task = p.task
                 log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
                             f" while preparing task {task}" if task >= 0 else "", backoff)
                 self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
@@ -143,17 +146,24 @@ class HostAgent:
         self.target = procs
 
     def run(self) -> int:
-        """Until stopped; returns the exit status (1: the coordinator refused this host)."""
+        """Until stopped; returns the exit status (1: the coordinator refused this host, or its
+        fork server died)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        # The fork server takes a while to start (it imports the worker's modules): before the
-        # hello, so the agent is never silent towards the coordinator while it starts.
         if self.metrics_port is not None:  # before the fork server: its children inherit the environment
             from .metrics import HostMetricsServer
 
             self.metrics = HostMetricsServer(self.metrics_port, self.metrics_host)
+        # The worker's modules, imported once and frozen, then the fork server, forked before the
+        # agent has a zmq context or a second thread: the agent, the server and every worker share
+        # those pages. It takes a while (numpy, the readers): before the hello, so the agent is
+        # never silent towards the coordinator while it starts.
+        from . import preload  # noqa: F401
+
+        self.forks.start()
+        if self.metrics is not None:
+            self.metrics.serve()
             log.info("Prometheus metrics of this host's workers on http://%s:%d/metrics", self.metrics_host,
                      self.metrics_port)
-        multiprocessing.forkserver.ensure_running()
         zctx = zmq.Context()
         control = self.control = make_socket(zctx, zmq.DEALER)
         if self.keys_dir:
@@ -176,9 +186,10 @@ class HostAgent:
             control.close(linger=0)
             zctx.term()
             self.shutdown()
+            self.forks.stop()
             if self.metrics is not None:
                 self.metrics.close()
-        return 1 if self.refused else 0
+        return 1 if self.refused or self.failed else 0
 
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()

@@ -35,12 +35,15 @@ MAX_SOCKETS = 65536
 # Below this, copying a frame is cheaper than zero-copy bookkeeping (pyzmq tracks zero-copy
 # frames through a garbage-collector thread).
 ZERO_COPY_BYTES = 1 << 20
+# Freed heap pages go back to the OS this often (trainer_client.memory.return_freed_memory): a
+# trim of a worker's heap takes well under a millisecond; the pages it frees fault in again later
+TRIM_EVERY_S = 2.0
 
 
 class Worker:
     def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None,
                  agent_id: int = 0, current_task: Any = None) -> None:
-        """current_task: an int shared with the host agent (multiprocessing.Value), set to the
+        """current_task: an int shared with the host's fork server (a ctypes c_int64), set to the
         prepare task being worked on, so that the agent can say which task a crash happened in."""
         self.parent_pid = parent_pid
         self.current_task = current_task
@@ -67,6 +70,7 @@ class Worker:
         self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
         self.metrics = worker_metrics()  # Prometheus (msd worker --metrics-port), or None
         self._sampled = 0.0
+        self._trimmed = time.monotonic()
         self._kept_alive = float("-inf")
         self.core.keep_alive = self._keep_alive
         storage.keep_alive = self._keep_alive  # a read waiting out a throttled store
@@ -94,6 +98,9 @@ class Worker:
 
     def _each_turn(self, now: float) -> None:
         self._check_parent(now)
+        if now - self._trimmed >= TRIM_EVERY_S:
+            self._trimmed = now
+            memory.return_freed_memory()
         if self.metrics is not None and now - self._sampled >= 1.0:
             self._sampled = now
             self.metrics.sample(now, self.busy_s, self.outbox.waits)
@@ -186,7 +193,7 @@ def run_worker(coordinator: str, parent_pid: int | None = None, log_level: str =
                log_path: str | None = None, keys_dir: str | None = None, agent_id: int = 0,
                current_task: Any = None) -> None:
     """Entry point of one worker process (spawned by the host agent)."""
-    setup_logging(log_level, "worker", log_path)
+    setup_logging(log_level, "worker", log_path, replace=True)  # forked: the agent's handlers are inherited
     memory.keep_freed_memory()
     raise_fd_limit("worker")
     worker = Worker(coordinator, parent_pid, keys_dir, agent_id, current_task)

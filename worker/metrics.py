@@ -3,7 +3,7 @@ each worker process writes its values to files in a directory the host agent mad
 serves them all on one port (worker processes come and go; one scrape target per host stays).
 
 Enabled in a worker process when the agent set MSD_WORKER_METRICS (and PROMETHEUS_MULTIPROC_DIR)
-before starting its fork server; prometheus-client is imported only then.
+before forking its fork server (worker/forks.py); prometheus-client is imported only then.
 """
 
 from __future__ import annotations
@@ -75,18 +75,22 @@ def worker_metrics() -> WorkerMetrics | None:
 
 class HostMetricsServer:
     """The host agent's side: the directory the worker processes write to, and the HTTP server
-    that aggregates it. Create before the fork server starts."""
+    that aggregates it. Create before the fork server is forked (its children inherit the
+    environment), serve() after (a thread: the fork server is forked with none)."""
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self.port, self.host = port, host
         self.directory = tempfile.mkdtemp(prefix="msd-worker-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.directory
         os.environ[ENABLED_ENV] = "1"
+
+    def serve(self) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
         from prometheus_client.multiprocess import MultiProcessCollector
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.directory)
-        start_http_server(port, addr=host, registry=registry)
+        start_http_server(self.port, addr=self.host, registry=registry)
 
     def process_gone(self, pid: int) -> None:
         from prometheus_client import multiprocess

@@ -1,6 +1,6 @@
-"""Imported once by the host agent's fork server, before it forks worker processes: the modules a
-worker needs are loaded and their objects frozen out of the garbage collector, so the forked
-workers share those pages with the server instead of each holding a private copy (a spawned
+"""Imported once by the host agent, before it forks its fork server (worker/forks.py): the modules
+a worker needs are loaded and their objects frozen out of the garbage collector, so the agent, the
+server and the forked workers share those pages instead of each holding a private copy (a spawned
 worker re-imports everything: ~20 MB of its own per process)."""
 
 import gc

@@ -76,14 +76,6 @@ def _host_main(address: str, procs: int | None, log_level: str, log_path: str | 
     raise SystemExit(HostAgent(address, procs, log_level, log_path, keys_dir, max_procs).run())
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
 class LocalJob:
     """Context manager: `with LocalJob(path, workers=3) as job: job.address ...`."""
 
@@ -145,15 +137,9 @@ class LocalJob:
 
     def worker_pids(self) -> list[int]:
         """PIDs of the host agent's worker processes (children of its fork server)."""
-        pids = []
-        for child in _children(self.host.pid):
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as f:
-                    if b"forkserver" in f.read():
-                        pids.extend(_children(child))
-            except OSError:
-                continue
-        return pids
+        from worker.forks import host_worker_pids
+
+        return host_worker_pids(self.host.pid)
 
     def __exit__(self, *exc) -> None:
         for p in (self.host, self.coordinator, self.standby_process):
