@@ -122,7 +122,11 @@ class HostAgent:
                 slot.process = None
                 slot.next_start = now + backoff
             elif now >= slot.next_start:
-                self._start(slot)
+                try:
+                    self._start(slot)
+                except RuntimeError as e:  # the fork server died: seen at the next turn's poll
+                    log.error("%s", e)
+                    return
 
     def _report(self, msg: dict) -> None:
         if self.control is not None:

@@ -40,6 +40,24 @@ def test_authorised_workers_and_clients_are_served(dataset_dir, keys):
     assert check_content(path, received) > 5
 
 
+def test_with_index_on_workers_the_counting_workers_need_the_key_too(tmp_path, keys):
+    """The sources are counted by the workers (runtime.index_on: workers) over the same encrypted
+    socket that then serves the job: an authorised host counts, and the job is served."""
+    from tests.conftest import build_dataset
+
+    good, other = keys
+    root = str(tmp_path / "data")
+    build_dataset(root)  # fresh shards: nothing indexed yet
+    runtime = {**job_dict()["runtime"], "index_on": "workers"}
+    path = write_job(root, job_dict(topology={"dp": 1}, security={"curve": good}, runtime=runtime), "curve.yaml")
+    log = str(tmp_path / "job.log")
+    with LocalJob(path, workers=1, worker_keys=good, log_path=log, log_level="INFO") as job:
+        with DataClient(job.address, rank=0, as_torch=False, timeout_s=60, keys_dir=good) as client:
+            received = {0: [next(client) for _ in range(6)]}
+    assert check_content(path, received) > 5
+    assert "workers counted 2 source(s)" in open(log).read()
+
+
 def test_a_client_without_an_authorised_key_is_refused_and_told_why(dataset_dir, keys):
     good, other = keys
     with LocalJob(_job(dataset_dir, good), workers=1, worker_keys=good) as job:
