@@ -20,3 +20,13 @@ def stop(procs: Iterable[subprocess.Popen | None], timeout_s: float = 20.0) -> N
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie (Linux /proc): a process that is not ours to
+    wait for, such as a fork server's worker, stays a zombie until whatever adopts it reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from coordinator.testing.ports import free_address
+from coordinator.testing.processes import running
 from worker.forks import host_worker_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -25,14 +26,6 @@ def _msd() -> str:
 def _comm(pid: int) -> str:
     with open(f"/proc/{pid}/comm") as f:
         return f.read().strip()
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
@@ -50,8 +43,8 @@ def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
 
 def _wait_gone(pids: list[int], timeout_s: float = 15) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_running(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if _running(p)]
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if running(p)]
         time.sleep(0.1)
 
 

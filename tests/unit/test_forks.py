@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from coordinator.testing.processes import running
 from worker.forks import ForkServer, host_worker_pids
 
 
@@ -53,7 +54,7 @@ def test_stopping_the_server_stops_its_workers():
     workers = [s.start_worker(("wait",)) for _ in range(2)]
     s.stop()  # the agent closes its pipe: the server terminates its workers, then exits
     assert s.gone
-    assert not any(_running(w.pid) for w in workers)
+    assert not any(running(w.pid) for w in workers)
 
 
 def test_a_dead_server_is_noticed_and_starts_nothing():
@@ -68,15 +69,6 @@ def test_a_dead_server_is_noticed_and_starts_nothing():
     with pytest.raises(RuntimeError, match="fork server is gone"):
         s.start_worker(("ok",))
     deadline = time.monotonic() + 10
-    while _running(w.pid):
+    while running(w.pid):
         assert time.monotonic() < deadline, "the orphaned worker kept running"
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """Not gone and not a zombie (an orphan is reaped by whatever adopts it, maybe late)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
