@@ -118,6 +118,10 @@ _FAILED = {
 _CLOSED_IN_HANDSHAKE = ("the coordinator closed the connection during the security handshake (a plain peer meeting a "
                         "CURVE one, or keys of another job)")
 REFUSED_AFTER = 3  # consecutive failed handshakes: one may be a connection cut mid-handshake, three are a refusal
+# The peer's own answer, never a cut connection, and libzmq does not connect again after it (a
+# protocol error ends the session): one is a refusal. Counted as one of three, a plain client
+# that saw the mismatch itself (before the coordinator closed) stopped at two and waited forever.
+_REFUSALS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 
 class HandshakeWatch:
@@ -144,7 +148,7 @@ class HandshakeWatch:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.failures, self._handshook = 0, True
             elif event in _FAILED:
-                self.failures += 1
+                self.failures += REFUSED_AFTER if event in _REFUSALS else 1
                 self.last_failure = _FAILED[event]
             elif event == zmq.EVENT_DISCONNECTED:
                 # Which side notices a mismatch first depends on timing: often the peer just
