@@ -34,13 +34,13 @@ def pss_kb(pid: int) -> int:
 def process_name(pid: int) -> str:
     """What a process of ours is: coordinator, host agent, fork server or worker process (by the
     names worker/forks.py gives the forked ones, then the command line)."""
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            comm = f.read().strip()
-    except OSError:
+    from worker.forks import SERVER_NAME, WORKER_NAME, process_comm
+
+    comm = process_comm(pid)
+    if not comm:
         return "gone"
-    if comm in ("msd-forks", "msd-worker"):
-        return "fork server" if comm == "msd-forks" else "worker process"
+    if comm in (SERVER_NAME, WORKER_NAME):
+        return "fork server" if comm == SERVER_NAME else "worker process"
     cmd = _cmdline(pid)
     for key, name in ((" coordinator ", "coordinator"), (" worker ", "host agent")):
         if key in cmd:

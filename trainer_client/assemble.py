@@ -118,16 +118,6 @@ class StepAssembler:
             self.tokens = self.tokens.astype(np.promote_types(self.tokens.dtype, dtype))
         return self.tokens
 
-    def _int64_tokens(self) -> np.ndarray:
-        """The step's tokens as int64, padding in place (the buffer's padding was never written)."""
-        tokens = np.empty(len(self.counts) * self.row_len, dtype=np.int64)
-        if self.tokens is not None:
-            tokens[:] = self.tokens
-        row_len = self.row_len
-        for r in np.flatnonzero(self.used < row_len).tolist():
-            tokens[r * row_len + int(self.used[r]):(r + 1) * row_len] = self.pad_id
-        return tokens
-
     @property
     def done(self) -> bool:
         return self.missing == 0

@@ -38,6 +38,7 @@ log = logging.getLogger("msd.worker.forks")
 
 REAP_EVERY_S = 0.1
 STOP_WAIT_S = 5.0
+SERVER_NAME, WORKER_NAME = "msd-forks", "msd-worker"  # as /proc/PID/comm, ps -o comm and top show them
 
 
 def name_process(name: str) -> None:
@@ -52,7 +53,7 @@ def name_process(name: str) -> None:
 def host_worker_pids(agent_pid: int) -> list[int]:
     """The worker processes of the host agent `agent_pid` now running (its fork server's
     children; Linux /proc), for tests, benchmarks and operators' scripts."""
-    return [pid for server in _children(agent_pid) if _comm(server) == "msd-forks" for pid in _children(server)]
+    return [pid for server in _children(agent_pid) if process_comm(server) == SERVER_NAME for pid in _children(server)]
 
 
 def _children(pid: int) -> list[int]:
@@ -63,7 +64,8 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _comm(pid: int) -> str:
+def process_comm(pid: int) -> str:
+    """A process's name (/proc/PID/comm; "" if it is gone)."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -226,7 +228,7 @@ class _Server:
         self.cells: dict[int, tuple[mmap.mmap, ctypes.c_int64]] = {}
 
     def run(self) -> None:
-        name_process("msd-forks")
+        name_process(SERVER_NAME)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops us
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         buffer = b""
@@ -300,7 +302,7 @@ def _run_worker(target: Callable[..., None], args: list, cell: ctypes.c_int64, p
     try:
         for fd in pipes:
             os.close(fd)
-        name_process("msd-worker")
+        name_process(WORKER_NAME)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         target(*args, cell)

@@ -14,18 +14,13 @@ import pytest
 
 from coordinator.testing.ports import free_address
 from coordinator.testing.processes import running
-from worker.forks import host_worker_pids
+from worker.forks import SERVER_NAME, WORKER_NAME, host_worker_pids, process_comm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _msd() -> str:
     return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
-
-
-def _comm(pid: int) -> str:
-    with open(f"/proc/{pid}/comm") as f:
-        return f.read().strip()
 
 
 def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
@@ -37,7 +32,7 @@ def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
         assert agent.poll() is None and time.monotonic() < deadline, "the host did not start its workers"
         time.sleep(0.1)
     with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
-        server = next(int(p) for p in f.read().split() if _comm(int(p)) == "msd-forks")
+        server = next(int(p) for p in f.read().split() if process_comm(int(p)) == SERVER_NAME)
     return agent, server, host_worker_pids(agent.pid)
 
 
@@ -50,7 +45,7 @@ def _wait_gone(pids: list[int], timeout_s: float = 15) -> None:
 
 def test_the_host_names_its_processes_and_a_stopped_agent_stops_them_all():
     agent, server, workers = _start_host(2)
-    assert [_comm(p) for p in workers] == ["msd-worker", "msd-worker"]
+    assert [process_comm(p) for p in workers] == [WORKER_NAME, WORKER_NAME]
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 0
     _wait_gone([server, *workers])
