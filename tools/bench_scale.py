@@ -15,9 +15,10 @@ at 306 x 10^7, at the disk cost of one). Each rank gets 8,192 tokens per step (o
 
 Reported per point: the coordinator's CPU per step (utime+stime from /proc over the steps after
 a warm-up, against the slowest rank's consumed step from its metrics), its peak RSS and, apart,
-its anonymous (heap) and file-backed (mapped indexes) resident memory, messages per second by
-type, sockets per worker process, the step rate, and the time from the coordinator's start to
-the first batch at any rank.
+its anonymous (heap) and file-backed (mapped indexes) resident memory, the latter as PSS (a page
+of the one hard-linked index counts once, not once per source), messages per second by type,
+sockets per worker process, the step rate, and the time from the coordinator's start to the
+first batch at any rank.
 """
 
 from __future__ import annotations
@@ -77,11 +78,19 @@ def _cpu_s(pid: int) -> float:
 
 
 def _status(pid: int) -> dict[str, int]:
+    """Bytes: peak and current RSS, and RSS and PSS by kind. A file's page mapped by many
+    mappings counts once per mapping in RSS (306 sources hard-linked to one index: 306 times),
+    once in all in PSS (split over its mappings, and with other processes that map it)."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
             if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("Pss", "Pss_Anon", "Pss_File"):
                 out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -197,9 +206,12 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     window = [s for s in samples if steps // 5 <= s[2] < steps - 2]
     row = {"dp": dp, "sources": count, "records_per_source": records, "records": count * records,
            "steps": done, "time_to_first_batch_s": round(first - started, 2) if first else None,
-           "coordinator_peak_rss_mb": round(memory.get("VmHWM", 0) / 2**20, 1),
+           "coordinator_peak_rss_mb": round(memory.get("VmHWM", 0) / 2**20, 1),  # file pages once per mapping
            "coordinator_heap_mb": round(memory.get("RssAnon", 0) / 2**20, 1),
-           "coordinator_mapped_files_mb": round(memory.get("RssFile", 0) / 2**20, 1),
+           # the mapped indexes' resident pages, each counted once (PSS: shared ones split with
+           # the workers that map them too); RSS counts a page once per mapping of it
+           "coordinator_mapped_files_mb": round(memory.get("Pss_File", 0) / 2**20, 1),
+           "coordinator_mapped_files_rss_mb": round(memory.get("RssFile", 0) / 2**20, 1),
            "max_sockets_per_worker_process": peak_sockets}
     if len(window) >= 2 and window[-1][2] > window[0][2]:
         (t0, c0, s0, m0), (t1, c1, s1, m1) = window[0], window[-1]

@@ -46,3 +46,30 @@ def test_a_loader_that_adds_nothing_reads_near_zero_where_clipping_read_the_shar
     assert abs(added) < 24 * 1024, out  # a few MB of copied pages per worker at most
     assert clipped > 120 * 1024, out  # the 4 workers' share of the 200 MB, counted again
     assert now < before - 120 * 1024, out  # the rank's own PSS fell: its pages are shared now
+
+
+# A coordinator with many sources hard-linked to one index maps the same file once per source.
+MAPPED = r'''
+import mmap, os, sys
+sys.path.insert(0, sys.argv[1])
+import bench_scale, orjson
+path = sys.argv[2]
+with open(path, "wb") as f:
+    f.write(os.urandom(4 << 20))
+maps = []
+for _ in range(40):  # 40 sources, one index
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sum(m[i] for i in range(0, len(m), 4096))  # every page resident in this mapping
+    maps.append(m)
+print(orjson.dumps(bench_scale._status(os.getpid())).decode())
+'''
+
+
+def test_a_file_mapped_by_many_sources_counts_once_in_the_scale_benchmark(tmp_path):
+    tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools")
+    out = orjson.loads(subprocess.run([sys.executable, "-c", MAPPED, tools, str(tmp_path / "index.bin")], check=True,
+                                      capture_output=True, timeout=60).stdout)
+    mb = 1 << 20
+    assert out["RssFile"] > 40 * 4 * mb  # each mapping's pages counted again
+    assert 4 * mb <= out["Pss_File"] < 4 * mb + 16 * mb, out  # the index once (plus libraries' shares)
