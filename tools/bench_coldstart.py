@@ -1,6 +1,6 @@
 """Cold start on compressed JSONL: how long before a job can plan, when nothing is indexed yet.
 
-    python tools/bench_coldstart.py --json OUT [--shards 16] [--shard-mb 100]
+    python tools/bench_coldstart.py --json OUT [--shards 16] [--shard-mb 100] [--copies seekable]
 
 Writes S shards of real text (this Python's standard library, documents of lognormal length)
 as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alternately and
@@ -21,7 +21,10 @@ The cold variants run in a different order in each repeat: on a virtual machine 
 freed memory back to its host, the first touch of that memory is slow, and a run's time depends
 on what ran before it (`dd` of 1.7 GB into the page cache: 0.33 s right after 1.7 GB had been
 freed, 3.7-4.2 s after a 20 s pause). Also the disk the cache takes (decompressed copies and
-line indexes) against the compressed shards. Medians, spreads and the fastest runs in the JSON.
+line indexes) against the compressed shards, and what reading one record costs from the copies
+(`record_read_us`: random lines of one shard, through the reader the workers use). --copies
+seekable: the job's `runtime.copies`, copies in the Zstandard seekable format instead of plain.
+Medians, spreads and the fastest runs in the JSON.
 """
 
 from __future__ import annotations
@@ -103,9 +106,24 @@ WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_s
     "assert not problems, problems; print(len(built))"
 
 
+COPIES = "plain"  # --copies
+
+
 def _worker_specs(paths: list[str], cache: str) -> list[dict]:
     """The source specs a worker of the job is given (the part build_indexes_shared reads)."""
-    return [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache}]
+    return [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache, "copies": COPIES}]
+
+
+def record_read_us(path: str, cache: str, reads: int = 3000) -> float:
+    """Microseconds per line read at random places of one shard, from its cached copy."""
+    from worker.readers.jsonl import JsonlShard
+
+    shard = JsonlShard(path, cache, copies=COPIES)
+    lines = np.random.default_rng(0).integers(0, len(shard), reads).tolist()
+    started = time.perf_counter()
+    for i in lines:
+        shard.line(i)
+    return (time.perf_counter() - started) / reads * 1e6
 
 
 def _first_shard(i: int, paths: list[str], processes: int) -> int:
@@ -178,7 +196,11 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/megascale-data/bench-coldstart"))
+    ap.add_argument("--copies", choices=("plain", "seekable"), default="plain",
+                    help="runtime.copies: how the compressed shards are kept for random access")
     args = ap.parse_args()
+    global COPIES
+    COPIES = args.copies
     root = os.path.join(args.data_dir, f"{args.shards}x{args.shard_mb}")
     paths = make_shards(root, args.shards, args.shard_mb)
     cache = os.path.join(args.data_dir, "cache")
@@ -187,7 +209,7 @@ def main() -> None:
         yaml.safe_dump({"seed": 1, "sources": {"text": {"format": "jsonl", "paths": [os.path.join(root, "*.jsonl.zst")]}},
                         "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8},
                         "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
-                        "runtime": {"cache_dir": cache}}, f)
+                        "runtime": {"cache_dir": cache, "copies": args.copies}}, f)
     workers_job = os.path.join(args.data_dir, "job-index-on-workers.yaml")
     with open(job) as f, open(workers_job, "w") as out:
         spec = yaml.safe_load(f)
@@ -212,9 +234,11 @@ def main() -> None:
             variant()
     compressed = sum(os.path.getsize(p) for p in paths)
     cache_bytes = _du(cache)
+    reads = [record_read_us(paths[0], cache) for _ in range(3)]
     med = statistics.median
     result = {
         "shards": args.shards, "records": records, "compressed_bytes": compressed, "cores": cores,
+        "copies": args.copies, "record_read_us": med(reads),
         "repeats": args.repeats,
         "reference_serial_s": med(ref), "reference_spread_s": [min(ref), max(ref)],
         "reference_per_core_s": med(ref) / cores,

@@ -195,9 +195,12 @@ def _shared_build(specs, first, out, start):
     out.put((first, built, problems))
 
 
-def test_the_worker_processes_of_a_host_share_the_indexing_of_shards_it_lacks(tmp_path):
+@pytest.mark.parametrize("copies", ["plain", "seekable"])
+def test_the_worker_processes_of_a_host_share_the_indexing_of_shards_it_lacks(tmp_path, copies):
     """Two processes of one host, each given every shard: each shard is built once, by one of
-    them, both return once all are built, and a corrupt shard is named by the one that tried it."""
+    them, both return once all are built, and a corrupt shard is named by the one that tried it
+    (with seekable copies, a process checking a shard another built looked for a plain copy and
+    built it again)."""
     import multiprocessing as mp
 
     rng = np.random.default_rng(21)
@@ -206,7 +209,8 @@ def test_the_worker_processes_of_a_host_share_the_indexing_of_shards_it_lacks(tm
         _zst_shard(path, rng, 30000)
     with open(files[5], "wb") as f:
         f.write(b"not zstd" * 64)
-    specs = [{"name": "s", "format": "jsonl", "files": files, "cache_dir": str(tmp_path / "host-cache")}]
+    specs = [{"name": "s", "format": "jsonl", "files": files, "cache_dir": str(tmp_path / "host-cache"),
+              "copies": copies}]
     ctx = mp.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(2)
     procs = [ctx.Process(target=_shared_build, args=(specs, first, out, start)) for first in (0, 4)]
@@ -242,3 +246,75 @@ def test_a_welcomed_worker_builds_what_its_host_lacks_keeping_itself_alive(tmp_p
     assert actions == [Registered(1, 0.5)]
     assert sum(n.endswith(".msdidx.npy") for n in os.listdir(cache)) == 3  # before its first task
     assert len(beats) >= 3
+
+
+# ---------------------------------------------------------------- runtime.copies: seekable
+
+
+def _text_shard(path, rng, lines):
+    """A zstd JSONL shard of real-looking text (words), of lines of 10 to 3,000 bytes."""
+    words = [b"token", b"batch", b"rank", b"shard", b"the", b"of", b"attention", b"coordinator", b"\xce\xbb"]
+    body = [b'{"text": "%s"}' % b" ".join(words[int(i)] for i in rng.integers(0, len(words), int(n)))
+            for n in rng.integers(2, 500, lines)]
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor(level=3).compress(b"\n".join(body) + b"\n"))
+    return body
+
+
+def test_seekable_copies_read_every_line_as_plain_copies_do_from_a_third_of_the_disk(tmp_path):
+    import pyzstd
+
+    from worker.readers import jsonl
+
+    lines = _text_shard(str(tmp_path / "a.jsonl.zst"), np.random.default_rng(5), 3000)
+    plain = jsonl.JsonlShard(str(tmp_path / "a.jsonl.zst"))
+    seekable = jsonl.JsonlShard(str(tmp_path / "a.jsonl.zst"), copies="seekable")
+    assert plain.path.endswith(".msd.jsonl") and seekable.path.endswith(".msd.seekable.zst")
+    order = np.random.default_rng(0).permutation(len(lines)).tolist()  # random access, as a worker reads
+    assert [seekable.line(i) for i in order] == [plain.line(i) for i in order] == [lines[i] for i in order]
+    plain_bytes, seekable_bytes = os.path.getsize(plain.path), os.path.getsize(seekable.path)
+    assert plain_bytes > 4 * jsonl.SEEKABLE_FRAME  # several frames
+    assert seekable_bytes < plain_bytes / 2, (seekable_bytes, plain_bytes)
+    with pyzstd.SeekableZstdFile(seekable.path, "r") as f:  # the standard format, readable by others
+        assert f.read() == b"\n".join(lines) + b"\n"
+
+
+def test_a_seekable_copy_cut_short_is_written_again_and_few_readers_stay_open(tmp_path):
+    from worker.readers import jsonl
+
+    rng = np.random.default_rng(6)
+    shards = [str(tmp_path / f"s{i}.jsonl.zst") for i in range(jsonl.OPEN_SEEKABLE + 4)]
+    bodies = [_text_shard(p, rng, 200) for p in shards]
+    opened = [jsonl.JsonlShard(p, copies="seekable") for p in shards]
+    for k in range(600):  # round robin over more shards than stay open
+        i = k % len(shards)
+        assert opened[i].line(k % 200) == bodies[i][k % 200]
+        assert len(jsonl._seekable_readers._open) <= jsonl.OPEN_SEEKABLE
+    copy = opened[0].path
+    with open(copy, "r+b") as f:  # a crash while it was written: no frame table at its end
+        f.truncate(os.path.getsize(copy) // 2)
+    again = jsonl.JsonlShard(shards[0], copies="seekable")
+    assert again.path == copy and os.path.getsize(copy) > 0
+    assert [again.line(i) for i in range(200)] == bodies[0]
+
+
+def test_runtime_copies_is_checked_and_sent_to_workers_and_the_pool_writes_seekable_copies(tmp_path):
+    root = _copy_dataset(tmp_path)
+    assert parse_job(job_dict(), "job.yaml", base_dir=root).runtime.copies == "plain"
+    with pytest.raises(ConfigError, match="runtime.copies"):
+        parse_job(job_dict(runtime={"copies": "zip"}), "job.yaml", base_dir=root)
+    plain = open_sources(parse_job(job_dict(), "job.yaml", base_dir=root))
+    assert indexing.wait_for_syncs(10)
+    job = parse_job(job_dict(runtime={"copies": "seekable"}), "job.yaml", base_dir=root)
+    assert all(s["copies"] == "seekable" for s in job.worker_job()["sources"])
+    # the plain copy and the index exist: the shard still counts as lacking its seekable copy
+    assert indexing.unindexed_shards(job.worker_job()["sources"]) == {2: [os.path.join(root, "long", "long-0.jsonl.zst")]}
+    opened = open_sources(job)  # the start-up pool writes it
+    assert indexing.wait_for_syncs(10)
+    assert opened.num_records == plain.num_records
+    assert "long-0.jsonl.zst.msd.seekable.zst" in _sidecars(root)
+    assert indexing.unindexed_shards(job.worker_job()["sources"]) == {}
+    long_spec = job.worker_job()["sources"][2]
+    reader = open_source(long_spec)
+    assert reader.shards[0].seekable
+    np.testing.assert_array_equal(reader.read(3), open_source({**long_spec, "copies": "plain"}).read(3))

@@ -36,13 +36,15 @@ def _unindexed(spec: dict[str, Any]) -> list[str]:
     """The shards of one source spec that have no index on this host (none for formats that need none)."""
     if spec["format"] not in _SHARD_TYPES:
         return []
-    return [path for path in spec["files"] if not _looks_indexed(spec["format"], path, spec.get("cache_dir"))]
+    return [path for path in spec["files"]
+            if not _looks_indexed(spec["format"], path, spec.get("cache_dir"), spec.get("copies", "plain"))]
 
 
 def _missing(specs: list[dict[str, Any]]) -> list[tuple]:
-    """(format, shard, cache dir, storage, cache bytes) of every shard of these specs with no index yet."""
-    return [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"))
-            for spec in specs for path in _unindexed(spec)]
+    """(format, shard, cache dir, storage, cache bytes, copies) of every shard of these specs with
+    no index (or no copy) yet."""
+    return [(spec["format"], path, spec.get("cache_dir"), spec.get("storage"), spec.get("cache_bytes"),
+             spec.get("copies", "plain")) for spec in specs for path in _unindexed(spec)]
 
 
 def unindexed_shards(specs: list[dict[str, Any]]) -> dict[int, list[str]]:
@@ -124,7 +126,7 @@ def build_indexes_shared(specs: list[dict[str, Any]], keep_alive: Callable[[], N
                 others.append(w)  # another process builds it
                 continue
             try:
-                if not _looks_indexed(w[0], w[1], w[2]):
+                if not _looks_indexed(w[0], w[1], w[2], w[5]):
                     copy = index_one(*w)
                     built.append(w[1])
                     if copy is not None:
@@ -155,11 +157,12 @@ def _lock_path(work: tuple) -> str:
 
 
 def index_one(fmt: str, path: str, cache_dir: str | None, storage: dict[str, Any] | None = None,
-              cache_bytes: int | None = None) -> str | None:
-    """Build and cache one shard's index if it is missing or stale (in a pool process). Returns
-    the path of a decompressed copy written without waiting for the disk (to be synced)."""
+              cache_bytes: int | None = None, copies: str = "plain") -> str | None:
+    """Build and cache one shard's index (and a compressed shard's copy) if it is missing or
+    stale (in a pool process). Returns the path of a copy written without waiting for the disk
+    (to be synced)."""
     if fmt == "jsonl":
-        return jsonl.JsonlShard(path, cache_dir, storage, cache_bytes, durable_copy=False).unsynced_copy
+        return jsonl.JsonlShard(path, cache_dir, storage, cache_bytes, durable_copy=False, copies=copies).unsynced_copy
     webdataset.WebDatasetShard(path, cache_dir, storage)
     return None
 
@@ -200,13 +203,17 @@ def sync_later(copies: list[str]) -> threading.Thread | None:
     return thread
 
 
-def _looks_indexed(fmt: str, path: str, cache_dir: str | None) -> bool:
-    """An index file newer than the shard exists (a cheap guess: the open that follows checks the
-    index properly, and rebuilds it if the guess was wrong). A remote shard's: any index in the
-    cache (its stamp is checked at open, one request)."""
+def _looks_indexed(fmt: str, path: str, cache_dir: str | None, copies: str = "plain") -> bool:
+    """An index file newer than the shard exists, and so does a compressed JSONL shard's copy of
+    the job's kind (a cheap guess: the open that follows checks the index properly, and rebuilds
+    it if the guess was wrong). A remote shard's: any index in the cache (its stamp is checked at
+    open, one request)."""
     if is_url(path):
         return os.path.exists(jsonl._sidecar_path(path, _INDEX_SUFFIXES[fmt], cache_dir))
     try:
+        copy = jsonl.copy_path(path, cache_dir, copies) if fmt == "jsonl" else None
+        if copy is not None and os.path.getmtime(copy) < os.path.getmtime(path):
+            return False
         return os.path.getmtime(jsonl._sidecar_path(path, _INDEX_SUFFIXES[fmt], cache_dir)) >= os.path.getmtime(path)
     except OSError:
         return False

@@ -31,7 +31,7 @@ TABLES = {"parquet": ParquetShard, "arrow": ArrowShard}  # a row per record, a t
 class SourceReader:
     """Reads records of one source. `spec` is the source's entry of the job description that the
     coordinator sends to workers: {name, format, files, text_key, tokens_key, tokenizer, eod_id,
-    image_token_id, max_pixels, patch_size, cache_dir, cache_bytes, storage}. Files may be URLs of
+    image_token_id, max_pixels, patch_size, cache_dir, cache_bytes, copies, storage}. Files may be URLs of
     object stores, read with the source's `storage` options (storage.py)."""
 
     def __init__(self, spec: dict[str, Any], cache_dir: str | None = None) -> None:
@@ -52,7 +52,8 @@ class SourceReader:
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
             if self.format == "jsonl":
-                self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes) for p in spec["files"]]
+                copies = spec.get("copies") or "plain"
+                self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes, copies=copies) for p in spec["files"]]
             elif self.format in TABLES:
                 self.shards = [self._table(p, self.text_key, storage, cache_dir) for p in spec["files"]]
             else:
