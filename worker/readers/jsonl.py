@@ -25,10 +25,9 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, BinaryIO, Iterable
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
 
 import numpy as np
-import pyzstd
 import zstandard
 
 from trainer_client.files import atomic_write, preallocate
@@ -36,6 +35,9 @@ from trainer_client.files import atomic_write, preallocate
 from .copies import CopyCache, is_evicted
 from .errors import RecordError, SourceFormatError
 from .storage import is_url, local_name, store_for
+
+if TYPE_CHECKING:
+    import pyzstd
 
 log = logging.getLogger("msd.jsonl")
 
@@ -158,6 +160,8 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
 
     def write_copy(out: BinaryIO) -> None:
         if copies == "seekable":
+            import pyzstd  # here: 1.4 MB of imports every process would hold for an option
+
             with pyzstd.SeekableZstdFile(out, "w", level_or_option=SEEKABLE_LEVEL,
                                          max_frame_content_size=SEEKABLE_FRAME) as frames:
                 decompress(shard, shard, scan.writer(frames))
@@ -173,6 +177,8 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
 
 def _seekable_intact(path: str) -> bool:
     """A seekable copy ends with its frame table (a copy cut short by a crash has none)."""
+    import pyzstd
+
     try:
         pyzstd.SeekableZstdFile(path, "r").close()
         return True
@@ -187,6 +193,8 @@ class _SeekableReaders:
         self._open: dict[str, pyzstd.SeekableZstdFile] = {}  # path -> reader, least recently used first
 
     def read(self, path: str, start: int, size: int) -> bytes:
+        import pyzstd
+
         reader = self._open.pop(path, None)
         if reader is None:
             while len(self._open) >= OPEN_SEEKABLE:
@@ -271,7 +279,13 @@ def _newlines(chunk: bytes) -> np.ndarray:
 def _scan_offsets(path: str) -> np.ndarray:
     """Start offset of every line, plus the end of the file (a final line without newline counts);
     of the text, for a seekable copy."""
-    with (pyzstd.SeekableZstdFile(path, "r") if path.endswith(COPY_SUFFIXES["seekable"]) else open(path, "rb")) as f:
+    if path.endswith(COPY_SUFFIXES["seekable"]):
+        import pyzstd
+
+        opened: BinaryIO = pyzstd.SeekableZstdFile(path, "r")
+    else:
+        opened = open(path, "rb")
+    with opened as f:
         return _scan_chunks(iter(lambda: f.read(_CHUNK), b""))
 
 
