@@ -10,8 +10,7 @@ import zstandard
 from coordinator.config import ConfigError, parse_job
 from coordinator.sources import open_sources
 from tests.conftest import build_dataset, job_dict
-from worker.readers import open_source
-from worker.readers import indexing
+from worker.readers import RecordError, indexing, open_source
 
 
 def _copy_dataset(tmp_path):
@@ -296,6 +295,12 @@ def test_a_seekable_copy_cut_short_is_written_again_and_few_readers_stay_open(tm
     again = jsonl.JsonlShard(shards[0], copies="seekable")
     assert again.path == copy and os.path.getsize(copy) > 0
     assert [again.line(i) for i in range(200)] == bodies[0]
+    # the first reader of that shard was closed (more shards than stay open); opened again by
+    # path it would find the new copy: a shard opened before it says so instead of misreading
+    assert not any(key[0] == copy and key[1] == opened[0]._identity for key in jsonl._seekable_readers._open)
+    with pytest.raises(RecordError, match="written anew while in use"):
+        opened[0].line(0)
+    assert again.line(199) == bodies[0][199]
 
 
 def test_runtime_copies_is_checked_and_sent_to_workers_and_the_pool_writes_seekable_copies(tmp_path):

@@ -187,20 +187,29 @@ def _seekable_intact(path: str) -> bool:
 
 
 class _SeekableReaders:
-    """The seekable copies this process reads, the OPEN_SEEKABLE last used kept open."""
+    """The seekable copies this process reads, the OPEN_SEEKABLE last used kept open. A copy is
+    named by its path and its file's identity (device, inode) when its index was read: a plain
+    copy's reader keeps its file open for good, but a reader closed here and opened again by
+    path would find a copy written anew since (its shard changed) and read it with the old index."""
 
     def __init__(self) -> None:
-        self._open: dict[str, pyzstd.SeekableZstdFile] = {}  # path -> reader, least recently used first
+        # (path, identity) -> reader, least recently used first
+        self._open: dict[tuple[str, tuple[int, int]], pyzstd.SeekableZstdFile] = {}
 
-    def read(self, path: str, start: int, size: int) -> bytes:
+    def read(self, path: str, identity: tuple[int, int], start: int, size: int) -> bytes:
         import pyzstd
 
-        reader = self._open.pop(path, None)
+        key = (path, identity)
+        reader = self._open.pop(key, None)
         if reader is None:
             while len(self._open) >= OPEN_SEEKABLE:
                 self._open.pop(next(iter(self._open))).close()
             reader = pyzstd.SeekableZstdFile(path, "r")
-        self._open[path] = reader
+            st = os.fstat(reader.fileno())
+            if (st.st_dev, st.st_ino) != identity:
+                reader.close()
+                raise RecordError(f"{path}: the copy was written anew while in use (its shard changed?)")
+        self._open[key] = reader
         reader.seek(start)
         return reader.read(size)
 
@@ -352,6 +361,7 @@ class JsonlShard:
         if unsynced:
             self.unsynced_copy = self.path
         st = os.stat(self.path)
+        self._identity = (st.st_dev, st.st_ino)  # of the copy the index below describes
         stamp = np.array([st.st_size, st.st_mtime_ns], np.int64)
         # Lines are read with pread, not through a memory map: a worker touches a few lines of
         # many shards, and mapped pages would count in its resident memory (shared page cache).
@@ -455,7 +465,7 @@ class JsonlShard:
             if self._store is not None and not self.copied:
                 raw = self._store.read(self.shard, start, end)
             elif self.seekable:
-                raw = _seekable_readers.read(self.path, start, end - start)
+                raw = _seekable_readers.read(self.path, self._identity, start, end - start)
             else:
                 raw = os.pread(self._open(), end - start, start)
         if len(raw) != end - start:
