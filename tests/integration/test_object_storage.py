@@ -82,11 +82,13 @@ def _remote_job(tmp_path, s3: LoopbackS3, monkeypatch, **runtime) -> str:
     return write_job(str(tmp_path), _job(REMOTE, cache_dir=str(tmp_path / "cache"), **runtime))
 
 
-def test_every_format_from_a_bucket_streams_as_the_local_files_do(corpus, local_stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("copies", ["plain", "seekable"])
+def test_every_format_from_a_bucket_streams_as_the_local_files_do(corpus, local_stream, tmp_path, monkeypatch, copies):
     local_path, local = local_stream
     with LoopbackS3(proxy=True) as s3:
         s3.upload_dir(str(corpus), BUCKET, "data")
-        path = _remote_job(tmp_path, s3, monkeypatch, cache_bytes=64 << 10)  # smaller than the two .zst copies
+        # cache_bytes smaller than the .zst shard's copy of either kind (274 KB plain, 50 KB seekable)
+        path = _remote_job(tmp_path, s3, monkeypatch, cache_bytes=32 << 10, copies=copies)
         remote = run_job(path, workers=2, ranks=2, steps=STEPS)
         _same_stream(local, remote)
         assert check_content(local_path, remote) > 50  # and against the local files' tokens
@@ -194,8 +196,13 @@ def _zst_shard(path: str, seed: int, docs: int = 40) -> None:
         f.write(zstandard.ZstdCompressor().compress(lines))
 
 
-def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetched_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copies", ["plain", "seekable"])
+def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetched_again(tmp_path, monkeypatch,
+                                                                                         copies):
+    """With runtime.copies: seekable the cached copies are in the Zstandard seekable format, and
+    the same bound holds as many of them as of plain copies three times their size."""
     from worker.readers import open_source
+    from worker.readers.jsonl import JsonlShard
 
     local = tmp_path / "local"
     local.mkdir()
@@ -208,17 +215,24 @@ def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetche
             monkeypatch.setenv(k, v)
         files = [f"s3://{BUCKET}/zst/part-{i}.jsonl.zst" for i in range(3)]
         expected = open_source({"name": "z", "format": "jsonl", "files": sorted(str(p) for p in local.iterdir())})
-        copy_size = 40 * 2800  # about one decompressed shard: the bound holds one copy, not three
-        spec = {"name": "z", "format": "jsonl", "files": files, "cache_dir": str(cache), "cache_bytes": copy_size}
+        # about one copy of a shard: the bound holds one copy, not three
+        copy_size = 40 * 2800 if copies == "plain" else int(1.2 * os.path.getsize(
+            JsonlShard(str(local / "part-0.jsonl.zst"), str(tmp_path / "measure"), copies="seekable").path))
+        spec = {"name": "z", "format": "jsonl", "files": files, "cache_dir": str(cache), "cache_bytes": copy_size,
+                "copies": copies}
         first, second = open_source(spec), open_source(spec)  # two processes sharing one host's cache
         assert first.num_records == expected.num_records == 120
         order = [r for i in range(40) for r in (i, 40 + i, 80 + i)]  # every read in another shard
         for r in order:
             np.testing.assert_array_equal(first.read(r), expected.read(r))
             np.testing.assert_array_equal(second.read(119 - r), expected.read(119 - r))
-        copies = list((cache / "copies").glob("*.msd.copy"))
-        assert len(copies) == 1  # the bound held: the others were evicted as each was needed
-        assert sum(p.stat().st_size for p in copies) <= 2 * copy_size
+        held = list((cache / "copies").glob("*.msd.copy"))
+        assert len(held) == 1  # the bound held: the others were evicted as each was needed
+        assert sum(p.stat().st_size for p in held) <= 2 * copy_size
+        assert (held[0].name.endswith(".seekable.zst.msd.copy")) == (copies == "seekable")
+        assert first.shards[0].seekable == (copies == "seekable")
+    if copies == "seekable":
+        assert copy_size < 0.6 * 40 * 2800  # these random digits compress less than text: 0.44 of plain
 
 
 def test_arrow_and_pre_tokenized_parquet_from_a_bucket_read_as_local(tmp_path, monkeypatch):

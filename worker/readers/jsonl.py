@@ -160,11 +160,7 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
 
     def write_copy(out: BinaryIO) -> None:
         if copies == "seekable":
-            import pyzstd  # here: 1.4 MB of imports every process would hold for an option
-
-            with pyzstd.SeekableZstdFile(out, "w", level_or_option=SEEKABLE_LEVEL,
-                                         max_frame_content_size=SEEKABLE_FRAME) as frames:
-                decompress(shard, shard, scan.writer(frames))
+            _write_seekable(out, lambda frames: decompress(shard, shard, scan.writer(frames)))
             return
         preallocate(out, _declared_size(shard))
         decompress(shard, shard, scan.writer(out))
@@ -173,6 +169,16 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
     if not defer:
         atomic_write(plain + SYNCED_SUFFIX, b"")
     return plain, scan.offsets(), defer
+
+
+def _write_seekable(out: BinaryIO, write: Any) -> None:
+    """Write a seekable copy into `out`: `write(frames)` writes the text to a file that cuts it
+    into frames and ends it with their table."""
+    import pyzstd  # here: 1.4 MB of imports every process would hold for an option
+
+    with pyzstd.SeekableZstdFile(out, "w", level_or_option=SEEKABLE_LEVEL,
+                                 max_frame_content_size=SEEKABLE_FRAME) as frames:
+        write(frames)
 
 
 def _seekable_intact(path: str) -> bool:
@@ -285,10 +291,10 @@ def _newlines(chunk: bytes) -> np.ndarray:
     return np.array(found, dtype=np.int64)
 
 
-def _scan_offsets(path: str) -> np.ndarray:
+def _scan_offsets(path: str, seekable: bool | None = None) -> np.ndarray:
     """Start offset of every line, plus the end of the file (a final line without newline counts);
-    of the text, for a seekable copy."""
-    if path.endswith(COPY_SUFFIXES["seekable"]):
+    of the text, for a seekable copy (by default, told by the local copies' suffix)."""
+    if seekable if seekable is not None else path.endswith(COPY_SUFFIXES["seekable"]):
         import pyzstd
 
         opened: BinaryIO = pyzstd.SeekableZstdFile(path, "r")
@@ -351,7 +357,7 @@ class JsonlShard:
         self._prefetched: dict[int, bytes] = {}
         self.seekable = False
         if is_url(shard):
-            self._open_remote(cache_dir, storage, cache_bytes)
+            self._open_remote(cache_dir, storage, cache_bytes, copies)
             return
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
@@ -368,7 +374,8 @@ class JsonlShard:
         self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp,
                                         (lambda: found) if found is not None else (lambda: _scan_offsets(self.path)))
 
-    def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None) -> None:
+    def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None,
+                     copies: str = "plain") -> None:
         _check_suffix(self.shard)
         self._store = store = store_for(self.shard, storage)
         try:
@@ -379,11 +386,15 @@ class JsonlShard:
             raise SourceFormatError(f"{self.shard}: cannot read ({e})") from None
         # read from a local copy: a compressed shard (no random access), or any with whole_objects
         self.copied = not self.shard.endswith(".jsonl") or store.whole_objects
+        # a compressed shard's copy in the seekable format (runtime.copies): a third of the bytes
+        # in the bounded cache, so about three times the shards fit before one is evicted
+        self.seekable = self.copied and not self.shard.endswith(".jsonl") and copies == "seekable"
+        self._seekable_at: str | None = None  # where the seekable copy was last found
         self._copies = CopyCache(cache_dir or default_cache_dir(), cache_bytes)
-        self._copy_name = local_name(self.shard, ".jsonl", tag)
+        self._copy_name = local_name(self.shard, ".seekable.zst" if self.seekable else ".jsonl", tag)
         self.path = self.shard
         stamp = np.array([size, tag], np.int64)
-        build = (lambda: _scan_offsets(self._copy())) if self.copied else (
+        build = (lambda: _scan_offsets(self._copy(), self.seekable)) if self.copied else (
             lambda: _scan_chunks(store.chunks(self.shard)))
         self.offsets = self._load_index(_sidecar_path(self.shard, INDEX_SUFFIX, cache_dir), stamp, build,
                                         shared=self.shard + INDEX_SUFFIX)
@@ -436,8 +447,32 @@ class JsonlShard:
             with tempfile.NamedTemporaryFile(dir=self._copies.directory, suffix=".download") as raw:
                 self._store.download(self.shard, raw)
                 raw.flush()
-                decompress(raw.name, self.shard, out)
+                if self.seekable:
+                    _write_seekable(out, lambda frames: decompress(raw.name, self.shard, frames))
+                else:
+                    decompress(raw.name, self.shard, out)
         return self._copies.path(self._copy_name, make)
+
+    def _seekable_copy(self) -> tuple[str, tuple[int, int]]:
+        """The seekable copy to read and the identity of its file. A remote shard's is fetched
+        again when it was evicted, and any file at its path will do: its name holds the object's
+        version tag."""
+        if self._store is None:
+            return self.path, self._identity
+        try:
+            st = os.stat(self._seekable_at or "")
+            self._copies.touch(self._seekable_at)
+        except FileNotFoundError:  # not fetched yet, or evicted by another process
+            self._seekable_at = self._copy()
+            st = os.stat(self._seekable_at)
+        return self._seekable_at, (st.st_dev, st.st_ino)
+
+    def _read_seekable(self, start: int, size: int) -> bytes:
+        try:
+            return _seekable_readers.read(*self._seekable_copy(), start, size)
+        except FileNotFoundError:  # evicted between the look and the open: fetched again, once
+            self._seekable_at = None
+            return _seekable_readers.read(*self._seekable_copy(), start, size)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -465,7 +500,7 @@ class JsonlShard:
             if self._store is not None and not self.copied:
                 raw = self._store.read(self.shard, start, end)
             elif self.seekable:
-                raw = _seekable_readers.read(self.path, self._identity, start, end - start)
+                raw = self._read_seekable(start, end - start)
             else:
                 raw = os.pread(self._open(), end - start, start)
         if len(raw) != end - start:
