@@ -135,9 +135,10 @@ class RuntimeConfig:
     # at start-up: "coordinator" (a pool of this host's cores, before it listens) or "workers"
     # (the worker processes of every host, sharing the shards; they report the record counts)
     index_on: str = "coordinator"
-    # how a compressed local JSONL shard is kept for random access: "plain" (decompressed, 4.4x
-    # the zstd bytes; a record is one pread) or "seekable" (Zstandard seekable format, 1.4x; a
-    # record decompresses its 64 KiB frames, ~90 us; writing it costs ~4 s of CPU per GB of text)
+    # how a compressed JSONL shard (local, or copied from object storage) is kept for random
+    # access: "plain" (decompressed, 4.4x the zstd bytes; a record is one pread) or "seekable"
+    # (Zstandard seekable format, 1.4x; a record decompresses its 64 KiB frames, ~90 us; writing
+    # it costs ~3 s more CPU per GB of text)
     copies: str = "plain"
 
 

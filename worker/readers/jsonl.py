@@ -137,7 +137,7 @@ def copy_path(shard: str, cache_dir: str | None, copies: str = "plain") -> str |
     return _sidecar_path(shard, COPY_SUFFIXES[copies], cache_dir)
 
 
-def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
+def _local_copy(shard: str, cache_dir: str | None, durable: bool = True,
                 copies: str = "plain") -> tuple[str, np.ndarray | None, bool]:
     """(path of a readable copy of `shard`: the shard itself when it is not compressed; its line
     offsets if the copy was written now, found in the same pass; whether it still has to be
@@ -148,11 +148,11 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
     if shard.endswith(".jsonl"):
         return shard, None, False
     _check_suffix(shard)
-    plain = _sidecar_path(shard, COPY_SUFFIXES[copies], cache_dir)
-    if _copy_usable(plain, shard) and (copies == "plain" or _seekable_intact(plain)):
-        return plain, None, False
+    copy = copy_path(shard, cache_dir, copies)
+    if _copy_usable(copy, shard) and (copies == "plain" or _seekable_intact(copy)):
+        return copy, None, False
     try:
-        os.unlink(plain + SYNCED_SUFFIX)  # it vouched for the old copy
+        os.unlink(copy + SYNCED_SUFFIX)  # it vouched for the old copy
     except FileNotFoundError:
         pass
     defer = not durable and boot_time_ns() is not None
@@ -165,10 +165,10 @@ def _plain_copy(shard: str, cache_dir: str | None, durable: bool = True,
         preallocate(out, _declared_size(shard))
         decompress(shard, shard, scan.writer(out))
 
-    atomic_write(plain, write_copy, durable=not defer)
+    atomic_write(copy, write_copy, durable=not defer)
     if not defer:
-        atomic_write(plain + SYNCED_SUFFIX, b"")
-    return plain, scan.offsets(), defer
+        atomic_write(copy + SYNCED_SUFFIX, b"")
+    return copy, scan.offsets(), defer
 
 
 def _write_seekable(out: BinaryIO, write: Any) -> None:
@@ -291,10 +291,10 @@ def _newlines(chunk: bytes) -> np.ndarray:
     return np.array(found, dtype=np.int64)
 
 
-def _scan_offsets(path: str, seekable: bool | None = None) -> np.ndarray:
+def _scan_offsets(path: str, seekable: bool = False) -> np.ndarray:
     """Start offset of every line, plus the end of the file (a final line without newline counts);
-    of the text, for a seekable copy (by default, told by the local copies' suffix)."""
-    if seekable if seekable is not None else path.endswith(COPY_SUFFIXES["seekable"]):
+    of the text, for a seekable copy."""
+    if seekable:
         import pyzstd
 
         opened: BinaryIO = pyzstd.SeekableZstdFile(path, "r")
@@ -362,7 +362,7 @@ class JsonlShard:
         if not os.path.isfile(shard):
             raise SourceFormatError(f"{shard}: file not found")
         self._store = None
-        self.path, found, unsynced = _plain_copy(shard, cache_dir, durable_copy, copies)
+        self.path, found, unsynced = _local_copy(shard, cache_dir, durable_copy, copies)
         self.seekable = self.path.endswith(COPY_SUFFIXES["seekable"])
         if unsynced:
             self.unsynced_copy = self.path
@@ -372,7 +372,7 @@ class JsonlShard:
         # Lines are read with pread, not through a memory map: a worker touches a few lines of
         # many shards, and mapped pages would count in its resident memory (shared page cache).
         self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp,
-                                        (lambda: found) if found is not None else (lambda: _scan_offsets(self.path)))
+                                        (lambda: found) if found is not None else (lambda: _scan_offsets(self.path, self.seekable)))
 
     def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None,
                      copies: str = "plain") -> None:
