@@ -79,31 +79,70 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
                    "(--coordinator tcp://a:5555,tcp://b:5555) move to it.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
+@click.option("--worker-procs", default=None,
+              help="Also run this machine's worker host in the coordinator's process, with N worker processes or "
+                   "'auto' (the coordinator sets 1..--max-worker-procs by demand), as `msd worker --procs` would: "
+                   "for a job on one machine, one command and one Python process fewer. Other hosts may still "
+                   "join with msd worker.")
+@click.option("--max-worker-procs", default=None, type=click.IntRange(min=1),
+              help="With --worker-procs auto: the most worker processes here (default: the CPU count).")
 @click.option("--log-level", default="INFO", show_default=True)
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
-                metrics_port: int | None, metrics_host: str, log_level: str) -> None:
+                metrics_port: int | None, metrics_host: str, worker_procs: str | None, max_worker_procs: int | None,
+                log_level: str) -> None:
     """Run the job's coordinator."""
     from .config import ConfigError
 
+    procs = _worker_procs(worker_procs, max_worker_procs, standby)
     setup_logging(log_level, "coordinator")
-    try:
-        job, sources = _load_and_open(config_path)
-    except ConfigError as e:
-        _fail_config(e)
-    from .app import serve
-    from .statedir import JobChanged
+    host = None
+    if procs is not None:
+        from worker.host import InProcessHost
 
+        # first, before a file or socket is open: the fork server is forked from this process now
+        host = InProcessHost(None if procs == "auto" else procs, max_worker_procs, log_level.upper())
     try:
-        serve(job, sources, bind, state_dir, allow_config_change, standby, metrics_port, metrics_host)
-    except JobChanged as e:
-        click.echo(str(e), err=True)
-        sys.exit(1)
-    except ConfigError as e:  # a source the workers could not open (runtime.index_on: workers)
-        _fail_config(e)
+        try:
+            job, sources = _load_and_open(config_path)
+        except ConfigError as e:
+            _fail_config(e)
+        from .app import serve
+        from .statedir import JobChanged
+
+        if host is not None:
+            from worker.host import local_address
+
+            host.start(local_address(bind), job.curve_keys)
+        try:
+            serve(job, sources, bind, state_dir, allow_config_change, standby, metrics_port, metrics_host)
+        except JobChanged as e:
+            click.echo(str(e), err=True)
+            sys.exit(1)
+        except ConfigError as e:  # a source the workers could not open (runtime.index_on: workers)
+            _fail_config(e)
+        finally:
+            from worker.readers.indexing import wait_for_syncs
+
+            wait_for_syncs(timeout_s=60)  # decompressed copies written at start-up reach the disk
     finally:
-        from worker.readers.indexing import wait_for_syncs
+        if host is not None:
+            host.close()
 
-        wait_for_syncs(timeout_s=60)  # decompressed copies written at start-up reach the disk
+
+def _worker_procs(value: str | None, max_procs: int | None, standby: bool) -> int | str | None:
+    """--worker-procs as a count, "auto", or None (no worker host in this process)."""
+    if value is None:
+        if max_procs is not None:
+            raise click.BadParameter("only with --worker-procs auto", param_hint="--max-worker-procs")
+        return None
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise click.BadParameter(f"expected a number >= 1 or 'auto', got {value!r}", param_hint="--worker-procs")
+    if max_procs is not None and value != "auto":
+        raise click.BadParameter("only with --worker-procs auto", param_hint="--max-worker-procs")
+    if standby:
+        raise click.BadParameter("a standby runs no workers of its own (its primary's would stop with it): start "
+                                 "them with msd worker --coordinator PRIMARY,STANDBY", param_hint="--worker-procs")
+    return value if value == "auto" else int(value)
 
 
 @click.group()

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 import zmq
@@ -153,6 +154,12 @@ class HostAgent:
         """Until stopped; returns the exit status (1: the coordinator refused this host, or its
         fork server died)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self.prepare()
+        return self.serve()
+
+    def prepare(self) -> None:
+        """The worker's modules and the fork server: in the process's main thread, before it has
+        a zmq context or a second thread."""
         if self.metrics_port is not None:  # before the fork server: its children inherit the environment
             from .metrics import HostMetricsServer
 
@@ -164,6 +171,11 @@ class HostAgent:
         from . import preload  # noqa: F401
 
         self.forks.start()
+
+    def serve(self) -> int:
+        """Register with the coordinator and keep the worker processes running until stopped
+        (prepare() first); the agent's zmq context lives and dies here, so this may run in a
+        thread of a process that has other work (InProcessHost)."""
         if self.metrics is not None:
             self.metrics.serve()
             log.info("Prometheus metrics of this host's workers on http://%s:%d/metrics", self.metrics_host,
@@ -239,3 +251,51 @@ class HostAgent:
                 s.process.join(timeout=5)
                 if s.process.is_alive():
                     s.process.kill()
+
+
+def local_address(bind: str) -> str:
+    """The address a process on this machine connects to for a coordinator bound at `bind`
+    (a wildcard interface becomes loopback)."""
+    for wildcard, loopback in (("tcp://*:", "tcp://127.0.0.1:"), ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+                               ("tcp://[::]:", "tcp://[::1]:")):
+        if bind.startswith(wildcard):
+            return loopback + bind[len(wildcard):]
+    return bind
+
+
+class InProcessHost:
+    """This machine's worker host inside another process: the coordinator's, with `msd coordinator
+    --worker-procs` (a job on one machine). The fork server is forked from that process at once,
+    before it opens a file or a socket, so the coordinator, the server and the workers share one
+    interpreter's imported modules (instead of the coordinator's and a host agent's); the agent's
+    loop, which only starts, restarts and scales worker processes, runs in a thread of that
+    process, so the agent's own interpreter (13 MB, tools/bench_e2e.py) is gone too. It speaks
+    to the coordinator over the control socket like any other host.
+
+    Create it in the main thread before anything else runs; start() once the coordinator's
+    address and keys are known; close() stops the workers and the fork server."""
+
+    def __init__(self, procs: int | None, max_procs: int | None = None, log_level: str = "INFO") -> None:
+        self.agent = HostAgent("", procs, log_level, max_procs=max_procs)
+        self.agent.prepare()
+        self.thread: threading.Thread | None = None
+        self.status: int | None = None  # the agent's exit status once its loop ended
+
+    def start(self, coordinator: str, keys_dir: str | None = None) -> None:
+        self.agent.coordinator, self.agent.keys_dir = coordinator, keys_dir
+        self.thread = threading.Thread(target=self._serve, name="msd-host-agent", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.status = self.agent.serve()
+        except Exception:  # noqa: BLE001 - the coordinator goes on; the host is gone, said in its log
+            log.exception("the worker host in this process failed; its worker processes are stopped")
+            self.status = 1
+
+    def close(self) -> None:
+        self.agent.stop()
+        if self.thread is not None:
+            self.thread.join(timeout=30)  # its loop sees `stopping` within a poll interval, then stops its workers
+        else:
+            self.agent.forks.stop()

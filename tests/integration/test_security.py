@@ -136,3 +136,30 @@ def test_keys_generate_adds_an_operator_pair_to_an_older_key_set(tmp_path):
     assert r.exit_code == 0, r.output
     assert sorted(line for line in r.output.splitlines() if line.startswith("/")) == sorted(
         str(d / n) for n in ("operator.key", "operator.key_secret", "authorized/operator.key"))
+
+
+def test_workers_in_the_coordinators_process_use_the_jobs_keys(dataset_dir, keys, tmp_path):
+    """msd coordinator --worker-procs: its host's agent and workers take the worker key from the
+    job's key directory (security.curve), and an authorised client is served by them."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from coordinator.testing.ports import free_address
+
+    good, _ = keys
+    path, address = _job(dataset_dir, good), free_address()
+    msd = shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
+    with open(tmp_path / "coordinator.log", "wb") as log:
+        coordinator = subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--worker-procs", "1"],
+                                       stderr=log)
+    try:
+        with DataClient(address, rank=0, as_torch=False, timeout_s=60, keys_dir=good) as client:
+            received = {0: [next(client) for _ in range(6)]}
+        assert check_content(path, received) > 5
+    finally:
+        coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(60)
+    assert "refuses this host" not in (tmp_path / "coordinator.log").read_text()

@@ -1,0 +1,144 @@
+"""`msd coordinator --worker-procs N`: a job on one machine from one command. The coordinator's
+process forks the host's fork server before it opens anything and runs the host agent's loop in a
+thread; the stream is the one a separate `msd worker` host gives, a killed worker process is
+forked again, and nothing is left behind when the coordinator stops or dies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.testing.local import LocalJob
+from coordinator.testing.ports import free_address
+from coordinator.testing.processes import running
+from tests.conftest import job_dict, write_job
+from tests.integration.harness import check_content, run_ranks, signature
+from worker.forks import SERVER_NAME, WORKER_NAME, host_worker_pids, process_comm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+STEPS, RANKS = 6, 2
+
+
+def _msd() -> str:
+    return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _start(job: str, address: str, *args: str, log: str) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen([_msd(), "coordinator", "--config", job, "--bind", address, "--log-level", "INFO",
+                                 *args], stderr=f)
+
+
+def _wait_workers(coordinator: subprocess.Popen, n: int, log: str, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(host_worker_pids(coordinator.pid)) < n:
+        assert coordinator.poll() is None, open(log).read()
+        assert time.monotonic() < deadline, f"no {n} worker processes: {open(log).read()}"
+        time.sleep(0.1)
+    return host_worker_pids(coordinator.pid)
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
+        time.sleep(0.1)
+
+
+def test_one_command_serves_the_stream_of_a_separate_host_and_forks_a_killed_worker_again(dataset_dir, tmp_path):
+    job = write_job(dataset_dir, job_dict(), f"job-in-coordinator-{os.getpid()}.yaml")
+    with LocalJob(job, workers=2) as separate:
+        expected, _ = run_ranks(separate, ranks=RANKS, steps=STEPS)
+
+    address, log = free_address(), str(tmp_path / "coordinator.log")
+    coordinator = _start(job, address, "--worker-procs", "2", log=log)
+    try:
+        workers = _wait_workers(coordinator, 2, log)
+        # the host's processes are the coordinator's: its fork server and the workers under it
+        servers = [p for p in _children(coordinator.pid) if process_comm(p) == SERVER_NAME]
+        assert len(servers) == 1 and [process_comm(p) for p in workers] == [WORKER_NAME, WORKER_NAME]
+
+        def kill_one(cluster, batches: int) -> None:  # a worker process dies mid-job
+            if batches == 3:
+                os.kill(workers[0], signal.SIGKILL)
+
+        got, _ = run_ranks(SimpleNamespace(address=address), ranks=RANKS, steps=STEPS, during=kill_one)
+        assert signature(got) == signature(expected)
+        assert check_content(job, got) > 0
+        deadline = time.monotonic() + 30
+        while not (len(host_worker_pids(coordinator.pid)) == 2 and workers[0] not in host_worker_pids(coordinator.pid)):
+            assert time.monotonic() < deadline, "the killed worker process was not forked again"
+            time.sleep(0.1)
+        after = host_worker_pids(coordinator.pid)
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(60) == 0, open(log).read()
+        _wait_gone([*servers, *after])  # the coordinator stops its host's processes as it stops
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+    text = open(log).read()
+    assert "worker process" in text and "exited with -9" in text, text  # the host's log is the coordinator's
+
+
+def test_a_killed_coordinator_leaves_no_worker_process_behind(dataset_dir, tmp_path):
+    job = write_job(dataset_dir, job_dict(), f"job-in-coordinator-kill-{os.getpid()}.yaml")
+    log = str(tmp_path / "coordinator.log")
+    coordinator = _start(job, free_address(), "--worker-procs", "auto", "--max-worker-procs", "2", log=log)
+    try:
+        workers = _wait_workers(coordinator, 1, log)
+        servers = [p for p in _children(coordinator.pid) if process_comm(p) == SERVER_NAME]
+    finally:
+        coordinator.kill()
+        coordinator.wait(10)
+    _wait_gone([*servers, *workers])  # the server sees the coordinator's pipe close; workers their parent go
+
+
+def test_a_bad_job_file_stops_the_coordinator_and_its_fork_server(tmp_path):
+    bad = write_job(str(tmp_path), {**job_dict(), "batch": {"seq_len": "long"}}, "bad.yaml")
+    result = subprocess.run([_msd(), "coordinator", "--config", bad, "--bind", free_address(), "--worker-procs", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "batch.seq_len" in result.stderr and "invalid job file" in result.stderr
+    leftovers = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+                 if process_comm(p) == SERVER_NAME and bad in _cmdline(p)]
+    assert not leftovers
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--worker-procs", "0"], "expected a number >= 1 or 'auto'"),
+    (["--worker-procs", "two"], "expected a number >= 1 or 'auto'"),
+    (["--worker-procs", "2", "--max-worker-procs", "4"], "only with --worker-procs auto"),
+    (["--max-worker-procs", "4"], "only with --worker-procs auto"),
+    (["--worker-procs", "1", "--standby", "--state-dir", "STATE"], "a standby runs no workers of its own"),
+])
+def test_bad_worker_procs_options_are_named(tmp_path, args, message):
+    job = write_job(str(tmp_path), job_dict(), "job.yaml")
+    args = [str(tmp_path / "state") if a == "STATE" else a for a in args]
+    result = subprocess.run([_msd(), "coordinator", "--config", job, "--bind", free_address(), *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
