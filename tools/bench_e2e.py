@@ -14,7 +14,9 @@ Designs (same sources, same weights, same simulated trainer):
 - `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4; or
   --procs N, or --procs auto: the coordinator sizes them by the work), R DataClients, greedy balance with token_slack 0.5, over the JSONL sources. The coordinator and
   the worker host agent are the `msd coordinator` and `msd worker` commands, started as a user
-  starts them (not children of this script, which would carry its imports).
+  starts them (not children of this script, which would carry its imports); with
+  --worker-host coordinator, one command: `msd coordinator --worker-procs N|auto` (the host's
+  fork server forked from the coordinator, its agent a thread there).
 
 The simulated trainer spends, per micro-batch, `time_scale x sum over pieces of a*len^2 +
 b*len` (the cost model of a 7B model, below), then all ranks meet at a barrier (synchronous
@@ -197,14 +199,16 @@ class MsdCommands:
     """`msd coordinator` and `msd worker --procs N` (or `--procs auto`) as a user starts them, on
     a free port."""
 
-    def __init__(self, job: str, workers: int | str) -> None:
+    def __init__(self, job: str, workers: int | str, in_coordinator: bool = False) -> None:
+        """in_coordinator: one command, `msd coordinator --worker-procs`, instead of two."""
         msd = os.path.join(os.path.dirname(sys.executable), "msd")
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
         self.logs = tempfile.mkdtemp(prefix="msd-e2e-")
         self._log_files = [open(os.path.join(self.logs, name), "wb") for name in ("coordinator.log", "worker.log")]
         self.coordinator = subprocess.Popen(
-            [msd, "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING"],
+            [msd, "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING",
+             *(["--worker-procs", str(workers)] if in_coordinator else [])],
             stderr=self._log_files[0])
         deadline = time.monotonic() + 60
         while True:  # the worker host agent starts once the coordinator listens
@@ -215,14 +219,17 @@ class MsdCommands:
                 if self.coordinator.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the coordinator did not start; log in {self.logs}")
                 time.sleep(0.05)
+        self.host = self.coordinator  # the process the worker host lives in
+        if in_coordinator:
+            return
         self.host = subprocess.Popen(
             [msd, "worker", "--coordinator", self.address, "--procs", str(workers), "--log-level", "WARNING"],
             stderr=self._log_files[1])
 
     def pids(self) -> list[int]:
-        """The coordinator, the host agent and everything under it (fork server, worker
-        processes)."""
-        return [self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)]
+        """The coordinator, the host agent (if a process of its own) and everything under them
+        (fork server, worker processes)."""
+        return sorted({self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)})
 
     def worker_pids(self) -> list[int]:
         """The worker processes now running: the fork server's children."""
@@ -232,7 +239,7 @@ class MsdCommands:
 
     def close(self) -> None:
         """Stop both; their logs are removed unless they hold something (warnings, errors)."""
-        stop([self.host, self.coordinator])
+        stop([self.host, self.coordinator] if self.host is not self.coordinator else [self.coordinator])
         for f in self._log_files:
             f.close()
         if any(os.path.getsize(f.name) for f in self._log_files):
@@ -248,7 +255,7 @@ def worker_count(point: dict, k: int, procs: int | str | None) -> int | str:
 
 
 def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
-               timeout_s: float = 900, procs: int | str | None = None) -> dict:
+               timeout_s: float = 900, procs: int | str | None = None, worker_host: str = "separate") -> dict:
     ranks, workers = point["ranks"], point["workers"]
     jsonl, prefixes, means = data
     weights = [1.0 / len(jsonl)] * len(jsonl)
@@ -257,7 +264,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     cluster = None
     if design == "ours":
         job = write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
-        cluster = MsdCommands(job, workers=worker_count(point, k, procs))
+        cluster = MsdCommands(job, workers=worker_count(point, k, procs), in_coordinator=worker_host == "coordinator")
         targets = [(e2e_ranks.ours_rank, (cluster.address, r, params, barrier, out)) for r in range(ranks)]
     elif design == "torch":
         targets = [(e2e_ranks.torch_rank, (jsonl, weights, means, workers, r, params, barrier, out))
@@ -355,9 +362,10 @@ def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
         "a": A_7B, "b": B_7B, "time_scale": args.step_s / (B_7B * tokens_per_rank),
     }
     res = {"point": point, "k": k, "worker_processes": worker_count(point, k, args.procs),
-           "fixed_procs": args.procs, "time_scale": params["time_scale"]}
+           "fixed_procs": args.procs, "worker_host": args.worker_host, "time_scale": params["time_scale"]}
     for d in designs:
-        r = run_design(d, point, data, params, k, data_root(args, point), procs=args.procs)
+        r = run_design(d, point, data, params, k, data_root(args, point), procs=args.procs,
+                       worker_host=args.worker_host)
         res[d] = r
         print(f"# {point} {d}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['data_wait_share']:.0f}%, "
               f"max/mean {r['max_over_mean_rank_cost']:.2f}, PSS {r['loader_pss_mb']:.0f} MB ({r['wall_s']:.0f}s)",
@@ -397,9 +405,10 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
     designs = ("torch", "megatron", "ours")
     labels = {"torch": "per-rank PyTorch DataLoader", "megatron": "Megatron-Core datasets", "ours": "megascale-data"}
     for axis, fixed, fixed_key in (("ranks", 64, "sources"), ("sources", 8, "ranks")):
-        def series(fixed_procs):
+        def series(fixed_procs, host="separate"):
             return sorted((r for r in results if r["point"][fixed_key] == fixed and r["point"]["seq_len"] == 32768
-                           and r["k"] == 4 and r["point"]["workers"] == 4 and r.get("fixed_procs") == fixed_procs),
+                           and r["k"] == 4 and r["point"]["workers"] == 4 and r.get("fixed_procs") == fixed_procs
+                           and r.get("worker_host", "separate") == host),
                           key=lambda r: r["point"][axis])
 
         pts = series(None)
@@ -411,11 +420,14 @@ def plot(results: list[dict], out_dir: str) -> list[str]:
             label = f"{labels[d]}, R worker processes (W x R / 4)" if d == "ours" else labels[d]
             left.plot(xs, [r[d]["steps_per_s"] for r in pts if d in r], marker="o", label=label)
             right.plot(xs, [r[d]["loader_pss_mb"] for r in pts if d in r], marker="o", label=label)
-        for procs in sorted({r["fixed_procs"] for r in results if r.get("fixed_procs")}, key=str):
-            extra = [r for r in series(procs) if "ours" in r]
+        for procs, host in sorted({(r["fixed_procs"], r.get("worker_host", "separate")) for r in results
+                                   if r.get("fixed_procs")}, key=str):
+            extra = [r for r in series(procs, host) if "ours" in r]
             if len(extra) >= 2:
                 label = (f"{labels['ours']}, worker processes sized by msd (--procs auto)" if procs == "auto"
                          else f"{labels['ours']}, {procs} worker processes")
+                if host == "coordinator":
+                    label = f"{labels['ours']}, one command (msd coordinator --worker-procs {procs})"
                 xe = [r["point"][axis] for r in extra]
                 left.plot(xe, [r["ours"]["steps_per_s"] for r in extra], marker="s", linestyle="--", label=label)
                 right.plot(xe, [r["ours"]["loader_pss_mb"] for r in extra], marker="s", linestyle="--", label=label)
@@ -441,9 +453,10 @@ def _processes(g: dict) -> str:
     memory was measured."""
     if "ours" not in g:
         return "-"
+    where = ", in the coordinator" if g.get("worker_host") == "coordinator" else ""
     if g.get("fixed_procs") == "auto":
-        return f"auto: {g['ours'].get('worker_processes_running', '?')}"
-    return str(g.get("worker_processes", "-"))
+        return f"auto: {g['ours'].get('worker_processes_running', '?')}{where}"
+    return f"{g.get('worker_processes', '-')}{where}"
 
 
 def markdown(result: dict) -> str:
@@ -486,6 +499,9 @@ def main() -> None:
     ap.add_argument("--procs", type=lambda v: v if v == "auto" else int(v), default=None,
                     help="ours: this many worker processes whatever R (instead of W x R / k), or auto: "
                          "`msd worker --procs auto`, the coordinator sizing them by the work")
+    ap.add_argument("--worker-host", choices=("separate", "coordinator"), default="separate",
+                    help="ours: the worker host as `msd worker` beside `msd coordinator` (separate), or inside the "
+                         "coordinator's process (`msd coordinator --worker-procs`, a job on one machine)")
     ap.add_argument("--docs-per-source", type=int, default=100_000,
                     help=f"documents per source at points of {LARGE_SOURCES} sources or more")
     ap.add_argument("--designs", default="torch,megatron,ours")

@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from trainer_client.memory import return_freed_memory
+
 log = logging.getLogger("msd.worker.forks")
 
 REAP_EVERY_S = 0.1
@@ -229,6 +231,10 @@ class _Server:
 
     def run(self) -> None:
         name_process(SERVER_NAME)
+        # The free pages of the heap it was forked with (the imports' temporaries) go back now:
+        # otherwise, once its parent reuses them, the server alone holds the old copies for ever
+        # (1.5 MB of 126 at tools/bench_e2e.py's headline point with msd coordinator --worker-procs).
+        return_freed_memory()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops us
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         buffer = b""
