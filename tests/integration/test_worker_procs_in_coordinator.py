@@ -142,3 +142,28 @@ def test_bad_worker_procs_options_are_named(tmp_path, args, message):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+
+
+def test_with_index_on_workers_the_coordinators_own_workers_index_and_count(tmp_path):
+    """runtime.index_on: workers with the workers in the coordinator's process: the coordinator
+    waits for workers to count the sources, and its own host's workers (started before it
+    listens) do it; the stream is the one of the coordinator indexing itself."""
+    from tests.conftest import build_dataset
+
+    root = str(tmp_path / "data")
+    build_dataset(root)  # nothing indexed yet
+    runtime = {**job_dict()["runtime"], "index_on": "workers"}
+    job = write_job(root, job_dict(runtime=runtime), "job.yaml")
+    address, log = free_address(), str(tmp_path / "coordinator.log")
+    coordinator = _start(job, address, "--worker-procs", "2", log=log)
+    try:
+        got, _ = run_ranks(SimpleNamespace(address=address), ranks=RANKS, steps=STEPS, timeout_s=120)
+    finally:
+        coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(60)
+    assert "workers counted 2 source(s)" in open(log).read()
+    reference = write_job(root, job_dict(), "reference.yaml")  # the indexes now exist: the coordinator reads them
+    with LocalJob(reference, workers=1) as separate:
+        expected, _ = run_ranks(separate, ranks=RANKS, steps=STEPS)
+    assert signature(got) == signature(expected)
+    assert check_content(job, got) > 0
