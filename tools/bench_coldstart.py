@@ -106,19 +106,16 @@ WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_s
     "assert not problems, problems; print(len(built))"
 
 
-COPIES = "plain"  # --copies
-
-
-def _worker_specs(paths: list[str], cache: str) -> list[dict]:
+def _worker_specs(paths: list[str], cache: str, copies: str) -> list[dict]:
     """The source specs a worker of the job is given (the part build_indexes_shared reads)."""
-    return [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache, "copies": COPIES}]
+    return [{"name": "text", "format": "jsonl", "files": paths, "cache_dir": cache, "copies": copies}]
 
 
-def record_read_us(path: str, cache: str, reads: int = 3000) -> float:
+def record_read_us(path: str, cache: str, copies: str, reads: int = 3000) -> float:
     """Microseconds per line read at random places of one shard, from its cached copy."""
     from worker.readers.jsonl import JsonlShard
 
-    shard = JsonlShard(path, cache, copies=COPIES)
+    shard = JsonlShard(path, cache, copies=copies)
     lines = np.random.default_rng(0).integers(0, len(shard), reads).tolist()
     started = time.perf_counter()
     for i in lines:
@@ -131,9 +128,9 @@ def _first_shard(i: int, paths: list[str], processes: int) -> int:
     return i * len(paths) // processes
 
 
-def workers_s(paths: list[str], cache: str, processes: int) -> float:
+def workers_s(paths: list[str], cache: str, copies: str, processes: int) -> float:
     """Seconds until `processes` fresh processes, started together, have indexed every shard."""
-    spec = orjson.dumps(_worker_specs(paths, cache)).decode()
+    spec = orjson.dumps(_worker_specs(paths, cache, copies)).decode()
     started = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-c", WORKERS, spec, str(_first_shard(i, paths, processes))],
                               stdout=subprocess.PIPE, text=True) for i in range(processes)]
@@ -142,13 +139,13 @@ def workers_s(paths: list[str], cache: str, processes: int) -> float:
     return time.perf_counter() - started
 
 
-def forked_workers_s(paths: list[str], cache: str, processes: int) -> float:
+def forked_workers_s(paths: list[str], cache: str, copies: str, processes: int) -> float:
     """Seconds until `processes` processes forked from this one, which has imported the readers
     (as a host's fork server has before it forks its workers), have indexed every shard: what a
     welcomed worker spends, without the fresh interpreter's imports that workers_s includes."""
     from worker.readers.indexing import build_indexes_shared
 
-    spec = _worker_specs(paths, cache)
+    spec = _worker_specs(paths, cache, copies)
     started = time.perf_counter()
     pids = []
     for i in range(processes):
@@ -199,8 +196,6 @@ def main() -> None:
     ap.add_argument("--copies", choices=("plain", "seekable"), default="plain",
                     help="runtime.copies: how the compressed shards are kept for random access")
     args = ap.parse_args()
-    global COPIES
-    COPIES = args.copies
     root = os.path.join(args.data_dir, f"{args.shards}x{args.shard_mb}")
     paths = make_shards(root, args.shards, args.shard_mb)
     cache = os.path.join(args.data_dir, "cache")
@@ -224,8 +219,8 @@ def main() -> None:
         cold.append(seconds)
         warm.append(ours_s(job)[0])
 
-    variants = [coordinator_cold, lambda: on_workers.append(workers_s(paths, cache, cores)),
-                lambda: on_forked.append(forked_workers_s(paths, cache, cores)),
+    variants = [coordinator_cold, lambda: on_workers.append(workers_s(paths, cache, args.copies, cores)),
+                lambda: on_forked.append(forked_workers_s(paths, cache, args.copies, cores)),
                 lambda: commands.append(commands_s(workers_job, cores))]
     for repeat in range(args.repeats):
         ref.append(reference_s(paths))
@@ -234,7 +229,7 @@ def main() -> None:
             variant()
     compressed = sum(os.path.getsize(p) for p in paths)
     cache_bytes = _du(cache)
-    reads = [record_read_us(paths[0], cache) for _ in range(3)]
+    reads = [record_read_us(paths[0], cache, args.copies) for _ in range(3)]
     med = statistics.median
     result = {
         "shards": args.shards, "records": records, "compressed_bytes": compressed, "cores": cores,

@@ -52,7 +52,7 @@ class SourceReader:
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
             if self.format == "jsonl":
-                copies = spec.get("copies") or "plain"
+                copies = spec.get("copies", "plain")
                 self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes, copies=copies) for p in spec["files"]]
             elif self.format in TABLES:
                 self.shards = [self._table(p, self.text_key, storage, cache_dir) for p in spec["files"]]
