@@ -33,6 +33,7 @@ import zstandard
 from trainer_client.files import atomic_write, preallocate
 
 from .copies import CopyCache, is_evicted
+from .direct_io import DirectWriter
 from .errors import RecordError, SourceFormatError
 from .storage import is_url, local_name, store_for
 
@@ -163,7 +164,8 @@ def _local_copy(shard: str, cache_dir: str | None, durable: bool = True,
             _write_seekable(out, lambda frames: decompress(shard, shard, scan.writer(frames)))
             return
         preallocate(out, _declared_size(shard))
-        decompress(shard, shard, scan.writer(out))
+        with DirectWriter(out) as direct:  # past the page cache: docs/BENCHMARKS.md, Cold start
+            decompress(shard, shard, scan.writer(direct))
 
     atomic_write(copy, write_copy, durable=not defer)
     if not defer:
@@ -450,7 +452,8 @@ class JsonlShard:
                 if self.seekable:
                     _write_seekable(out, lambda frames: decompress(raw.name, self.shard, frames))
                 else:
-                    decompress(raw.name, self.shard, out)
+                    with DirectWriter(out) as direct:
+                        decompress(raw.name, self.shard, direct)
         return self._copies.path(self._copy_name, make)
 
     def _seekable_copy(self) -> tuple[str, tuple[int, int]]:
@@ -522,3 +525,4 @@ class JsonlShard:
         else:
             self._copies.touch(self._copy_path)
         return self._fd
+
