@@ -94,6 +94,9 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     from .config import ConfigError
 
     procs = _worker_procs(worker_procs, max_worker_procs, standby)
+    if procs is not None and bind.rsplit(":", 1)[-1] in ("0", "*"):
+        raise click.BadParameter(f"{bind}: --worker-procs needs a fixed port here, for this host's agent to reach",
+                                 param_hint="--bind")
     setup_logging(log_level, "coordinator")
     host = None
     if procs is not None:

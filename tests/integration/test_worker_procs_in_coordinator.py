@@ -134,6 +134,7 @@ def _cmdline(pid: int) -> str:
     (["--worker-procs", "2", "--max-worker-procs", "4"], "only with --worker-procs auto"),
     (["--max-worker-procs", "4"], "only with --worker-procs auto"),
     (["--worker-procs", "1", "--standby", "--state-dir", "STATE"], "a standby runs no workers of its own"),
+    (["--worker-procs", "1", "--bind", "tcp://127.0.0.1:0"], "needs a fixed port"),
 ])
 def test_bad_worker_procs_options_are_named(tmp_path, args, message):
     job = write_job(str(tmp_path), job_dict(), "job.yaml")
