@@ -55,7 +55,13 @@ def name_process(name: str) -> None:
 def host_worker_pids(agent_pid: int) -> list[int]:
     """The worker processes of the host agent `agent_pid` now running (its fork server's
     children; Linux /proc), for tests, benchmarks and operators' scripts."""
-    return [pid for server in _children(agent_pid) if process_comm(server) == SERVER_NAME for pid in _children(server)]
+    return [pid for server in fork_server_pids(agent_pid) for pid in _children(server)]
+
+
+def fork_server_pids(parent_pid: int) -> list[int]:
+    """The host fork servers among a process's children: a host agent's, or a coordinator's
+    with --worker-procs (Linux /proc)."""
+    return [pid for pid in _children(parent_pid) if process_comm(pid) == SERVER_NAME]
 
 
 def _children(pid: int) -> list[int]:

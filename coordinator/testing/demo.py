@@ -140,6 +140,7 @@ def next_steps(job_path: str, ranks: int, workers: int) -> str:
         f"  {msd} worker --coordinator tcp://127.0.0.1:5555 --procs {workers}",
         f"  {sys.executable} {train} --coordinator tcp://127.0.0.1:5555 --world-size {ranks} --steps 50"
         "   # DDP trainer ranks (needs torch)",
+        f"(or the first two as one: {msd} coordinator ... --worker-procs {workers})",
     ])
 
 

@@ -20,7 +20,7 @@ from coordinator.testing.ports import free_address
 from coordinator.testing.processes import running
 from tests.conftest import job_dict, write_job
 from tests.integration.harness import check_content, run_ranks, signature
-from worker.forks import SERVER_NAME, WORKER_NAME, host_worker_pids, process_comm
+from worker.forks import SERVER_NAME, WORKER_NAME, fork_server_pids, host_worker_pids, process_comm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -29,14 +29,6 @@ STEPS, RANKS = 6, 2
 
 def _msd() -> str:
     return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
 
 
 def _start(job: str, address: str, *args: str, log: str) -> subprocess.Popen:
@@ -71,7 +63,7 @@ def test_one_command_serves_the_stream_of_a_separate_host_and_forks_a_killed_wor
     try:
         workers = _wait_workers(coordinator, 2, log)
         # the host's processes are the coordinator's: its fork server and the workers under it
-        servers = [p for p in _children(coordinator.pid) if process_comm(p) == SERVER_NAME]
+        servers = fork_server_pids(coordinator.pid)
         assert len(servers) == 1 and [process_comm(p) for p in workers] == [WORKER_NAME, WORKER_NAME]
 
         def kill_one(cluster, batches: int) -> None:  # a worker process dies mid-job
@@ -102,7 +94,7 @@ def test_a_killed_coordinator_leaves_no_worker_process_behind(dataset_dir, tmp_p
     coordinator = _start(job, free_address(), "--worker-procs", "auto", "--max-worker-procs", "2", log=log)
     try:
         workers = _wait_workers(coordinator, 1, log)
-        servers = [p for p in _children(coordinator.pid) if process_comm(p) == SERVER_NAME]
+        servers = fork_server_pids(coordinator.pid)
     finally:
         coordinator.kill()
         coordinator.wait(10)
