@@ -16,7 +16,8 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
   it has imported the readers, as a host's fork server forks its workers;
 - ours cold as a user runs it with `runtime.index_on: workers`: `msd coordinator` and
   `msd worker --procs N` (N = the cores) started together, until the coordinator has the record
-  counts from the workers (its "workers counted" log line): every process's start-up included.
+  counts from the workers (its "workers counted" log line): every process's start-up included;
+  and the same as one command, `msd coordinator --worker-procs N` (a job on one machine).
 The cold variants run in a different order in each repeat: on a virtual machine that hands
 freed memory back to its host, the first touch of that memory is slow, and a run's time depends
 on what ran before it (`dd` of 1.7 GB into the page cache: 0.33 s right after 1.7 GB had been
@@ -163,23 +164,25 @@ def forked_workers_s(paths: list[str], cache: str, copies: str, processes: int) 
     return time.perf_counter() - started
 
 
-def commands_s(job: str, processes: int) -> float:
+def commands_s(job: str, processes: int, one_command: bool = False) -> float:
     """Seconds from starting `msd coordinator` (the job says index_on: workers) and `msd worker
-    --procs N` until the coordinator logs that the workers counted the sources."""
+    --procs N` (or one command, `msd coordinator --worker-procs N`) until the coordinator logs
+    that the workers counted the sources."""
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     address = free_address()
     started = time.perf_counter()
-    coordinator = subprocess.Popen([msd, "coordinator", "--config", job, "--bind", address],
+    coordinator = subprocess.Popen([msd, "coordinator", "--config", job, "--bind", address,
+                                    *(["--worker-procs", str(processes)] if one_command else [])],
                                    stderr=subprocess.PIPE, text=True)
-    host = subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", str(processes), "--log-level",
-                             "WARNING"])
+    host = coordinator if one_command else subprocess.Popen(
+        [msd, "worker", "--coordinator", address, "--procs", str(processes), "--log-level", "WARNING"])
     try:
         for line in coordinator.stderr:
             if "workers counted" in line:
                 return time.perf_counter() - started
         raise RuntimeError(f"the coordinator exited ({coordinator.wait()}) before the workers counted")
     finally:
-        stop([host, coordinator], timeout_s=30)
+        stop([coordinator] if one_command else [host, coordinator], timeout_s=30)
 
 
 def _du(path: str) -> int:
@@ -211,7 +214,7 @@ def main() -> None:
         spec["runtime"]["index_on"] = "workers"
         yaml.safe_dump(spec, out)
     cores = os.cpu_count() or 1
-    ref, cold, warm, on_workers, on_forked, commands, records = [], [], [], [], [], [], None
+    ref, cold, warm, on_workers, on_forked, commands, one_command, records = [], [], [], [], [], [], [], None
 
     def coordinator_cold() -> None:
         nonlocal records
@@ -221,7 +224,8 @@ def main() -> None:
 
     variants = [coordinator_cold, lambda: on_workers.append(workers_s(paths, cache, args.copies, cores)),
                 lambda: on_forked.append(forked_workers_s(paths, cache, args.copies, cores)),
-                lambda: commands.append(commands_s(workers_job, cores))]
+                lambda: commands.append(commands_s(workers_job, cores)),
+                lambda: one_command.append(commands_s(workers_job, cores, one_command=True))]
     for repeat in range(args.repeats):
         ref.append(reference_s(paths))
         for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
@@ -248,11 +252,15 @@ def main() -> None:
         "ours_cold_index_on_workers_commands_s": med(commands), "ours_cold_index_on_workers_commands_spread_s":
             [min(commands), max(commands)],
         "cold_index_on_workers_commands_over_reference_per_core": med(commands) / (med(ref) / cores),
+        "ours_cold_index_on_workers_one_command_s": med(one_command),
+        "ours_cold_index_on_workers_one_command_spread_s": [min(one_command), max(one_command)],
+        "cold_index_on_workers_one_command_over_reference_per_core": med(one_command) / (med(ref) / cores),
         "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
         "fastest_over_reference_per_core": {
             "coordinator": min(cold) / (med(ref) / cores), "worker_processes": min(on_workers) / (med(ref) / cores),
             "forked_workers": min(on_forked) / (med(ref) / cores),
-            "index_on_workers_commands": min(commands) / (med(ref) / cores)},
+            "index_on_workers_commands": min(commands) / (med(ref) / cores),
+            "index_on_workers_one_command": min(one_command) / (med(ref) / cores)},
         "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
         "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
     }
