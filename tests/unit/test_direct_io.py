@@ -96,3 +96,30 @@ def test_a_failed_write_in_the_thread_is_raised_at_close(tmp_path, monkeypatch):
             with DirectWriter(out) as w:
                 for _ in range(4):
                     w.write(b"y" * BUFFER)
+
+
+def test_a_block_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """A file system that took the probe's block but refuses a later one (a stricter alignment):
+    that block and the rest are written through the buffered descriptor; the file is whole."""
+    real, direct_fds = os.pwrite, set()
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def pwrite(fd, data, offset):
+        if fd in direct_fds and offset >= BUFFER:  # the probe and the first block pass
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "open", open_)
+    monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
+    chunks = _chunks(np.random.default_rng(2), [BUFFER + 100, 3 * BUFFER, 7])
+    with open(tmp_path / "copy", "wb") as out, DirectWriter(out) as w:
+        for c in chunks:
+            w.write(c)
+    assert direct_fds  # the direct path was taken, then left
+    assert (tmp_path / "copy").read_bytes() == b"".join(chunks)

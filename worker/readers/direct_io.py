@@ -98,13 +98,20 @@ class DirectWriter:
             raise self._error
 
     def _write_blocks(self) -> None:
+        fd = self.fd
         while (item := self._full.get()) is not None:
             buffer, length, offset = item
             try:
                 if self._error is None:
-                    done = 0
-                    while done < length:
-                        done += os.pwrite(self.fd, buffer[done:length], offset + done)
+                    try:
+                        _write_all(fd, buffer, length, offset)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL or fd != self.fd:
+                            raise
+                        # a file system that took the probe but not this block (a stricter
+                        # alignment): this block and the rest go through the page cache
+                        fd = self.out.fileno()
+                        _write_all(fd, buffer, length, offset)
             except OSError as e:
                 self._error = e.with_traceback(None)  # its frames would keep views of the buffer
             finally:
@@ -125,6 +132,12 @@ class DirectWriter:
                 m.close()
             except BufferError:  # a view still held somewhere: the map goes with the last of them
                 pass
+
+
+def _write_all(fd: int, buffer: memoryview, length: int, offset: int) -> None:
+    done = 0
+    while done < length:
+        done += os.pwrite(fd, buffer[done:length], offset + done)
 
 
 def _open_direct(out: BinaryIO) -> int | None:
