@@ -250,9 +250,7 @@ class Coordinator:
             try:
                 await asyncio.to_thread(self.lease.renew)
             except LeaseLost as e:
-                log.error("%s: another coordinator serves this job now; stopping without a word to the peers", e)
-                self.failed = self.lease_lost = True
-                self.stop()
+                self._lost_lease(e)
                 return
             except OSError as e:
                 if self.lease.overdue():
@@ -310,6 +308,10 @@ class Coordinator:
                     await self._file_work_until_done(ins)
                 else:
                     self._do(ins)
+            except LeaseLost as e:  # a journal write found another holder's token (fenced) before a renewal did
+                self._backlog.clear()
+                self._lost_lease(e)
+                return
             except Exception as e:
                 # What follows may depend on this one (deliveries of unjournaled steps, the answer
                 # to an unjournaled mixture change): nothing more goes out.
@@ -423,6 +425,13 @@ class Coordinator:
             self.metrics.message(self.metrics.sent, ins.header["type"])
         if self._readable is not None:
             self._readable.set()  # the send may have taken the edge of a message that came meanwhile
+
+    def _lost_lease(self, e: LeaseLost) -> None:
+        """Another coordinator holds the state dir now: stop at once, and say nothing to the peers
+        (they are that coordinator's)."""
+        log.error("%s: another coordinator serves this job now; stopping without a word to the peers", e)
+        self.failed = self.lease_lost = True
+        self.stop()
 
     def _fail(self, reason: str) -> None:
         self.failed = True

@@ -90,3 +90,40 @@ def test_a_primary_frozen_past_its_lease_comes_back_and_stops(standby_job, tmp_p
     assert signature(received) == signature(clean)
     text = open(log).read()
     assert "another coordinator serves this job now" in text
+
+
+def test_a_primary_that_finds_another_token_at_a_journal_write_stops_without_a_word(dataset_dir, tmp_path):
+    """The fenced primary may learn of the new holder at a journal write rather than at its next
+    renewal (a frozen primary resumes with steps to journal): it stops as when renewing, with the
+    same words, and tells the peers nothing (they are the new holder's). Before, it told them
+    "coordinator stopping" as in a clean stop. A long heartbeat makes the journal write come first."""
+    from coordinator.lease import LEASE, LeaseRecord, read_lease
+
+    path = write_job(dataset_dir, job_dict(runtime={"heartbeat_s": 5.0, "prepare_batch": 16, "lookahead_steps": 3}),
+                     "fenced-at-write.yaml")
+    state, log = str(tmp_path / "state"), str(tmp_path / "job.log")
+    stolen = []
+
+    def take_the_lease(cluster, n_batches):  # as a standby taking over writes its record
+        if n_batches >= 20 and not stolen:
+            held = read_lease(state)
+            new = LeaseRecord(holder="standby-elsewhere", token=held.token + 1, address="tcp://10.0.0.2:5555", beat=0)
+            fd = os.open(os.path.join(state, LEASE), os.O_WRONLY)
+            try:
+                os.pwrite(fd, new.encode(), 0)
+            finally:
+                os.close(fd)
+            stolen.append(time.monotonic())
+
+    with LocalJob(path, workers=1, log_path=log, log_level="INFO", state_dir=state) as cluster:
+        try:  # the ranks are left waiting for a coordinator (the new holder is not really there)
+            run_ranks(cluster, ranks=2, steps=STEPS, during=take_the_lease, timeout_s=15)
+        except AssertionError:
+            pass
+        cluster.coordinator.join(15)
+        assert cluster.coordinator.exitcode == 1, "the fenced primary stopped, failing"
+    assert stolen
+    text = open(log).read()
+    assert "another coordinator serves this job now" in text, text[-3000:]
+    assert "token" in text.split("another coordinator serves this job now")[0].splitlines()[-1]
+    assert "coordinator asked us to stop" not in text, "the fenced primary told the new holder's peers to stop"
