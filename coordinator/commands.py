@@ -79,7 +79,7 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
                    "(--coordinator tcp://a:5555,tcp://b:5555) move to it.")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
-@click.option("--worker-procs", default=None,
+@click.option("--worker-procs", default=None, metavar="N|auto",
               help="Also run this machine's worker host in the coordinator's process, with N worker processes or "
                    "'auto' (the coordinator sets 1..--max-worker-procs by demand), as `msd worker --procs` would: "
                    "for a job on one machine, one command and one Python process fewer. Other hosts may still "
