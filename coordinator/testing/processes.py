@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
+import time
 from typing import Iterable
+
+
+def msd_command() -> str:
+    """The `msd` of this Python's environment (the tests' and benchmarks' own install)."""
+    return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
 
 
 def stop(procs: Iterable[subprocess.Popen | None], timeout_s: float = 20.0) -> None:
@@ -30,3 +39,12 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_gone(pids: Iterable[int], timeout_s: float) -> None:
+    """Wait until none of these processes runs (running()); fail naming those left."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout_s
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
+        time.sleep(0.1)

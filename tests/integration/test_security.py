@@ -141,17 +141,15 @@ def test_keys_generate_adds_an_operator_pair_to_an_older_key_set(tmp_path):
 def test_workers_in_the_coordinators_process_use_the_jobs_keys(dataset_dir, keys, tmp_path):
     """msd coordinator --worker-procs: its host's agent and workers take the worker key from the
     job's key directory (security.curve), and an authorised client is served by them."""
-    import os
-    import shutil
     import signal
     import subprocess
-    import sys
 
     from coordinator.testing.ports import free_address
+    from coordinator.testing.processes import msd_command
 
     good, _ = keys
     path, address = _job(dataset_dir, good), free_address()
-    msd = shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
+    msd = msd_command()
     with open(tmp_path / "coordinator.log", "wb") as log:
         coordinator = subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--worker-procs", "1"],
                                        stderr=log)

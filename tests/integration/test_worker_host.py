@@ -4,28 +4,23 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from coordinator.testing.ports import free_address
-from coordinator.testing.processes import running
+from coordinator.testing.processes import msd_command, wait_gone
 from worker.forks import SERVER_NAME, WORKER_NAME, host_worker_pids, process_comm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def _msd() -> str:
-    return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
-
 
 def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
     """An agent (no coordinator answers: its workers keep saying hello), its server and workers."""
-    agent = subprocess.Popen([_msd(), "worker", "--coordinator", free_address(), "--procs", str(procs),
+    agent = subprocess.Popen([msd_command(), "worker", "--coordinator", free_address(), "--procs", str(procs),
                               "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while len(host_worker_pids(agent.pid)) < procs:
@@ -36,26 +31,20 @@ def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
     return agent, server, host_worker_pids(agent.pid)
 
 
-def _wait_gone(pids: list[int], timeout_s: float = 15) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(running(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if running(p)]
-        time.sleep(0.1)
-
 
 def test_the_host_names_its_processes_and_a_stopped_agent_stops_them_all():
     agent, server, workers = _start_host(2)
     assert [process_comm(p) for p in workers] == [WORKER_NAME, WORKER_NAME]
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 0
-    _wait_gone([server, *workers])
+    wait_gone([server, *workers], timeout_s=15)
 
 
 def test_a_killed_agent_leaves_no_process_behind():
     agent, server, workers = _start_host(2)
     agent.kill()
     agent.wait(10)
-    _wait_gone([server, *workers])  # the server sees the agent's pipe close and stops its workers
+    wait_gone([server, *workers], timeout_s=15)  # the server sees the agent's pipe close and stops its workers
 
 
 def test_a_killed_worker_is_forked_again():
@@ -69,4 +58,4 @@ def test_a_killed_worker_is_forked_again():
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
-    _wait_gone([server, *host_worker_pids(agent.pid)])
+    wait_gone([server, *host_worker_pids(agent.pid)], timeout_s=15)

@@ -6,10 +6,8 @@ forked again, and nothing is left behind when the coordinator stops or dies."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -17,7 +15,7 @@ import pytest
 
 from coordinator.testing.local import LocalJob
 from coordinator.testing.ports import free_address
-from coordinator.testing.processes import running
+from coordinator.testing.processes import msd_command, wait_gone
 from tests.conftest import job_dict, write_job
 from tests.integration.harness import check_content, run_ranks, signature
 from worker.forks import SERVER_NAME, WORKER_NAME, fork_server_pids, host_worker_pids, process_comm
@@ -27,14 +25,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 STEPS, RANKS = 6, 2
 
 
-def _msd() -> str:
-    return shutil.which("msd", path=os.path.dirname(sys.executable)) or "msd"
-
 
 def _start(job: str, address: str, *args: str, log: str) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen([_msd(), "coordinator", "--config", job, "--bind", address, "--log-level", "INFO",
-                                 *args], stderr=f)
+        return subprocess.Popen([msd_command(), "coordinator", "--config", job, "--bind", address,
+                                 "--log-level", "INFO", *args], stderr=f)
 
 
 def _wait_workers(coordinator: subprocess.Popen, n: int, log: str, timeout_s: float = 60) -> list[int]:
@@ -45,12 +40,6 @@ def _wait_workers(coordinator: subprocess.Popen, n: int, log: str, timeout_s: fl
         time.sleep(0.1)
     return host_worker_pids(coordinator.pid)
 
-
-def _wait_gone(pids: list[int], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(running(p) for p in pids):
-        assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
-        time.sleep(0.1)
 
 
 def test_one_command_serves_the_stream_of_a_separate_host_and_forks_a_killed_worker_again(dataset_dir, tmp_path):
@@ -80,7 +69,7 @@ def test_one_command_serves_the_stream_of_a_separate_host_and_forks_a_killed_wor
         after = host_worker_pids(coordinator.pid)
         coordinator.send_signal(signal.SIGTERM)
         assert coordinator.wait(60) == 0, open(log).read()
-        _wait_gone([*servers, *after])  # the coordinator stops its host's processes as it stops
+        wait_gone([*servers, *after], timeout_s=20)  # the coordinator stops its host's processes as it stops
     finally:
         if coordinator.poll() is None:
             coordinator.kill()
@@ -98,13 +87,14 @@ def test_a_killed_coordinator_leaves_no_worker_process_behind(dataset_dir, tmp_p
     finally:
         coordinator.kill()
         coordinator.wait(10)
-    _wait_gone([*servers, *workers])  # the server sees the coordinator's pipe close; workers their parent go
+    # the server sees the coordinator's pipe close; the workers see their parent go
+    wait_gone([*servers, *workers], timeout_s=20)
 
 
 def test_a_bad_job_file_stops_the_coordinator_and_its_fork_server(tmp_path):
     bad = write_job(str(tmp_path), {**job_dict(), "batch": {"seq_len": "long"}}, "bad.yaml")
-    result = subprocess.run([_msd(), "coordinator", "--config", bad, "--bind", free_address(), "--worker-procs", "1"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run([msd_command(), "coordinator", "--config", bad, "--bind", free_address(),
+                             "--worker-procs", "1"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "batch.seq_len" in result.stderr and "invalid job file" in result.stderr
     leftovers = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
@@ -131,7 +121,7 @@ def _cmdline(pid: int) -> str:
 def test_bad_worker_procs_options_are_named(tmp_path, args, message):
     job = write_job(str(tmp_path), job_dict(), "job.yaml")
     args = [str(tmp_path / "state") if a == "STATE" else a for a in args]
-    result = subprocess.run([_msd(), "coordinator", "--config", job, "--bind", free_address(), *args],
+    result = subprocess.run([msd_command(), "coordinator", "--config", job, "--bind", free_address(), *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
