@@ -160,17 +160,25 @@ def _local_copy(shard: str, cache_dir: str | None, durable: bool = True,
     scan = _LineScan()
 
     def write_copy(out: BinaryIO) -> None:
-        if copies == "seekable":
-            _write_seekable(out, lambda frames: decompress(shard, shard, scan.writer(frames)))
-            return
-        preallocate(out, _declared_size(shard))
-        with DirectWriter(out) as direct:  # past the page cache: docs/BENCHMARKS.md, Cold start
-            decompress(shard, shard, scan.writer(direct))
+        if copies == "plain":
+            preallocate(out, _declared_size(shard))
+        _write_copy(out, copies == "seekable", lambda to: decompress(shard, shard, scan.writer(to)))
 
     atomic_write(copy, write_copy, durable=not defer)
     if not defer:
         atomic_write(copy + SYNCED_SUFFIX, b"")
     return copy, scan.offsets(), defer
+
+
+def _write_copy(out: BinaryIO, seekable: bool, write: Any) -> None:
+    """Write a copy into `out`: `write(to)` writes the text to `to`, a file that cuts it into
+    seekable frames, or one that writes the plain text past the page cache (DirectWriter:
+    docs/BENCHMARKS.md, Cold start)."""
+    if seekable:
+        _write_seekable(out, write)
+        return
+    with DirectWriter(out) as direct:
+        write(direct)
 
 
 def _write_seekable(out: BinaryIO, write: Any) -> None:
@@ -449,11 +457,7 @@ class JsonlShard:
             with tempfile.NamedTemporaryFile(dir=self._copies.directory, suffix=".download") as raw:
                 self._store.download(self.shard, raw)
                 raw.flush()
-                if self.seekable:
-                    _write_seekable(out, lambda frames: decompress(raw.name, self.shard, frames))
-                else:
-                    with DirectWriter(out) as direct:
-                        decompress(raw.name, self.shard, direct)
+                _write_copy(out, self.seekable, lambda to: decompress(raw.name, self.shard, to))
         return self._copies.path(self._copy_name, make)
 
     def _seekable_copy(self) -> tuple[str, tuple[int, int]]:
@@ -525,4 +529,3 @@ class JsonlShard:
         else:
             self._copies.touch(self._copy_path)
         return self._fd
-
