@@ -93,10 +93,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
     """Run the job's coordinator."""
     from .config import ConfigError
 
-    procs = _worker_procs(worker_procs, max_worker_procs, standby)
-    if procs is not None and bind.rsplit(":", 1)[-1] in ("0", "*"):
-        raise click.BadParameter(f"{bind}: --worker-procs needs a fixed port here, for this host's agent to reach",
-                                 param_hint="--bind")
+    procs = _worker_procs(worker_procs, max_worker_procs, standby, bind)
     setup_logging(log_level, "coordinator")
     host = None
     if procs is not None:
@@ -132,7 +129,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
             host.close()
 
 
-def _worker_procs(value: str | None, max_procs: int | None, standby: bool) -> int | str | None:
+def _worker_procs(value: str | None, max_procs: int | None, standby: bool, bind: str) -> int | str | None:
     """--worker-procs as a count, "auto", or None (no worker host in this process)."""
     if value is None:
         if max_procs is not None:
@@ -142,6 +139,9 @@ def _worker_procs(value: str | None, max_procs: int | None, standby: bool) -> in
         raise click.BadParameter(f"expected a number >= 1 or 'auto', got {value!r}", param_hint="--worker-procs")
     if max_procs is not None and value != "auto":
         raise click.BadParameter("only with --worker-procs auto", param_hint="--max-worker-procs")
+    if bind.rsplit(":", 1)[-1] in ("0", "*"):
+        raise click.BadParameter(f"{bind}: --worker-procs needs a fixed port here, for this host's agent to reach",
+                                 param_hint="--bind")
     if standby:
         raise click.BadParameter("a standby runs no workers of its own (its primary's would stop with it): start "
                                  "them with msd worker --coordinator PRIMARY,STANDBY", param_hint="--worker-procs")

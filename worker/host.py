@@ -279,7 +279,6 @@ class InProcessHost:
         self.agent = HostAgent("", procs, log_level, max_procs=max_procs)
         self.agent.prepare()
         self.thread: threading.Thread | None = None
-        self.status: int | None = None  # the agent's exit status once its loop ended
 
     def start(self, coordinator: str, keys_dir: str | None = None) -> None:
         self.agent.coordinator, self.agent.keys_dir = coordinator, keys_dir
@@ -288,10 +287,9 @@ class InProcessHost:
 
     def _serve(self) -> None:
         try:
-            self.status = self.agent.serve()
+            self.agent.serve()  # why it ended, if it did before close(), is in the log
         except Exception:  # noqa: BLE001 - the coordinator goes on; the host is gone, said in its log
             log.exception("the worker host in this process failed; its worker processes are stopped")
-            self.status = 1
 
     def close(self) -> None:
         self.agent.stop()
