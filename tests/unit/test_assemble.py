@@ -171,3 +171,17 @@ def test_position_ids_restart_at_every_piece_and_at_the_padding(piece_len):
     for r, seq in enumerate(seqs):
         want += [np.arange(ref[2]) for ref in seq] + ([np.arange(100)] if r % 2 else [])
     np.testing.assert_array_equal(got, np.concatenate(want))
+
+
+def test_ramps_longer_than_the_seed_ramp_and_in_any_order():
+    from trainer_client.assemble import _SEED_RAMP, fill_ramps
+
+    rng = np.random.default_rng(5)
+    cases = [[3 * len(_SEED_RAMP) + 7], [1, 40_000, 5], [len(_SEED_RAMP), len(_SEED_RAMP) + 1, 2]]
+    cases += [rng.integers(1, 20_000, size=int(rng.integers(1, 9))).tolist() for _ in range(200)]
+    for lengths in cases:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        out = np.full(int(ends[-1]), -1, np.int64)
+        fill_ramps(out, ends - lengths, lengths)
+        np.testing.assert_array_equal(out, np.concatenate([np.arange(n) for n in lengths]))
