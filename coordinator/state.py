@@ -34,6 +34,7 @@ from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRe
                      StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited,
                      WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
+from .lead import PrepareLead
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
@@ -122,6 +123,8 @@ class CoordinatorState:
             if not self._replay_quarantine(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
         self.tasks = TaskBook()
+        self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
+        self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         self.deliveries = DeliveryBook()
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
         self.reprepared = 0  # records prepared again so far (lost with a dead worker)
@@ -158,6 +161,7 @@ class CoordinatorState:
         slowest = self.registry.slowest()
         for event in events:
             self.events_handled += 1
+            self.clock = event.at
             try:
                 self._apply(event)
             except Exception:  # one message we could not handle: log it, drop it, serve the rest
@@ -397,6 +401,7 @@ class CoordinatorState:
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
+        self.lead.consumed(ev.at, self.registry.slowest())
         trainer.waited_s = max(trainer.waited_s, ev.waited_s)
 
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
@@ -420,6 +425,7 @@ class CoordinatorState:
                         reason, self._skipped(s), extra={"source": self.job.sources[s].name})
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
+        self.lead.task_done(s, ev.at - task.assigned_at)
         self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
 
     def _skipped(self, s: int) -> int:
@@ -604,8 +610,9 @@ class CoordinatorState:
         return np.where(self._full_tasks, full, np.clip(np.ceil(per_step), 1, full)).astype(np.int64)
 
     def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
-        """Records to keep prepared ahead of each source's cursor: enough for the look-ahead steps."""
-        ahead = np.ceil((self.job.runtime.lookahead_steps + 1) * per_step).astype(np.int64) + task
+        """Records to keep prepared ahead of each source's cursor: enough steps to cover its
+        prepare round trip (`lead.py`), and a task."""
+        ahead = np.ceil(self.lead.steps_ahead() * per_step).astype(np.int64) + task
         return np.where(per_step > 0, ahead, 0)
 
     def _left(self, s: int) -> int:
@@ -618,8 +625,9 @@ class CoordinatorState:
             return
         # Called on every planning pass (many per step at hundreds of ranks); what it computes
         # changes only with these, so an unchanged stamp means there is nothing to refill.
-        stamp = (self.planner.state.next_step, self._prepared_stamp, self._tables_stamp, len(self.registry.workers),
-                 self.registry.next_worker_id, len(self.planner.overrides), tuple(self.planner.state.exhausted))
+        stamp = (self.planner.state.next_step, self._prepared_stamp, self._tables_stamp, self.lead.version,
+                 len(self.registry.workers), self.registry.next_worker_id, len(self.planner.overrides),
+                 tuple(self.planner.state.exhausted))
         if stamp == self._prepare_ahead_stamp:
             return
         self._prepare_ahead_stamp = stamp
@@ -714,13 +722,13 @@ class CoordinatorState:
                 # read the records from its map is the one holding the fewest such records.
                 held = self.mapped_held.counts(self.registry.next_worker_id + 1)
                 wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
-                self.tasks.assign(task, wid, 0.0)
+                self.tasks.assign(task, wid, 0.0, self.clock)
                 self.tasks.complete(task.task_id, wid)
                 records = self.tables[s].records(task.positions)
                 self._set_prepared(s, task.positions, self._mapped_lengths(s, records), wid)
                 continue
             wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
-            self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)))
+            self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)), self.clock)
             records = self.tables[s].records(task.positions)
             self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records)
 
@@ -953,6 +961,7 @@ class CoordinatorState:
         self.deliveries.clear()
         self.reprepare.clear()
         self.tasks.clear()
+        self.lead.forget_pace()
         self.waiting = None
         if self.end is not None and self.end[0] > step:
             self.end = None
@@ -1039,6 +1048,8 @@ class CoordinatorState:
             "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),
             "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),
             "tasks_in_flight": len(self.tasks),
+            "prepare_ahead_steps": dict(zip(names, (round(float(n), 2) for n in self.lead.steps_ahead()))),
+            "step_s": None if self.lead.step_s is None else round(self.lead.step_s, 4),
             "records_reprepared": self.reprepared,
             "deliveries": self.deliveries.counts(),
             "skipped": {s.name: self._skipped(s.index) for s in self.job.sources},

@@ -31,6 +31,7 @@ class PrepareTask:
     avoid: int | None = None  # a worker that failed it: another one, if there is one
     deaths: int = 0  # worker processes that died while this was the task they worked on
     workers: list[int] = field(default_factory=list)  # every worker it was handed to, in order
+    assigned_at: float = 0.0  # when it was last handed to a worker (event time): its round trip ends with the result
 
 
 class TaskBook:
@@ -62,10 +63,10 @@ class TaskBook:
         """Back to the end of the queue (no worker could take it now)."""
         self._queue.append(task)
 
-    def assign(self, task: PrepareTask, worker_id: int, estimate_s: float) -> None:
-        """The task goes to this worker (it must not be in flight elsewhere)."""
+    def assign(self, task: PrepareTask, worker_id: int, estimate_s: float, at: float = 0.0) -> None:
+        """The task goes to this worker (it must not be in flight elsewhere), at time `at`."""
         assert task.worker_id is None, f"task {task.task_id} is in flight on worker {task.worker_id}"
-        task.worker_id, task.estimate_s = worker_id, estimate_s
+        task.worker_id, task.estimate_s, task.assigned_at = worker_id, estimate_s, at
         task.attempts += 1
         task.workers.append(worker_id)
         self._by_worker.setdefault(worker_id, set()).add(task.task_id)
