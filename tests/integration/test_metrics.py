@@ -73,7 +73,8 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
     assert samples[("msd_journal_write_seconds_count", (("kind", "AppendJournal"),))] >= 1
     assert samples[("msd_workers_alive", ())] == 2
     assert samples[("msd_messages_received_total", (("type", "consumed"),))] >= 2 * 12
-    assert samples[("msd_skipped_records_total", (("kind", "corrupt"), ("source", "web")))] >= 2  # the bad lines
+    # a bad line of web-1.jsonl met so far (how many by step 12 depends on how far ahead records are prepared)
+    assert samples[("msd_skipped_records_total", (("kind", "corrupt"), ("source", "web")))] >= 1
     assert samples[("msd_rank_data_wait_seconds_total", (("rank", "0"),))] >= 0
     assert samples[("msd_records_reprepared_total", ())] == 0
     delivered = {dict(k)["source"]: v for (n, k), v in samples.items() if n == "msd_source_tokens_delivered_total"}

@@ -340,7 +340,8 @@ def test_a_block_shuffle_reads_a_run_of_records_in_one_request_and_streams_as_lo
             if block == 16:
                 _same_stream(local, remote)
     # 8 steps of 8 x 2048 tokens: about 26 documents a step, most their own request at block 1
-    assert requests[1] > 100, requests
+    # (how many steps' documents are read by the end depends on how far ahead they are prepared)
+    assert requests[1] > 2 * 26, requests
     assert requests[16] * 4 < requests[1], requests
 
 
