@@ -1,10 +1,12 @@
 """The per-host agent (`msd worker`): starts worker processes and keeps them running.
 
 The agent imports the worker's modules (`worker/preload.py`) and forks a fork server of its own
-before it opens any zmq socket (`worker/forks.py`); the server forks every worker process, so
+before it opens any zmq socket (`worker/forks.py`); the server forks the worker processes, so
 the agent, the server and the workers share those modules' memory, and each worker creates its
-own zmq context. A worker that dies is restarted with exponential back-off; the agent stops its
-workers when it is stopped, and workers exit on their own if the agent disappears.
+own zmq context. The server exits once it has had nothing to start for a few seconds, and a
+later start gets a fresh one. The workers are the agent's children: a worker that dies is
+restarted with exponential back-off; the agent stops its workers when it is stopped, and
+workers exit on their own if the agent disappears.
 
 The agent registers with the coordinator (`host_hello`: its process count and limits) and
 heartbeats. With `--procs auto` it starts one process and the coordinator grows or shrinks the
@@ -72,12 +74,11 @@ class HostAgent:
         self.coordinator = coordinator
         self.log_level, self.log_path, self.keys_dir = log_level, log_path, keys_dir
         self.agent_id = int.from_bytes(os.urandom(6), "little")
-        self.forks = ForkServer(_worker_main)
+        self.forks = ForkServer(_worker_main, "worker.host:_worker_main")
         self.slots: list[_Slot] = []
         self.stopping = False
         self.registration: Registration | None = None
         self.refused: str | None = None  # why the coordinator will not have this host
-        self.failed = False  # the fork server died
         self.control: zmq.Socket | None = None
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.metrics = None  # HostMetricsServer, made in run() before the fork server
@@ -96,12 +97,7 @@ class HostAgent:
         return sum(1 for s in self.slots if s.process is not None and s.process.is_alive())
 
     def _keep_alive(self, now: float) -> None:
-        self.forks.poll()
-        if self.forks.gone and not self.stopping:
-            log.error("the fork server of this host (pid %s) is gone: no worker process can start; stopping",
-                      self.forks.pid)
-            self.failed = self.stopping = True
-            return
+        self.forks.poll()  # a server that lingered out is waited for
         while len(self.slots) < self.target:
             self.slots.append(_Slot())
         for slot in self.slots:
@@ -125,8 +121,10 @@ class HostAgent:
             elif now >= slot.next_start:
                 try:
                     self._start(slot)
-                except RuntimeError as e:  # the fork server died: seen at the next turn's poll
-                    log.error("%s", e)
+                except (RuntimeError, OSError) as e:  # no server could start it: tried again after a back-off
+                    slot.restarts += 1
+                    slot.next_start = now + min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
+                    log.error("%s; trying again in %.1fs", e, slot.next_start - now)
                     return
 
     def _report(self, msg: dict) -> None:
@@ -151,8 +149,7 @@ class HostAgent:
         self.target = procs
 
     def run(self) -> int:
-        """Until stopped; returns the exit status (1: the coordinator refused this host, or its
-        fork server died)."""
+        """Until stopped; returns the exit status (1: the coordinator refused this host)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         self.prepare()
         return self.serve()
@@ -205,7 +202,7 @@ class HostAgent:
             self.forks.stop()
             if self.metrics is not None:
                 self.metrics.close()
-        return 1 if self.refused or self.failed else 0
+        return 1 if self.refused else 0
 
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()

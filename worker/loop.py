@@ -46,6 +46,7 @@ class Worker:
         """current_task: an int shared with the host's fork server (a ctypes c_int64), set to the
         prepare task being worked on, so that the agent can say which task a crash happened in."""
         self.parent_pid = parent_pid
+        self._adopted = False  # the agent is our parent (once our intermediate process has exited)
         self.current_task = current_task
         self.core = WorkerCore()
         self.ctx = zmq.Context()
@@ -106,7 +107,14 @@ class Worker:
             self.metrics.sample(now, self.busy_s, self.outbox.waits)
 
     def _check_parent(self, now: float) -> None:
-        if self.parent_pid is not None and not _alive(self.parent_pid):
+        """Exit once the host agent is gone: our parent, from shortly after the fork on, so another
+        parent means it died (even while its exit status is not collected yet, when its pid still
+        answers a signal)."""
+        if self.parent_pid is None:
+            return
+        parent = os.getppid()
+        self._adopted = self._adopted or parent == self.parent_pid
+        if (self._adopted and parent != self.parent_pid) or not _alive(self.parent_pid):
             log.info("host agent is gone; exiting")
             self.running = False
 
@@ -179,7 +187,7 @@ class Worker:
 
 
 def _alive(pid: int) -> bool:
-    """Whether the host agent still runs (it is not our parent: a fork server is)."""
+    """Whether the host agent still runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,5 +1,6 @@
 """The `msd worker` host's processes as an operator sees them: the agent, its fork server
-(`msd-forks`) and the workers it forks (`msd-worker`), and how they end with the agent."""
+(`msd-forks`, while it starts workers) and the workers it forks (`msd-worker`, the agent's
+children), and how they end with the agent."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from coordinator.testing.ports import free_address
 from coordinator.testing.processes import msd_command, wait_gone
-from worker.forks import SERVER_NAME, WORKER_NAME, host_worker_pids, process_comm
+from worker.forks import LINGER_S, WORKER_NAME, fork_server_pids, host_worker_pids, process_comm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -26,8 +27,7 @@ def _start_host(procs: int) -> tuple[subprocess.Popen, int, list[int]]:
     while len(host_worker_pids(agent.pid)) < procs:
         assert agent.poll() is None and time.monotonic() < deadline, "the host did not start its workers"
         time.sleep(0.1)
-    with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
-        server = next(int(p) for p in f.read().split() if process_comm(int(p)) == SERVER_NAME)
+    server = fork_server_pids(agent.pid)[0]  # it lingers LINGER_S after its last start
     return agent, server, host_worker_pids(agent.pid)
 
 
@@ -44,18 +44,24 @@ def test_a_killed_agent_leaves_no_process_behind():
     agent, server, workers = _start_host(2)
     agent.kill()
     agent.wait(10)
-    wait_gone([server, *workers], timeout_s=15)  # the server sees the agent's pipe close and stops its workers
+    wait_gone([server, *workers], timeout_s=15)  # the server sees the agent's pipe close; the workers their parent go
 
 
-def test_a_killed_worker_is_forked_again():
+def test_a_killed_worker_is_forked_again_by_a_fresh_server_once_the_first_has_gone():
     agent, server, workers = _start_host(1)
     try:
+        wait_gone([server], timeout_s=LINGER_S + 10)  # idle: it exits; the worker runs on
+        assert host_worker_pids(agent.pid) == workers
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while not (host_worker_pids(agent.pid) and host_worker_pids(agent.pid) != workers):
             assert time.monotonic() < deadline, "no new worker process"
             time.sleep(0.1)
+        fresh, again = fork_server_pids(agent.pid), host_worker_pids(agent.pid)
+        assert len(fresh) == 1 and fresh[0] != server
+        with open(f"/proc/{fresh[0]}/cmdline", "rb") as f:
+            assert b"worker.forks" in f.read()  # a fresh interpreter: the agent has threads and sockets by now
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
-    wait_gone([server, *host_worker_pids(agent.pid)], timeout_s=15)
+    wait_gone([*fresh, *again], timeout_s=15)

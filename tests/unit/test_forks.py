@@ -1,4 +1,6 @@
-"""The host's fork server (worker/forks.py): real forks, real pipes, real signals."""
+"""The host's fork server (worker/forks.py): real forks, real pipes, real signals, a real fresh
+interpreter. The test process plays the host agent, so it becomes a child subreaper as the agent
+does (orphans of other tests' processes come to it as zombies: running() does not count them)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import time
 import pytest
 
 from coordinator.testing.processes import running
-from worker.forks import ForkServer, host_worker_pids
+from worker import forks
+from worker.forks import ForkServer, fork_server_pids, host_worker_pids
+
+TARGET = "tests.unit.test_forks:_target"
 
 
 def _target(mode: str, cell) -> None:
@@ -26,10 +31,17 @@ def _target(mode: str, cell) -> None:
 
 @pytest.fixture
 def server():
-    s = ForkServer(_target)
+    s = ForkServer(_target, TARGET)
     s.start()
     yield s
     s.stop()
+
+
+def _lingered_out(s: ForkServer, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while s.running:
+        assert time.monotonic() < deadline, "the server did not exit"
+        s.poll(0.1)
 
 
 def test_exit_codes_and_the_marked_task_come_back(server):
@@ -40,35 +52,57 @@ def test_exit_codes_and_the_marked_task_come_back(server):
     assert ok.task == code3.task == crash.task == 41  # read from the shared cell after death
 
 
-def test_a_killed_worker_reads_as_multiprocessing_says(server):
+def test_workers_are_the_agents_children_and_a_killed_one_reads_as_multiprocessing_says(server):
     w = server.start_worker(("wait",))
-    assert w.is_alive() and w.pid in host_worker_pids(os.getpid())
+    assert w.is_alive() and w.pid in host_worker_pids(os.getpid())  # adopted: not the server's child
+    assert w.task == -1
+    deadline = time.monotonic() + 10
+    while server.cells.cell(w._cell).value != 41:  # it marked its task
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     w.kill()
     w.join(10)
-    assert w.exitcode == -signal.SIGKILL and not w.is_alive()
+    assert w.exitcode == -signal.SIGKILL and not w.is_alive() and w.task == 41
 
 
-def test_stopping_the_server_stops_its_workers():
-    s = ForkServer(_target)
+def test_the_server_exits_when_idle_and_a_later_start_gets_a_fresh_one(monkeypatch):
+    monkeypatch.setattr(forks, "LINGER_S", 0.5)  # read by the forked server
+    s = ForkServer(_target, TARGET)
     s.start()
-    workers = [s.start_worker(("wait",)) for _ in range(2)]
-    s.stop()  # the agent closes its pipe: the server terminates its workers, then exits
-    assert s.gone
-    assert not any(running(w.pid) for w in workers)
+    try:
+        first_server = s.pid
+        early = s.start_worker(("wait",))
+        _lingered_out(s)
+        assert not running(first_server) and first_server not in fork_server_pids(os.getpid())
+        assert early.is_alive()  # the worker outlives its server
+        late = s.start_worker(("exit3",))  # a fresh interpreter imports the worker's modules, then forks
+        assert s.servers_started == 2 and s.pid != first_server
+        late.join(30)
+        assert late.exitcode == 3 and late.task == 41  # the cells are shared with the fresh server too
+        early.terminate()
+        early.join(10)
+        assert early.exitcode == -signal.SIGTERM
+    finally:
+        s.stop()
 
 
-def test_a_dead_server_is_noticed_and_starts_nothing():
-    s = ForkServer(_target)
-    s.start()
-    w = s.start_worker(("wait",))
-    os.kill(s.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while not s.gone and time.monotonic() < deadline:
-        s.poll(0.1)
-    assert s.gone and not w.is_alive()  # its worker was told to stop, and counts as exited
-    with pytest.raises(RuntimeError, match="fork server is gone"):
-        s.start_worker(("ok",))
-    deadline = time.monotonic() + 10
-    while running(w.pid):
-        assert time.monotonic() < deadline, "the orphaned worker kept running"
-        time.sleep(0.05)
+def test_a_dead_server_is_replaced_at_the_next_start(server):
+    w = server.start_worker(("wait",))
+    os.kill(server.pid, signal.SIGKILL)
+    _lingered_out(server)
+    assert w.is_alive()  # the agent's child, not the server's
+    again = server.start_worker(("ok",))
+    again.join(30)
+    assert again.exitcode == 0 and server.servers_started == 2
+    w.kill()
+    w.join(10)
+    assert not running(w.pid)
+
+
+def test_stopping_the_server_leaves_the_workers_to_the_agent(server):
+    w = server.start_worker(("wait",))
+    server.stop()
+    assert not server.running and w.is_alive()
+    w.terminate()
+    w.join(10)
+    assert w.exitcode == -signal.SIGTERM
