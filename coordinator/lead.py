@@ -30,7 +30,8 @@ import statistics
 import numpy as np
 
 ROUND_TRIP_DECAY = 0.5  # a source's round-trip estimate halves with every task that was faster
-STEP_INTERVALS = 9  # the step time is the median of this many recent intervals
+STEP_INTERVALS = 9  # the step time is the median of this many recent intervals...
+MIN_INTERVALS = 3  # ...once there are this many (the first steps come in a burst: they were buffered)
 
 
 class PrepareLead:
@@ -53,8 +54,9 @@ class PrepareLead:
         """The slowest rank has consumed step `slowest` (seen at time `at`)."""
         if self._last is not None and slowest > self._last[1]:
             self._intervals.append((at - self._last[0]) / (slowest - self._last[1]))
-            self.step_s = statistics.median(self._intervals)
-            self.version += 1
+            if len(self._intervals) >= MIN_INTERVALS:
+                self.step_s = statistics.median(self._intervals)
+                self.version += 1
         if self._last is None or slowest > self._last[1]:
             self._last = (at, slowest)
 

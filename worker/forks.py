@@ -123,12 +123,16 @@ class TaskCells:
         if fd is None:
             os.ftruncate(self.fd, CELLS * 8)
         self.map = mmap.mmap(self.fd, CELLS * 8)
-        self._free = list(range(CELLS - 1, -1, -1))
+        self._free: list[int] = []  # given back; cells from _next on were never used
+        self._next = 0
 
     def take(self) -> int:
-        if not self._free:
+        if self._free:
+            n = self._free.pop()
+        elif self._next < CELLS:
+            n, self._next = self._next, self._next + 1
+        else:
             raise RuntimeError(f"more than {CELLS} worker processes started and not waited for")
-        n = self._free.pop()
         self.cell(n).value = -1
         return n
 

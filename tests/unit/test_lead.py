@@ -18,9 +18,12 @@ def test_one_step_until_a_step_time_is_measured():
     lead.task_done(0, 3.0)
     np.testing.assert_array_equal(lead.steps_ahead(), [1, 1, 1])
     lead.consumed(1.0, 0)  # one point is no interval yet
+    lead.consumed(1.01, 1)  # the first steps come in a burst (they were buffered)...
+    lead.consumed(2.0, 2)
     np.testing.assert_array_equal(lead.steps_ahead(), [1, 1, 1])
-    lead.consumed(2.0, 1)
-    np.testing.assert_array_equal(lead.steps_ahead(), [4, 1, 1])
+    lead.consumed(3.0, 3)  # ...so the pace counts from three intervals on: their median
+    assert lead.step_s == 0.99
+    np.testing.assert_allclose(lead.steps_ahead(), [1 + 3 / 0.99, 1, 1])
 
 
 def test_one_step_and_the_round_trip_in_steps_capped_by_the_look_ahead():
