@@ -15,8 +15,8 @@ A source's round trip (from the task being handed to a worker to its result) is 
 maximum: a slow task widens its window at once, and the window narrows again over a few tasks
 (the start of a job, when every source's first tasks queue on the first workers, was still
 widening windows fifteen steps later with a slower decay). The step time is the median of the
-slowest rank's last intervals between steps (a burst of buffered steps at start or a pause for
-a checkpoint moves it little). If a round trip outgrows the window all the same, the planner
+slowest rank's last intervals between steps (the burst of buffered steps at the start, or a
+pause for a checkpoint, moves it little). If a round trip outgrows the window all the same, the planner
 waits for that source's records while the trainers use the planned steps, and the next sample
 widens the window.
 Part of the coordinator's state: times come from events, never from a clock.
@@ -30,8 +30,6 @@ import statistics
 import numpy as np
 
 ROUND_TRIP_DECAY = 0.5  # a source's round-trip estimate halves with every task that was faster
-STEP_INTERVALS = 9  # the step time is the median of this many recent intervals...
-MIN_INTERVALS = 3  # ...once there are this many (the first steps come in a burst: they were buffered)
 
 
 class PrepareLead:
@@ -39,7 +37,11 @@ class PrepareLead:
         self.most = lookahead_steps + 1
         self.round_trip_s = np.zeros(n_sources)
         self.step_s: float | None = None
-        self._intervals: collections.deque[float] = collections.deque(maxlen=STEP_INTERVALS)
+        # The step time is the median of the last 2 x lookahead_steps + 1 intervals, once there are
+        # that many: the first lookahead_steps steps come in a burst (they were planned and
+        # delivered ahead), and one burst interval of 11 ms as the step time had widened every
+        # window to the whole look-ahead at step 4, leaving the worker's heap fragmented.
+        self._intervals: collections.deque[float] = collections.deque(maxlen=2 * lookahead_steps + 1)
         self._last: tuple[float, int] | None = None  # (time, step) the slowest rank last reached
         self.version = 0  # changes whenever steps_ahead() may
 
@@ -54,7 +56,7 @@ class PrepareLead:
         """The slowest rank has consumed step `slowest` (seen at time `at`)."""
         if self._last is not None and slowest > self._last[1]:
             self._intervals.append((at - self._last[0]) / (slowest - self._last[1]))
-            if len(self._intervals) >= MIN_INTERVALS:
+            if len(self._intervals) == self._intervals.maxlen:
                 self.step_s = statistics.median(self._intervals)
                 self.version += 1
         if self._last is None or slowest > self._last[1]:
