@@ -127,10 +127,16 @@ def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank
 
 
 def _prepare_process() -> int:
-    """Import what every trainer imports (torch) before measuring what the loader adds."""
+    """Import what every trainer imports (torch) before measuring what the loader adds. The free
+    pages of the trainer's heap go back to the OS first, so that a loader that trims the heap
+    (ours does, once, when its client starts) cannot count the trainer's free pages as its own
+    saving: only what the loader itself left free can be given back after this."""
     import torch  # noqa: F401  (a trainer has torch loaded before its data loader exists)
 
+    from trainer_client.memory import return_freed_memory
+
     gc.collect()
+    return_freed_memory()
     return pss_kb(os.getpid())
 
 

@@ -67,7 +67,9 @@ class DataClient:
             overlaps the copy with compute (ignored, with a warning, where there is no CUDA device).
         keep_freed_memory: raise glibc's mmap/trim thresholds in this process, so that each
             step's buffers reuse memory instead of page-faulting fresh pages (trainer_client.memory;
-            up to ~300 MiB more resident memory, several times cheaper batch assembly).
+            up to ~300 MiB more resident memory, several times cheaper batch assembly), and give
+            the heap's free pages back once, when the client has started (what importing and
+            setting it up left free).
         metadata_only: for a middle pipeline stage, which gets no data otherwise: receive the
             packing metadata of its DP rank's micro-batches (cu_seqlens, doc_keys, ...).
         keys_dir: the job's key directory (msd keys generate) when it sets security.curve: the
@@ -92,6 +94,7 @@ class DataClient:
                 as_torch = False
         self.as_torch = as_torch
         self.pin_memory = pin_memory and as_torch and _can_pin()
+        self.keep_freed_memory = keep_freed_memory
         if keep_freed_memory:
             memory.keep_freed_memory()
         self.next_step = 0
@@ -128,6 +131,11 @@ class DataClient:
         ready.wait()
         self._wake = make_socket(self._ctx, zmq.PAIR)
         self._wake.connect(self._wake_addr)
+        if self.keep_freed_memory:
+            # Importing pyzmq and this package and setting up the client leave ~0.9 MB of freed
+            # heap behind, which the raised trim threshold would keep resident for the life of the
+            # trainer: given back once, now (one malloc_trim; 0.5 MB of 6 a rank, tools/bench_e2e.py).
+            memory.return_freed_memory()
 
     @property
     def batch_shape(self) -> dict[str, Any]:

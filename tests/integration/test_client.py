@@ -150,3 +150,38 @@ def test_a_second_client_for_a_live_rank_gets_nothing_until_the_first_leaves(job
             second.close()
     assert [b["step"] for b in got] == [0, 0, 1]
     assert again["step"] == 0 and np.array_equal(again["tokens"], got[0]["tokens"])
+
+
+_FREED_HEAP = """
+import sys
+from trainer_client import DataClient
+def anon_kb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
+from trainer_client.memory import keep_freed_memory
+keep_freed_memory()  # as a client does: freed heap stays resident
+blocks = [bytearray(3000) for _ in range(4000)]  # 12 MB of heap, then 11 of it freed in holes
+kept = blocks[::12]
+del blocks
+before = anon_kb()
+client = DataClient(sys.argv[1], rank=0, as_torch=False, timeout_s=30, keep_freed_memory=sys.argv[2] == "1")
+client.start()
+print(before - anon_kb())
+client.close()
+"""
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_starting_client_gives_back_the_free_heap_pages_once(job_path, keep):
+    import subprocess
+    import sys
+
+    with LocalJob(job_path, workers=1) as job:
+        out = subprocess.run([sys.executable, "-c", _FREED_HEAP, job.address, str(int(keep))], capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    given_back_kb = int(out.stdout.split()[-1])
+    if keep:  # the holes went back to the OS (the client's own allocations are far smaller)
+        assert given_back_kb > 6_000, given_back_kb
+    else:  # keep_freed_memory=False: the client leaves the process's malloc alone
+        assert given_back_kb < 2_000, given_back_kb
