@@ -611,11 +611,13 @@ class CoordinatorState:
 
     def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Records to keep prepared ahead of each source's cursor: enough steps to cover its
-        prepare round trip (`lead.py`), and a task. A memory-mapped source keeps the whole
-        look-ahead: its records are prepared here from the index and cost a worker nothing to
-        hold, and with a narrower window the planner stopped mid-step for their lengths (55
-        against 36 ms of CPU per step at DP 512 with 306 sources, tools/bench_scale.py)."""
-        steps = np.where(self._mapped_mask, float(self.lead.most), self.lead.steps_ahead())
+        prepare round trip (`lead.py`), and a task. A source of full tasks keeps the whole
+        look-ahead: it is refilled only when short by a whole task, so the look-ahead is its only
+        margin. For a memory-mapped one (prepared here from the index, held by a worker for
+        nothing) a narrower window made the planner stop mid-step for lengths (55 against 36 ms
+        of CPU per step at DP 512 with 306 sources, tools/bench_scale.py), and one in object
+        storage waits a round of requests per task."""
+        steps = np.where(self._full_tasks, float(self.lead.most), self.lead.steps_ahead())
         ahead = np.ceil(steps * per_step).astype(np.int64) + task
         return np.where(per_step > 0, ahead, 0)
 
