@@ -43,6 +43,7 @@ from bench_output import emit  # noqa: E402
 from coordinator.testing.fleet import sources  # noqa: E402
 from coordinator.testing.ports import free_port  # noqa: E402
 from coordinator.testing.processes import stop  # noqa: E402
+from worker.forks import host_worker_pids  # noqa: E402
 
 TOKENS_PER_RANK = 8192
 RANKS_PER_PROCESS = 256
@@ -92,17 +93,6 @@ def _status(pid: int) -> dict[str, int]:
             key, _, value = line.partition(":")
             if key in ("Pss", "Pss_Anon", "Pss_File"):
                 out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
     return out
 
 
@@ -189,12 +179,11 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
             except OSError:
                 continue
             samples.append((time.monotonic(), _cpu_s(coord.pid), _slowest_step(scraped), scraped))
-            for agent_child in _children(host.pid):
-                for w in _children(agent_child) or [agent_child]:
-                    try:
-                        peak_sockets = max(peak_sockets, _sockets(w))
-                    except OSError:
-                        pass
+            for w in host_worker_pids(host.pid):  # the agent's children (worker/forks.py)
+                try:
+                    peak_sockets = max(peak_sockets, _sockets(w))
+                except OSError:
+                    pass
         memory = _status(coord.pid)
     finally:
         stop([*ranks, host, coord])
