@@ -43,8 +43,9 @@ TRIM_EVERY_S = 2.0
 class Worker:
     def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None,
                  agent_id: int = 0, current_task: Any = None) -> None:
-        """current_task: an int shared with the host's fork server (a ctypes c_int64), set to the
-        prepare task being worked on, so that the agent can say which task a crash happened in."""
+        """current_task: an int shared with the host agent (a ctypes c_int64 of its memfd table), set
+        to the prepare task being worked on, so that the agent can say which task a crash happened
+        in."""
         self.parent_pid = parent_pid
         self._adopted = False  # the agent is our parent (once our intermediate process has exited)
         self.current_task = current_task
