@@ -129,6 +129,11 @@ def train(rank: int, args: argparse.Namespace) -> None:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    # Both ranks reach the end before the group goes, and DDP's reducer (which holds the group's
+    # work) goes before the group: one CI run had rank 0 abort in teardown ("terminate called
+    # without an active exception") while rank 1 was still leaving.
+    dist.barrier()
+    del model, optimizer
     dist.destroy_process_group()
 
 
