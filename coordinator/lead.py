@@ -9,9 +9,8 @@ lengths back) from the planner, so each source keeps one step, plus its round tr
 the worker held 5-6 steps of tokens (8-13 MB) for round trips of a few hundredths of a step
 (tools/bench_e2e.py). Sources prepared in full tasks (memory-mapped ones, whose records the
 coordinator prepares from their index, and those in object storage) keep the whole look-ahead
-(`CoordinatorState._windows`).
-Until the pace is known (the first steps), one step: the first steps
-wait for their round trips anyway, and a start with the whole look-ahead left the worker's
+(`CoordinatorState._windows`). Until the pace is known (the first steps), one step: the first
+steps wait for their round trips anyway, and a start with the whole look-ahead left the worker's
 heap with 2-3 MB of freed fragments for good.
 
 A source's round trip (from the task being handed to a worker to its result) is a decaying
@@ -19,10 +18,10 @@ maximum: a slow task widens its window at once, and the window narrows again ove
 (the start of a job, when every source's first tasks queue on the first workers, was still
 widening windows fifteen steps later with a slower decay). The step time is the median of the
 slowest rank's last intervals between steps (the burst of buffered steps at the start, or a
-pause for a checkpoint, moves it little). If a round trip outgrows the window all the same, the planner
-waits for that source's records while the trainers use the planned steps, and the next sample
-widens the window.
-Part of the coordinator's state: times come from events, never from a clock.
+pause for a checkpoint, moves it little). If a round trip outgrows the window all the same, the
+planner waits for that source's records while the trainers use the planned steps, and the next
+sample widens the window. Part of the coordinator's state: times come from events, never from a
+clock.
 """
 
 from __future__ import annotations

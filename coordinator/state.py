@@ -34,9 +34,9 @@ from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRe
                      StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited,
                      WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
-from .lead import PrepareLead
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
+from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY, HeldCounts, PositionTables
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo

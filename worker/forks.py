@@ -251,7 +251,7 @@ class ForkServer:
             raise RuntimeError("the fork server was never started")
         cell = self.cells.take()
         try:
-            for attempt in (1, 2):  # a server that lingered out just as we asked: once more, with a new one
+            for _ in range(2):  # a server that lingered out just as we asked: once more, with a new one
                 self.poll()
                 if not self.running:
                     self._start_fresh()
@@ -291,17 +291,18 @@ class ForkServer:
             return
         if timeout > 0:
             select.select([self._from], [], [], timeout)
+        closed = False
         try:
-            while True:
+            while not closed:
                 chunk = os.read(self._from, 65536)
-                if not chunk:
-                    self._gone()
-                    return
+                closed = not chunk
                 self._buffer += chunk
         except BlockingIOError:
             pass
         *lines, self._buffer = self._buffer.split(b"\n")
-        self._replies += [json.loads(line) for line in lines]
+        self._replies += [json.loads(line) for line in lines]  # a reply read with the end still counts
+        if closed:
+            self._gone()
 
     def _gone(self) -> None:
         """The server exited (it lingered out, or died): wait for it."""
@@ -406,12 +407,11 @@ def _serve_and_exit(inbox: int, outbox: int, target: Callable[..., None], cells:
 
 
 def _run_worker(target: Callable[..., None], args: list, cell: ctypes.c_int64, pipes: tuple[int, int]) -> None:
-    """In the forked worker: never returns."""
+    """In the forked worker (named by its intermediate): never returns."""
     code = 1
     try:
         for fd in pipes:
             os.close(fd)
-        name_process(WORKER_NAME)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         target(*args, cell)
