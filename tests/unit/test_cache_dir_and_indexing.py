@@ -88,12 +88,26 @@ def test_shards_are_indexed_by_a_pool_a_corrupt_one_is_named_and_a_shard_added_l
 
 
 @pytest.mark.parametrize("line_bytes", [3, 60, 255, 256, 400, 5000])
-def test_line_offsets_are_the_same_by_either_scan(tmp_path, line_bytes):
-    from worker.readers.jsonl import _newlines, _scan_offsets
+def test_line_offsets_are_the_same_by_every_scan(tmp_path, line_bytes):
+    """The compiled scan (worker/_lines.c), both branches of its Python reference, on bytes and
+    on a part of an mmap (a DirectWriter's buffer), and a whole file's offsets."""
+    import mmap
 
+    from worker.readers import jsonl
+    from worker.readers.jsonl import _newlines, _newlines_py, _scan_offsets
+
+    assert jsonl._lines is not None, "worker._lines was not built (setup.py): the scan falls back to Python"
     rng = np.random.default_rng(line_bytes)
     data = b"".join(b"y" * int(n) + b"\n" for n in rng.integers(0, 2 * line_bytes, 3000)) + b"tail"
-    assert _newlines(data).tolist() == np.flatnonzero(np.frombuffer(data, np.uint8) == 10).tolist()
+    expected_all = np.flatnonzero(np.frombuffer(data, np.uint8) == 10).tolist()
+    assert _newlines(data).tolist() == _newlines_py(data, 0, len(data)).tolist() == expected_all
+    buffer = mmap.mmap(-1, len(data) + 100)
+    buffer[50:50 + len(data)] = data
+    for start, end in [(50, 50 + len(data)), (57, 50 + len(data) // 2), (60, 60)]:
+        part = np.flatnonzero(np.frombuffer(buffer, np.uint8, end - start, start) == 10).tolist()
+        assert _newlines(buffer, start, end).tolist() == _newlines_py(buffer, start, end).tolist() == part
+    with pytest.raises(ValueError):
+        jsonl._lines.newlines(data, 10, len(data) + 1)
     path = tmp_path / "x.jsonl"
     path.write_bytes(data)
     expected = [0] + [i + 1 for i, b in enumerate(data) if b == 10] + [len(data)]

@@ -20,7 +20,10 @@ import mmap
 import os
 import queue
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, Callable
+
+# the bytes a reader put into a buffer: (the buffer, start, end); a buffer that has .find
+Seen = Callable[[mmap.mmap | bytearray, int, int], None]
 
 BLOCK = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's block
 BUFFER = 4 << 20  # per buffer; two of them: one being filled, one being written
@@ -40,12 +43,14 @@ class DirectWriter:
         if not self.direct:
             return
         self._maps = [mmap.mmap(-1, BUFFER) for _ in range(2)]  # page-aligned
-        self._free: queue.Queue[memoryview] = queue.Queue()
-        self._full: queue.Queue[tuple[memoryview, int, int] | None] = queue.Queue()
+        self._views = {id(m): memoryview(m) for m in self._maps}
+        self._free: queue.Queue[mmap.mmap] = queue.Queue()
+        self._full: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
         for m in self._maps:
-            self._free.put(memoryview(m))
+            self._free.put(m)
         self._error: OSError | None = None
-        self._buffer = self._free.get()
+        self._map = self._free.get()
+        self._buffer = self._views[id(self._map)]
         self._fill = 0  # bytes in the buffer being filled
         self._offset = 0  # where in the file that buffer goes
         self._thread = threading.Thread(target=self._write_blocks, name="msd-direct-write", daemon=True)
@@ -75,6 +80,22 @@ class DirectWriter:
         self.size += n
         return n
 
+    def fill_from(self, readinto: Callable[[memoryview], int], seen: Seen | None = None) -> None:
+        """Write what `readinto` (a reader's readinto) gives until it gives nothing, read straight
+        into the aligned buffers: a decompressor's output then never passes through a bytes object
+        (that copy and its allocation were a tenth of a cold start). `seen(buffer, start, end)`
+        is shown each piece before it is written (the line scan of a copy)."""
+        if not self.direct:
+            pump(readinto, self.out.write, seen)
+            return
+        while n := readinto(self._buffer[self._fill:]):
+            if seen is not None:
+                seen(self._map, self._fill, self._fill + n)
+            self._fill += n
+            self.size += n
+            if self._fill == BUFFER:
+                self._hand_over(BUFFER)
+
     def close(self) -> None:
         """Write what is left and wait for the thread; raises the OSError a write met."""
         if not self.direct:
@@ -91,16 +112,18 @@ class DirectWriter:
         os.ftruncate(self.out.fileno(), self.size)
 
     def _hand_over(self, length: int) -> None:
-        self._full.put((self._buffer, length, self._offset))
+        self._full.put((self._map, length, self._offset))
         self._offset += length
-        self._buffer, self._fill = self._free.get(), 0
+        self._map, self._fill = self._free.get(), 0
+        self._buffer = self._views[id(self._map)]
         if self._error is not None:
             raise self._error
 
     def _write_blocks(self) -> None:
         fd = self.fd
         while (item := self._full.get()) is not None:
-            buffer, length, offset = item
+            full, length, offset = item
+            buffer = self._views[id(full)]
             try:
                 if self._error is None:
                     try:
@@ -115,7 +138,7 @@ class DirectWriter:
             except OSError as e:
                 self._error = e.with_traceback(None)  # its frames would keep views of the buffer
             finally:
-                self._free.put(buffer)
+                self._free.put(full)
 
     def _stop(self) -> None:
         if self.fd is None:
@@ -124,14 +147,25 @@ class DirectWriter:
         self._thread.join()
         os.close(self.fd)
         self.fd = None
-        self._buffer.release()
-        while not self._free.empty():
-            self._free.get().release()
+        for view in self._views.values():
+            view.release()
         for m in self._maps:
             try:
                 m.close()
             except BufferError:  # a view still held somewhere: the map goes with the last of them
                 pass
+
+
+def pump(readinto: Callable[[memoryview], int], write: Callable[[memoryview], object], seen: Seen | None = None,
+         size: int = 1 << 20) -> None:
+    """Copy what `readinto` gives to `write` through one reused buffer of `size` bytes, showing each
+    piece to `seen` first, until readinto gives nothing."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    while n := readinto(view):
+        if seen is not None:
+            seen(buffer, 0, n)
+        write(view[:n])
 
 
 def _write_all(fd: int, buffer: memoryview, length: int, offset: int) -> None:

@@ -22,8 +22,8 @@ import gzip
 import hashlib
 import io
 import logging
+import mmap
 import os
-import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
 
@@ -33,9 +33,14 @@ import zstandard
 from trainer_client.files import atomic_write, preallocate
 
 from .copies import CopyCache, is_evicted
-from .direct_io import DirectWriter
+from .direct_io import DirectWriter, Seen, pump
 from .errors import RecordError, SourceFormatError
 from .storage import is_url, local_name, store_for
+
+try:  # the newline scan in C (worker/_lines.c); optional, like the coordinator's
+    from worker import _lines
+except ImportError:
+    _lines = None
 
 if TYPE_CHECKING:
     import pyzstd
@@ -162,7 +167,7 @@ def _local_copy(shard: str, cache_dir: str | None, durable: bool = True,
     def write_copy(out: BinaryIO) -> None:
         if copies == "plain":
             preallocate(out, _declared_size(shard))
-        _write_copy(out, copies == "seekable", lambda to: decompress(shard, shard, scan.writer(to)))
+        _write_copy(out, copies == "seekable", lambda to: decompress(shard, shard, to, scan.feed))
 
     atomic_write(copy, write_copy, durable=not defer)
     if not defer:
@@ -171,9 +176,9 @@ def _local_copy(shard: str, cache_dir: str | None, durable: bool = True,
 
 
 def _write_copy(out: BinaryIO, seekable: bool, write: Any) -> None:
-    """Write a copy into `out`: `write(to)` writes the text to `to`, a file that cuts it into
-    seekable frames, or one that writes the plain text past the page cache (DirectWriter:
-    docs/BENCHMARKS.md, Cold start)."""
+    """Write a copy into `out`: `write(to)` writes the text to `to` (decompress), a file that
+    cuts it into seekable frames, or one that writes the plain text past the page cache
+    (DirectWriter: docs/BENCHMARKS.md, Cold start)."""
     if seekable:
         _write_seekable(out, write)
         return
@@ -252,53 +257,79 @@ def _check_suffix(shard: str) -> None:
         raise SourceFormatError(f"{shard}: not a .jsonl, .jsonl.gz or .jsonl.zst file")
 
 
-def decompress(path: str, name: str, out: BinaryIO) -> None:
-    """Decompress the file at `path` (the shard `name`, by its suffix) into `out`."""
+def decompress(path: str, name: str, out: BinaryIO | DirectWriter, seen: Seen | None = None) -> None:
+    """Decompress the file at `path` (the shard `name`, by its suffix) into `out`: a file, or a
+    DirectWriter (then straight into its buffers). `seen(buffer, start, end)` is shown each piece
+    of text first (the line scan of a copy written in the same pass)."""
     try:
         if name.endswith(".jsonl.gz"):
             with gzip.open(path, "rb") as src:  # a truncated stream raises EOFError
-                shutil.copyfileobj(src, out, _CHUNK)
+                _fill(out, src.readinto, seen)
         else:
-            _copy_zstd(path, out, name)
+            _copy_zstd(path, out, name, seen)
     except (OSError, EOFError, zstandard.ZstdError) as e:
         raise SourceFormatError(f"{name}: cannot decompress: {e}") from None
 
 
-def _copy_zstd(shard: str, out, name: str | None = None) -> None:
-    """Decompress every frame of a zstd file into `out`; a stream that ends inside a frame is an
-    error (zstandard's stream reader returns what it has and says nothing: a truncated shard
-    would be read short, its lost records never named)."""
-    decompressor = zstandard.ZstdDecompressor()
-    frame, fed = decompressor.decompressobj(), False
+def _fill(out: BinaryIO | DirectWriter, readinto: Any, seen: Seen | None) -> None:
+    if isinstance(out, DirectWriter):
+        out.fill_from(readinto, seen)
+    else:
+        pump(readinto, out.write, seen, _CHUNK)
+
+
+def _copy_zstd(shard: str, out: BinaryIO | DirectWriter, name: str | None = None, seen: Seen | None = None) -> None:
+    """Decompress every frame of a zstd file into `out`. Its reader says nothing when the stream
+    ends inside a frame (it returns what it has: a truncated shard would be read short, its lost
+    records never named), so the frames are then walked to their ends (their block headers, not
+    their contents: ~1 ms for 25 MB) and a cut one is an error."""
     with open(shard, "rb") as src:
-        while chunk := src.read(_CHUNK):
-            while chunk:
-                out.write(frame.decompress(chunk))
-                fed = True
-                if frame.eof:  # the next frame, if any, starts in what this one did not use
-                    chunk = frame.unused_data
-                    frame, fed = decompressor.decompressobj(), False
-                else:
-                    chunk = b""
-    if fed and not frame.eof:
-        raise SourceFormatError(f"{name or shard}: cannot decompress: the zstd stream ends inside a frame "
-                                "(truncated file?)")
+        reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=_CHUNK, read_across_frames=True)
+        _fill(out, reader.readinto, seen)
+    _check_frames_whole(shard, name)
 
 
-def _newlines(chunk: bytes) -> np.ndarray:
-    """Positions of the newlines in a chunk. Documents are mostly long lines: then a memchr per
-    line (bytes.find) beats comparing every byte in numpy; for short lines the numpy scan wins.
-    Which one is told by the chunk's first 64 KiB: counting the whole chunk first (bytes.count
-    does not use memchr: ~1.5 GB/s) took four times as long as the scan it chose (109 MB of
-    ~2 KB lines: 80 ms against 15 ms for the find loop alone, 25 ms for numpy)."""
-    if chunk.count(b"\n", 0, _SAMPLE) > min(len(chunk), _SAMPLE) >> 8:  # lines under 256 bytes on average
-        return np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64)
+def _check_frames_whole(shard: str, name: str | None) -> None:
+    import pyzstd  # here: only a process that decompresses a zstd shard holds its 1.3 MB
+
+    with open(shard, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
+            at = 0
+            while at < size:
+                try:
+                    at += pyzstd.get_frame_size(view[at:])
+                except pyzstd.ZstdError:
+                    raise SourceFormatError(f"{name or shard}: cannot decompress: the zstd stream ends inside a "
+                                            f"frame at byte {at} of {size} (truncated file?)") from None
+
+
+def _newlines(chunk: bytes | bytearray | mmap.mmap, start: int = 0, end: int | None = None) -> np.ndarray:
+    """Positions (from `start`) of the newlines in chunk[start:end]: one memchr per line, in C
+    (worker/_lines.c) where it is built, else in Python and numpy."""
+    end = len(chunk) if end is None else end
+    if _lines is not None:
+        return np.frombuffer(_lines.newlines(chunk, start, end), np.int64)
+    return _newlines_py(chunk, start, end)
+
+
+def _newlines_py(chunk: bytes | bytearray | mmap.mmap, start: int, end: int) -> np.ndarray:
+    """The reference of _lines.newlines. Documents are mostly long lines: then a memchr per line
+    (find) beats comparing every byte in numpy; for short lines the numpy scan wins. Which one is
+    told by the first 64 KiB: counting the whole chunk first (bytes.count does not use memchr:
+    ~1.5 GB/s) took four times as long as the scan it chose (109 MB of ~2 KB lines: 80 ms against
+    15 ms for the find loop alone, 25 ms for numpy)."""
+    sample = min(end - start, _SAMPLE)
+    if np.count_nonzero(np.frombuffer(chunk, np.uint8, sample, start) == 10) > sample >> 8:  # lines under 256 bytes
+        return np.flatnonzero(np.frombuffer(chunk, np.uint8, end - start, start) == 10).astype(np.int64)
     found, find = [], chunk.find
-    pos = find(b"\n")
+    pos = find(b"\n", start, end)
     while pos >= 0:
         found.append(pos)
-        pos = find(b"\n", pos + 1)
-    return np.array(found, dtype=np.int64)
+        pos = find(b"\n", pos + 1, end)
+    return np.array(found, dtype=np.int64) - start
 
 
 def _scan_offsets(path: str, seekable: bool = False) -> np.ndarray:
@@ -310,8 +341,10 @@ def _scan_offsets(path: str, seekable: bool = False) -> np.ndarray:
         opened: BinaryIO = pyzstd.SeekableZstdFile(path, "r")
     else:
         opened = open(path, "rb")
+    scan = _LineScan()
     with opened as f:
-        return _scan_chunks(iter(lambda: f.read(_CHUNK), b""))
+        pump(f.readinto, lambda _: None, scan.feed, _CHUNK)
+    return scan.offsets()
 
 
 def _scan_chunks(chunks: Iterable[bytes]) -> np.ndarray:
@@ -328,29 +361,17 @@ class _LineScan:
         self._starts = [np.zeros(1, np.int64)]
         self._size = 0
 
-    def feed(self, chunk: bytes) -> None:
-        self._starts.append(_newlines(chunk) + self._size + 1)
-        self._size += len(chunk)
-
-    def writer(self, out: BinaryIO) -> "_Scanning":
-        return _Scanning(out, self)
+    def feed(self, chunk: bytes | bytearray | mmap.mmap, start: int = 0, end: int | None = None) -> None:
+        """Scan chunk[start:end], the next bytes of the stream."""
+        end = len(chunk) if end is None else end
+        self._starts.append(_newlines(chunk, start, end) + self._size + 1)
+        self._size += end - start
 
     def offsets(self) -> np.ndarray:
         offsets = np.concatenate(self._starts)
         if offsets[-1] != self._size:  # last line lacks a newline
             offsets = np.append(offsets, self._size)
         return offsets
-
-
-class _Scanning:
-    """A file that scans what is written to it for newlines (a copy indexed as it is written)."""
-
-    def __init__(self, out: BinaryIO, scan: _LineScan) -> None:
-        self._out, self._scan = out, scan
-
-    def write(self, data: bytes) -> int:
-        self._scan.feed(data)
-        return self._out.write(data)
 
 
 class JsonlShard:
