@@ -512,26 +512,40 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         metrics = CoordinatorMetrics()
         metrics.serve(metrics_port, metrics_host)
         log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
-    sources, router = counted_sources(job, sources, bind, lease)
-    if sources is None:  # stopped before the workers had counted
-        if lease is not None:
-            lease.release()
-        return
+    # From the counting on until the loop takes them, a stop signal is caught, not left to its
+    # default action: SIGTERM would end the process outright, between the counting and the loop,
+    # its worker host's processes left behind and its copies unsynced.
+    from .counting import catch_stop_signals
 
-    async def main() -> None:
-        coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics, router)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, coord.stop)
-        await coord.run()
-        if coord.failed:
-            raise SystemExit(1)
+    stop: list[int] = []
+    previous = catch_stop_signals(stop)
+    try:
+        sources, router = counted_sources(job, sources, bind, lease, stop=stop)
+        if sources is None:  # stopped before the workers had counted
+            if lease is not None:
+                lease.release()
+            return
 
-    asyncio.run(main())
+        async def main() -> None:
+            coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics, router)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, coord.stop)
+            if stop:  # one came in before the loop took them
+                coord.stop()
+            await coord.run()
+            if coord.failed:
+                raise SystemExit(1)
+
+        asyncio.run(main())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def counted_sources(job: JobConfig, sources: OpenedSources, bind: str, lease: Lease | None,
-                    on_bound: Callable[[str], None] | None = None) -> tuple[OpenedSources | None, Router | None]:
+                    on_bound: Callable[[str], None] | None = None,
+                    stop: list[int] | None = None) -> tuple[OpenedSources | None, Router | None]:
     """The sources with every record count known: those this host has no index of are counted
     by the workers (runtime.index_on: workers; counting.py), on the socket the coordinator then
     serves on. (None, None) if stopped meanwhile. Raises ConfigError (a source the workers cannot
@@ -541,7 +555,7 @@ def counted_sources(job: JobConfig, sources: OpenedSources, bind: str, lease: Le
     from .counting import Stopped, count_on_workers
 
     try:
-        return count_on_workers(job, sources, bind, lease, on_bound)
+        return count_on_workers(job, sources, bind, lease, on_bound, stop)
     except Stopped as e:
         log.info("stopped while the workers were counting (%s)", e)
         return None, None

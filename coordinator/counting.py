@@ -48,6 +48,14 @@ class Stopped(Exception):
     """SIGINT or SIGTERM while the workers were counting."""
 
 
+def catch_stop_signals(into: list[int]) -> dict[int, Any]:
+    """Catch SIGINT and SIGTERM into `into` (in the main thread; elsewhere signals cannot be
+    caught, and nothing is done); returns the handlers they replaced, to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, lambda signum, _: into.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 class _Counting:
     """What the counting phase knows: the sources asked for, who counted what, whom it welcomed."""
 
@@ -116,20 +124,24 @@ class _Counting:
 
 
 def count_on_workers(job: JobConfig, opened: OpenedSources, bind: str, lease: Lease | None = None,
-                     on_bound: Callable[[str], None] | None = None) -> tuple[OpenedSources, Router]:
+                     on_bound: Callable[[str], None] | None = None,
+                     stop: list[int] | None = None) -> tuple[OpenedSources, Router]:
     """Serve workers at `bind` until every pending source of `opened` is counted; returns the
     sources with their counts and the bound socket, for the Coordinator. The lease on the state
     dir, if any, is renewed meanwhile; on_bound(address) is called once the socket listens.
-    Raises ConfigError for a source the workers cannot open (or count alike), Stopped on SIGINT
-    or SIGTERM, LeaseLost if another coordinator took the state dir."""
+    stop: the stop signals the caller catches (app.serve, which keeps catching them until its
+    loop takes them); without it, SIGINT and SIGTERM are caught here while counting. Raises
+    ConfigError for a source the workers cannot open (or count alike), Stopped on a stop signal,
+    LeaseLost if another coordinator took the state dir."""
     raise_fd_limit("coordinator")
     counting = _Counting(job, opened.pending)
     router = Router.open(job, bind)
     if lease is not None:
         lease.address = router.address
-    stop: list[int] = []
-    previous = ({sig: signal.signal(sig, lambda signum, _: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-                if threading.current_thread() is threading.main_thread() else {})
+    previous = {}
+    if stop is None:
+        stop = []
+        previous = catch_stop_signals(stop)
     shards = sum(len(v) for v in opened.pending.values())
     log.info("listening on %s; waiting for workers to index %d shard(s) and count %d source(s) (runtime.index_on: "
              "workers)", router.address, shards, len(opened.pending))

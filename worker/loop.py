@@ -38,6 +38,7 @@ ZERO_COPY_BYTES = 1 << 20
 # Freed heap pages go back to the OS this often (trainer_client.memory.return_freed_memory): a
 # trim of a worker's heap takes well under a millisecond; the pages it frees fault in again later
 TRIM_EVERY_S = 2.0
+PARENT_CHECK_S = 0.5  # inside long work (keep_alive), whether the host agent is still there
 
 
 class Worker:
@@ -74,6 +75,7 @@ class Worker:
         self._sampled = 0.0
         self._trimmed = time.monotonic()
         self._kept_alive = float("-inf")
+        self._parent_checked = float("-inf")
         self.core.keep_alive = self._keep_alive
         storage.keep_alive = self._keep_alive  # a read waiting out a throttled store
 
@@ -166,8 +168,14 @@ class Worker:
     def _keep_alive(self) -> None:
         """A heartbeat now, if one is due, from inside long work of the core (same thread, same
         socket): a registered worker, or one working through its welcome (opening its sources),
-        is not to be taken for dead while it works."""
+        is not to be taken for dead while it works. And the end of that work if the host agent is
+        gone: indexing a corpus at a welcome can take hours, and the worker would go on alone."""
         now = time.monotonic()
+        if now - self._parent_checked >= PARENT_CHECK_S:  # called per record: two syscalls, not every time
+            self._parent_checked = now
+            self._check_parent(now)
+            if not self.running:
+                raise SystemExit(0)
         interval = self.registration.heartbeat_s
         if self.core.worker_id is None or now - max(self._kept_alive, self.registration.last_beat) < interval:
             return

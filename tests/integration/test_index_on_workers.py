@@ -165,3 +165,68 @@ def test_a_corpus_changed_since_it_was_indexed_is_counted_anew(tmp_path):
     log = str(tmp_path / "second.log")
     run_job(path, workers=1, ranks=2, steps=2, log_path=log)
     assert "workers counted 1 source(s) (long=20)" in open(log).read()
+
+
+def _wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_worker_whose_host_is_killed_while_it_indexes_stops(tmp_path):
+    """A worker busy with its welcome's indexing (here: waiting for a shard another process holds
+    the lock of; at terabyte scale, hours of building) stops once its host agent is gone, instead of
+    going on alone."""
+    import fcntl
+
+    from coordinator.testing.processes import running
+    from worker.forks import host_worker_pids
+    from worker.readers import indexing
+
+    build_dataset(str(tmp_path))
+    path = write_job(str(tmp_path), job_dict(runtime=_runtime(index_on="workers")))
+    shard = str(tmp_path / "long" / "long-0.jsonl.zst")
+    with open(indexing._lock_path(("jsonl", shard, None)), "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another process building it would
+        commands = _Commands(path, tmp_path, {}, {})
+        try:
+            _wait_until(lambda: len(host_worker_pids(commands.host.pid)) == 2, 60, "the host's 2 worker processes")
+            workers = host_worker_pids(commands.host.pid)
+            _wait_until(lambda: "registered as worker" not in (tmp_path / "worker.log").read_text()
+                        and os.path.exists(str(tmp_path / "web" / "web-1.jsonl") + ".msdidx.npy"), 60,
+                        "the other shards indexed, the workers waiting for the held one")
+            time.sleep(1.0)
+            assert all(running(pid) for pid in workers), "the workers wait for the shard"
+            commands.host.kill()
+            commands.host.wait()
+            _wait_until(lambda: not any(running(pid) for pid in workers), 5, "the workers stop")
+        finally:
+            commands.close()
+
+
+def test_a_stop_as_the_counting_ends_stops_the_coordinator_and_its_workers_cleanly(tmp_path):
+    """SIGTERM to `msd coordinator --worker-procs` the moment the workers have counted (between
+    the counting and the coordinator's loop): a clean stop, exit status 0 and no worker process
+    left, not the default action's death that left the host's workers behind, indexing on."""
+    from coordinator.testing.processes import running
+    from worker.forks import host_worker_pids
+
+    build_dataset(str(tmp_path))
+    path = write_job(str(tmp_path), job_dict(runtime=_runtime(index_on="workers")))
+    coordinator = subprocess.Popen([MSD, "coordinator", "--config", path, "--bind", free_address(),
+                                    "--worker-procs", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        workers: list[int] = []
+        for line in coordinator.stderr:
+            workers = workers or host_worker_pids(coordinator.pid)
+            if "workers counted" in line:
+                coordinator.send_signal(15)
+                break
+        rest = coordinator.stderr.read()
+        assert coordinator.wait(timeout=60) == 0, rest[-3000:]
+        assert workers
+        _wait_until(lambda: not any(running(pid) for pid in workers), 10, "the workers stop")
+    finally:
+        stop([coordinator])
