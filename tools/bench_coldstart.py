@@ -17,7 +17,10 @@ as JSONL of about M MB each, zstd-compressed (`zstd -3`), then measures, alterna
 - ours cold as a user runs it with `runtime.index_on: workers`: `msd coordinator` and
   `msd worker --procs N` (N = the cores) started together, until the coordinator has the record
   counts from the workers (its "workers counted" log line): every process's start-up included;
-  and the same as one command, `msd coordinator --worker-procs N` (a job on one machine).
+  and the same as one command, `msd coordinator --worker-procs N` (a job on one machine);
+- ours cold as one command with the job's default, `runtime.index_on: coordinator`: `msd
+  coordinator --worker-procs N` until it listens, its own processes (a pool, one per core) having
+  indexed before it did.
 The cold variants run in a different order in each repeat: on a virtual machine that hands
 freed memory back to its host, the first touch of that memory is slow, and a run's time depends
 on what ran before it (`dd` of 1.7 GB into the page cache: 0.33 s right after 1.7 GB had been
@@ -51,7 +54,7 @@ from coordinator.testing.ports import free_address  # noqa: E402
 from coordinator.testing.processes import stop  # noqa: E402
 
 OPEN = "import sys; from coordinator.config import load_job; from coordinator.sources import open_sources; " \
-       "print(sum(open_sources(load_job(sys.argv[1])).num_records))"
+       "print(sum(open_sources(load_job(sys.argv[1])).num_records), flush=True)"
 
 
 def make_shards(root: str, shards: int, shard_mb: int) -> list[str]:
@@ -97,9 +100,17 @@ def reference_s(paths: list[str]) -> float:
 
 
 def ours_s(job: str) -> tuple[float, int]:
+    """Seconds until a fresh process has opened the sources (printed their record count); not
+    until it exits: the copies' background sync to disk (indexing.sync_later) would hold the exit,
+    where `msd coordinator` goes on serving meanwhile."""
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", OPEN, job], check=True, capture_output=True, text=True)
-    return time.perf_counter() - started, int(out.stdout.strip())
+    proc = subprocess.Popen([sys.executable, "-c", OPEN, job], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    seconds = time.perf_counter() - started
+    proc.stdout.close()
+    if proc.wait() != 0 or not line.strip():
+        raise RuntimeError(f"opening the sources failed ({proc.returncode})")
+    return seconds, int(line.strip())
 
 
 WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_shared; " \
@@ -164,10 +175,11 @@ def forked_workers_s(paths: list[str], cache: str, copies: str, processes: int) 
     return time.perf_counter() - started
 
 
-def commands_s(job: str, processes: int, one_command: bool = False) -> float:
+def commands_s(job: str, processes: int, one_command: bool = False, until: str = "workers counted") -> float:
     """Seconds from starting `msd coordinator` (the job says index_on: workers) and `msd worker
     --procs N` (or one command, `msd coordinator --worker-procs N`) until the coordinator logs
-    that the workers counted the sources."""
+    that the workers counted the sources (or `until`: with the job's default, index_on:
+    coordinator, that it listens, its own processes having indexed)."""
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     address = free_address()
     started = time.perf_counter()
@@ -178,9 +190,9 @@ def commands_s(job: str, processes: int, one_command: bool = False) -> float:
         [msd, "worker", "--coordinator", address, "--procs", str(processes), "--log-level", "WARNING"])
     try:
         for line in coordinator.stderr:
-            if "workers counted" in line:
+            if until in line:
                 return time.perf_counter() - started
-        raise RuntimeError(f"the coordinator exited ({coordinator.wait()}) before the workers counted")
+        raise RuntimeError(f"the coordinator exited ({coordinator.wait()}) before it logged {until!r}")
     finally:
         stop([coordinator] if one_command else [host, coordinator], timeout_s=30)
 
@@ -215,6 +227,7 @@ def main() -> None:
         yaml.safe_dump(spec, out)
     cores = os.cpu_count() or 1
     ref, cold, warm, on_workers, on_forked, commands, one_command, records = [], [], [], [], [], [], [], None
+    one_command_default = []
 
     def coordinator_cold() -> None:
         nonlocal records
@@ -225,7 +238,8 @@ def main() -> None:
     variants = [coordinator_cold, lambda: on_workers.append(workers_s(paths, cache, args.copies, cores)),
                 lambda: on_forked.append(forked_workers_s(paths, cache, args.copies, cores)),
                 lambda: commands.append(commands_s(workers_job, cores)),
-                lambda: one_command.append(commands_s(workers_job, cores, one_command=True))]
+                lambda: one_command.append(commands_s(workers_job, cores, one_command=True)),
+                lambda: one_command_default.append(commands_s(job, cores, one_command=True, until="listening on"))]
     for repeat in range(args.repeats):
         ref.append(reference_s(paths))
         for variant in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
@@ -255,12 +269,16 @@ def main() -> None:
         "ours_cold_index_on_workers_one_command_s": med(one_command),
         "ours_cold_index_on_workers_one_command_spread_s": [min(one_command), max(one_command)],
         "cold_index_on_workers_one_command_over_reference_per_core": med(one_command) / (med(ref) / cores),
+        "ours_cold_one_command_index_on_coordinator_s": med(one_command_default),
+        "ours_cold_one_command_index_on_coordinator_spread_s": [min(one_command_default), max(one_command_default)],
+        "cold_one_command_index_on_coordinator_over_reference_per_core": med(one_command_default) / (med(ref) / cores),
         "cold_over_reference_per_core": med(cold) / (med(ref) / cores),
         "fastest_over_reference_per_core": {
             "coordinator": min(cold) / (med(ref) / cores), "worker_processes": min(on_workers) / (med(ref) / cores),
             "forked_workers": min(on_forked) / (med(ref) / cores),
             "index_on_workers_commands": min(commands) / (med(ref) / cores),
-            "index_on_workers_one_command": min(one_command) / (med(ref) / cores)},
+            "index_on_workers_one_command": min(one_command) / (med(ref) / cores),
+            "index_on_coordinator_one_command": min(one_command_default) / (med(ref) / cores)},
         "cache_bytes": cache_bytes, "cache_over_compressed": cache_bytes / compressed,
         "plain_bytes_per_s_cold": (cache_bytes / med(cold)),
     }
