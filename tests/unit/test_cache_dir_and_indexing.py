@@ -131,6 +131,34 @@ def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_w
         open_source({**spec, "files": [str(cut)]})
 
 
+@pytest.mark.parametrize("tail, refused", [
+    (b"", None),  # two frames with a skippable frame between them: read whole
+    (b"garbage!", "cannot decompress: zstd decompress error"),  # not a frame after the last one
+    (b"\x28\xb5\x2f", "ends inside a frame at byte"),  # a frame cut inside its magic number
+])
+def test_the_frames_of_a_zstd_shard_are_checked_to_their_ends(tmp_path, tail, refused):
+    """The copy is decompressed by a stream reader that says nothing at a cut frame; the frames
+    are walked afterwards, so whatever follows the last whole frame is named, not dropped."""
+    from worker.readers.errors import SourceFormatError
+
+    lines = [b'{"text": "line %d"}\n' % i for i in range(3000)]
+    skippable = b"\x50\x2a\x4d\x18" + (5).to_bytes(4, "little") + b"12345"
+    data = zstandard.ZstdCompressor().compress(b"".join(lines[:1000])) + skippable + \
+        zstandard.ZstdCompressor().compress(b"".join(lines[1000:])) + tail
+    shard = tmp_path / "s.jsonl.zst"
+    shard.write_bytes(data)
+    spec = {"name": "t", "format": "jsonl", "files": [str(shard)], "cache_dir": str(tmp_path / "cache")}
+    if refused is None:
+        from worker.readers.jsonl import JsonlShard
+
+        assert open_source(spec).num_records == 3000
+        shard_reader = JsonlShard(str(shard), str(tmp_path / "cache"))
+        assert [shard_reader.line(i) for i in (0, 999, 1000, 2999)] == [lines[i].rstrip() for i in (0, 999, 1000, 2999)]
+    else:
+        with pytest.raises(SourceFormatError, match=f"s.jsonl.zst: .*{refused}"):
+            open_source(spec)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
 def test_a_decompressed_copy_has_its_disk_reserved_first_and_is_exactly_the_content(tmp_path):
     from trainer_client.files import preallocate
