@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,11 +34,12 @@ class OpenedSources:
         return OpenedSources(num_records, self.mapped)
 
 
-def open_sources(job: JobConfig, index_here: bool = True) -> OpenedSources:
+def open_sources(job: JobConfig, index_here: bool = True, meanwhile: Callable[[], object] | None = None) -> OpenedSources:
     """Open every source once (building missing shard indexes first, in parallel); raises ConfigError
     naming each source that cannot be opened, or that has no records but a weight. With
     index_here False, a JSONL or WebDataset source with a shard this host has no index of is
-    not opened but left pending, for the workers to index and count (coordinator/counting.py)."""
+    not opened but left pending, for the workers to index and count (coordinator/counting.py).
+    meanwhile: the caller's own work, done while the indexing pool runs (indexing.build_indexes)."""
     counts: list[int] = []
     mapped: dict[int, SourceReader] = {}
     problems: list[str] = []
@@ -47,7 +48,7 @@ def open_sources(job: JobConfig, index_here: bool = True) -> OpenedSources:
     # Shards without an index yet are indexed by all cores at once; a shard that fails here fails
     # again below, where its source's error is reported.
     if index_here:
-        indexing.build_indexes(specs)
+        indexing.build_indexes(specs, meanwhile=meanwhile)
     for i, spec in enumerate(specs):
         if i in pending:
             counts.append(0)
@@ -65,10 +66,10 @@ def open_sources(job: JobConfig, index_here: bool = True) -> OpenedSources:
     return OpenedSources(counts, mapped, pending)
 
 
-def open_as_coordinator(job: JobConfig) -> OpenedSources:
+def open_as_coordinator(job: JobConfig, meanwhile: Callable[[], object] | None = None) -> OpenedSources:
     """The sources as `msd coordinator` opens them: indexed here, or, with runtime.index_on:
     workers, those this host has no index of left pending for the workers."""
-    return open_sources(job, index_here=job.runtime.index_on == "coordinator")
+    return open_sources(job, index_here=job.runtime.index_on == "coordinator", meanwhile=meanwhile)
 
 
 def _check_not_empty(job: JobConfig, counts: list[int], problems: list[str], skip: set[int] = frozenset()) -> None:

@@ -52,10 +52,13 @@ def unindexed_shards(specs: list[dict[str, Any]]) -> dict[int, list[str]]:
     return {i: missing for i, spec in enumerate(specs) if (missing := _unindexed(spec))}
 
 
-def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> dict[str, str]:
+def build_indexes(specs: list[dict[str, Any]], processes: int | None = None,
+                  meanwhile: Callable[[], object] | None = None) -> dict[str, str]:
     """Build and cache the index of every JSONL and WebDataset shard of these source specs that
-    has none yet, `processes` at a time (default: the cores). Returns {shard path: problem} for
-    shards that could not be indexed; the caller reports them where it opens the source."""
+    has none yet, `processes` at a time (default: the cores). meanwhile: called once the pool
+    runs, with work of the caller's own that would otherwise wait for the indexing (the
+    coordinator's imports). Returns {shard path: problem} for shards that could not be indexed;
+    the caller reports them where it opens the source."""
     work = _missing(specs)
     if not work:
         return {}
@@ -73,6 +76,8 @@ def build_indexes(specs: list[dict[str, Any]], processes: int | None = None) -> 
             if processes > 1 else ThreadPoolExecutor(max_workers=1))
     with pool:
         futures = {pool.submit(index_one, *w): w[1] for w in work}
+        if meanwhile is not None:
+            meanwhile()
         for future in as_completed(futures):
             path = futures[future]
             try:
