@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import zmq
@@ -32,7 +32,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket, raise_fd_limit
+from trainer_client.sockets import raise_fd_limit
 
 from .balance import COMPILED
 from .config import JobConfig
@@ -41,9 +41,10 @@ from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
 from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
-from .lease import SELF_FENCE_BEATS, Lease, LeaseHeld, LeaseLost
+from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
 from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
                       read_quarantine_journal)
+from .router import Router
 from .sources import OpenedSources
 from .state import CoordinatorState
 from .statedir import check_job_change, write_state_file, write_status
@@ -445,37 +446,6 @@ class Coordinator:
         self.stop()
 
 
-class Router:
-    """The coordinator's control socket: one ROUTER that workers, host agents, trainers and tools
-    connect to (with CURVE and its authenticator on a job that sets security.curve). A plain
-    socket, not zmq.asyncio's: at a thousand ranks its futures cost more than the messages;
-    asyncio only watches the socket's descriptor (Coordinator._receive_loop)."""
-
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, auth: Any, address: str) -> None:
-        self.ctx, self.sock, self.auth, self.address = ctx, sock, auth, address
-
-    @classmethod
-    def open(cls, job: JobConfig, bind: str) -> "Router":
-        ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.ROUTER, hwm=100_000)
-        auth = None
-        try:
-            if job.curve_keys:  # only workers and trainers holding an authorised key get through
-                auth = security.start_authenticator(ctx, job.curve_keys)
-                security.as_server(sock, security.load(job.curve_keys, "coordinator"))
-            sock.bind(bind)
-        except BaseException:
-            cls(ctx, sock, auth, bind).close()
-            raise
-        return cls(ctx, sock, auth, sock.getsockopt(zmq.LAST_ENDPOINT).decode())
-
-    def close(self) -> None:
-        self.sock.close(linger=500)
-        if self.auth is not None:
-            self.auth.stop()
-        self.ctx.term()
-
-
 class RecentWarnings(logging.Handler):
     """The last warnings and errors of this process, for `msd status`."""
 
@@ -489,88 +459,3 @@ class RecentWarnings(logging.Handler):
                                f"{record.levelname} {record.getMessage()}")
         except Exception:  # noqa: BLE001 - a log line must never break the coordinator
             pass
-
-
-def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | None = None,
-          allow_config_change: bool = False, standby: bool = False, metrics_port: int | None = None,
-          metrics_host: str = "127.0.0.1") -> None:
-    """Run a coordinator until SIGINT/SIGTERM. standby: wait until the coordinator holding the
-    state dir's lease is gone, then serve (the state dir on a shared file system)."""
-    import signal
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # uvloop is a core dependency; tolerate its absence on exotic platforms
-        pass
-    lease = take_lease(job, bind, state_dir, standby)
-    metrics = None
-    if metrics_port is not None:
-        from .metrics import CoordinatorMetrics
-
-        metrics = CoordinatorMetrics()
-        metrics.serve(metrics_port, metrics_host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
-    # From the counting on until the loop takes them, a stop signal is caught, not left to its
-    # default action: SIGTERM would end the process outright, between the counting and the loop,
-    # its worker host's processes left behind and its copies unsynced.
-    from .counting import catch_stop_signals
-
-    stop: list[int] = []
-    previous = catch_stop_signals(stop)
-    try:
-        sources, router = counted_sources(job, sources, bind, lease, stop=stop)
-        if sources is None:  # stopped before the workers had counted
-            if lease is not None:
-                lease.release()
-            return
-
-        async def main() -> None:
-            coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics, router)
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, coord.stop)
-            if stop:  # one came in before the loop took them
-                coord.stop()
-            await coord.run()
-            if coord.failed:
-                raise SystemExit(1)
-
-        asyncio.run(main())
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def counted_sources(job: JobConfig, sources: OpenedSources, bind: str, lease: Lease | None,
-                    on_bound: Callable[[str], None] | None = None,
-                    stop: list[int] | None = None) -> tuple[OpenedSources | None, Router | None]:
-    """The sources with every record count known: those this host has no index of are counted
-    by the workers (runtime.index_on: workers; counting.py), on the socket the coordinator then
-    serves on. (None, None) if stopped meanwhile. Raises ConfigError (a source the workers cannot
-    open) and LeaseLost."""
-    if not sources.pending:
-        return sources, None
-    from .counting import Stopped, count_on_workers
-
-    try:
-        return count_on_workers(job, sources, bind, lease, on_bound, stop)
-    except Stopped as e:
-        log.info("stopped while the workers were counting (%s)", e)
-        return None, None
-
-
-def take_lease(job: JobConfig, bind: str, state_dir: str | None, standby: bool) -> Lease | None:
-    """The lease on the state dir (None without one); a standby blocks here until it is its."""
-    if not state_dir:
-        if standby:
-            raise SystemExit("msd coordinator: --standby needs --state-dir: the primary's, on a shared file system")
-        return None
-    lease = Lease(state_dir, bind, job.runtime.heartbeat_s)
-    try:
-        lease.acquire(standby)
-    except LeaseHeld as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    return lease

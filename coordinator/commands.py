@@ -113,7 +113,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
             job, sources = _load_and_open(config_path, meanwhile=_import_the_coordinator)
         except ConfigError as e:
             _fail_config(e)
-        from .app import serve
+        from .serving import serve
         from .statedir import JobChanged
 
         if host is not None:

@@ -34,9 +34,9 @@ from trainer_client import wire
 from trainer_client.errors import ProtocolError
 from trainer_client.sockets import raise_fd_limit
 
-from .app import Router
 from .config import ConfigError, JobConfig
 from .lease import Lease
+from .router import Router
 from .sources import OpenedSources
 
 log = logging.getLogger("msd.coordinator")
@@ -129,7 +129,7 @@ def count_on_workers(job: JobConfig, opened: OpenedSources, bind: str, lease: Le
     """Serve workers at `bind` until every pending source of `opened` is counted; returns the
     sources with their counts and the bound socket, for the Coordinator. The lease on the state
     dir, if any, is renewed meanwhile; on_bound(address) is called once the socket listens.
-    stop: the stop signals the caller catches (app.serve, which keeps catching them until its
+    stop: the stop signals the caller catches (serving.serve, which keeps catching them until its
     loop takes them); without it, SIGINT and SIGTERM are caught here while counting. Raises
     ConfigError for a source the workers cannot open (or count alike), Stopped on a stop signal,
     LeaseLost if another coordinator took the state dir."""
