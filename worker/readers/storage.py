@@ -20,7 +20,6 @@ per process at start-up); Parquet files and index uploads stay with fsspec.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import hashlib
@@ -30,9 +29,12 @@ import random
 import re
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .errors import SourceFormatError
+
+if TYPE_CHECKING:  # asyncio is imported where an object store is read (15 ms of every reader's start-up)
+    import asyncio
 
 log = logging.getLogger("msd.storage")
 
@@ -293,6 +295,8 @@ class FastRanges:
         return store
 
     def _run(self, coroutine) -> Any:
+        import asyncio
+
         if self._loop is None or self._pid != os.getpid():  # (a forked worker makes its own)
             self._pid, self._stores = os.getpid(), {}
             self._loop = asyncio.new_event_loop()
@@ -347,6 +351,8 @@ class FastRanges:
         return sorted(root + k for k in self._ask(listing) if matches(k))
 
     def get(self, url: str, starts: list[int], ends: list[int]) -> list[bytes | BaseException]:
+        import asyncio
+
         import obstore
 
         store, key = self._where(url)
