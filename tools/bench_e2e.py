@@ -255,15 +255,17 @@ def worker_count(point: dict, k: int, procs: int | str | None) -> int | str:
 
 
 def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
-               timeout_s: float = 900, procs: int | str | None = None, worker_host: str = "separate") -> dict:
+               timeout_s: float = 900, procs: int | str | None = None, worker_host: str = "separate",
+               job: str | None = None) -> dict:
+    """One design at one point. job: ours's job file (default: write_job's, over the JSONL files)."""
     ranks, workers = point["ranks"], point["workers"]
     jsonl, prefixes, means = data
-    weights = [1.0 / len(jsonl)] * len(jsonl)
+    weights = [1.0 / len(prefixes)] * len(prefixes)  # one per source (JSONL file and Megatron pair alike)
     barrier = SPAWN.Barrier(ranks)
     out = SPAWN.Queue()
     cluster = None
     if design == "ours":
-        job = write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
+        job = job or write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
         cluster = MsdCommands(job, workers=worker_count(point, k, procs), in_coordinator=worker_host == "coordinator")
         targets = [(e2e_ranks.ours_rank, (cluster.address, r, params, barrier, out)) for r in range(ranks)]
     elif design == "torch":

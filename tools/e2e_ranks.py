@@ -115,7 +115,8 @@ def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank
             c = piece_costs(lengths, a, b)
             cost_sum += float(c.sum())
             largest = max(largest, float(c.max()) if len(c) else 0.0)
-            dt = float(c.sum()) * scale
+            # a fixed compute per micro-batch (tools/bench_wait.py), or the cost model's time
+            dt = p["compute_s"] if p.get("compute_s") is not None else float(c.sum()) * scale
             time.sleep(dt)
             compute += dt
         if step == mid:

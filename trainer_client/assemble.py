@@ -22,11 +22,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .buffers import BufferPool
 from .protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
-FIELD_BYTES = 8 + 8 + 4  # per token of a micro-batch: int64 label and position id, float32 loss mask (one allocation)
+FIELD_BYTES = 8 + 8 + 4  # per token of a micro-batch: int64 label and position id, float32 loss mask (after its int64 token)
 
 
 RAMP_MIN_SEGMENT = 1024  # mean tokens per segment from which position ids are copied from a ramp
@@ -173,10 +174,10 @@ class StepAssembler:
         return {"seg_len": seg_len, "seg_pad": seg_pad, "ends": ends, "seg_row_end": seg_row_end,
                 "piece_ends": piece_ends, "row_pieces": row_pieces}
 
-    def micro_batch(self, m: int) -> dict[str, Any]:
-        """Micro-batch m of the step, in arrays of its own (one allocation per field), so that a
-        trainer holding it holds only it: a client builds each micro-batch when the trainer takes
-        the one before, not the whole step at once."""
+    def micro_batch(self, m: int, pool: BufferPool | None = None) -> dict[str, Any]:
+        """Micro-batch m of the step, in arrays of its own (views of one buffer: from `pool` where
+        given, else allocated), so that a trainer holding it holds only it: a client builds each
+        micro-batch just before the trainer takes it, not the whole step at once."""
         lay = self._layout
         row_len, mbs = self.row_len, self.mbs
         first_row, last_row = m * mbs, (m + 1) * mbs
@@ -187,12 +188,14 @@ class StepAssembler:
         ends = lay["ends"][seg_lo:seg_hi] - base
         starts = ends - seg_len
         n_segs = seg_hi - seg_lo
-        tokens = np.empty(total, dtype=np.int64)
+        nbytes = (8 + FIELD_BYTES) * total
+        buf = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)
+        tokens = buf[:8 * total].view(np.int64)
         if self.tokens is not None:
             tokens[:] = self.tokens[base:base + total]
         for r in np.flatnonzero(self.used[first_row:last_row] < row_len).tolist():  # the padding was never written
             tokens[r * row_len + int(self.used[first_row + r]):(r + 1) * row_len] = self.pad_id
-        fields = np.empty(FIELD_BYTES * total, np.uint8)
+        fields = buf[8 * total:]
         labels, position_ids = fields[:8 * total].view(np.int64), fields[8 * total:16 * total].view(np.int64)
         loss_mask = fields[16 * total:].view(np.float32)
         labels[:-1] = tokens[1:]

@@ -4,8 +4,10 @@ A background thread owns both sockets (a DEALER to the coordinator, a PULL data 
 workers push pieces to) and keeps heartbeats flowing while the trainer computes; what arrives
 goes to a ReceivingState (receiving.py), which deduplicates pieces by (step, index in the step's
 recipe), checks each against its recipe entry, and hands a step over once its recipe and all its
-pieces are in. The iterator builds each micro-batch when the trainer takes it, in training order. The client decides nothing
-about what data it gets; it only assembles what the coordinator planned.
+pieces are in. A builder thread (prebuild.py) builds the micro-batch the trainer will take next
+while it computes on the current one, into reused buffers (buffers.py), so that `next()` finds it
+built. The client decides nothing about what data it gets; it only assembles what the coordinator
+planned.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from . import memory, security
 from . import protocol as P
 from .errors import PeerLostError, RejectedError
 from .batch import Batch
+from .buffers import BufferPool
+from .prebuild import Prebuilder
 from .receiving import End, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed
 from .session import PeerLoop, Registration
 from .sockets import make_socket, send_nowait
@@ -110,6 +114,9 @@ class DataClient:
         # SimpleQueue (C) rather than Queue: its hand-off costs far less than Condition.notify per batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # finished steps, errors and the end, in order
         self._step: ReadyStep | None = None  # the step being handed out, micro-batch by micro-batch
+        self._held: Any = None  # an end or an error taken from the queue while looking for the next step
+        self._pool = BufferPool()
+        self._builder: Prebuilder | None = None
         self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
         self._wake: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -131,6 +138,8 @@ class DataClient:
         ready.wait()
         self._wake = make_socket(self._ctx, zmq.PAIR)
         self._wake.connect(self._wake_addr)
+        # from here on the wake pipe is the builder thread's: commands go through its queue
+        self._builder = Prebuilder(self._build, self._send_command, name=f"msd-build-{self.rank}")
         if self.keep_freed_memory:
             # Importing pyzmq and this package and setting up the client leave ~0.9 MB of freed
             # heap behind, which the raised trim threshold would keep resident for the life of the
@@ -159,6 +168,8 @@ class DataClient:
 
     def _pending_error(self) -> BaseException | None:
         """An error the I/O thread queued (a refusal), left in place for next() to raise too."""
+        if self._held is not None:
+            return self._held if isinstance(self._held, BaseException) else None
         try:
             item = self._queue.get_nowait()
         except queue.Empty:
@@ -190,33 +201,55 @@ class DataClient:
             self._step = self._next_step()
         ready = self._step
         m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
-        batch = ready.micro_batch(m)  # built here, when taken: the client holds no built micro-batch ahead
+        batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
-            self._step = None  # its received tokens are let go
-            self._command(["consumed", ready.step, self.waited_s])
+            self._builder.command(["consumed", ready.step, self.waited_s])
+            self._step = self._finished_step()  # the next step if it is in; this one's tokens are let go
         else:
             self.next_step, self.next_micro_batch = ready.step, m + 1
+        if self._step is not None:
+            self._builder.ask(self._step, self.next_micro_batch)
+        return batch
+
+    def _build(self, ready: ReadyStep, m: int) -> Batch:
+        """Micro-batch m of a finished step, as the trainer gets it (the builder's thread, or this one)."""
+        batch = ready.micro_batch(m, self._pool)
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
+
+    def _finished_step(self) -> ReadyStep | None:
+        """The next finished step if the I/O thread has handed it over (an end or an error found
+        instead is kept for _next_step to raise)."""
+        if self._held is not None:
+            return None
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, ReadyStep):
+            return item
+        self._held = item
+        return None
 
     def _next_step(self) -> ReadyStep:
         """The next finished step from the I/O thread (waiting for it: counted and reported)."""
         started = time.perf_counter()
+        item, self._held = self._held, None
         try:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
-                item = self._queue.get(timeout=self.timeout_s)
-                self.waited_s += time.perf_counter() - started
+            if item is None:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:  # the trainer waits for data: counted, and reported to the coordinator
+                    item = self._queue.get(timeout=self.timeout_s)
+                    self.waited_s += time.perf_counter() - started
         except queue.Empty:
             raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
                                 f"(waiting for step {self.next_step})") from None
-        if isinstance(item, BaseException):
-            self._queue.put(item)  # sticky: every later call raises the same error
+        if isinstance(item, (BaseException, End)):
+            self._held = item  # sticky: every later call raises the same error, or stops
+            if isinstance(item, End):
+                raise StopIteration
             raise item
-        if isinstance(item, End):
-            self._queue.put(item)
-            raise StopIteration
         return item
 
     def state_dict(self) -> dict[str, Any]:
@@ -273,6 +306,7 @@ class DataClient:
         self._closed = True
         if self._thread is not None:
             self._command(["close"])
+            self._builder.close()
             self._thread.join(timeout=10)
             self._wake.close(linger=0)
             if self._thread.is_alive():  # never hang the trainer's exit on a stuck I/O thread
@@ -290,6 +324,12 @@ class DataClient:
         self.close()
 
     def _command(self, cmd: list) -> None:
+        """A command for the I/O thread, through the builder's queue (after the micro-batches and
+        commands before it)."""
+        self._builder.command(cmd)
+
+    def _send_command(self, cmd: list) -> None:
+        """The builder thread's: send a command down the wake pipe."""
         try:  # NOBLOCK: if the I/O thread has died, its end of the pipe is gone and a send would block
             self._wake.send_json(cmd, flags=zmq.NOBLOCK)
         except zmq.Again:

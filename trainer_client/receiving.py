@@ -19,6 +19,7 @@ import numpy as np
 from . import protocol as P
 from . import wire
 from .assemble import StepAssembler
+from .buffers import BufferPool
 from .errors import ProtocolError, RejectedError
 from .topology import Topology, cp_share
 
@@ -202,8 +203,8 @@ class ReadyStep:
     def micro_batches(self) -> int:
         return self.assembler.micro_batches
 
-    def micro_batch(self, m: int) -> dict[str, Any]:
-        batch = for_rank(self.assembler.micro_batch(m), self.batch_info, self.rank, self.metadata_only)
+    def micro_batch(self, m: int, pool: BufferPool | None = None) -> dict[str, Any]:
+        batch = for_rank(self.assembler.micro_batch(m, pool), self.batch_info, self.rank, self.metadata_only)
         batch["step"], batch["micro_batch"] = self.step, m
         if m == 0:
             batch["plan"] = self.plan

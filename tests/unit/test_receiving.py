@@ -66,8 +66,8 @@ def test_a_resumed_rank_starts_mid_step_and_each_micro_batch_is_built_alone_when
     assert [(r.step, r.first) for r in ready] == [(3, 1), (4, 0), (5, 0)]  # resumed at (3, 1)
     assert not state.steps  # handed over: the I/O thread keeps nothing of them
     batch = ready[1].micro_batch(0)
-    # arrays of its own, one micro-batch long (the step has 16 tokens): holding it holds nothing more
-    assert batch["tokens"].base.size == 8 and batch["labels"].base.nbytes == FIELD_BYTES * 8
+    # views of one buffer of its own, one micro-batch long (the step has 16 tokens): holding it holds nothing more
+    assert batch["tokens"].base is batch["labels"].base and batch["tokens"].base.nbytes == (8 + FIELD_BYTES) * 8
 
 
 def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
