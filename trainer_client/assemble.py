@@ -174,7 +174,7 @@ class StepAssembler:
         return {"seg_len": seg_len, "seg_pad": seg_pad, "ends": ends, "seg_row_end": seg_row_end,
                 "piece_ends": piece_ends, "row_pieces": row_pieces}
 
-    def micro_batch(self, m: int, pool: BufferPool | None = None) -> dict[str, Any]:
+    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False) -> dict[str, Any]:
         """Micro-batch m of the step, in arrays of its own (views of one buffer: from `pool` where
         given, else allocated), so that a trainer holding it holds only it: a client builds each
         micro-batch just before the trainer takes it, not the whole step at once."""
@@ -189,7 +189,7 @@ class StepAssembler:
         starts = ends - seg_len
         n_segs = seg_hi - seg_lo
         nbytes = (8 + FIELD_BYTES) * total
-        buf = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)
+        buf = pool.take(nbytes, ahead) if pool is not None else np.empty(nbytes, np.uint8)
         tokens = buf[:8 * total].view(np.int64)
         if self.tokens is not None:
             tokens[:] = self.tokens[base:base + total]

@@ -20,6 +20,13 @@ import threading
 import numpy as np
 
 POOL_SIZE = 4  # buffers kept per client: the one the trainer holds, the next one built, and spares
+AHEAD_POOL = 2  # a micro-batch built ahead allocates no buffer beyond this many (see NoSpareBuffer)
+
+
+class NoSpareBuffer(Exception):
+    """No free buffer for a micro-batch built ahead: the trainer still holds the ones there are.
+    Building ahead waits for one instead of allocating a third, which the trainer's previous
+    micro-batch, dropped a moment later, would leave spare for good (0.9 MB a rank at 32k rows)."""
 
 
 class BufferPool:
@@ -35,13 +42,17 @@ class BufferPool:
     def _refs(self, i: int) -> int:
         return sys.getrefcount(self._bufs[i])
 
-    def take(self, nbytes: int) -> np.ndarray:
+    def take(self, nbytes: int, ahead: bool = False) -> np.ndarray:
         """A uint8 buffer of exactly `nbytes` that nothing outside the pool refers to: a free one
-        of that size, or a new one (kept for reuse while the pool has room)."""
+        of that size, or a new one (kept for reuse while the pool has room). ahead: for a
+        micro-batch built ahead, which raises NoSpareBuffer rather than grow the pool past
+        AHEAD_POOL buffers of that size."""
         with self._lock:
             for i in range(len(self._bufs)):
                 if self._bufs[i].nbytes == nbytes and self._refs(i) == self._free_refs:
                     return self._bufs[i]
+            if ahead and sum(b.nbytes == nbytes for b in self._bufs) >= AHEAD_POOL:
+                raise NoSpareBuffer
             buf = np.empty(nbytes, np.uint8)
             self.allocated += 1
             if len(self._bufs) >= self._size:  # e.g. the row length changed: drop a free buffer of another size

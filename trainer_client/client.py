@@ -204,7 +204,7 @@ class DataClient:
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
-            self._builder.command(["consumed", ready.step, self.waited_s])
+            self._command(["consumed", ready.step, self.waited_s])
             self._step = self._finished_step()  # the next step if it is in; this one's tokens are let go
         else:
             self.next_step, self.next_micro_batch = ready.step, m + 1
@@ -212,9 +212,10 @@ class DataClient:
             self._builder.ask(self._step, self.next_micro_batch)
         return batch
 
-    def _build(self, ready: ReadyStep, m: int) -> Batch:
-        """Micro-batch m of a finished step, as the trainer gets it (the builder's thread, or this one)."""
-        batch = ready.micro_batch(m, self._pool)
+    def _build(self, ready: ReadyStep, m: int, ahead: bool = False) -> Batch:
+        """Micro-batch m of a finished step, as the trainer gets it (ahead: by the builder's thread,
+        which may raise buffers.NoSpareBuffer)."""
+        batch = ready.micro_batch(m, self._pool, ahead)
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
 
     def _finished_step(self) -> ReadyStep | None:
@@ -324,8 +325,7 @@ class DataClient:
         self.close()
 
     def _command(self, cmd: list) -> None:
-        """A command for the I/O thread, through the builder's queue (after the micro-batches and
-        commands before it)."""
+        """A command for the I/O thread, through the builder's queue."""
         self._builder.command(cmd)
 
     def _send_command(self, cmd: list) -> None:

@@ -203,8 +203,8 @@ class ReadyStep:
     def micro_batches(self) -> int:
         return self.assembler.micro_batches
 
-    def micro_batch(self, m: int, pool: BufferPool | None = None) -> dict[str, Any]:
-        batch = for_rank(self.assembler.micro_batch(m, pool), self.batch_info, self.rank, self.metadata_only)
+    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False) -> dict[str, Any]:
+        batch = for_rank(self.assembler.micro_batch(m, pool, ahead), self.batch_info, self.rank, self.metadata_only)
         batch["step"], batch["micro_batch"] = self.step, m
         if m == 0:
             batch["plan"] = self.plan

@@ -77,6 +77,19 @@ def test_a_torch_view_keeps_its_buffer_taken():
     assert torch.equal(tensor, kept)
 
 
+def test_a_micro_batch_built_ahead_waits_for_a_spare_buffer_instead_of_allocating_a_third():
+    from trainer_client.buffers import NoSpareBuffer
+
+    pool = BufferPool()
+    ready = ready_step(2)
+    older, current = ready.micro_batch(0, pool), ready.micro_batch(1, pool)  # the trainer holds both
+    with pytest.raises(NoSpareBuffer):
+        ready.micro_batch(2, pool, ahead=True)
+    del older  # the trainer drops its previous micro-batch
+    assert same(ready.micro_batch(2, pool, ahead=True), ready.micro_batch(2))
+    assert pool.allocated == 2 and current["tokens"].base is not None
+
+
 def test_the_pool_keeps_a_bounded_number_of_buffers():
     pool = BufferPool(size=2)
     held = [pool.take(100) for _ in range(5)]  # the trainer holds them all
@@ -95,12 +108,12 @@ class Builder:
     """A Prebuilder over ReadySteps, recording what it sends and which thread built what."""
 
     def __init__(self, slow_s: float = 0.0) -> None:
-        self.sent: list = []
         self.built_in: list[str] = []
         self.slow_s = slow_s
+        self.sent: list = []
         self.pre = Prebuilder(self.build, self.sent.append, name="test-build")
 
-    def build(self, ready: ReadyStep, m: int) -> dict:
+    def build(self, ready: ReadyStep, m: int, ahead: bool = False) -> dict:
         self.built_in.append(threading.current_thread().name)
         time.sleep(self.slow_s)
         return ready.micro_batch(m)
@@ -121,9 +134,25 @@ def test_a_trainer_that_computes_gets_every_micro_batch_built_ahead_in_order():
             time.sleep(0.01)  # compute
     b.pre.close()
     assert all(same(x, y) for x, y in zip(got, expected)) and len(got) == len(expected)
-    assert b.pre.built_ahead >= len(expected) - 2  # all but the first (and the one that timed the compute)
+    assert b.pre.built_ahead == len(expected) - 4  # all but the first step and the next first (each index timed once)
     assert b.built_in.count("test-build") == b.pre.built_ahead  # nothing was built twice
     assert len(b.built_in) == len(expected)
+
+
+def test_a_trainer_that_computes_only_after_a_step_gets_only_first_micro_batches_built_ahead():
+    b = Builder()
+    steps = [ready_step(s) for s in range(4)]
+    for s in steps:
+        for m in range(3):
+            b.pre.take(s, m)
+            if m + 1 < 3:
+                b.pre.ask(s, m + 1)
+            elif s.step + 1 < 4:
+                b.pre.ask(steps[s.step + 1], 0)
+                time.sleep(0.01)  # the optimizer step: the only compute
+    b.pre.close()
+    assert b.pre.built_ahead == 2  # steps 2 and 3's first micro-batches (step 1's timed the compute)
+    assert b.built_in.count("test-build") == 2
 
 
 def test_without_compute_between_calls_nothing_is_asked_of_the_builder():
@@ -140,7 +169,8 @@ def test_without_compute_between_calls_nothing_is_asked_of_the_builder():
 def test_the_trainer_waits_for_a_build_in_progress_instead_of_building_twice():
     b = Builder(slow_s=0.2)
     s = ready_step(0)
-    b.pre._computes = True  # as after a long compute
+    b.pre._computed[0] = 1.0  # as after a long compute following micro-batch 0
+    b.pre._taken_m = 0
     b.pre.ask(s, 1)
     time.sleep(0.05)  # the builder is inside its 0.2 s build
     started = time.perf_counter()
@@ -156,12 +186,12 @@ def test_a_build_that_fails_ahead_fails_again_in_the_trainer():
 
     calls = []
 
-    def build(ready, m):
+    def build(ready, m, ahead=False):
         calls.append(threading.current_thread().name)
         raise Broken("bad micro-batch")
 
     pre = Prebuilder(build, lambda cmd: None, name="test-build")
-    pre._computes = True
+    pre._computed[-1] = 1.0
     pre.ask(None, 0)
     time.sleep(0.05)
     with pytest.raises(Broken):
@@ -170,7 +200,7 @@ def test_a_build_that_fails_ahead_fails_again_in_the_trainer():
     assert calls == ["test-build", threading.current_thread().name]
 
 
-def test_commands_reach_the_io_thread_in_order_with_the_builds():
+def test_commands_reach_the_io_thread_in_order():
     b = Builder()
     b.pre.command(["consumed", 0, 0.0])
     b.pre.command(["state", 1])
