@@ -50,8 +50,9 @@ class _Job:
 
 
 class Prebuilder:
-    def __init__(self, build: Callable[[Any, int], Any], send: Callable[[list], None], name: str) -> None:
-        """build(ready_step, m): the micro-batch as the trainer gets it. send(cmd): a command to the
+    def __init__(self, build: Callable[[Any, int, bool], Any], send: Callable[[list], None], name: str) -> None:
+        """build(ready_step, m, ahead): the micro-batch as the trainer gets it (ahead: in the
+        builder's thread, which may raise NoSpareBuffer). send(cmd): a command to the
         I/O thread, called from the builder's thread only (its socket belongs to that thread)."""
         self._build = build
         self._send = send
@@ -99,7 +100,7 @@ class Prebuilder:
 
     def _timed_build(self, ready: Any, m: int, ahead: bool = False) -> Any:
         started = time.perf_counter()
-        batch = self._build(ready, m, ahead) if ahead else self._build(ready, m)
+        batch = self._build(ready, m, ahead)
         self._build_s = time.perf_counter() - started
         return batch
 
