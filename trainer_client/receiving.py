@@ -3,7 +3,7 @@
 `ReceivingState` takes the frames of every message (from the coordinator, and the workers'
 pieces) and decides everything about them: decoding and checks, deduplication by (step, index in
 the recipe), each piece's tokens copied into its step, and finished steps handed over
-(`ReadyStep`, whose micro-batches the trainer's thread builds as it takes them). It never
+(`ReadyStep`, whose micro-batches are built one at a time as the trainer takes them). It never
 touches a socket; the client's I/O thread (`client.py`) moves bytes in and carries out what it
 returns. It lives in the I/O thread only; a ReadyStep, once handed over, belongs to the trainer.
 """
@@ -183,7 +183,8 @@ class ReceivingState:
 @dataclass(frozen=True, slots=True)
 class ReadyStep:
     """A step of one rank whose pieces are all in, as received (tokens in the wire's dtype). Its
-    micro-batches are built one at a time, by the trainer's thread as it takes them: built
+    micro-batches are built one at a time, as the trainer takes them (by the trainer's thread,
+    or just ahead by the client's builder thread, prebuild.py): built
     micro-batches (int64 tokens, labels and position ids, float32 loss mask: 28 bytes a token)
     take 7-14x the memory of the received tokens, and the coordinator's look-ahead delivers
     several steps early, so a client holds the micro-batch its trainer holds and nothing more
