@@ -187,8 +187,8 @@ class ReadyStep:
     or just ahead by the client's builder thread, prebuild.py): built
     micro-batches (int64 tokens, labels and position ids, float32 loss mask: 28 bytes a token)
     take 7-14x the memory of the received tokens, and the coordinator's look-ahead delivers
-    several steps early, so a client holds the micro-batch its trainer holds and nothing more
-    built (until 2026-12-02 the client's I/O thread built whole steps, one ahead of the trainer:
+    several steps early, so a client holds the micro-batch its trainer holds and at most one
+    more built (until 2026-12-02 the client's I/O thread built whole steps, one ahead of the trainer:
     two steps of int64 arrays per rank). The step is complete and no longer touched by the I/O
     thread, so building it in another thread is safe."""
 
