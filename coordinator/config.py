@@ -73,10 +73,24 @@ class SourceConfig:
     # Records shuffled in runs of this many consecutive ones (cursor.BlockPermutation): a run is
     # one request to object storage; 1 shuffles every record on its own
     shuffle_block: int = 1
+    # A transform of the user's own ("package.module:function", worker/transforms.py), its keyword
+    # arguments, and a hash of its module's code (the job's identity: a changed transform is noticed)
+    transform: str | None = None
+    transform_args: dict[str, Any] | None = None
+    transform_hash: str | None = None
+    max_transform_errors: int = 100  # consecutive transform errors on the source that stop the job
+    # chat data: {messages_key, train_on, tools_key}, rendered with the tokenizer's chat template (worker/chat.py)
+    chat: dict[str, Any] | None = None
+    # "concat": documents cut where a row or a step ends (pretraining); "whole": never cut (rows padded)
+    packing: str = "concat"
 
     @property
     def has_images(self) -> bool:
-        return self.format == "webdataset"
+        return self.format == "webdataset" or (self.transform is not None and self.image_token_id is not None)
+
+    @property
+    def whole(self) -> bool:
+        return self.packing == "whole"
 
 
 @dataclass(frozen=True)
@@ -216,7 +230,8 @@ class JobConfig:
                  "max_record_bytes": s.max_record_bytes, "max_image_pixels": s.max_image_pixels,
                  "cache_dir": self.runtime.cache_dir, "cache_bytes": self.runtime.cache_bytes,
                  "copies": self.runtime.copies,
-                 "storage": s.storage}
+                 "storage": s.storage, "seed": self.seed, "transform": s.transform,
+                 "transform_args": s.transform_args, "transform_hash": s.transform_hash, "chat": s.chat}
                 for s in self.sources
             ],
         }
@@ -246,7 +261,8 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     out = asdict(source)
     del out["storage"]  # how the shards are reached, not which tokens they hold
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
-                         ("shuffle_block", 1)):
+                         ("shuffle_block", 1), ("transform", None), ("transform_args", None), ("transform_hash", None),
+                         ("max_transform_errors", 100), ("chat", None), ("packing", "concat")):
         if out[key] == default:
             del out[key]
     return out
@@ -340,7 +356,10 @@ def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
     return dict(raw)
 
 
-LONG_DOCS = ("split", "truncate")
+LONG_DOCS = ("split", "truncate", "drop")
+PACKING = ("concat", "whole")
+CHAT_KEYS = {"messages_key", "train_on", "tools_key"}
+CHAT_FORMATS = ("jsonl", "parquet", "arrow")
 ON_EXHAUSTED = ("renormalize", "stop")
 
 
@@ -358,7 +377,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
                                "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size",
-                               "max_record_bytes", "max_image_pixels", "storage", "shuffle_block"},
+                               "max_record_bytes", "max_image_pixels", "storage", "shuffle_block", "transform",
+                               "transform_args", "max_transform_errors", "chat", "packing"},
                     {"format", "paths"})
     storage = _storage(c, raw.get("storage"), f"{key}.storage")
     fmt = raw.get("format")
@@ -424,7 +444,10 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     image_token_id = raw.get("image_token_id")
     max_pixels = raw.get("max_pixels", DEFAULT_MAX_PIXELS)
     patch_size = raw.get("patch_size", DEFAULT_PATCH_SIZE)
-    if fmt == "webdataset":
+    user_code = _user_code(c, key, raw, fmt, tokenizer if ok else None)
+    if user_code is None:
+        ok = False
+    if fmt == "webdataset" or ("transform" in raw and image_token_id is not None):
         if image_token_id is None:
             c.bad(f"{key}.image_token_id", "required for webdataset sources (the id of one patch placeholder)")
             ok = False
@@ -440,7 +463,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     else:
         for k in ("image_token_id", "max_pixels", "patch_size"):
             if k in raw:
-                c.bad(f"{key}.{k}", "applies to webdataset sources only")
+                c.bad(f"{key}.{k}", "applies to webdataset sources and sources with a transform only")
                 ok = False
     eod_id = raw.get("eod_id")
     if eod_id is not None and c.integer(eod_id, f"{key}.eod_id", 0) is None:
@@ -454,8 +477,13 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         max_image_pixels = c.integer(max_image_pixels, f"{key}.max_image_pixels", 1)
     if max_record_bytes is None or max_image_pixels is None:
         ok = False
-    long_docs = raw.get("long_docs", defaults.get("long_docs", "split"))
+    packing = raw.get("packing", "concat")
+    ok = _choice(c, packing, f"{key}.packing", PACKING) and ok
+    long_docs = raw.get("long_docs", defaults.get("long_docs", "truncate" if packing == "whole" else "split"))
     ok = _choice(c, long_docs, f"{key}.long_docs", LONG_DOCS) and ok
+    if packing == "whole" and long_docs == "split":
+        c.bad(f"{key}.long_docs", "a whole-sample source is never cut: truncate or drop what is longer than seq_len")
+        ok = False
     on_exhausted = raw.get("on_exhausted", defaults.get("on_exhausted", "renormalize"))
     ok = _choice(c, on_exhausted, f"{key}.on_exhausted", ON_EXHAUSTED) and ok
     epochs = raw.get("epochs")
@@ -472,7 +500,80 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
                         tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels,
-                        storage, shuffle_block)
+                        storage, shuffle_block, **user_code, packing=packing)
+
+
+def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None) -> dict[str, Any] | None:
+    """A source's transform (imported here, so a missing module or function is named now, and
+    hashed: the job's identity) or chat block (its template found and compiled). None: a problem."""
+    out: dict[str, Any] = {}
+    ok = True
+    transform, chat = raw.get("transform"), raw.get("chat")
+    if transform is not None and chat is not None:
+        c.bad(key, "transform and chat do not go together (a transform may render chat itself)")
+        return None
+    for k in ("transform_args", "max_transform_errors"):
+        if k in raw and transform is None:
+            c.bad(f"{key}.{k}", "applies to a source with a transform only")
+            ok = False
+    if transform is not None:
+        from worker.transforms import TransformImportError, code_hash
+
+        if not isinstance(transform, str):
+            c.bad(f"{key}.transform", f"expected 'package.module:function', got {transform!r}")
+            return None
+        args = raw.get("transform_args", {})
+        if not isinstance(args, dict) or not all(isinstance(a, str) for a in args):
+            c.bad(f"{key}.transform_args", "expected a mapping of keyword arguments")
+            ok = False
+        else:
+            try:
+                orjson.dumps(args)
+            except TypeError as e:
+                c.bad(f"{key}.transform_args", f"not plain data ({e})")
+                ok = False
+        errors = c.integer(raw.get("max_transform_errors", 100), f"{key}.max_transform_errors", 1)
+        try:
+            digest = code_hash(transform)
+        except TransformImportError as e:
+            c.bad(f"{key}.transform", str(e))
+            return None
+        if not ok or errors is None:
+            return None
+        out.update(transform=transform, transform_args=dict(args) or None, transform_hash=digest,
+                   max_transform_errors=errors)
+    if chat is not None:
+        chat = c.mapping(chat, f"{key}.chat", CHAT_KEYS)
+        if fmt not in CHAT_FORMATS:
+            c.bad(f"{key}.chat", f"for {', '.join(CHAT_FORMATS)} sources, not {fmt}")
+            return None
+        from worker.chat import TRAIN_ON, ChatError, _environment, find_template
+
+        train_on = chat.get("train_on", "assistant")
+        if _choice(c, train_on, f"{key}.chat.train_on", TRAIN_ON) is False:
+            ok = False
+        for k in ("messages_key", "tools_key"):
+            if k in chat and (not isinstance(chat[k], str) or not chat[k]):
+                c.bad(f"{key}.chat.{k}", "expected a non-empty field name")
+                ok = False
+        if raw.get("tokenizer", "byte") == "byte":
+            c.bad(f"{key}.tokenizer", "chat needs a Hugging Face tokenizer directory with a chat template")
+            return None
+        if tokenizer is not None:
+            try:
+                template, origin = find_template(tokenizer)
+                try:
+                    _environment().from_string(template)
+                except Exception as e:  # jinja2's TemplateSyntaxError
+                    raise ChatError(f"{origin}: the chat template does not compile ({e})") from None
+            except (ChatError, OSError, ValueError) as e:
+                c.bad(f"{key}.chat", str(e))
+                ok = False
+        if not ok:
+            return None
+        out["chat"] = {"messages_key": chat.get("messages_key", "messages"), "train_on": train_on,
+                       "tools_key": chat.get("tools_key", "tools")}
+    return out if ok else None
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:

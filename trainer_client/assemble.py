@@ -84,16 +84,20 @@ class StepAssembler:
         # Received tokens wait in the senders' dtype (2 or 4 bytes, not int64): the coordinator's
         # look-ahead delivers several steps early, and a finished step is built only when it is due.
         self.tokens: np.ndarray | None = None  # allocated by the first message, in its dtype
+        # 1 where a token is trained on (as a label), for steps with pieces of sources that have
+        # masks (transforms, chat): allocated by the first message that carries one
+        self.mask: np.ndarray | None = None
         self.have = np.zeros(len(lengths), dtype=bool)
         self.missing = len(lengths)
 
     def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
-            patches: np.ndarray | None = None) -> int:
+            patches: np.ndarray | None = None, loss_mask: np.ndarray | None = None) -> int:
         """Copy in the pieces of one message: items [piece, doc_key, offset, length] rows (piece:
         the index of the piece in this step's recipe) whose tokens are concatenated in `tokens`,
         and (image-text pieces) the patches of each item's image placeholders, concatenated in
         `patches`. An item is taken only if the recipe holds its exact reference at that index
-        and the piece is not here yet. Returns how many items were not taken."""
+        and the piece is not here yet. `loss_mask`: empty, or one entry per token of `tokens`
+        (1: trained on). Returns how many items were not taken."""
         items = np.asarray(items, dtype=np.uint64).reshape(-1, len(PIECE_ITEM))
         lengths = items[:, PIECE_ITEM.length].astype(np.int64)
         at = np.zeros(len(items), dtype=np.int64)  # where each item's tokens start in `tokens`
@@ -113,9 +117,14 @@ class StepAssembler:
         first = np.concatenate([[0], breaks]).astype(np.intp)
         last = np.concatenate([breaks, [len(take)]]).astype(np.intp) - 1
         out = self._buffer_for(tokens.dtype)
+        masked = loss_mask is not None and len(loss_mask) > 0
+        if masked and self.mask is None:
+            self.mask = np.ones(len(self.counts) * self.row_len, dtype=np.uint8)
         if len(take):
             for s, d, e in zip(src[first].tolist(), dst[first].tolist(), (src[last] + n[last]).tolist()):
                 out[d: d + e - s] = tokens[s:e]
+                if masked:
+                    self.mask[d: d + e - s] = loss_mask[s:e]
         self.have[piece] = True
         self.missing -= len(take)
         if patch_counts is not None and len(patch_counts) > 0:
@@ -200,7 +209,11 @@ class StepAssembler:
         loss_mask = fields[16 * total:].view(np.float32)
         labels[:-1] = tokens[1:]
         labels[ends - 1] = self.pad_id  # the last position of every segment has no label inside it
-        loss_mask.fill(1.0)
+        if self.mask is None:
+            loss_mask.fill(1.0)
+        else:  # position i predicts token i + 1: trained on where that token is
+            loss_mask[:-1] = self.mask[base + 1: base + total]
+            loss_mask[-1] = 0.0
         loss_mask[ends - 1] = 0.0
         for s, n in zip(starts[seg_pad].tolist(), seg_len[seg_pad].tolist()):  # one per padded row
             labels[s: s + n] = self.pad_id

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 6  # 6: welcome.count and source_counts (runtime.index_on: workers)
+PROTOCOL_VERSION = 7  # 7: pieces.loss_mask (transforms, chat); 6: welcome.count and source_counts
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -186,6 +186,9 @@ def _check_pieces(header: dict, arrays: dict) -> None:
     _lengths_ok(lengths, "pieces")
     if int(lengths.sum()) != arrays["tokens"].size:
         raise ProtocolError(f"pieces: items cover {int(lengths.sum())} tokens, frame holds {arrays['tokens'].size}")
+    mask = arrays["loss_mask"]
+    if mask.size and mask.size != arrays["tokens"].size:
+        raise ProtocolError(f"pieces: loss_mask holds {mask.size} entries for {arrays['tokens'].size} tokens")
     counts, patches = arrays["patch_counts"], arrays["patches"]
     if counts.size or patches.size:
         if len(counts) != len(lengths) or (counts > lengths).any() or header["patch_bytes"] < 1:
@@ -292,8 +295,9 @@ END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
 # worker -> trainer: items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step
 # recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
 # (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
+# loss_mask: empty, or one uint8 per token (1: trained on) where a piece comes from a source with masks
 PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
-              ArraySpec("patches", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
+              ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
               patch_bytes=integer(0, 1 << 24))
 
 # tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on

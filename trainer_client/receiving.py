@@ -148,7 +148,7 @@ class ReceivingState:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
         items = arrays["items"]  # PIECE_ITEM rows
-        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"])
+        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"])
         if len(payload[1]) and msg["patch_bytes"] != (self.batch_info or {}).get("patch_bytes"):
             log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.rank,
                         msg["patch_bytes"], (self.batch_info or {}).get("patch_bytes"))

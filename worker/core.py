@@ -36,6 +36,7 @@ class CacheEntry:
     tokens: np.ndarray
     copies: int
     images: np.ndarray | None = None  # patches of its image placeholders (its first tokens)
+    loss_mask: np.ndarray | None = None  # uint8 per token, from a transform or chat rendering
 
     @property
     def length(self) -> int:
@@ -250,11 +251,14 @@ class WorkerCore:
                 if (s, record) in self.slow_records:
                     time.sleep(self.slow_records[(s, record)])
                 try:
-                    tokens, images = reader.read_sample(record)
+                    tokens, images, mask = reader.read_full(record)
                 except RecordError as e:
                     log.warning("source %s: skipped record: %s", reader.name, e,
                                 extra={"source": reader.name, "record": record})
-                    skipped.append([i, str(e), e.kind])
+                    reason = str(e)
+                    if getattr(e, "traceback", None):  # the coordinator names the last one if it stops the job
+                        reason = f"{reason}\n{e.traceback}"[:P.MAX_STR_LEN]
+                    skipped.append([i, reason, e.kind])
                     continue
                 except Exception as e:  # noqa: BLE001 - one bad record among billions must never stop a job
                     reason = f"{reader.where(record)}: {type(e).__name__}: {e}"
@@ -262,7 +266,7 @@ class WorkerCore:
                                 extra={"source": reader.name, "record": record})
                     skipped.append([i, reason, "error"])
                     continue
-                entry = self.cache[key] = CacheEntry(tokens, 0, images)
+                entry = self.cache[key] = CacheEntry(tokens, 0, images, mask)
             entry.copies += 1
             lengths[i] = entry.length
             if entry.images is not None:
@@ -283,13 +287,13 @@ class WorkerCore:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", step, rank)
                 continue
             rows = items[items[:, DELIVER_ITEM.rank] == rank]  # in recipe order: the rank copies runs at once
-            rows, tokens, patch_counts, patches = self._gather(step, rows)
+            rows, tokens, patch_counts, patches, mask = self._gather(step, rows)
             if not len(rows):
                 continue
             header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
                             patch_bytes=patches.shape[1] if patches.size else 0)
             out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
-                                                patches.reshape(-1))))
+                                                patches.reshape(-1), mask)))
         if self.cache:  # only records that are not memory-mapped are cached
             for key in release.tolist():
                 entry = self.cache.get(key)
@@ -317,13 +321,16 @@ class WorkerCore:
             log.error("step %d: piece %x[%d:+%d] cannot be served (%s); not sent", step, key, off, n, why)
         return ok
 
-    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                            np.ndarray]:
         """The DELIVER_ITEM rows (grouped by source) that can be served, their tokens concatenated
-        in row order, and for image-text records the patches of the image placeholders each piece
-        holds (placeholders are a record's first tokens, one per patch): (rows, tokens, patches
-        per row, patches)."""
+        in row order, for image-text records the patches of the image placeholders each piece
+        holds (placeholders are a record's first tokens, one per patch), and the loss mask of
+        every token where any piece has one (else empty: text costs nothing more): (rows,
+        tokens, patches per row, patches, loss mask)."""
         sources = split_doc_key(rows[:, DELIVER_ITEM.doc_key])[0]
-        kept, parts, patch_parts, patch_counts = [], [], [], []
+        kept, parts, patch_parts, patch_counts, mask_parts = [], [], [], [], []
+        masked = False
         for s in np.unique(sources).tolist():
             self.keep_alive()
             mine = rows[sources == s]
@@ -337,24 +344,34 @@ class WorkerCore:
             if reader.memory_mapped:  # views into the memory map: one copy below
                 parts.extend(reader.pieces(split_doc_key(keys)[1], offsets, lengths))
                 patch_counts.append(np.zeros(len(mine), dtype=np.uint32))
+                mask_parts.append(int(lengths.sum()))
                 continue
             counts = np.zeros(len(mine), dtype=np.uint32)
             for i, (key, off, n) in enumerate(zip(keys.tolist(), offsets.tolist(), lengths.tolist())):
                 entry = self.cache[key]
                 parts.append(entry.tokens[off: off + n])
+                if entry.loss_mask is not None:
+                    mask_parts.append(entry.loss_mask[off: off + n])
+                    masked = True
+                else:
+                    mask_parts.append(n)
                 if entry.images is not None and off < len(entry.images):
                     images = entry.images[off: min(off + n, len(entry.images))]
                     counts[i] = len(images)
                     patch_parts.append(images)
             patch_counts.append(counts)
         if not parts:
-            return rows[:0], np.zeros(0, np.uint16), np.zeros(0, np.uint32), np.zeros((0, 0), np.uint8)
+            return (rows[:0], np.zeros(0, np.uint16), np.zeros(0, np.uint32), np.zeros((0, 0), np.uint8),
+                    np.zeros(0, np.uint8))
         dtype = np.result_type(*{a.dtype for a in parts})
         patch_counts = np.concatenate(patch_counts)
         patches = np.concatenate(patch_parts) if patch_parts else np.zeros((0, 0), np.uint8)
         if not patches.size:
             patch_counts = patch_counts[:0]
-        return np.concatenate(kept), np.concatenate(parts).astype(dtype, copy=False), patch_counts, patches
+        # a mask frame only where a piece has a mask (pieces without one: all 1)
+        mask = np.concatenate([m if isinstance(m, np.ndarray) else np.ones(m, np.uint8) for m in mask_parts]) \
+            if masked else np.zeros(0, np.uint8)
+        return np.concatenate(kept), np.concatenate(parts).astype(dtype, copy=False), patch_counts, patches, mask
 
     def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> dict[str, Any]:
         return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,

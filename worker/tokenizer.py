@@ -21,6 +21,9 @@ class ByteTokenizer:
     pad_id = BYTE_PAD_ID
     dtype = np.dtype("<u2")
 
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", "replace")
+
     def encode(self, text: str) -> np.ndarray:
         data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         out = np.empty(len(data) + 1, dtype=self.dtype)
@@ -60,9 +63,18 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         file, eos = resolve(path)
+        self.path = path  # a tokenizer.json, or the directory (with its tokenizer_config.json, chat template)
         self._tok = Tokenizer.from_file(file)
         self.eod_id = eod_id if eod_id is not None else find_eod_id(self._tok, path, eos)
         self.pad_id = pad_id if pad_id is not None else self.eod_id
+
+    @property
+    def raw(self):
+        """The `tokenizers.Tokenizer` (chat rendering needs its offsets)."""
+        return self._tok
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def encode(self, text: str) -> np.ndarray:
         ids = self._tok.encode(text, add_special_tokens=False).ids

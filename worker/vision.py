@@ -55,6 +55,21 @@ def to_patches(data: bytes, max_pixels: int, patch_size: int,
             rgb = img.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
         raise ImageError(f"image does not decode ({e})") from None
+    return _patches(rgb, max_pixels, patch_size)
+
+
+def patches_of_array(pixels: np.ndarray, max_pixels: int, patch_size: int) -> np.ndarray:
+    """The patches of an HxWx3 uint8 image a transform returned, scaled as decoded images are."""
+    from PIL import Image
+
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8 or min(pixels.shape[:2]) < 1:
+        raise ImageError(f"expected an HxWx3 uint8 image, got {pixels.dtype} {pixels.shape}")
+    return _patches(Image.fromarray(pixels, "RGB"), max_pixels, patch_size)
+
+
+def _patches(rgb, max_pixels: int, patch_size: int) -> np.ndarray:
+    from PIL import Image
+
     w, h = fit(rgb.width, rgb.height, max_pixels, patch_size)
     if (w, h) != rgb.size:
         rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)

@@ -31,7 +31,7 @@ def _valid_samples():
         wire.encode(P.make(P.TRAINER_HEARTBEAT, rank=0)),
         wire.encode(P.make(P.MIX_REQUEST, at_step=10**6, weights={"nope": 1.0})),
         wire.encode(P.make(P.PIECES, step=1, rank=0, dtype="<u2", patch_bytes=0), items, np.zeros(3, "<u2"),
-                    np.zeros(0, "<u4"), np.zeros(0, "|u1")),
+                    np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1")),
         wire.encode(P.make(P.HOST_HEARTBEAT, agent_id=1, procs=2)),
         wire.encode(P.make(P.WORKER_EXITED, agent_id=1, pid=2, exitcode=-9, task_id=3)),
         wire.encode(P.make(P.STATE_REQUEST, rank=0, step=1)),

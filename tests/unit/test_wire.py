@@ -16,7 +16,8 @@ def _frames(header, *arrays):
 def _pieces(items, tokens, **header):
     h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0)
     h.update(header)
-    return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"))
+    return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"),
+                   np.zeros(0, "|u1"))
 
 
 def test_pieces_round_trip_keeps_arrays_exact():
@@ -73,7 +74,7 @@ def test_missing_field_and_frame_count():
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
         wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2"), np.zeros(0, "<u4"),
-                            np.zeros(0, "|u1")), P.TRAINER_DATA_INBOX)
+                            np.zeros(0, "|u1"), np.zeros(0, "|u1")), P.TRAINER_DATA_INBOX)
     ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0)
     with pytest.raises(ProtocolError, match="data frames"):
         wire.decode(_frames(ok), P.TRAINER_DATA_INBOX)
@@ -99,7 +100,7 @@ def test_pieces_with_image_patches_must_add_up():
 
     def frames(counts, patch_bytes=12, data=patches):
         h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes)
-        return _frames(h, items, tokens, np.array(counts, "<u4"), data)
+        return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"))
 
     _, arrays = wire.decode(frames([3, 0]), P.TRAINER_DATA_INBOX)
     assert arrays["patch_counts"].tolist() == [3, 0] and arrays["patches"].size == 36

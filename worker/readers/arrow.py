@@ -36,7 +36,7 @@ def _local_copy(url: str, storage: dict[str, Any] | None, cache_dir: str | None)
 
 
 class ArrowShard:
-    def __init__(self, path: str, column: str, storage: dict[str, Any] | None = None,
+    def __init__(self, path: str, column: str | None, storage: dict[str, Any] | None = None,
                  cache_dir: str | None = None) -> None:
         import pyarrow as pa
 
@@ -48,10 +48,11 @@ class ArrowShard:
                 table = pa.ipc.open_file(source).read_all()
         except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
             raise SourceFormatError(f"{path}: not a readable Arrow file ({e})") from None
-        if column not in table.column_names:
+        if column is not None and column not in table.column_names:
             raise SourceFormatError(f"{path}: no column {column!r} (columns: {', '.join(table.column_names)})")
         self.path, self.column = path, column
-        self._chunks = table.column(column).chunks
+        self._table = table if column is None else None  # every column: a row read as a dict
+        self._chunks = table.column(column or 0).chunks
         self._starts = [0]
         for chunk in self._chunks:
             self._starts.append(self._starts[-1] + len(chunk))
@@ -62,6 +63,11 @@ class ArrowShard:
     def value(self, i: int):
         """The column's value in row i (a str, a list of ints, or None)."""
         c = bisect.bisect_right(self._starts, i) - 1
+        if self._table is not None:
+            try:
+                return self._table.slice(i, 1).to_pylist()[0]
+            except (IndexError, ValueError) as e:
+                raise RecordError(f"{self.path}: row {i} unreadable ({e})") from None
         try:
             return self._chunks[c][i - self._starts[c]].as_py()
         except (IndexError, ValueError) as e:

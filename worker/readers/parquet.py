@@ -23,7 +23,8 @@ ROW_GROUPS_KEPT = 4  # decoded row groups kept per shard (one column each)
 
 
 class ParquetShard:
-    def __init__(self, path: str, column: str, storage: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str, column: str | None, storage: dict[str, Any] | None = None) -> None:
+        """column None: every column, a row read as a dict (a source with a transform or chat)."""
         self._store = store_for(path, storage) if is_url(path) else None
         self.path = path
         try:
@@ -33,7 +34,7 @@ class ParquetShard:
         except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for foreign bytes
             raise SourceFormatError(f"{path}: not a readable Parquet file ({e})") from None
         names = self.file.schema_arrow.names
-        if column not in names:
+        if column is not None and column not in names:
             raise SourceFormatError(f"{path}: no column {column!r} (columns: {', '.join(names)})")
         self.path, self.column = path, column
         meta = self.file.metadata
@@ -41,6 +42,10 @@ class ParquetShard:
         for g in range(meta.num_row_groups):
             self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
         self._groups: OrderedDict[int, list] = OrderedDict()
+
+    @property
+    def _columns(self) -> list[str] | None:
+        return None if self.column is None else [self.column]
 
     def _open(self):
         import pyarrow.parquet as pq
@@ -52,11 +57,11 @@ class ParquetShard:
 
     def _read_group(self, g: int):
         if self._store is None:
-            return self.file.read_row_group(g, columns=[self.column])
+            return self.file.read_row_group(g, columns=self._columns)
 
         def attempt():
             try:  # on a thread of its own: the worker's heartbeat goes on while pyarrow waits for the store
-                return waited(lambda: self.file.read_row_group(g, columns=[self.column]))
+                return waited(lambda: self.file.read_row_group(g, columns=self._columns))
             except OSError:
                 self.file = waited(self._open)  # the failed read may have left the file object anywhere
                 raise
@@ -69,7 +74,8 @@ class ParquetShard:
         return bisect.bisect_right(self._starts, i) - 1
 
     def value(self, i: int):
-        """The column's value in row i (a str, a list of ints, or None)."""
+        """The column's value in row i (a str, a list of ints, or None); every column's, as a
+        dict, for a shard opened with column None."""
         g = self.row_group_of(i)
         rows = self._groups.get(g)
         if rows is None:
@@ -77,7 +83,7 @@ class ParquetShard:
                 table = self._read_group(g)
             except (OSError, ValueError) as e:
                 raise RecordError(f"{self.path}: row group {g} unreadable ({e})") from None
-            rows = self._groups[g] = table.column(0).to_pylist()
+            rows = self._groups[g] = table.column(0).to_pylist() if self.column else table.to_pylist()
             if len(self._groups) > ROW_GROUPS_KEPT:
                 self._groups.popitem(last=False)
         else:

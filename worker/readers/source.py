@@ -38,6 +38,15 @@ class SourceReader:
         cache_dir = cache_dir or spec.get("cache_dir")  # the job's runtime.cache_dir, if it names one
         self.name: str = spec["name"]
         self.format: str = spec["format"]
+        self.index: int = int(spec.get("index") or 0)
+        self.seed: int = int(spec.get("seed") or 0)
+        # a transform of the user's own, or chat rendering: the record is read whole (every field)
+        self.transform_name: str | None = spec.get("transform")
+        self.transform_args: dict[str, Any] = dict(spec.get("transform_args") or {})
+        self.chat_spec: dict[str, Any] | None = spec.get("chat")
+        self.whole_records = bool(self.transform_name or self.chat_spec)
+        self._transform = None
+        self._chat = None
         self.text_key: str = spec.get("text_key") or (DEFAULT_CAPTION_KEY if self.format == "webdataset" else "text")
         self.tokens_key: str | None = spec.get("tokens_key")
         self.max_record_bytes = int(spec.get("max_record_bytes") or DEFAULT_MAX_RECORD_BYTES)
@@ -46,28 +55,35 @@ class SourceReader:
         storage, cache_bytes = spec.get("storage"), spec.get("cache_bytes")
         if self.format == "megatron":
             self.shards: list[Any] = [MegatronIndex(p, storage, cache_dir, cache_bytes) for p in spec["files"]]
+            if self.whole_records:  # ctx.tokenizer of a transform
+                self.tokenizer = make_tokenizer(spec.get("tokenizer") or "byte", spec.get("eod_id"), spec.get("pad_id"))
             dtypes = {s.dtype for s in self.shards}
             self.dtype = np.result_type(*dtypes) if dtypes else np.dtype("<u2")
-        elif self.format in ("jsonl", "webdataset") or (self.format in TABLES and not self.tokens_key):
+        elif self.format in ("jsonl", "webdataset") or (self.format in TABLES and not self.tokens_key) or \
+                self.whole_records:
             self.tokenizer = make_tokenizer(spec.get("tokenizer", "byte"), spec.get("eod_id"), spec.get("pad_id"))
             self.dtype = self.tokenizer.dtype
             if self.format == "jsonl":
                 copies = spec.get("copies", "plain")
                 self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes, copies=copies) for p in spec["files"]]
             elif self.format in TABLES:
-                self.shards = [self._table(p, self.text_key, storage, cache_dir) for p in spec["files"]]
+                column = None if self.whole_records else self.text_key
+                self.shards = [self._table(p, column, storage, cache_dir) for p in spec["files"]]
             else:
                 self.shards = [WebDatasetShard(p, cache_dir, storage) for p in spec["files"]]
-                self.image_token_id = int(spec["image_token_id"])
-                self.max_pixels = int(spec.get("max_pixels") or DEFAULT_MAX_PIXELS)
-                self.patch_size = int(spec.get("patch_size") or DEFAULT_PATCH_SIZE)
-                if self.image_token_id > np.iinfo(self.dtype).max:
-                    self.dtype = np.dtype("<i4")
         elif self.format in TABLES:  # pre-tokenized rows
             self.shards = [self._table(p, self.tokens_key, storage, cache_dir) for p in spec["files"]]
             self.dtype = np.dtype("<i4")
         else:
             raise SourceFormatError(f"source {self.name!r}: unknown format {self.format!r}")
+        # image placeholders and patches: webdataset sources, and transforms that return images
+        self.image_token_id = int(spec["image_token_id"]) if spec.get("image_token_id") is not None else None
+        self.max_pixels = int(spec.get("max_pixels") or DEFAULT_MAX_PIXELS)
+        self.patch_size = int(spec.get("patch_size") or DEFAULT_PATCH_SIZE)
+        if self.image_token_id is not None and self.image_token_id > np.iinfo(self.dtype).max:
+            self.dtype = np.dtype("<i4")
+        if self.whole_records:
+            self.dtype = np.dtype("<i4")  # what a transform or a chat template returns
         self._prefetched_shards: list[int] = []
         counts = [len(s) for s in self.shards]
         self._starts = [0]
@@ -79,8 +95,8 @@ class SourceReader:
         """Tokens read straight from local memory maps at delivery, lengths from the index: the
         coordinator prepares such a source itself. A Megatron source in object storage is not:
         workers prepare it like any other (a task's documents fetched together, ahead of use)."""
-        return is_memory_mapped({"format": self.format, "files": [s.prefix for s in self.shards]}) \
-            if self.format == "megatron" else False
+        return is_memory_mapped({"format": self.format, "files": [s.prefix for s in self.shards],
+                                 "transform": self.transform_name}) if self.format == "megatron" else False
 
     def _table(self, path: str, column: str, storage: dict[str, Any] | None, cache_dir: str | None) -> Any:
         if self.format == "arrow":
@@ -153,7 +169,7 @@ class SourceReader:
 
     @property
     def has_images(self) -> bool:
-        return self.format == "webdataset"
+        return self.format == "webdataset" or self.image_token_id is not None
 
     @property
     def patch_bytes(self) -> int:
@@ -242,8 +258,16 @@ class SourceReader:
 
 
 def is_memory_mapped(spec: dict[str, Any]) -> bool:
-    """Whether a source spec is a memory-mapped one (SourceReader.memory_mapped), without opening it."""
-    return spec.get("format") == "megatron" and not any(is_url(f) for f in spec.get("files", ()))
+    """Whether a source spec is a memory-mapped one (SourceReader.memory_mapped), without opening
+    it. A Megatron source with a transform is not: its lengths are no longer the index's."""
+    return spec.get("format") == "megatron" and not spec.get("transform") and \
+        not any(is_url(f) for f in spec.get("files", ()))
+
+
+def _traceback(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
 
 
 def open_source(spec: dict[str, Any], cache_dir: str | None = None) -> SourceReader:
