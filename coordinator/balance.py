@@ -523,3 +523,65 @@ def imbalance(costs: Sequence[float]) -> float:
     costs = list(costs)
     mean = sum(costs) / len(costs) if costs else 0.0
     return max(costs) / mean if mean > 0 else 1.0
+
+
+def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost) -> tuple[Layout, np.ndarray]:
+    """A layout in which the pieces flagged `whole` are never cut (samples of `packing: whole`
+    sources), and the pieces that do not fit. Whole pieces, costliest first, go to the cheapest
+    rank that has a row with room for them, into its tightest such row (best fit); a whole
+    piece no row has room for is returned in `deferred` (the planner ends the step before it).
+    The other pieces (pretraining text) then fill what room is left, costliest first, on the
+    cheapest rank with room, cut at a row's end where they must be. Rows are padded."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    whole = np.asarray(whole, dtype=bool)
+    ranks, per_rank, cap = grid.ranks, grid.rows_per_rank, grid.row_capacity
+    piece_cost = cost.of(lengths)
+    free = np.full((ranks, per_rank), cap, dtype=np.int64)
+    rank_cost = np.zeros(ranks)
+    frag_piece, frag_off, frag_len, frag_row, frag_seq = [], [], [], [], []
+    deferred = []
+    order = np.lexsort((np.arange(len(lengths)), -piece_cost))  # costliest first, ties: lowest index
+    for i in order[whole[order]].tolist():
+        n = int(lengths[i])
+        room = free >= n
+        fits = room.any(axis=1)
+        if not fits.any():
+            deferred.append(i)
+            continue
+        r = int(np.argmin(np.where(fits, rank_cost, np.inf)))
+        row = int(np.argmin(np.where(room[r], free[r], np.iinfo(np.int64).max)))
+        frag_piece.append(i)
+        frag_off.append(0)
+        frag_len.append(n)
+        frag_row.append(r * per_rank + row)
+        frag_seq.append(cap - int(free[r, row]))  # where in the row it starts
+        free[r, row] -= n
+        rank_cost[r] += piece_cost[i]
+    q, lin = cost.coefficients(np.arange(len(lengths)))
+    q = np.broadcast_to(np.asarray(q, dtype=np.float64), lengths.shape)
+    lin = np.broadcast_to(np.asarray(lin, dtype=np.float64), lengths.shape)
+    queue = [(i, 0, int(lengths[i])) for i in order[~whole[order]].tolist()]
+    while queue:
+        i, off, n = queue.pop(0)
+        fits = free.max(axis=1) > 0
+        if not fits.any():
+            deferred.append(i)  # no room at all (the draw never takes more tokens than the rows hold)
+            continue
+        r = int(np.argmin(np.where(fits, rank_cost, np.inf)))
+        row = int(np.argmax(free[r]))
+        take = min(n, int(free[r, row]))
+        frag_piece.append(i)
+        frag_off.append(off)
+        frag_len.append(take)
+        frag_row.append(r * per_rank + row)
+        frag_seq.append(cap - int(free[r, row]))
+        free[r, row] -= take
+        rank_cost[r] += q[i] * take * take + lin[i] * take
+        if take < n:
+            queue.insert(0, (i, off + take, n - take))
+    rows = np.asarray(frag_row, dtype=np.int64)
+    at = np.asarray(frag_seq, dtype=np.int64)
+    sort = np.lexsort((at, rows))  # delivery order: row, then place in the row
+    lay = Layout(np.asarray(frag_piece, dtype=np.int64)[sort], np.asarray(frag_off, dtype=np.int64)[sort],
+                 np.asarray(frag_len, dtype=np.int64)[sort], rows[sort])
+    return lay, np.asarray(sorted(deferred), dtype=np.int64)

@@ -121,7 +121,9 @@ class Planner:
                 raise ValueError(f"source {src.name!r} has no records but a weight in the mixture")
         # stream positions a source may use: epochs x records, or unbounded
         self.limit = [n * src.epochs if src.epochs else None for src, n in zip(job.sources, num_records)]
-        self.truncate = [src.long_docs == "truncate" for src in job.sources]
+        self.truncate = [src.long_docs in ("truncate", "drop") for src in job.sources]
+        self.drop = np.asarray([src.long_docs == "drop" for src in job.sources], dtype=bool)
+        self.whole = np.asarray([src.whole for src in job.sources], dtype=bool)
         s = len(num_records)
         self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s, [False] * s)
         self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time, only added to
@@ -170,16 +172,23 @@ class Planner:
         return [w / total for w in live] if total > 0 else live
 
     def plan_step(self, known: Known) -> StepPlan:
-        """Plan the next step, or raise NeedLength (and change nothing) if a length is unknown."""
-        drawn, commit = self._draw(known)
-        step = self.state.next_step
-        plan = self._layout(step, drawn, known)
+        """Plan the next step, or raise NeedLength (and change nothing) if a length is unknown.
+        A step with whole samples (`packing: whole`) that its rows cannot all hold ends before
+        the first one that did not fit (in draw order): it and what follows open the next step."""
+        limit = None
+        while True:
+            drawn, commit = self._draw(known, limit)
+            step = self.state.next_step
+            plan, deferred = self._layout(step, drawn, known)
+            if not len(deferred):
+                break
+            limit = int(deferred[0])
         commit()
         return plan
 
     # ------------------------------------------------------------------ the draw
 
-    def _draw(self, known: Known):
+    def _draw(self, known: Known, limit: int | None = None):
         st, job = self.state, self.job
         step = st.next_step
         for s, gone in enumerate(st.exhausted):
@@ -234,12 +243,20 @@ class Planner:
                     raise NeedLength(s, cands[s].missing)
                 budget[s] = 2 * budget[s] + seq_len
                 cands[s] = self._candidates(s, budget[s], seq_len, known)
-        taken = table[order[:cut + 1]].copy()
+        n_take = cut + 1
         last_take = capacity - (int(filled[cut - 1]) if cut else 0)
+        if self.whole[table[order[cut], SOURCE]] and last_take < table[order[cut], LENGTH]:
+            n_take = cut  # a whole sample is never cut by the step's end: it opens the next step
+        if limit is not None and limit < n_take:
+            n_take = max(limit, 1)
+        taken = table[order[:n_take]].copy()
         cut_piece = taken[-1].copy()
-        taken[-1, LENGTH] = last_take
+        if n_take == cut + 1:
+            taken[-1, LENGTH] = last_take
+        else:
+            last_take = int(cut_piece[LENGTH])
         all_ends = np.concatenate([cands[s].ends for s in active])
-        ends = all_ends[order[:cut + 1]]
+        ends = all_ends[order[:n_take]]
         finished = taken[taken[:, OFFSET] + taken[:, LENGTH] == ends][:, [SOURCE, POSITION]]
         n_sources = len(weights)
         counts = np.bincount(taken[:, SOURCE], minlength=n_sources)
@@ -258,6 +275,10 @@ class Planner:
                         last[:, RECORD].tolist(), last[:, OFFSET].tolist(), last[:, LENGTH].tolist(),
                         all_ends[last_rows].tolist(), end_sums.tolist()))
         cut_source, cut_length = int(cut_piece[SOURCE]), int(cut_piece[LENGTH])
+
+        step_tokens = sum(source_tokens)
+        if step_tokens < capacity:  # whole samples left room: targets grow by what the step holds
+            target = {s: st.target[s] + weights[s] * step_tokens for s in active}
 
         def commit() -> None:
             for s in active:
@@ -335,7 +356,7 @@ class Planner:
         src = np.asarray(fast, dtype=np.int64)
         # positions from the first unknown length on are not used (as _candidates stops there)
         first_unknown = _first_per_segment(lengths < 0, seg, within, n)
-        usable = (lengths > 0) & (within < first_unknown[seg])
+        usable = (lengths > 0) & (within < first_unknown[seg]) & ~(self.drop[src][seg] & (lengths > seq_len))
         ends = np.where(np.asarray(self.truncate)[src][seg], np.minimum(lengths, seq_len), lengths)
         ends = np.where(usable, ends, 0)
         cum = np.cumsum(ends)
@@ -398,7 +419,7 @@ class Planner:
             if len(unknown):
                 records, lengths = records[:unknown[0]], lengths[:unknown[0]]
                 missing = cursor + int(unknown[0])
-            usable = np.flatnonzero(lengths > 0)
+            usable = np.flatnonzero((lengths > 0) & ~(self.drop[s] & (lengths > seq_len)))
             ends = lengths[usable]
             seen_tokens += int(ends.sum())
             seen_docs += len(usable)
@@ -431,7 +452,7 @@ class Planner:
 
     # ------------------------------------------------------------------ the layout
 
-    def _layout(self, step: int, drawn: "_Drawn", known: Known) -> StepPlan:
+    def _layout(self, step: int, drawn: "_Drawn", known: Known) -> tuple[StepPlan, np.ndarray]:
         job, grid = self.job, self.grid_at(step)
         pieces = drawn.pieces
         cost = Cost(job.cost.quadratic, job.cost.linear)
@@ -444,7 +465,12 @@ class Planner:
                     ratio[mine] = np.minimum(1.0, known.patches(s, pieces[mine, POSITION])
                                              / np.maximum(drawn.doc_lengths[mine], 1))
             cost = Cost(job.cost.quadratic, job.cost.linear, ratio, job.cost.patch_quadratic, job.cost.patch_linear)
-        lay = balance.layout(job.balance_method, pieces[:, LENGTH], grid, cost)
+        whole = self.whole[pieces[:, SOURCE]]
+        deferred = np.zeros(0, dtype=np.int64)
+        if whole.any():
+            lay, deferred = balance.whole_layout(pieces[:, LENGTH], whole, grid, cost)
+        else:
+            lay = balance.layout(job.balance_method, pieces[:, LENGTH], grid, cost)
         out = pieces[lay.piece]
         out[:, OFFSET] += lay.offset
         out[:, LENGTH] = lay.length
@@ -453,7 +479,7 @@ class Planner:
         naive = balance.costs_dealt_in_order(pieces[:, LENGTH], job.dp, grid.rows_per_rank * job.seq_len_at(step),
                                              *cost.coefficients(np.arange(len(pieces))))
         return StepPlan(step, out, rank, row // grid.micro_batch_size, row, grid.rows_per_rank, grid.row_capacity,
-                        lay.rank_costs(grid, cost).tolist(), naive, drawn.source_tokens, drawn.finished)
+                        lay.rank_costs(grid, cost).tolist(), naive, drawn.source_tokens, drawn.finished), deferred
 
 
 @dataclass

@@ -89,10 +89,10 @@ class _FailsOn:
     def __init__(self, reader, record: int, error: BaseException) -> None:
         self._reader, self._record, self._error = reader, record, error
 
-    def read_sample(self, record: int):
+    def read_full(self, record: int, epoch: int = 0):
         if record == self._record:
             raise self._error
-        return self._reader.read_sample(record)
+        return self._reader.read_full(record, epoch)
 
     def __getattr__(self, name):
         return getattr(self._reader, name)

@@ -194,10 +194,126 @@ class SourceReader:
             return f"{shard.shard}: sample {shard.key(i)!r}"
         return f"{shard.prefix}: document {i}"
 
-    def read_sample(self, record_index: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def read_sample(self, record_index: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
         """(tokens, image patches or None). An image-text sample's tokens are one image_token_id
         placeholder per patch, then the caption's tokens (ending with end-of-document).
         Raises RecordError for a record to skip (corrupt, or over a limit: checked before decoding)."""
+        return self.read_full(record_index, epoch)[:2]
+
+    def read_full(self, record_index: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(tokens, image patches or None, loss mask or None): what a worker prepares. A source
+        with a transform or chat rendering returns what they make of the record; the loss mask
+        (uint8, 1 where a token is trained on) comes only from them."""
+        if self.whole_records:
+            return self._transformed(record_index, epoch)
+        tokens, patches = self._read_plain(record_index)
+        return tokens, patches, None
+
+    def record(self, record_index: int) -> Any:
+        """The record as a transform gets it: a dict of its fields (JSONL, Parquet, Arrow), of
+        entry suffix -> bytes and `__key__` (WebDataset), or {"tokens": array} (Megatron)."""
+        shard_no, i = self.locate(record_index)
+        shard = self.shards[shard_no]
+        if self.format == "megatron":
+            check_bytes(shard.lengths_of(np.array([i]))[0] * shard.dtype.itemsize, self.max_record_bytes,
+                        f"{shard.prefix}: document {i}")
+            return {"tokens": np.asarray(shard.document(i))}
+        if self.format in TABLES:
+            row = shard.value(i)
+            if not isinstance(row, dict):
+                raise RecordError(f"{shard.path}: row {i} is not a record of fields")
+            return row
+        if self.format == "webdataset":
+            check_bytes(shard.stored_bytes(i), self.max_record_bytes, self.where(record_index))
+            image, image_ext, caption, caption_ext = shard.entries(i)
+            return {"__key__": shard.key(i), image_ext: image, caption_ext: caption}
+        where = f"{shard.shard}:{i + 1}"
+        check_bytes(int(shard.offsets[i + 1] - shard.offsets[i]), self.max_record_bytes, where)
+        try:
+            obj = orjson.loads(shard.line(i))
+        except orjson.JSONDecodeError as e:
+            raise RecordError(f"{where}: corrupt JSON line ({e})") from None
+        if not isinstance(obj, dict):
+            raise RecordError(f"{where}: line is not a JSON object")
+        return obj
+
+    def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        from ..transforms import Context, Skip, as_sample, load, record_rng
+
+        record = self.record(record_index)
+        where = self.where(record_index)
+        if self.chat_spec is not None:
+            sample = self._chat_sample(record, where)
+        else:
+            if self._transform is None:
+                self._transform = load(self.transform_name)
+            ctx = Context(record_rng(self.seed, self.index, record_index, epoch), self.tokenizer, self.name,
+                          record_index, epoch)
+            try:
+                result = self._transform(record, ctx, **self.transform_args)
+            except Skip as e:
+                raise RecordError(f"{where}: skipped by the transform: {e.reason}", "skipped") from None
+            except Exception as e:  # noqa: BLE001 - the user's code: the record is skipped, the job goes on
+                first = (str(e).splitlines() or [""])[0]
+                err = RecordError(f"{where}: transform {self.transform_name} raised {type(e).__name__}: {first}",
+                                  "transform_error")
+                err.traceback = _traceback(e)
+                raise err from None
+            try:
+                sample = as_sample(result, where)
+            except ValueError as e:
+                raise RecordError(str(e), "transform_error") from None
+            if sample is None:
+                raise RecordError(f"{where}: skipped by the transform (it returned None)", "skipped")
+        tokens, mask, patches = sample.tokens, sample.loss_mask, None
+        if sample.images:
+            tokens, mask, patches = self._with_images(sample, where)
+        if not len(tokens):
+            raise RecordError(f"{where}: the transform returned no tokens", "skipped")
+        if mask is not None and not mask.any():
+            raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
+        return tokens.astype(self.dtype, copy=False), patches, mask
+
+    def _chat_sample(self, record: dict[str, Any], where: str) -> Any:
+        from ..chat import ChatError, ChatTemplate
+        from ..transforms import Sample
+
+        if self._chat is None:
+            self._chat = ChatTemplate(self.tokenizer.path, self.tokenizer.raw,
+                                      self.chat_spec.get("train_on", "assistant"))
+        key = self.chat_spec.get("messages_key", "messages")
+        if key not in record:
+            raise RecordError(f"{where}: no {key!r} field")
+        try:
+            rendered = self._chat.render(record[key], record.get(self.chat_spec.get("tools_key", "tools")))
+        except ChatError as e:
+            raise RecordError(f"{where}: {e}", "corrupt") from None
+        return Sample(rendered.tokens, rendered.loss_mask)
+
+    def _with_images(self, sample: Any, where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """A transform's images as patches, their placeholders before its tokens (the image-text
+        layout: a record's first tokens are its patches' placeholders)."""
+        if self.image_token_id is None:
+            raise RecordError(f"{where}: the transform returned images, but the source has no image_token_id",
+                              "transform_error")
+        from ..vision import patches_of_array
+
+        parts = []
+        for image in sample.images:
+            try:
+                parts.append(patches_of_array(image, self.max_pixels, self.patch_size))
+            except ImageError as e:
+                raise RecordError(f"{where}: {e}", "transform_error") from None
+        patches = np.concatenate(parts)
+        tokens = np.empty(len(patches) + len(sample.tokens), dtype=np.int32)
+        tokens[:len(patches)] = self.image_token_id
+        tokens[len(patches):] = sample.tokens
+        mask = None
+        if sample.loss_mask is not None:
+            mask = np.concatenate([np.zeros(len(patches), np.uint8), sample.loss_mask])
+        return tokens, mask, patches
+
+    def _read_plain(self, record_index: int) -> tuple[np.ndarray, np.ndarray | None]:
         shard_no, i = self.locate(record_index)
         shard = self.shards[shard_no]
         if self.format == "megatron":  # (remote: workers prepare it; memory-mapped: only tests read it here)

@@ -1,0 +1,92 @@
+"""`packing: whole`: a whole-sample source's samples are never cut (by a row's end or a step's
+end), samples longer than seq_len are truncated or dropped, rows are padded, the mixture holds
+in real tokens, and concat sources fill the room left in the same steps."""
+
+from collections import defaultdict
+
+import numpy as np
+
+from coordinator.plan import LENGTH, OFFSET, POSITION, SOURCE, Planner
+from tests.conftest import job_dict
+from tests.unit.test_plan import COUNTS, Known, _job, _lengths
+
+
+def _whole_job(dataset_dir, long_docs=None, weights=None, **extra):
+    job = job_dict()
+    job["sources"]["web"]["packing"] = "whole"
+    job["sources"]["long"]["packing"] = "whole"
+    if long_docs:
+        job["sources"]["web"]["long_docs"] = long_docs
+        job["sources"]["long"]["long_docs"] = long_docs
+    if weights:
+        job["mixture"] = {"weights": weights}
+    job.update(extra)
+    from coordinator.config import parse_job
+    return parse_job(job, "job.yaml", base_dir=dataset_dir)
+
+
+def _run(job, steps=40, seed=0):
+    planner = Planner(job, COUNTS)
+    lengths = _lengths(COUNTS, seed)
+    known = Known(planner, lengths)
+    return planner, lengths, [planner.plan_step(known) for _ in range(steps)]
+
+
+def test_whole_samples_are_never_cut_and_long_ones_are_truncated(dataset_dir):
+    job = _whole_job(dataset_dir)
+    seq_len = job.batch.seq_len
+    planner, lengths, plans = _run(job)
+    whole = {0, 2}
+    seen = 0
+    for plan in plans:
+        for piece in plan.pieces:
+            s = int(piece[SOURCE])
+            if s in whole:
+                record = planner.record_at(s, int(piece[POSITION]))
+                assert piece[OFFSET] == 0
+                assert piece[LENGTH] == min(int(lengths[s][record]), seq_len)  # whole, or truncated to seq_len
+                seen += 1
+        # rows never overflow, and every step holds at most its real-token capacity
+        per_row = np.bincount(plan.rank * plan.rows_per_rank + plan.row, weights=plan.pieces[:, LENGTH])
+        assert per_row.max() <= plan.row_capacity
+        assert sum(plan.source_tokens) <= job.step_tokens
+    assert seen > 100
+
+
+def test_drop_skips_samples_longer_than_seq_len(dataset_dir):
+    job = _whole_job(dataset_dir, long_docs="drop")
+    planner, lengths, plans = _run(job)
+    for plan in plans:
+        for piece in plan.pieces:
+            s = int(piece[SOURCE])
+            if s in (0, 2):
+                assert lengths[s][planner.record_at(s, int(piece[POSITION]))] <= job.batch.seq_len
+
+
+def test_the_mixture_holds_in_real_tokens_and_concat_fills_the_room(dataset_dir):
+    job = _whole_job(dataset_dir)
+    planner, _, plans = _run(job, steps=60)
+    tokens = np.sum([p.source_tokens for p in plans], axis=0)
+    share = tokens / tokens.sum()
+    np.testing.assert_allclose(share, [0.5, 0.3, 0.2], atol=0.03)
+    # the concat source (code) fills rows: the steps hold nearly their capacity
+    fill = np.mean([sum(p.source_tokens) / job.step_tokens for p in plans])
+    assert fill > 0.97, fill
+
+
+def test_whole_only_steps_are_deterministic_and_padding_stays_small(dataset_dir):
+    job = _whole_job(dataset_dir, weights={"web": 0.6, "long": 0.4})
+    _, _, a = _run(job, steps=30)
+    _, _, b = _run(job, steps=30)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.pieces, y.pieces)
+        np.testing.assert_array_equal(x.row, y.row)
+    fill = np.mean([sum(p.source_tokens) / job.step_tokens for p in a])
+    assert fill > 0.85, fill
+    # every position is taken once: none is lost or repeated between steps
+    positions = defaultdict(list)
+    for p in a:
+        for piece in p.pieces:
+            positions[int(piece[SOURCE])].append(int(piece[POSITION]))
+    for s, pos in positions.items():
+        assert sorted(pos) == list(range(len(pos))) or len(set(pos)) == len(pos)
