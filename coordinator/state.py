@@ -118,6 +118,7 @@ class CoordinatorState:
         self.len_sum = [0] * n
         self.len_count = [0] * n
         self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
+        self.transform_errors: dict[int, int] = {}  # per source: consecutive transform errors so far
         self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
         for name, record in quarantined:
             if not self._replay_quarantine(name, record):
@@ -422,11 +423,32 @@ class CoordinatorState:
         for _, reason, kind in ev.skipped:
             self._count_skip(s, kind)
             log.warning("source %s: record skipped (%s): %s (%d skipped so far)", self.job.sources[s].name, kind,
-                        reason, self._skipped(s), extra={"source": self.job.sources[s].name})
+                        reason.split("\n", 1)[0], self._skipped(s), extra={"source": self.job.sources[s].name})
+        if self.job.sources[s].transform and self._transform_failing(s, ev.skipped, len(task.positions)):
+            return
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self.lead.task_done(s, ev.at - task.assigned_at)
         self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
+
+    def _transform_failing(self, s: int, skipped: list, n_records: int) -> bool:
+        """Count a source's consecutive transform errors (in task order); at max_transform_errors
+        the transform is broken, not the data: stop the job naming the source, the record and
+        the last traceback."""
+        errors = {i: reason for i, reason, kind in skipped if kind == "transform_error"}
+        run = self.transform_errors.get(s, 0)
+        for i in range(n_records):
+            run = run + 1 if i in errors else 0
+            if run >= self.job.sources[s].max_transform_errors:
+                src = self.job.sources[s]
+                reason = (f"source {src.name!r}: {run} consecutive records failed in transform {src.transform} "
+                          f"(max_transform_errors: {src.max_transform_errors}); the last: {errors[i]}")
+                log.critical("%s", reason, extra={"source": src.name})
+                self.failed = True
+                self._out.append(Stop(reason, failed=True))
+                return True
+        self.transform_errors[s] = run
+        return False
 
     def _skipped(self, s: int) -> int:
         return sum(self.skipped_by_kind[s].values())

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-VOCAB = 258  # the byte tokenizer: 256 bytes, end-of-document 256, padding 257
+VOCAB = 258  # the byte tokenizer: 256 bytes, end-of-document 256, padding 257 (--vocab for another)
 
 
 class Block(nn.Module):
@@ -49,11 +49,12 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 4096) -> None:
+    def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 4096, vocab: int = VOCAB) -> None:
         super().__init__()
-        self.embed, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(max_len, dim)
+        self.vocab = vocab
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.head = nn.Linear(dim, VOCAB)
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos(position_ids)
@@ -76,7 +77,7 @@ def micro_batch_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     tokens = batch["tokens"]
     b, n = tokens.shape
     logits = model(tokens, batch["position_ids"], document_mask(batch["cu_seqlens"], b, n))
-    per_token = F.cross_entropy(logits.view(-1, VOCAB), batch["labels"].view(-1), reduction="none")
+    per_token = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["labels"].view(-1), reduction="none")
     mask = batch["loss_mask"].view(-1)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -90,7 +91,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    model = nn.parallel.DistributedDataParallel(TinyLM())
+    model = nn.parallel.DistributedDataParallel(TinyLM(vocab=args.vocab))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     client = DataClient(args.coordinator, rank=rank, timeout_s=120)
     start = 0
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="directory for the checkpoint written at the end")
     ap.add_argument("--resume", default=None, help="directory of a checkpoint to resume from")
     ap.add_argument("--losses", default=None, help="write [[step, loss], ...] here (JSON)")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (the job's tokenizer's)")
     args = ap.parse_args()
     torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size, join=True)
 

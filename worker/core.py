@@ -181,6 +181,22 @@ class WorkerCore:
         _, problems = indexing.build_indexes_shared(self.specs, self.keep_alive, first=self.worker_id)
         for shard, problem in problems.items():
             log.warning("%s: cannot index it on this host (%s); tasks reading it fail", shard, problem)
+        # A transform is part of the job's identity: a host whose copy of its code differs from the
+        # coordinator's would make another stream, so it does not serve.
+        for spec in self.specs:
+            if spec.get("transform"):
+                from .transforms import TransformImportError, code_hash
+
+                try:
+                    mine = code_hash(spec["transform"])
+                except TransformImportError as e:
+                    log.error("source %s: %s; this worker cannot serve the job, stopping", spec.get("name"), e)
+                    return [Quit(f"cannot import transform {spec['transform']}")]
+                if spec.get("transform_hash") and mine != spec["transform_hash"]:
+                    log.error("source %s: transform %s on this host (code %s) differs from the coordinator's (code %s); "
+                              "this worker cannot serve the job, stopping", spec.get("name"), spec["transform"], mine,
+                              spec["transform_hash"])
+                    return [Quit(f"transform {spec['transform']} differs from the coordinator's")]
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
