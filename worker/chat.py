@@ -180,13 +180,19 @@ class ChatTemplate:
         if not assistant:
             return Rendered(tokens, np.zeros(len(tokens), np.uint8))
         if self.tagged:
-            if len(spans) != len(assistant):
-                raise ChatError(f"the template's generation tags marked {len(spans)} spans for {len(assistant)} "
-                                "assistant messages")
+            if not spans:  # tags that mark nothing would train on nothing, silently
+                raise ChatError(f"the template's generation tags marked nothing in {len(assistant)} assistant "
+                                "message(s)")
+            if self.train_on == "last":  # the spans from where the last assistant message starts
+                try:
+                    start = len(self.render_text(messages[:assistant[-1]], add_generation_prompt=True, **extra))
+                except Exception:  # noqa: BLE001 - a template that cannot render a prefix: its last span
+                    start = spans[-1][0]
+                spans = [sp for sp in spans if sp[0] >= start] or spans[-1:]
         else:
             spans = self._message_spans(messages, assistant, text, extra)
-        if self.train_on == "last":
-            spans = spans[-1:]
+            if self.train_on == "last":
+                spans = spans[-1:]
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         return Rendered(tokens, _overlap_mask(offsets, spans))
 
