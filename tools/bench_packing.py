@@ -1,0 +1,117 @@
+"""Whole-sample packing against TRL's best-fit decreasing, on the same conversations.
+
+Conversations (coordinator.testing.chat_data) are rendered with a chat template and tokenized
+(msd's worker/chat.py); their lengths go to:
+- msd: the planner with one `packing: whole` source (dp ranks x rows of seq_len, the cost
+  model quadratic), for as many steps as the conversations fill;
+- TRL: `trl.data_utils.pack_dataset(dataset, seq_len, strategy="bfd")` over the whole set.
+Figures: padding share (padding / row tokens), samples dropped or truncated, and for msd the
+max/mean rank cost per step against the step's lower bound (max of mean rank cost and the
+costliest sample). torchtune's PackedDataset is not installed here and is not measured.
+
+    python tools/bench_packing.py [--samples 4000] [--seq-len 4096] [--dp 8] [--rows-per-rank 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def lengths_of_conversations(n: int, seed: int) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    from coordinator.testing.chat_data import conversation, write_tokenizer_dir
+    from worker.chat import ChatTemplate
+
+    path = write_tokenizer_dir(tempfile.mkdtemp())
+    chat = ChatTemplate(path, Tokenizer.from_file(os.path.join(path, "tokenizer.json")))
+    rng = random.Random(seed)
+    # a long tail: most conversations short, some many turns of long messages
+    return np.array([len(chat.render(conversation(rng, turns=rng.choice([1, 1, 2, 3, 6, 12]),
+                                                  words=(5, rng.choice([40, 120, 400])))).tokens)
+                     for _ in range(n)], dtype=np.int64)
+
+
+def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int) -> dict:
+    from coordinator.config import parse_job
+    from coordinator.plan import LENGTH, Planner
+
+    rows = dp * rows_per_rank
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "c.jsonl"), "w").write("{}\n")
+        job = parse_job({"seed": 1, "sources": {"chat": {"format": "jsonl", "paths": ["c.jsonl"], "packing": "whole",
+                                                           "epochs": 1}},
+                         "batch": {"seq_len": seq_len, "micro_batch_size": 1, "global_batch_size": rows},
+                         "topology": {"dp": dp}, "mixture": {"weights": {"chat": 1.0}}}, "job.yaml", base_dir=d)
+    planner = Planner(job, [len(lengths)])
+
+    class Known:
+        def window(self, s, start, count):
+            count = max(0, min(count, len(lengths) - start))
+            records = np.array([planner.record_at(s, p) for p in range(start, start + count)], dtype=np.int64)
+            return records, lengths[records] if count else np.zeros(0, np.int64)
+
+    known, plans = Known(), []
+    while True:
+        try:
+            plans.append(planner.plan_step(known))
+        except Exception:  # the source's one epoch is used up
+            break
+    real = sum(int(p.pieces[:, LENGTH].sum()) for p in plans)
+    ratios, bound_ratios = [], []
+    for p in plans[:-1]:  # the last step holds the remainder
+        costs = np.asarray(p.rank_costs)
+        bound = max(costs.mean(), float((p.pieces[:, LENGTH].astype(float) ** 2).max()))
+        ratios.append(costs.max() / costs.mean())
+        bound_ratios.append(costs.max() / bound)
+    full = plans[:-1]
+    padding = 1 - sum(int(p.pieces[:, LENGTH].sum()) for p in full) / (len(full) * rows * seq_len)
+    return {"steps": len(plans), "padding_share": round(padding, 4), "tokens": real,
+            "samples": int(sum(len(p.pieces) for p in plans)), "truncated": int((lengths > seq_len).sum()),
+            "dropped": 0,  # whole samples are never dropped (long_docs: truncate)
+            "left_at_epoch_end": int(len(lengths) - sum(len(p.pieces) for p in plans)),  # too few for a last step
+            "max_over_mean_median": round(float(np.median(ratios)), 4),
+            "max_over_lower_bound_median": round(float(np.median(bound_ratios)), 4),
+            "max_over_lower_bound_p90": round(float(np.quantile(bound_ratios, 0.9)), 4)}
+
+
+def trl_packing(lengths: np.ndarray, seq_len: int) -> dict:
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1] * int(n) for n in lengths]})
+    packed = pack_dataset(ds, seq_len, strategy="bfd")
+    rows = [len(x) for x in packed["input_ids"]]
+    kept = sum(rows)
+    return {"rows": len(rows), "padding_share": round(1 - kept / (len(rows) * seq_len), 4),
+            "tokens": kept, "tokens_dropped": int(lengths.sum() - kept),
+            "samples_truncated": int((lengths > seq_len).sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--rows-per-rank", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    lengths = lengths_of_conversations(args.samples, args.seed)
+    out = {"samples": args.samples, "seq_len": args.seq_len, "dp": args.dp, "rows_per_rank": args.rows_per_rank,
+           "mean_length": round(float(lengths.mean()), 1), "max_length": int(lengths.max()),
+           "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank),
+           "trl_bfd": trl_packing(np.minimum(lengths, args.seq_len), args.seq_len)}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
