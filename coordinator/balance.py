@@ -525,11 +525,14 @@ def imbalance(costs: Sequence[float]) -> float:
     return max(costs) / mean if mean > 0 else 1.0
 
 
-def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost) -> tuple[Layout, np.ndarray]:
+def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
+                 first: np.ndarray | None = None, budget: int | None = None) -> tuple[Layout, np.ndarray]:
     """A layout in which the pieces flagged `whole` are never cut (samples of `packing: whole`
     sources), and the pieces that do not fit. Whole pieces, costliest first, go to the cheapest
-    rank that has a row with room for them, into its tightest such row (best fit); a whole
-    piece no row has room for is returned in `deferred` (the planner ends the step before it).
+    rank that has a row with room for them, into its tightest such row (best fit); those flagged
+    `first` (left out by an earlier step) go before all others. A whole piece no row has room
+    for, or that would take the step past `budget` real tokens, is returned in `deferred` (the
+    planner draws it first in the next step).
     The other pieces (pretraining text) then fill what room is left, costliest first, on the
     cheapest rank with room, cut at a row's end where they must be. Rows are padded."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -540,9 +543,16 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost)
     rank_cost = np.zeros(ranks)
     frag_piece, frag_off, frag_len, frag_row, frag_seq = [], [], [], [], []
     deferred = []
-    order = np.lexsort((np.arange(len(lengths)), -piece_cost))  # costliest first, ties: lowest index
+    first = np.zeros(len(lengths), bool) if first is None else np.asarray(first, dtype=bool)
+    order = np.lexsort((np.arange(len(lengths)), -piece_cost, ~first))  # left out before, then costliest first
+    budget = int(lengths.sum()) if budget is None else int(budget)
+    placed = 0
+    row_of: dict[int, int] = {}  # whole piece -> its row (rank * per_rank + row)
     for i in order[whole[order]].tolist():
         n = int(lengths[i])
+        if placed + n > budget:
+            deferred.append(i)
+            continue
         room = free >= n
         fits = room.any(axis=1)
         if not fits.any():
@@ -550,13 +560,23 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost)
             continue
         r = int(np.argmin(np.where(fits, rank_cost, np.inf)))
         row = int(np.argmin(np.where(room[r], free[r], np.iinfo(np.int64).max)))
+        row_of[i] = r * per_rank + row
+        free[r, row] -= n
+        placed += n
+        rank_cost[r] += piece_cost[i]
+    for i, at in row_of.items():  # a row's samples back to back, in the order they were placed
         frag_piece.append(i)
         frag_off.append(0)
-        frag_len.append(n)
-        frag_row.append(r * per_rank + row)
-        frag_seq.append(cap - int(free[r, row]))  # where in the row it starts
-        free[r, row] -= n
-        rank_cost[r] += piece_cost[i]
+        frag_len.append(int(lengths[i]))
+        frag_row.append(at)
+    if row_of:
+        rows_placed = np.asarray(frag_row, dtype=np.int64)
+        lens_placed = np.asarray(frag_len, dtype=np.int64)
+        starts = np.zeros(len(rows_placed), dtype=np.int64)
+        for at in np.unique(rows_placed).tolist():
+            mine = np.flatnonzero(rows_placed == at)
+            starts[mine] = np.cumsum(lens_placed[mine]) - lens_placed[mine]
+        frag_seq.extend(starts.tolist())
     q, lin = cost.coefficients(np.arange(len(lengths)))
     q = np.broadcast_to(np.asarray(q, dtype=np.float64), lengths.shape)
     lin = np.broadcast_to(np.asarray(lin, dtype=np.float64), lengths.shape)
@@ -585,3 +605,4 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost)
     lay = Layout(np.asarray(frag_piece, dtype=np.int64)[sort], np.asarray(frag_off, dtype=np.int64)[sort],
                  np.asarray(frag_len, dtype=np.int64)[sort], rows[sort])
     return lay, np.asarray(sorted(deferred), dtype=np.int64)
+

@@ -36,6 +36,9 @@ from .cursor import SourceStream
 
 # columns of a pieces table
 SOURCE, POSITION, RECORD, OFFSET, LENGTH = range(5)
+# A step of whole samples only draws this share more tokens than its rows are to hold
+# (tools/bench_packing.py: padding 2.2 % -> see docs/BENCHMARKS.md with 0.1)
+OVERDRAW = 0.1
 
 
 class Known(Protocol):
@@ -87,18 +90,29 @@ class PlannerState:
     target: list[float]  # cumulative token target per source
     delivered: list[int]  # cumulative tokens per source
     exhausted: list[bool]  # sources whose finite epochs are used up
+    # per source: whole samples drawn but left out of their step's rows, (position, record, end),
+    # drawn first by the next step (packing: whole)
+    deferred: list[list[tuple[int, int, int]]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.deferred is None:
+            self.deferred = [[] for _ in self.cursors]
 
     def to_json(self) -> dict:
-        return {"next_step": self.next_step, "cursors": list(self.cursors),
-                "carry": [list(c) if c is not None else None for c in self.carry],
-                "target": list(self.target), "delivered": list(self.delivered), "exhausted": list(self.exhausted)}
+        out = {"next_step": self.next_step, "cursors": list(self.cursors),
+               "carry": [list(c) if c is not None else None for c in self.carry],
+               "target": list(self.target), "delivered": list(self.delivered), "exhausted": list(self.exhausted)}
+        if any(self.deferred):  # absent otherwise: states of jobs without whole samples read as before
+            out["deferred"] = [[list(u) for u in d] for d in self.deferred]
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "PlannerState":
         return cls(int(d["next_step"]), [int(x) for x in d["cursors"]],
                    [tuple(int(v) for v in c) if c is not None else None for c in d["carry"]],
                    [float(x) for x in d["target"]], [int(x) for x in d["delivered"]],
-                   [bool(x) for x in d["exhausted"]])
+                   [bool(x) for x in d["exhausted"]],
+                   [[tuple(int(v) for v in u) for u in units] for units in d["deferred"]] if "deferred" in d else None)
 
 
 class SourceExhausted(Exception):
@@ -174,21 +188,16 @@ class Planner:
     def plan_step(self, known: Known) -> StepPlan:
         """Plan the next step, or raise NeedLength (and change nothing) if a length is unknown.
         A step with whole samples (`packing: whole`) that its rows cannot all hold ends before
-        the first one that did not fit (in draw order): it and what follows open the next step."""
-        limit = None
-        while True:
-            drawn, commit = self._draw(known, limit)
-            step = self.state.next_step
-            plan, deferred = self._layout(step, drawn, known)
-            if not len(deferred):
-                break
-            limit = int(deferred[0])
-        commit()
+        leaves out the ones that did not fit: they are drawn first by the next step."""
+        drawn, commit = self._draw(known)
+        step = self.state.next_step
+        plan, left_out = self._layout(step, drawn, known)
+        commit(drawn.pieces[left_out])
         return plan
 
     # ------------------------------------------------------------------ the draw
 
-    def _draw(self, known: Known, limit: int | None = None):
+    def _draw(self, known: Known):
         st, job = self.state, self.job
         step = st.next_step
         for s, gone in enumerate(st.exhausted):
@@ -203,7 +212,13 @@ class Planner:
             carry = st.carry[s]
             if carry is not None and known.window(s, carry[0], 1)[1][0] < 0:
                 raise NeedLength(s, carry[0])
+            for pos, _, _ in st.deferred[s]:  # as must deferred samples
+                if known.window(s, pos, 1)[1][0] < 0:
+                    raise NeedLength(s, pos)
         target = {s: st.target[s] + weights[s] * capacity for s in active}
+        # a step of whole samples only draws a little more than it holds: the layout packs the
+        # rows from more candidates, and what it leaves out opens the next step
+        draw = capacity + int(OVERDRAW * capacity) if self.whole[active].all() else capacity
         budget = {s: max(target[s] - st.delivered[s], 0.0) + seq_len for s in active}
         cands = self._candidates_all(active, budget, seq_len, known)
         # the merge below works on every active source's candidates at once: per-source numpy
@@ -224,7 +239,7 @@ class Planner:
             keys = targets[group] - (delivered[group] + before)
             order = np.lexsort((table[:, SOURCE], -keys))
             filled = np.cumsum(table[order, LENGTH])
-            cut = int(np.searchsorted(filled, capacity))  # the piece that fills the step
+            cut = int(np.searchsorted(filled, draw))  # the piece that fills the step
             # the merge is exact only if no piece not generated yet would sort before the cut
             next_keys = targets - (delivered + (running[starts[1:]] - running[starts[:-1]]))
             live = np.fromiter((not cands[s].exhausted for s in active), dtype=bool, count=len(active))
@@ -244,11 +259,9 @@ class Planner:
                 budget[s] = 2 * budget[s] + seq_len
                 cands[s] = self._candidates(s, budget[s], seq_len, known)
         n_take = cut + 1
-        last_take = capacity - (int(filled[cut - 1]) if cut else 0)
+        last_take = draw - (int(filled[cut - 1]) if cut else 0)
         if self.whole[table[order[cut], SOURCE]] and last_take < table[order[cut], LENGTH]:
             n_take = cut  # a whole sample is never cut by the step's end: it opens the next step
-        if limit is not None and limit < n_take:
-            n_take = max(limit, 1)
         taken = table[order[:n_take]].copy()
         cut_piece = taken[-1].copy()
         if n_take == cut + 1:
@@ -276,14 +289,24 @@ class Planner:
                         all_ends[last_rows].tolist(), end_sums.tolist()))
         cut_source, cut_length = int(cut_piece[SOURCE]), int(cut_piece[LENGTH])
 
-        step_tokens = sum(source_tokens)
-        if step_tokens < capacity:  # whole samples left room: targets grow by what the step holds
-            target = {s: st.target[s] + weights[s] * step_tokens for s in active}
+        deferred_taken = {s: min(int(counts[s]), len(st.deferred[s])) for s in active}
 
-        def commit() -> None:
+        def commit(left_out: np.ndarray) -> None:
+            """left_out: pieces-table rows of whole samples the step's rows did not hold."""
+            held = list(source_tokens)
+            for row in left_out.tolist():
+                held[row[SOURCE]] -= row[LENGTH]
+            step_tokens = sum(held)
+            # whole samples left room: targets grow by what the step holds, so deficits stay bounded
+            grown = {s: st.target[s] + weights[s] * step_tokens for s in active} if step_tokens < capacity else target
             for s in active:
-                st.target[s] = target[s]
-                st.delivered[s] += source_tokens[s]
+                st.target[s] = grown[s]
+                st.delivered[s] += held[s]
+                st.deferred[s] = st.deferred[s][deferred_taken[s]:]
+            for row in left_out.tolist():  # first in the next step, in draw order
+                st.deferred[row[SOURCE]].insert(0, (row[POSITION], row[RECORD], row[OFFSET] + row[LENGTH]))
+            for s in active:
+                st.deferred[s].sort()
             for s, n, pos, rec, off, length, end, end_sum in rows:
                 # positions never fall along a source's candidates: a new document taken means
                 # the last one taken is new
@@ -299,7 +322,7 @@ class Planner:
                     st.carry[s] = None
             for s in active:
                 c = cands[s]
-                if c.exhausted and int(counts[s]) == len(c.table) and st.carry[s] is None:
+                if c.exhausted and int(counts[s]) == len(c.table) and st.carry[s] is None and not st.deferred[s]:
                     self._exhaust(s, step)
             st.next_step += 1
 
@@ -336,7 +359,7 @@ class Planner:
             h = carry[3] - carry[2] if carry is not None else 0
             count = max(64, math.ceil((budget[s] - h) / max(self.mean_length[s], 1.0) * 1.25))
             limit = self.limit[s]
-            if h >= budget[s] or (limit is not None and count > limit - st.cursors[s]):
+            if h >= budget[s] or (limit is not None and count > limit - st.cursors[s]) or st.deferred[s]:
                 out[s] = self._candidates(s, budget[s], seq_len, known)
                 continue
             fast.append(s)
@@ -395,6 +418,12 @@ class Planner:
         st = self.state
         units_pos, units_rec, units_off, units_end = [], [], [], []
         have = 0
+        for pos, rec, end in st.deferred[s]:  # whole samples the last steps left out: first
+            units_pos.append(np.array([pos]))
+            units_rec.append(np.array([rec]))
+            units_off.append(np.array([0]))
+            units_end.append(np.array([end]))
+            have += end
         if st.carry[s] is not None:
             pos, rec, off, end = st.carry[s]
             units_pos.append(np.array([pos]))
@@ -466,9 +495,21 @@ class Planner:
                                              / np.maximum(drawn.doc_lengths[mine], 1))
             cost = Cost(job.cost.quadratic, job.cost.linear, ratio, job.cost.patch_quadratic, job.cost.patch_linear)
         whole = self.whole[pieces[:, SOURCE]]
-        deferred = np.zeros(0, dtype=np.int64)
+        left_out = np.zeros(0, dtype=np.int64)
+        source_tokens, finished = drawn.source_tokens, drawn.finished
         if whole.any():
-            lay, deferred = balance.whole_layout(pieces[:, LENGTH], whole, grid, cost)
+            # samples left out by an earlier step go first, so that none waits for ever
+            earlier = whole & (pieces[:, POSITION] < np.asarray(self.state.cursors)[pieces[:, SOURCE]])
+            lay, left_out = balance.whole_layout(pieces[:, LENGTH], whole, grid, cost, earlier,
+                                                 budget=job.step_tokens_at(step))
+            if len(left_out):
+                out_rows = pieces[left_out]
+                source_tokens = list(source_tokens)
+                for row in out_rows.tolist():
+                    source_tokens[row[SOURCE]] -= row[LENGTH]
+                gone = np.isin(finished[:, 0] * (1 << 48) + finished[:, 1],
+                               out_rows[:, SOURCE] * (1 << 48) + out_rows[:, POSITION])
+                finished = finished[~gone]
         else:
             lay = balance.layout(job.balance_method, pieces[:, LENGTH], grid, cost)
         out = pieces[lay.piece]
@@ -479,7 +520,7 @@ class Planner:
         naive = balance.costs_dealt_in_order(pieces[:, LENGTH], job.dp, grid.rows_per_rank * job.seq_len_at(step),
                                              *cost.coefficients(np.arange(len(pieces))))
         return StepPlan(step, out, rank, row // grid.micro_batch_size, row, grid.rows_per_rank, grid.row_capacity,
-                        lay.rank_costs(grid, cost).tolist(), naive, drawn.source_tokens, drawn.finished), deferred
+                        lay.rank_costs(grid, cost).tolist(), naive, source_tokens, finished), left_out
 
 
 @dataclass

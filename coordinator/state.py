@@ -885,11 +885,15 @@ class CoordinatorState:
 
     def _forget_old(self) -> None:
         """Drop position-table entries nothing can refer to any more: below the planner's cursor
-        (and the document it carries), every delivery not done and every prepare task."""
+        (and the document it carries, and the whole samples it left out), every delivery not done
+        and every prepare task."""
         floor = list(self.planner.state.cursors)
         for s, carry in enumerate(self.planner.state.carry):
             if carry is not None:
                 floor[s] = min(floor[s], carry[0])
+        for s, units in enumerate(self.planner.state.deferred):  # whole samples left out of a step
+            if units:
+                floor[s] = min(floor[s], units[0][0])
         n = len(floor)
         for floors in (self.deliveries.floors(n), self.tasks.floors(n)):
             for s, low in enumerate(floors):
@@ -970,7 +974,10 @@ class CoordinatorState:
         self._tables_stamp += 1
         for s, table in enumerate(self.tables):
             carry = st.carry[s]
-            table.reset(min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s])
+            start = min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s]
+            if st.deferred[s]:
+                start = min(start, st.deferred[s][0][0])
+            table.reset(start)
 
     def _rewind(self, step: int, journaled: dict | None) -> None:
         """Plan again from `step` (a trainer resumes from an older checkpoint). The planner is

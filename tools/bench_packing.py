@@ -41,7 +41,7 @@ def lengths_of_conversations(n: int, seed: int) -> np.ndarray:
                      for _ in range(n)], dtype=np.int64)
 
 
-def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int) -> dict:
+def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, token_slack: float = 0.0) -> dict:
     from coordinator.config import parse_job
     from coordinator.plan import LENGTH, Planner
 
@@ -51,7 +51,8 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int) 
         job = parse_job({"seed": 1, "sources": {"chat": {"format": "jsonl", "paths": ["c.jsonl"], "packing": "whole",
                                                            "epochs": 1}},
                          "batch": {"seq_len": seq_len, "micro_batch_size": 1, "global_batch_size": rows},
-                         "topology": {"dp": dp}, "mixture": {"weights": {"chat": 1.0}}}, "job.yaml", base_dir=d)
+                         "topology": {"dp": dp}, "mixture": {"weights": {"chat": 1.0}},
+                         "balance": {"token_slack": token_slack}}, "job.yaml", base_dir=d)
     planner = Planner(job, [len(lengths)])
 
     class Known:
@@ -74,7 +75,7 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int) 
         ratios.append(costs.max() / costs.mean())
         bound_ratios.append(costs.max() / bound)
     full = plans[:-1]
-    padding = 1 - sum(int(p.pieces[:, LENGTH].sum()) for p in full) / (len(full) * rows * seq_len)
+    padding = 1 - sum(int(p.pieces[:, LENGTH].sum()) for p in full) / (len(full) * rows * job.row_capacity_at(0))
     return {"steps": len(plans), "padding_share": round(padding, 4), "tokens": real,
             "samples": int(sum(len(p.pieces) for p in plans)), "truncated": int((lengths > seq_len).sum()),
             "dropped": 0,  # whole samples are never dropped (long_docs: truncate)
@@ -104,11 +105,13 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--rows-per-rank", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--token-slack", type=float, default=0.0, help="balance.token_slack of the msd job")
     args = ap.parse_args()
     lengths = lengths_of_conversations(args.samples, args.seed)
     out = {"samples": args.samples, "seq_len": args.seq_len, "dp": args.dp, "rows_per_rank": args.rows_per_rank,
            "mean_length": round(float(lengths.mean()), 1), "max_length": int(lengths.max()),
-           "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank),
+           "token_slack": args.token_slack,
+           "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank, args.token_slack),
            "trl_bfd": trl_packing(np.minimum(lengths, args.seq_len), args.seq_len)}
     print(json.dumps(out, indent=2))
 
