@@ -758,7 +758,8 @@ class CoordinatorState:
             wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
             self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)), self.clock)
             records = self.tables[s].records(task.positions)
-            self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records)
+            self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records,
+                       self._epochs(s, task.positions))
 
     def _settle_quarantined(self, task, worker_id: int) -> bool:
         """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
@@ -964,7 +965,18 @@ class CoordinatorState:
             header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step,
                             addresses=[[r, trainers[r].address] for r in ranks if r in trainers])
             release_keys = doc_key(rel[:, 0], self.tables.records(rel))
-            self._send(workers[wid].identity, header, mine, release_keys)
+            self._send(workers[wid].identity, header, mine, release_keys, self._epochs_of(positions[mask]),
+                       self._epochs_of(rel))
+
+    def _epochs(self, s: int, positions: np.ndarray) -> np.ndarray:
+        """The pass over source s that each stream position falls in (a transform's ctx.epoch)."""
+        return (np.asarray(positions, dtype=np.int64) // max(1, self.planner.num_records[s])).astype(np.uint32)
+
+    def _epochs_of(self, rows: np.ndarray) -> np.ndarray:
+        """Epochs of [source, position] rows."""
+        counts = np.maximum(np.asarray(self.planner.num_records, dtype=np.int64), 1)
+        return (rows[:, 1].astype(np.int64) // counts[rows[:, 0].astype(np.int64)]).astype(np.uint32) if len(rows) \
+            else np.zeros(0, np.uint32)
 
     # ------------------------------------------------------------------ resume
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 7: pieces.loss_mask (transforms, chat); 6: welcome.count and source_counts
+PROTOCOL_VERSION = 7  # 7: pieces.loss_mask, epochs of prepare and deliver (transforms); 6: welcome.count
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -161,6 +161,8 @@ def _lengths_ok(lengths: Any, what: str) -> None:
 def _check_prepare(header: dict, arrays: dict) -> None:
     if arrays["records"].size and int(arrays["records"].max()) > RECORD_MASK:
         raise ProtocolError("prepare: record index beyond 48 bits")
+    if len(arrays["epochs"]) != len(arrays["records"]):
+        raise ProtocolError("prepare: one epoch per record")
 
 
 def _check_prepared(header: dict, arrays: dict) -> None:
@@ -173,6 +175,8 @@ def _check_prepared(header: dict, arrays: dict) -> None:
 
 def _check_deliver(header: dict, arrays: dict) -> None:
     _lengths_ok(arrays["items"][:, DELIVER_ITEM.length], "deliver")
+    if len(arrays["epochs"]) != len(arrays["items"]) or len(arrays["release_epochs"]) != len(arrays["release"]):
+        raise ProtocolError("deliver: one epoch per item and per released copy")
 
 
 def _check_step_header(header: dict, arrays: dict) -> None:
@@ -239,12 +243,15 @@ SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text(
 # signal); task_id: the prepare task it was working on, -1 for none (what blames a poison record)
 WORKER_EXITED = _msg("worker_exited", agent_id=integer(), pid=integer(), exitcode=integer(-(1 << 31), 1 << 31),
                      task_id=integer(-1))
-PREPARE = _msg("prepare", ArraySpec("records", "<u8"), check=_check_prepare, task_id=integer(),
-               source=integer(0, 0xFFFF))
+# epochs: the pass over the source of each record (a transform's ctx.epoch: its randomness and its sample)
+PREPARE = _msg("prepare", ArraySpec("records", "<u8"), ArraySpec("epochs", "<u4"), check=_check_prepare,
+               task_id=integer(), source=integer(0, 0xFFFF))
 DELIVER = _msg(
     "deliver",
     ArraySpec("items", "<u8", DELIVER_ITEM),  # piece: the index in the rank's recipe
     ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
+    ArraySpec("epochs", "<u4"),  # the epoch of each item's record (the prepared copy it is cut from)
+    ArraySpec("release_epochs", "<u4"),  # and of each released copy
     check=_check_deliver,
     delivery_id=integer(),
     step=integer(),

@@ -117,6 +117,17 @@ def _kill_records(specs: list[dict[str, Any]]) -> dict[int, set[int]]:
     return out
 
 
+def _cache_key(key: int, epoch: int) -> int:
+    """A prepared copy's key in the cache: the record's doc key and its epoch (a transform's
+    sample may differ between epochs, and two epochs of a small source can be prepared at once)."""
+    return int(key) | (int(epoch) << 64)
+
+
+def _epochs(epochs: np.ndarray | None, n: int) -> np.ndarray:
+    """The epochs of a message's records (none given: every one 0)."""
+    return np.zeros(n, np.int64) if epochs is None or not len(epochs) else np.asarray(epochs, dtype=np.int64)
+
+
 def _die_as_a_native_crash_would(where: str) -> None:
     log.error("%s: %s names this record; the process kills itself", where, KILL_RECORDS_ENV)
     logging.shutdown()
@@ -157,9 +168,10 @@ class WorkerCore:
         if self.worker_id is None:  # work for a registration we no longer have
             return []
         if kind == "prepare":
-            return self._on_prepare(msg, arrays["records"])
+            return self._on_prepare(msg, arrays["records"], arrays.get("epochs"))
         if kind == "deliver":
-            return self._on_deliver(msg, arrays["items"], arrays["release"])
+            return self._on_deliver(msg, arrays["items"], arrays["release"], arrays.get("epochs"),
+                                    arrays.get("release_epochs"))
         if kind == "release_rank":
             return [ReleaseRank(msg["address"])]
         return []
@@ -240,7 +252,7 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ prepare
 
-    def _on_prepare(self, msg: dict[str, Any], records: np.ndarray) -> list[Action]:
+    def _on_prepare(self, msg: dict[str, Any], records: np.ndarray, epochs: np.ndarray | None = None) -> list[Action]:
         s = msg["source"]
         try:
             reader = self._reader(s)
@@ -253,12 +265,14 @@ class WorkerCore:
         patches = np.zeros(len(records) if reader.has_images else 0, dtype=np.int64)
         lengths = np.zeros(len(records), dtype=np.int64)
         try:  # remote shards: the task's bytes in a few concurrent requests, not one per record
-            reader.prefetch(np.array([r for r in records.tolist() if doc_key(s, r) not in self.cache], np.int64))
+            reader.prefetch(np.array([r for r, e in zip(records.tolist(), _epochs(epochs, len(records)).tolist())
+                                      if _cache_key(doc_key(s, r), e) not in self.cache], np.int64))
         except Exception as e:  # noqa: BLE001 - each record is read (and, if need be, skipped) below
             log.warning("source %s: prefetch failed (%s); reading records one by one", reader.name, e)
+        epochs = _epochs(epochs, len(records))
         for i in np.argsort(records, kind="stable").tolist():  # record order: Parquet row groups decode once
             record = int(records[i])
-            key = doc_key(s, record)
+            key = _cache_key(doc_key(s, record), epochs[i])
             entry = self.cache.get(key)
             if entry is None:
                 self.keep_alive()
@@ -267,7 +281,7 @@ class WorkerCore:
                 if (s, record) in self.slow_records:
                     time.sleep(self.slow_records[(s, record)])
                 try:
-                    tokens, images, mask = reader.read_full(record)
+                    tokens, images, mask = reader.read_full(record, int(epochs[i]))
                 except RecordError as e:
                     log.warning("source %s: skipped record: %s", reader.name, e,
                                 extra={"source": reader.name, "record": record})
@@ -293,7 +307,8 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ deliver
 
-    def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: np.ndarray) -> list[Action]:
+    def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: np.ndarray,
+                    epochs: np.ndarray | None = None, release_epochs: np.ndarray | None = None) -> list[Action]:
         addresses = dict((r, a) for r, a in msg["addresses"])
         step = msg["step"]
         out: list[Action] = []
@@ -302,8 +317,9 @@ class WorkerCore:
             if address is None:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", step, rank)
                 continue
-            rows = items[items[:, DELIVER_ITEM.rank] == rank]  # in recipe order: the rank copies runs at once
-            rows, tokens, patch_counts, patches, mask = self._gather(step, rows)
+            mine = items[:, DELIVER_ITEM.rank] == rank
+            rows = items[mine]  # in recipe order: the rank copies runs at once
+            rows, tokens, patch_counts, patches, mask = self._gather(step, rows, _epochs(epochs, len(items))[mine])
             if not len(rows):
                 continue
             header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
@@ -311,7 +327,8 @@ class WorkerCore:
             out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
                                                 patches.reshape(-1), mask)))
         if self.cache:  # only records that are not memory-mapped are cached
-            for key in release.tolist():
+            for key, epoch in zip(release.tolist(), _epochs(release_epochs, len(release)).tolist()):
+                key = _cache_key(key, epoch)
                 entry = self.cache.get(key)
                 if entry is not None:
                     entry.copies -= 1
@@ -320,7 +337,7 @@ class WorkerCore:
         out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"])))
         return out
 
-    def _servable(self, step: int, reader: SourceReader, mine: np.ndarray) -> np.ndarray:
+    def _servable(self, step: int, reader: SourceReader, mine: np.ndarray, epochs: np.ndarray) -> np.ndarray:
         """Which DELIVER_ITEM rows of one source can be served: a piece must lie within its
         document, and a record that is not memory-mapped must be in the cache."""
         keys, offsets = mine[:, DELIVER_ITEM.doc_key], mine[:, DELIVER_ITEM.offset]
@@ -328,16 +345,18 @@ class WorkerCore:
         if reader.memory_mapped:  # checked against the index
             ok = offsets + lengths <= reader.lengths(split_doc_key(keys)[1]).astype(np.uint64)
         else:
-            ok = np.array([(e := self.cache.get(key)) is not None and off + n <= e.length
-                           for key, off, n in zip(keys.tolist(), offsets.tolist(), lengths.tolist())], dtype=bool)
-        for key, off, n in zip(keys[~ok].tolist(), offsets[~ok].tolist(), lengths[~ok].tolist()):
-            entry = self.cache.get(key) if not reader.memory_mapped else None
+            ok = np.array([(e := self.cache.get(_cache_key(key, ep))) is not None and off + n <= e.length
+                           for key, ep, off, n in zip(keys.tolist(), epochs.tolist(), offsets.tolist(),
+                                                      lengths.tolist())], dtype=bool)
+        for key, ep, off, n in zip(keys[~ok].tolist(), epochs[~ok].tolist(), offsets[~ok].tolist(),
+                                   lengths[~ok].tolist()):
+            entry = self.cache.get(_cache_key(key, ep)) if not reader.memory_mapped else None
             why = ("beyond its document" if reader.memory_mapped else
                    "not prepared here" if entry is None else f"beyond its document of {entry.length} tokens")
             log.error("step %d: piece %x[%d:+%d] cannot be served (%s); not sent", step, key, off, n, why)
         return ok
 
-    def _gather(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+    def _gather(self, step: int, rows: np.ndarray, epochs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                                             np.ndarray]:
         """The DELIVER_ITEM rows (grouped by source) that can be served, their tokens concatenated
         in row order, for image-text records the patches of the image placeholders each piece
@@ -349,9 +368,10 @@ class WorkerCore:
         masked = False
         for s in np.unique(sources).tolist():
             self.keep_alive()
-            mine = rows[sources == s]
+            mine, mine_epochs = rows[sources == s], epochs[sources == s]
             reader = self._reader(s)
-            mine = mine[self._servable(step, reader, mine)]
+            servable = self._servable(step, reader, mine, mine_epochs)
+            mine, mine_epochs = mine[servable], mine_epochs[servable]
             if not len(mine):
                 continue
             kept.append(mine)
@@ -363,8 +383,9 @@ class WorkerCore:
                 mask_parts.append(int(lengths.sum()))
                 continue
             counts = np.zeros(len(mine), dtype=np.uint32)
-            for i, (key, off, n) in enumerate(zip(keys.tolist(), offsets.tolist(), lengths.tolist())):
-                entry = self.cache[key]
+            for i, (key, ep, off, n) in enumerate(zip(keys.tolist(), mine_epochs.tolist(), offsets.tolist(),
+                                                      lengths.tolist())):
+                entry = self.cache[_cache_key(key, ep)]
                 parts.append(entry.tokens[off: off + n])
                 if entry.loss_mask is not None:
                     mask_parts.append(entry.loss_mask[off: off + n])

@@ -32,7 +32,7 @@ def test_pieces_round_trip_keeps_arrays_exact():
 def test_message_for_another_role_is_rejected():
     header = P.make(P.PREPARE, task_id=1, source=0)
     with pytest.raises(ProtocolError, match="not accepted"):
-        wire.decode(_frames(header, np.array([1, 2], "<u8")), P.TRAINER_CONTROL_INBOX)
+        wire.decode(_frames(header, np.array([1, 2], "<u8"), np.zeros(2, "<u4")), P.TRAINER_CONTROL_INBOX)
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -66,7 +66,8 @@ def test_array_frames_are_checked():
         wire.decode(bad, P.TRAINER_CONTROL_INBOX)
     # record index beyond 48 bits
     with pytest.raises(ProtocolError, match="48 bits"):
-        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0), np.array([1 << 50], "<u8")), P.WORKER_INBOX)
+        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0), np.array([1 << 50], "<u8"), np.zeros(1, "<u4")),
+                    P.WORKER_INBOX)
 
 
 def test_missing_field_and_frame_count():
