@@ -43,7 +43,8 @@ class LocalLengths:
         self.quarantined = quarantined or {}
         self.specs = job.worker_job()["sources"]
         self._readers: dict[int, SourceReader] = {}
-        self._known: list[dict[int, tuple[int, int]]] = [{} for _ in job.sources]  # record -> (length, patches)
+        # (record, epoch) -> (length, patches); the epoch matters only to a transform (else 0)
+        self._known: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in job.sources]
         self.skipped: list[dict[int, str]] = [{} for _ in job.sources]  # record -> why (the worker's log line)
 
     def reader(self, source: int) -> SourceReader:
@@ -55,34 +56,42 @@ class LocalLengths:
 
     def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         records = self.planner.streams[source].records_array(start, count)
-        return records, self.lengths(source, records)
+        return records, self.lengths(source, records, self._epochs(source, np.arange(start, start + len(records))))
+
+    def _epochs(self, source: int, positions: np.ndarray) -> list[int]:
+        """Each position's epoch where the source's samples may depend on it (a transform), else 0."""
+        if not self.job.sources[source].transform:
+            return [0] * len(positions)
+        return (np.asarray(positions, dtype=np.int64) // max(1, self.planner.num_records[source])).tolist()
 
     def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
         stream = self.planner.streams[source]
-        return np.array([self._read(source, stream.record_at(int(p)))[1] for p in positions.tolist()],
+        epochs = self._epochs(source, positions)
+        return np.array([self._read(source, stream.record_at(int(p)), e)[1] for p, e in zip(positions.tolist(), epochs)],
                         dtype=np.int64)
 
-    def lengths(self, source: int, records: np.ndarray) -> np.ndarray:
+    def lengths(self, source: int, records: np.ndarray, epochs: list[int] | None = None) -> np.ndarray:
         if source in self.opened.mapped:
             lengths, _ = mapped_lengths(self.opened.mapped[source], self.job.sources[source], records)
         else:
-            lengths = np.array([self._read(source, r)[0] for r in records.tolist()], dtype=np.int64)
+            epochs = epochs if epochs is not None else [0] * len(records)
+            lengths = np.array([self._read(source, r, e)[0] for r, e in zip(records.tolist(), epochs)], dtype=np.int64)
         bad = self.quarantined.get(source)
         if bad:
             lengths = np.where(np.isin(records, np.fromiter(bad, dtype=np.int64)), 0, lengths)
         return lengths
 
-    def _read(self, source: int, record: int) -> tuple[int, int]:
-        known = self._known[source].get(record)
+    def _read(self, source: int, record: int, epoch: int = 0) -> tuple[int, int]:
+        known = self._known[source].get((record, epoch))
         if known is None:
             reader = self.reader(source)
             try:
-                tokens, images = reader.read_sample(record)
+                tokens, images = reader.read_sample(record, epoch)
                 known = (len(tokens), len(images) if images is not None else 0)
             except Exception as e:  # noqa: BLE001 - skipped as a worker skips it
                 self.skipped[source][record] = f"{reader.where(record)}: {e}"
                 known = (0, 0)
-            self._known[source][record] = known
+            self._known[source][(record, epoch)] = known
         return known
 
 

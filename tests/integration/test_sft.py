@@ -127,3 +127,37 @@ def test_the_example_trains_through_the_commands(tmp_path):
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_manifest_where_and_plan_answer_for_chat_transformed_and_whole_sources(tmp_path):
+    """msd manifest runs the transform and renders the chat as workers do: it recomputes exactly
+    what the ranks received (whole samples, deferred ones included), and msd where finds them."""
+    from click.testing import CliRunner
+
+    from coordinator.cli import main
+    from coordinator.testing.local import LocalJob
+    from tests.integration.harness import run_ranks
+
+    state = str(tmp_path / "state")
+    sys.path.insert(0, CONFIGS)
+    try:
+        with LocalJob(JOB, workers=2, state_dir=state) as cluster:
+            received, _ = run_ranks(cluster, ranks=2, steps=10, timeout_s=120)
+        got = {}
+        for rank, batches in received.items():
+            for b in batches:
+                got[(b["step"], rank)] = got.get((b["step"], rank), []) + list(
+                    zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist()))
+        runner = CliRunner()
+        for step in range(10):
+            r = runner.invoke(main, ["manifest", "--state-dir", state, "--step", str(step), "--json"])
+            assert r.exit_code == 0, r.output
+            m = orjson.loads(r.output)
+            for rank, pieces in m["ranks"].items():
+                assert [(p["doc_key"], p["offset"], p["length"]) for p in pieces] == got[(step, int(rank))]
+        key, _, _ = got[(3, 0)][0]
+        r = runner.invoke(main, ["where", str(key), "--state-dir", state, "--json"])
+        assert r.exit_code == 0, r.output
+        assert any(hit["step"] == 3 for hit in orjson.loads(r.output)["deliveries"]), r.output
+    finally:
+        sys.path.remove(CONFIGS)
