@@ -17,6 +17,11 @@ The per-token cost of each source: images from the coordinator's estimates (what
 for preparing them); text, which the coordinator prepares itself from the index, by timing the
 worker's read of its tokens from the memory map here (text_s_per_token).
 Runs alternate (a, b, a, b, ...); medians are compared. Top-level `ratio` = steps/s (b) / (a).
+
+`--case slow-transform` (issue 32): the second source is the same Megatron text through a
+deliberately slow transform of the user's own (`coordinator.testing.transforms:busy`,
+`--transform-ms` of CPU per record): a transform's time is part of its source's measured cost,
+so adaptive allocation gives that source the workers it needs.
 """
 
 from __future__ import annotations
@@ -61,17 +66,22 @@ def make_data(root: str, images: int) -> None:
     open(stamp, "w").close()
 
 
-def write_job(root: str, allocation: str, seq_len: int, ranks: int) -> str:
+def write_job(root: str, allocation: str, seq_len: int, ranks: int, case: str = "images",
+              transform_ms: float = 2.0) -> str:
+    second = {"images": {"format": "webdataset", "paths": ["images/*.tar"], "image_token_id": 300,
+                         "max_pixels": 224 * 224, "patch_size": 14}}
+    if case == "slow-transform":
+        second = {"slow": {"format": "megatron", "paths": ["text_document"],
+                             "transform": "coordinator.testing.transforms:busy", "transform_args": {"ms": transform_ms}}}
     job = {
         "seed": 11,
         "sources": {
             "text": {"format": "megatron", "paths": ["text_document"]},
-            "images": {"format": "webdataset", "paths": ["images/*.tar"], "image_token_id": 300,
-                       "max_pixels": 224 * 224, "patch_size": 14},
+            **second,
         },
         "batch": {"seq_len": seq_len, "micro_batch_size": 1, "global_batch_size": 2 * ranks},
         "topology": {"dp": ranks},
-        "mixture": {"weights": {"text": 0.5, "images": 0.5}},
+        "mixture": {"weights": {"text": 0.5, next(iter(second)): 0.5}},
         "balance": {"cost": {"quadratic": 1.0, "linear": 0.0, "patch_quadratic": 1.0, "patch_linear": 0.0}},
         "runtime": {"allocation": allocation, "prepare_batch": 8, "lookahead_steps": 4, "heartbeat_s": 0.5,
                     "status_every_s": 1.0},
@@ -156,6 +166,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--compute-ms", type=float, default=5.0)
     ap.add_argument("--images", type=int, default=400)
+    ap.add_argument("--case", choices=("images", "slow-transform"), default="images",
+                    help="the second source: image-text samples, or text through a slow transform")
+    ap.add_argument("--transform-ms", type=float, default=2.0, help="--case slow-transform: CPU ms per record")
     ap.add_argument("--data-dir", default=os.path.join(os.environ.get("MSD_CACHE_DIR") or
                                                        os.path.expanduser("~/.cache/megascale-data"), "bench-autoscale"))
     args = ap.parse_args()
@@ -163,7 +176,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"fixed": [], "adaptive": []}
     for i in range(args.repeats):
         for allocation in ("fixed", "adaptive"):
-            job = write_job(args.data_dir, allocation, args.seq_len, args.ranks)
+            job = write_job(args.data_dir, allocation, args.seq_len, args.ranks, args.case, args.transform_ms)
             state = os.path.join(args.data_dir, f"state-{allocation}-{os.getpid()}-{i}")
             r = run_once(job, args.workers, args.ranks, args.steps, args.warmup, args.compute_ms / 1000, state)
             runs[allocation].append(r)
@@ -178,16 +191,17 @@ def main() -> None:
         }
 
     fixed, adaptive = summary(runs["fixed"]), summary(runs["adaptive"])
-    costs = {"images": adaptive["runs"][-1]["source_s_per_token"].get("images"),
+    second = "slow" if args.case == "slow-transform" else "images"
+    costs = {second: adaptive["runs"][-1]["source_s_per_token"].get(second),
              "text": text_s_per_token(args.data_dir)}
     result = {
-        "benchmark": "autoscale",
+        "benchmark": "autoscale", "case": args.case,
         "command": "python tools/bench_autoscale.py " + " ".join(sys.argv[1:]),
         "workers": args.workers, "ranks": args.ranks, "seq_len": args.seq_len, "steps": args.steps,
         "compute_ms_per_micro_batch": args.compute_ms, "cpus": os.cpu_count(),
         "source_s_per_token": costs,
-        "cost_ratio_images_over_text": (costs["images"] / costs["text"]
-                                        if costs.get("images") and costs.get("text") else None),
+        f"cost_ratio_{second}_over_text": (costs[second] / costs["text"]
+                                           if costs.get(second) and costs.get("text") else None),
         "fixed": fixed,
         "adaptive": adaptive,
         "ratio": adaptive["steps_per_s"] / fixed["steps_per_s"],
