@@ -9,7 +9,7 @@ lengths back) from the planner, so each source keeps one step, plus its round tr
 the worker held 5-6 steps of tokens (8-13 MB) for round trips of a few hundredths of a step
 (tools/bench_e2e.py). Sources prepared in full tasks (memory-mapped ones, whose records the
 coordinator prepares from their index, and those in object storage) keep the whole look-ahead
-(`CoordinatorState._windows`). Until the pace is known (the first steps), one step: the first
+(`PreparePolicy.windows`, prepare_policy.py). Until the pace is known (the first steps), one step: the first
 steps wait for their round trips anyway, and a start with the whole look-ahead left the worker's
 heap with 2-3 MB of freed fragments for good.
 

@@ -39,6 +39,7 @@ from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, Compa
 from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY, HeldCounts, PositionTables
+from .prepare_policy import PreparePolicy
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
@@ -125,6 +126,7 @@ class CoordinatorState:
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
         self.tasks = TaskBook()
         self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
+        self.policy = PreparePolicy(job, self._full_tasks, self._task_block, self.lead)
         self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         self.deliveries = DeliveryBook()
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
@@ -607,41 +609,10 @@ class CoordinatorState:
     # ------------------------------------------------------------------ prepare-ahead
 
     def _records_per_step(self) -> np.ndarray:
-        """Records of each source a step uses, at the current weights (now, or at the end of the
-        look-ahead if higher) and mean record length: arrays over the sources (at hundreds of
-        sources, a Python pass per source on every planning pass was a tenth of the CPU)."""
         step = self.planner.state.next_step
-        w = np.maximum(self.planner.weights_at(step), self.planner.weights_at(step + self.job.runtime.lookahead_steps))
-        counts = np.asarray(self.len_count, dtype=np.float64)
-        mean_len = np.where(counts > 0, np.asarray(self.len_sum, dtype=np.float64) / np.maximum(counts, 1),
-                            self.job.batch.seq_len / 4)
-        return np.where(w > 0, w * self.job.step_tokens_at(step) / np.maximum(mean_len, 1.0), 0.0)
-
-    def _task_sizes(self, per_step: np.ndarray) -> np.ndarray:
-        """Records per prepare task of each source: prepare_batch, or fewer for a source a step
-        uses little of (with many sources, a full batch each would hold far more prepared data
-        than needed). A memory-mapped source's records are prepared here from its index and cost
-        a worker nothing to hold, so its tasks are always full: with hundreds of sources, a task
-        of one or two records per source per step made the coordinator's step O(sources) in
-        small numpy calls. A source in object storage has full tasks too: a task is a round of
-        requests, and its latency, not its size, is what a worker waits for. A source shuffled in
-        blocks (shuffle_block) has tasks of whole blocks: a task is then a few runs of
-        consecutive records, a request each."""
-        batch = self.job.runtime.prepare_batch
-        full = -(-batch // self._task_block) * self._task_block  # prepare_batch rounded up to whole blocks
-        return np.where(self._full_tasks, full, np.clip(np.ceil(per_step), 1, full)).astype(np.int64)
-
-    def _windows(self, per_step: np.ndarray, task: np.ndarray) -> np.ndarray:
-        """Records to keep prepared ahead of each source's cursor: enough steps to cover its
-        prepare round trip (`lead.py`), and a task. A source of full tasks keeps the whole
-        look-ahead: it is refilled only when short by a whole task, so the look-ahead is its only
-        margin. For a memory-mapped one (prepared here from the index, held by a worker for
-        nothing) a narrower window made the planner stop mid-step for lengths (55 against 36 ms
-        of CPU per step at DP 512 with 306 sources, tools/bench_scale.py), and one in object
-        storage waits a round of requests per task."""
-        steps = np.where(self._full_tasks, float(self.lead.most), self.lead.steps_ahead())
-        ahead = np.ceil(steps * per_step).astype(np.int64) + task
-        return np.where(per_step > 0, ahead, 0)
+        return self.policy.records_per_step(step, self.planner.weights_at(step),
+                                            self.planner.weights_at(step + self.job.runtime.lookahead_steps),
+                                            self.len_sum, self.len_count)
 
     def _left(self, s: int) -> int:
         """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
@@ -660,14 +631,11 @@ class CoordinatorState:
             return
         self._prepare_ahead_stamp = stamp
         per_step = self._records_per_step()
-        task = self._task_sizes(per_step)
-        window = self._windows(per_step, task)
+        task = self.policy.task_sizes(per_step)
+        window = self.policy.windows(per_step, task)
         ahead = np.fromiter((t.end for t in self.tables), dtype=np.int64, count=len(self.tables)) \
             - np.asarray(self.planner.state.cursors, dtype=np.int64)
-        # a source of full tasks is refilled only once it is short by a whole task: one full task
-        # every prepare_batch records, not a small one every step
-        short = (per_step > 0) & (ahead <= window - np.where(self._full_tasks, task, 1))
-        for s in np.flatnonzero(short).tolist():
+        for s in self.policy.short(per_step, task, window, ahead).tolist():
             self._refill(s, int(task[s]), int(window[s]))
 
     def _refill(self, s: int, batch: int, window: int) -> None:
@@ -679,7 +647,7 @@ class CoordinatorState:
             self._prepare_next_batch(s, min(batch, self._left(s)))
 
     def _ensure_prepared(self, s: int, position: int) -> None:
-        batch = int(self._task_sizes(self._records_per_step())[s])
+        batch = int(self.policy.task_sizes(self._records_per_step())[s])
         if s in self.mapped and self.registry.workers:
             self._prepare_mapped(s, position + 1, batch)
         while self.tables[s].end <= position and self.registry.workers and self._left(s):
