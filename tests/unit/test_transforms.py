@@ -134,3 +134,17 @@ def test_images_from_a_transform_take_the_image_path(tmp_path, monkeypatch):
     assert patches.shape == (6, 14 * 14 * 3) and (patches == 9).all()
     assert tokens.tolist() == [300] * 6 + [7, 8] and mask is None
     sys.modules.pop("img_mod", None)
+
+
+def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(dataset_dir, tmp_path, module):
+    from trainer_client import protocol as P
+    from worker.core import Quit, Registered, WorkerCore
+
+    job = job_dict()
+    job["sources"]["web"]["transform"] = f"{module}:crop"
+    spec = parse_job(job, "job.yaml", base_dir=dataset_dir).worker_job()
+    welcome = P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[])
+    assert WorkerCore().handle(welcome, {}) == [Registered(1, 0.5)]
+    spec["sources"][0]["transform_hash"] = "0" * 16  # the coordinator saw other code
+    [action] = WorkerCore().handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[]), {})
+    assert isinstance(action, Quit) and "differs from the coordinator's" in action.reason
