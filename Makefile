@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration bench bench-remote-env clean
+.PHONY: install demo test test-unit test-integration bench bench-remote-env bench-packing-env clean
 
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-integration: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_dataplane.py --json bench-dataplane.json
+
+# tools/bench_packing.py's torchtune baseline, kept out of the project's venv (torchtune pins torchao)
+bench-packing-env:
+	$(PYTHON) -m venv .venv-torchtune
+	.venv-torchtune/bin/pip install --quiet $(TORCH)
+	.venv-torchtune/bin/pip install --quiet torchtune==0.6.1 torchao==0.10.0
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json

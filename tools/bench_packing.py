@@ -4,10 +4,13 @@ Conversations (coordinator.testing.chat_data) are rendered with a chat template 
 (msd's worker/chat.py); their lengths go to:
 - msd: the planner with one `packing: whole` source (dp ranks x rows of seq_len, the cost
   model quadratic), for as many steps as the conversations fill;
-- TRL: `trl.data_utils.pack_dataset(dataset, seq_len, strategy="bfd")` over the whole set.
+- TRL: `trl.data_utils.pack_dataset(dataset, seq_len, strategy="bfd")` over the whole set;
+- torchtune: `PackedDataset(..., split_across_pack=False)` over the whole set, run in its own
+  venv (`make bench-packing-env` makes `.venv-torchtune`; torchtune pins its own torch and torchao),
+  through tools/torchtune_packing.py; left out when that venv is missing.
 Figures: padding share (padding / row tokens), samples dropped or truncated, and for msd the
 max/mean rank cost per step against the step's lower bound (max of mean rank cost and the
-costliest sample). torchtune's PackedDataset is not installed here and is not measured.
+costliest sample).
 
     python tools/bench_packing.py [--samples 4000] [--seq-len 4096] [--dp 8] [--rows-per-rank 2]
 """
@@ -98,6 +101,19 @@ def trl_packing(lengths: np.ndarray, seq_len: int) -> dict:
             "samples_truncated": int((lengths > seq_len).sum())}
 
 
+def torchtune_packing(lengths: np.ndarray, seq_len: int, python: str) -> dict | None:
+    import subprocess
+
+    if not os.path.exists(python):
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([python, os.path.join(here, "torchtune_packing.py")], capture_output=True, text=True,
+                          input=json.dumps({"lengths": [int(n) for n in lengths], "seq_len": seq_len}), timeout=600)
+    if done.returncode != 0:
+        return {"error": done.stderr[-500:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=4000)
@@ -106,13 +122,16 @@ def main() -> None:
     ap.add_argument("--rows-per-rank", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-slack", type=float, default=0.0, help="balance.token_slack of the msd job")
+    ap.add_argument("--torchtune-python", default=os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), ".venv-torchtune", "bin", "python"), help="python of a venv with torchtune")
     args = ap.parse_args()
     lengths = lengths_of_conversations(args.samples, args.seed)
     out = {"samples": args.samples, "seq_len": args.seq_len, "dp": args.dp, "rows_per_rank": args.rows_per_rank,
            "mean_length": round(float(lengths.mean()), 1), "max_length": int(lengths.max()),
            "token_slack": args.token_slack,
            "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank, args.token_slack),
-           "trl_bfd": trl_packing(np.minimum(lengths, args.seq_len), args.seq_len)}
+           "trl_bfd": trl_packing(np.minimum(lengths, args.seq_len), args.seq_len),
+           "torchtune": torchtune_packing(np.minimum(lengths, args.seq_len), args.seq_len, args.torchtune_python)}
     print(json.dumps(out, indent=2))
 
 
