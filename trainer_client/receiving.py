@@ -113,7 +113,9 @@ class ReceivingState:
         info = self.batch_info
         step = msg["step"]
         if info is None or msg["rank"] != self.rank or not self.step <= step < self.step + MAX_BUFFERED_STEPS:
-            log.warning("rank %d: step header for rank %d step %d dropped", self.rank, msg["rank"], step)
+            why = ("before the coordinator's welcome" if info is None else f"for rank {msg['rank']}"
+                   if msg["rank"] != self.rank else f"outside steps {self.step}..{self.step + MAX_BUFFERED_STEPS - 1}")
+            log.warning("rank %d: step header of step %d dropped (%s)", self.rank, step, why)
             return
         mbs, n_mb = info["micro_batch_size"], info["micro_batches"]
         if len(arrays["counts"]) != mbs * n_mb:

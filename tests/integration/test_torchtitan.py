@@ -23,6 +23,8 @@ def test_msd_data_loader_is_a_torchtitan_data_loader(dataset_dir):
     path = write_job(dataset_dir, job_dict(), "titan.yaml")
     results: dict[int, tuple] = {}
 
+    both_stopped = threading.Barrier(2)
+
     def rank(r: int, address: str) -> None:
         with DataClient(address, rank=r, timeout_s=60) as client:
             loader = MsdDataLoader(client, dp_rank=r, dp_world_size=2)
@@ -31,6 +33,9 @@ def test_msd_data_loader_is_a_torchtitan_data_loader(dataset_dir):
             first = [next(it) for _ in range(3)]
             state = loader.state_dict()
             after = [next(it)[0]["input"].clone() for _ in range(3)]
+        # A job resumes all its ranks together: a rank resuming while another still trains ahead
+        # rewinds the plan under it (the test hung one run in four when the threads drifted apart).
+        both_stopped.wait(60)
         with DataClient(address, rank=r, timeout_s=60) as client:
             resumed = MsdDataLoader(client, dp_rank=r, dp_world_size=2)
             resumed.load_state_dict(state)
