@@ -39,10 +39,11 @@ from .config import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
-from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
+from .instructions import (AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
-from .journal import (JournalFile, append_mixture_journal, append_quarantine_journal, read_mixture_journal,
+from .journal import (JournalFile, append_eval_journal, append_mixture_journal, append_quarantine_journal,
+                      read_mixture_journal,
                       read_quarantine_journal)
 from .router import Router
 from .sources import OpenedSources
@@ -385,6 +386,8 @@ class Coordinator:
             append_mixture_journal(self.state_dir, ins.at_step, ins.weights)
         elif isinstance(ins, AppendQuarantine):
             append_quarantine_journal(self.state_dir, ins.source, ins.record, ins.reason)
+        elif isinstance(ins, AppendEvalLoss):
+            append_eval_journal(self.state_dir, ins.set, ins.step, ins.rank, ins.losses)
         elif isinstance(ins, WriteStatus):
             status = self._status(ins.status)
             log.info("status: %s", status)

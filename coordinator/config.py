@@ -126,6 +126,22 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class EvalSetConfig:
+    """An evaluation set (`eval:` in the job file): records held out of training sources by a
+    keyed hash (`holdout`: source index -> share of its records, a float, or a count, an int),
+    and every record of sources named for it (`sources`), at most `max_records` of them (a fixed
+    sample). Its rows are `seq_len` long (default: batch.seq_len)."""
+
+    name: str
+    index: int
+    holdout: tuple[tuple[int, float | int], ...] = ()
+    sources: tuple[int, ...] = ()
+    max_records: int | None = None
+    seq_len: int | None = None
+    prepare_ahead: bool = False
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     lookahead_steps: int = 4  # steps planned ahead of the slowest rank's consumed step
     heartbeat_s: float = 1.0
@@ -170,6 +186,13 @@ class JobConfig:
     token_slack: float = 0.0  # a rank may hold up to (1 + slack) x its token capacity
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     path: str = "<job>"
+    eval_sets: tuple[EvalSetConfig, ...] = ()
+
+    def eval_set(self, name: str) -> EvalSetConfig:
+        for e in self.eval_sets:
+            if e.name == name:
+                return e
+        raise KeyError(f"no eval set {name!r} (the job's: {', '.join(e.name for e in self.eval_sets) or 'none'})")
 
     @property
     def weights(self) -> dict[str, float]:
@@ -247,6 +270,9 @@ class JobConfig:
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
             "balance": {"method": self.balance_method, "token_slack": self.token_slack},
+            # eval sets change which records training holds: part of the stream (absent when none,
+            # so a job without them keeps its digest)
+            **({"eval": [asdict(e) for e in self.eval_sets]} if self.eval_sets else {}),
         }))
 
     def digest(self) -> str:
@@ -601,7 +627,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     c = _Checker()
     base = base_dir if base_dir is not None else os.path.dirname(os.path.abspath(path))
     top = c.mapping(raw, "", {"seed", "sources", "batch", "topology", "mixture", "balance", "runtime",
-                              "long_docs", "on_exhausted", "security"},
+                              "long_docs", "on_exhausted", "security", "eval"},
                     {"seed", "sources", "batch", "topology", "mixture"})
     defaults = {}  # job-wide defaults a source may override
     if "long_docs" in top and _choice(c, top["long_docs"], "long_docs", LONG_DOCS):
@@ -699,6 +725,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
             if not os.path.isfile(os.path.join(curve, "coordinator.key_secret")):
                 c.bad("security.curve", f"{curve}: no coordinator.key_secret (make keys with: msd keys generate DIR)")
 
+    eval_sets = _eval_sets(c, top.get("eval"), names)
     image_sources = [s for s in sources if s.has_images]
     if len({s.patch_size for s in image_sources}) > 1:
         c.bad("sources", "every webdataset source must have the same patch_size (one pixel_patches array per batch)")
@@ -720,7 +747,65 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
                               cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies),
         path=path,
+        eval_sets=eval_sets,
     )
+
+
+EVAL_KEYS = {"holdout", "sources", "max_records", "seq_len", "prepare_ahead"}
+
+
+def _eval_sets(c: _Checker, raw: Any, names: list[str]) -> tuple[EvalSetConfig, ...]:
+    """`eval: {name: {holdout: {source: share | count}, sources: [names], max_records, seq_len,
+    prepare_ahead}}`."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or not raw:
+        c.bad("eval", "expected a mapping of eval set name -> definition")
+        return ()
+    out = []
+    for i, (name, spec) in enumerate(raw.items()):
+        key = f"eval.{name}"
+        if not isinstance(name, str) or not name:
+            c.bad(key, "eval set names must be non-empty strings")
+            continue
+        spec = c.mapping(spec, key, EVAL_KEYS)
+        holdout = []
+        raw_holdout = spec.get("holdout", {})
+        if not isinstance(raw_holdout, dict):
+            c.bad(f"{key}.holdout", "expected a mapping of source -> share (0 < x < 1) or count (an integer >= 1)")
+            raw_holdout = {}
+        for src, amount in raw_holdout.items():
+            where = f"{key}.holdout.{src}"
+            if src not in names:
+                c.bad(where, f"unknown source (sources: {', '.join(names)})")
+            elif type(amount) is float and 0.0 < amount < 1.0:
+                holdout.append((names.index(src), amount))
+            elif type(amount) is int and amount >= 1:
+                holdout.append((names.index(src), amount))
+            else:
+                c.bad(where, f"expected a share (a number between 0 and 1) or a count (an integer >= 1), got {amount!r}")
+        sources = spec.get("sources", [])
+        if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
+            c.bad(f"{key}.sources", "expected a list of source names")
+            sources = []
+        for src in sources:
+            if src not in names:
+                c.bad(f"{key}.sources", f"unknown source {src!r} (sources: {', '.join(names)})")
+        if not raw_holdout and not sources:
+            c.bad(key, "an eval set needs holdout or sources")
+        max_records = spec.get("max_records")
+        if max_records is not None and c.integer(max_records, f"{key}.max_records") is None:
+            max_records = None
+        seq_len = spec.get("seq_len")
+        if seq_len is not None and c.integer(seq_len, f"{key}.seq_len", 2) is None:
+            seq_len = None
+        ahead = spec.get("prepare_ahead", False)
+        if not isinstance(ahead, bool):
+            c.bad(f"{key}.prepare_ahead", f"expected true or false, got {ahead!r}")
+            ahead = False
+        out.append(EvalSetConfig(name, i, tuple(holdout), tuple(names.index(x) for x in sources if x in names),
+                                 max_records, seq_len, ahead))
+    return tuple(out)
 
 
 def _stages(c: _Checker, mixture: Any, names: list[str]) -> tuple[Stage, ...]:

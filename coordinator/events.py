@@ -149,12 +149,27 @@ class MixRequest(PeerEvent):
     weights: Any
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalRequest(PeerEvent):
+    rank: int
+    set: str
+    pass_no: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalReport(PeerEvent):
+    rank: int
+    set: str
+    step: int
+    losses: Any
+
+
 MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "worker_hello": WorkerHello, "worker_heartbeat": WorkerHeartbeat, "prepared": Prepared,
     "task_failed": TaskFailed, "delivered": Delivered, "host_hello": HostHello, "host_heartbeat": HostHeartbeat,
     "worker_exited": WorkerExited, "trainer_hello": TrainerHello, "consumed": Consumed,
     "trainer_heartbeat": TrainerHeartbeat, "trainer_bye": TrainerBye, "mix_request": MixRequest,
-    "state_request": StateRequest,
+    "state_request": StateRequest, "eval_request": EvalRequest, "eval_report": EvalReport,
 }
 ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
 

@@ -55,6 +55,16 @@ class AppendMixture(FileInstruction):
 
 
 @dataclass(frozen=True, slots=True)
+class AppendEvalLoss(FileInstruction):
+    """Append a rank's evaluation (mean loss per source of one set, at a training step) to the eval journal."""
+
+    set: str
+    step: int
+    rank: int
+    losses: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AppendQuarantine(FileInstruction):
     """Append a quarantined record (source name, record index) to the quarantine journal, then fsync."""
 
@@ -79,7 +89,8 @@ class Stop(Instruction):
 
 
 ALL_INSTRUCTIONS: dict[str, type[Instruction]] = {
-    cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, AppendQuarantine, WriteStatus,
+    cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, AppendQuarantine, AppendEvalLoss,
+                                  WriteStatus,
                                                Stop)}
 
 

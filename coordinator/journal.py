@@ -29,6 +29,7 @@ log = logging.getLogger("msd.journal")
 JOURNAL = "steps.journal"
 MIXTURE_JOURNAL = "mixture.journal"
 QUARANTINE_JOURNAL = "quarantine.journal"
+EVAL_JOURNAL = "eval.journal"  # one line per evaluation a rank reported: set, step, rank, losses
 
 
 def _json_lines(path: str) -> list[bytes]:
@@ -139,3 +140,14 @@ def read_quarantine_journal(state_dir: str | None) -> list[tuple[str, int]]:
 def append_quarantine_journal(state_dir: str, source: str, record: int, reason: str) -> None:
     """Append one quarantine decision durably, before any step planned with it is journaled."""
     _append_entry(state_dir, QUARANTINE_JOURNAL, {"source": source, "record": record, "reason": reason})
+
+
+def append_eval_journal(state_dir: str, set_name: str, step: int, rank: int, losses: Iterable) -> None:
+    _append_entry(state_dir, EVAL_JOURNAL, {"set": set_name, "step": step, "rank": rank, "losses": dict(losses)})
+
+
+def read_eval_journal(state_dir: str) -> list[dict]:
+    """Every evaluation reported, in the order it came: {set, step, rank, losses: {source: loss}}."""
+    return _read_entries(state_dir, EVAL_JOURNAL, lambda e: {"set": str(e["set"]), "step": int(e["step"]),
+                                                            "rank": int(e["rank"]),
+                                                            "losses": {str(k): float(v) for k, v in e["losses"].items()}})

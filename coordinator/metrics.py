@@ -27,7 +27,7 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "realised": {}}
+                                     "target": {}, "realised": {}, "eval_loss": {}}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
@@ -42,7 +42,8 @@ class _Totals(Collector):
                 gauge.add_metric([value_label], value)
             yield gauge
         skipped = CounterMetricFamily("msd_skipped_records", "Records skipped, by source and kind (corrupt, "
-                                      "over_limit, error, quarantined)", labels=["source", "kind"])
+                                      "over_limit, error, quarantined, transform_error, skipped, "
+                                      "no_trainable_tokens)", labels=["source", "kind"])
         for (source, kind), n in c["skipped"].items():
             skipped.add_metric([source, kind], n)
         wait = CounterMetricFamily("msd_rank_data_wait_seconds", "Seconds each rank waited for data (its client's "
@@ -56,7 +57,11 @@ class _Totals(Collector):
         reprepared = CounterMetricFamily("msd_records_reprepared", "Records prepared again (lost with a dead "
                                          "worker)")
         reprepared.add_metric([], c["reprepared"])
-        yield from (skipped, wait, delivered, reprepared)
+        eval_loss = GaugeMetricFamily("msd_eval_loss", "The last mean loss per source of each eval set (the trainers' "
+                                      "report_eval)", labels=["set", "source"])
+        for (name, source), loss in c["eval_loss"].items():
+            eval_loss.add_metric([name, source], loss)
+        yield from (skipped, wait, delivered, reprepared, eval_loss)
 
 
 class CoordinatorMetrics:
@@ -152,4 +157,6 @@ class CoordinatorMetrics:
                             "delivered": dict(self._delivered), "reprepared": state.reprepared,
                             "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
                             "target": dict(zip(names, weights)),
-                            "realised": {name: n / total for name, n in zip(names, delivered)}}
+                            "realised": {name: n / total for name, n in zip(names, delivered)},
+                            "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
+                                          for source, (_, loss) in by_source.items()}}

@@ -33,6 +33,7 @@ from . import balance
 from .balance import Cost, Grid
 from .config import JobConfig
 from .cursor import SourceStream
+from .holdout import Holdout
 
 # columns of a pieces table
 SOURCE, POSITION, RECORD, OFFSET, LENGTH = range(5)
@@ -138,6 +139,12 @@ class Planner:
         self.truncate = [src.long_docs in ("truncate", "drop") for src in job.sources]
         self.drop = np.asarray([src.long_docs == "drop" for src in job.sources], dtype=bool)
         self.whole = np.asarray([src.whole for src in job.sources], dtype=bool)
+        # records held out of training for the job's eval sets (coordinator/holdout.py)
+        self.holdout = Holdout(job.seed, self.num_records,
+                               [{s: amount for s, amount in e.holdout} for e in job.eval_sets])
+        for src in job.sources:
+            if self.holdout.end[src.index] >= 1 << 64 and any(st.weights[src.index] > 0 for st in job.stages):
+                raise ValueError(f"source {src.name!r}: every record is held out for evaluation, but it has a weight")
         s = len(num_records)
         self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s, [False] * s)
         self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time, only added to
@@ -380,6 +387,10 @@ class Planner:
         # positions from the first unknown length on are not used (as _candidates stops there)
         first_unknown = _first_per_segment(lengths < 0, seg, within, n)
         usable = (lengths > 0) & (within < first_unknown[seg]) & ~(self.drop[src][seg] & (lengths > seq_len))
+        for i, s in enumerate(fast):  # records held out for evaluation are never trained on
+            if self.holdout.any(s):
+                rows = slice(starts[i], starts[i + 1])
+                usable[rows] &= ~self.holdout.held_out(s, records[rows])
         ends = np.where(np.asarray(self.truncate)[src][seg], np.minimum(lengths, seq_len), lengths)
         ends = np.where(usable, ends, 0)
         cum = np.cumsum(ends)
@@ -448,7 +459,8 @@ class Planner:
             if len(unknown):
                 records, lengths = records[:unknown[0]], lengths[:unknown[0]]
                 missing = cursor + int(unknown[0])
-            usable = np.flatnonzero((lengths > 0) & ~(self.drop[s] & (lengths > seq_len)))
+            usable = np.flatnonzero((lengths > 0) & ~(self.drop[s] & (lengths > seq_len))
+                                    & ~self.holdout.held_out(s, records))
             ends = lengths[usable]
             seen_tokens += int(ends.sum())
             seen_docs += len(usable)

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from .balance import imbalance
-from .journal import read_quarantine_journal
+from .journal import read_eval_journal, read_quarantine_journal
 from .replay import Replay
 from .statedir import STATUS_FILE
 
@@ -52,7 +52,8 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
     return {"job": replay.job.path, "digest": replay.job.digest(), "dp": replay.job.dp, "names": names,
             "steps": mix_steps, "realised_share": realised_share, "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
-            "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir)}
+            "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
+            "evals": read_eval_journal(state_dir)}
 
 
 def figure(data: dict[str, Any]):
@@ -99,6 +100,37 @@ def figure(data: dict[str, Any]):
     return fig
 
 
+def eval_curves(evals: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """set -> source -> [(step, mean loss over the ranks that reported it)], by step."""
+    sums: dict[tuple[str, str, int], list[float]] = {}
+    for e in evals:
+        for source, loss in e["losses"].items():
+            sums.setdefault((e["set"], source, e["step"]), []).append(loss)
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for (name, source, step), values in sorted(sums.items()):
+        out.setdefault(name, {}).setdefault(source, []).append((step, float(np.mean(values))))
+    return out
+
+
+def eval_figure(evals: list[dict]):
+    """One plot per eval set: a loss curve per source over the training steps; None without evals."""
+    import matplotlib.pyplot as plt
+
+    curves = eval_curves(evals)
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, len(curves), figsize=(7 * len(curves), 4), squeeze=False)
+    for ax, (name, by_source) in zip(axes[0], sorted(curves.items())):
+        for source, points in sorted(by_source.items()):
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=source)
+        ax.set_title(f"eval set {name}: loss per source")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("mean loss")
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def write_report(data: dict[str, Any], out: str) -> None:
     """An HTML file (the plots embedded, tables of mix and skips) or, for a .png path, the plots."""
     import matplotlib.pyplot as plt
@@ -121,6 +153,16 @@ def write_report(data: dict[str, Any], out: str) -> None:
         f"<td>{e(', '.join(f'{k} {v}' for k, v in (skipped.get(n) or {}).items()) or '0')}</td></tr>"
         for i, n in enumerate(data["names"]))
     quarantined = "".join(f"<li>{e(s)} record {r}</li>" for s, r in data["quarantined"]) or "<li>none</li>"
+    evals_fig = eval_figure(data.get("evals") or [])
+    if evals_fig is not None:
+        buf = io.BytesIO()
+        evals_fig.savefig(buf, format="png", dpi=100)
+        plt.close(evals_fig)
+        evals_html = (f'<img id="eval-curves" alt="eval loss per source" '
+                      f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">')
+    else:
+        evals_html = '<p id="eval-curves">No evaluation reported (client.report_eval).</p>'
+
     balance = data["balance"]
     ours = np.mean([b[1] for b in balance]) if balance else float("nan")
     naive = np.mean([b[2] for b in balance]) if balance else float("nan")
@@ -140,6 +182,7 @@ steps {data['steps'][0] if data['steps'] else '-'} to {data['steps'][-1] if data
 <table id="sources"><tr><th>source</th><th>target share (mean)</th><th>realised share</th><th>skipped</th></tr>
 {rows}</table>
 <h2>Quarantined records</h2><ul id="quarantined">{quarantined}</ul>
+<h2>Evaluation</h2>{evals_html}
 </body></html>
 """
     with open(out, "w", encoding="utf-8") as f:

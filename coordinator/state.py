@@ -30,11 +30,12 @@ from worker.readers.storage import is_url
 from .balance import imbalance
 from .config import JobConfig
 from .deliveries import DeliveryBook
-from .events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, MixRequest, Prepared, Shutdown,
-                     StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello, WorkerExited,
-                     WorkerHeartbeat, WorkerHello)
+from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
+                     Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,
+                     WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
-from .instructions import (AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
+from .evaluation import EvalBook
+from .instructions import (AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
@@ -50,7 +51,7 @@ log = logging.getLogger("msd.coordinator")
 # The messages each registered role may send, and the field that names the sender.
 _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
-    "trainer": (Consumed, TrainerHeartbeat, TrainerBye, StateRequest),
+    "trainer": (Consumed, TrainerHeartbeat, TrainerBye, StateRequest, EvalRequest, EvalReport),
     "host": (HostHeartbeat, WorkerExited),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
@@ -127,6 +128,8 @@ class CoordinatorState:
         self.tasks = TaskBook()
         self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
         self.policy = PreparePolicy(job, self._full_tasks, self._task_block, self.lead)
+        self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology, self._send,
+                             lambda: self.registry.workers, lambda: self.registry.trainers)
         self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         self.deliveries = DeliveryBook()
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
@@ -144,6 +147,7 @@ class CoordinatorState:
             Delivered: self._on_delivered, Consumed: self._on_consumed, TrainerHeartbeat: self._alive,
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
             WorkerExited: self._on_worker_exited, StateRequest: self._on_state_request,
+            EvalRequest: self._on_eval_request, EvalReport: self._on_eval_report,
         }
         self._unregistered: dict[type, Callable[[Any], None]] = {
             Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason),
@@ -228,6 +232,7 @@ class CoordinatorState:
                  extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
         self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job(),
                                    heartbeat_s=self.heartbeat_s, count=[]))
+        self.eval.pump()  # a pass waiting for workers
 
     def _on_host_hello(self, ev: HostHello) -> None:
         if ev.version != P.PROTOCOL_VERSION:
@@ -411,7 +416,26 @@ class CoordinatorState:
         log.info("rank %d left", trainer.rank)
         self._forget_peer(ev.peer, "left")
 
+    def _on_eval_request(self, ev: EvalRequest, trainer: TrainerInfo) -> None:
+        self.eval.request(ev.rank, ev.set, ev.pass_no, ev.peer)
+
+    def _on_eval_report(self, ev: EvalReport, trainer: TrainerInfo) -> None:
+        losses = self.eval.report(ev.set, ev.step, ev.losses)
+        if losses is None:
+            log.warning("rank %d: eval report for set %r dropped (unknown set, or losses not a mapping of "
+                        "source -> number)", ev.rank, ev.set)
+            return
+        log.info("eval %s at step %d (rank %d): %s", ev.set, ev.step, ev.rank,
+                 ", ".join(f"{k} {v:.4f}" for k, v in sorted(losses.items())))
+        if self.history.durable:
+            self._out.append(AppendEvalLoss(ev.set, ev.step, ev.rank, tuple(sorted(losses.items()))))
+
     def _on_prepared(self, ev: Prepared, worker: WorkerInfo) -> None:
+        if self.eval.owns(ev.task_id):
+            for _, reason, kind in ev.skipped:
+                log.warning("eval: record skipped (%s): %s", kind, reason.split("\n", 1)[0])
+            self.eval.prepared(ev.task_id, worker.worker_id, ev.lengths)
+            return
         task = self.tasks.complete(ev.task_id, worker.worker_id)
         if task is None:
             log.debug("result of unknown or reassigned task %d ignored", ev.task_id)
@@ -459,6 +483,10 @@ class CoordinatorState:
         self.skipped_by_kind[s][kind] = self.skipped_by_kind[s].get(kind, 0) + n
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
+        if self.eval.owns(ev.task_id):
+            log.error("worker %d failed eval task %d: %s", worker.worker_id, ev.task_id, ev.reason)
+            self.eval.failed(ev.task_id)
+            return
         log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason,
                   extra={"worker_id": worker.worker_id})
         if self.tasks.fail(ev.task_id, worker.worker_id) is not None:
@@ -547,6 +575,7 @@ class CoordinatorState:
         while len(self._dead_pids) > 4096:
             del self._dead_pids[next(iter(self._dead_pids))]
         self.tasks.withdraw(wid)  # back to the queue: assigned below, or when a worker registers
+        self.eval.worker_gone(wid)
         if blame is not None:
             self._blame(blame, wid)
         lost = {s: t.held_by(wid) for s, t in enumerate(self.tables)}
@@ -711,6 +740,8 @@ class CoordinatorState:
             candidates = ([w for w in workers if w != task.avoid and w not in retiring]
                           or [w for w in workers if w not in retiring] or list(workers))
             s = task.source
+            if self.planner.holdout.any(s) and self._settle_held_out(task, candidates[0]):
+                continue
             if s in self.quarantined and self._settle_quarantined(task, candidates[0]):
                 continue
             if s in self.mapped:
@@ -728,6 +759,21 @@ class CoordinatorState:
             records = self.tables[s].records(task.positions)
             self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records,
                        self._epochs(s, task.positions))
+
+    def _settle_held_out(self, task, worker_id: int) -> bool:
+        """Records of a queued task that an eval set holds out of training are prepared as
+        length 0 right here: the planner passes over them, so no worker reads them for training
+        (an eval pass reads them for itself). True when nothing of the task is left to do."""
+        s = task.source
+        held = self.planner.holdout.held_out(s, self.tables[s].records(task.positions))
+        if not held.any():
+            return False
+        self._set_prepared(s, task.positions[held], np.zeros(int(held.sum()), dtype=np.int64), worker_id)
+        task.positions = task.positions[~held]
+        if len(task.positions):
+            return False
+        self.tasks.drop(task)
+        return True
 
     def _settle_quarantined(self, task, worker_id: int) -> bool:
         """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
@@ -982,6 +1028,7 @@ class CoordinatorState:
             self.end = None
         for w in self.registry.forget_workers():
             self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
+        self.eval.reset()
         self._reset_tables()
 
     def _adopt(self, ev: TrainerHello) -> None:
@@ -1048,6 +1095,7 @@ class CoordinatorState:
             hosts.setdefault(host.host if host else "?", []).append(
                 {"worker_id": w.worker_id, "pid": w.pid, "busy_share": round(w.busy_share, 3)})
         return {
+            "eval": self.eval.status(),
             "job": self.job.path,
             "digest": self.digest,
             "dp": self.job.dp,

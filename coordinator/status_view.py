@@ -66,8 +66,18 @@ def render(status: dict[str, Any]) -> Any:
         shares = [p["busy_share"] for p in procs]
         workers.add_row(host, str(len(procs)), " ".join(f"{s:.2f}" for s in shares))
 
+    parts = [head, ranks, sources, workers]
+    evals = status.get("eval") or {}
+    if evals:
+        table = Table(title="eval sets", title_justify="left")
+        for col, just in (("set", "left"), ("records", "right"), ("pass", "right"), ("last loss by source", "left")):
+            table.add_column(col, justify=just)
+        for name, e in sorted(evals.items()):
+            losses = ", ".join(f"{src} {v['loss']:.4f} (step {v['step']})" for src, v in sorted(e["loss"].items()))
+            table.add_row(name, str(e["records"]), str(e["pass"]) if e["pass"] >= 0 else "-", losses or "-")
+        parts.append(table)
     warnings = Text("\n".join(status.get("warnings") or ["(no warnings)"]), style="yellow")
-    return Group(head, ranks, sources, workers, Text("last warnings:", style="bold"), warnings)
+    return Group(*parts, Text("last warnings:", style="bold"), warnings)
 
 
 @click.command()

@@ -3,6 +3,7 @@ script to copy.
 
     python tools/train_tiny.py --coordinator tcp://127.0.0.1:5555 --steps 20 [--world-size 2]
         [--save CKPT_DIR] [--resume CKPT_DIR] [--losses LOSSES.json]
+        [--eval-every N --eval-set heldout [--eval-losses EVAL.json]]
 
 Each data-parallel rank is a process (gloo on CPU here; NCCL on GPUs is the same code with
 `--backend nccl` and a device per rank). What it shows:
@@ -12,7 +13,9 @@ Each data-parallel rank is a process (gloo on CPU here; NCCL on GPUs is the same
 - gradient accumulation over the step's micro-batches (`client.micro_batches_per_step`), with
   DDP's gradient all-reduce only on the last one (`no_sync`);
 - checkpoints that hold the model, the optimizer and the client's state (one file per rank), so
-  that a resumed run continues bit for bit (the per-step losses equal an uninterrupted run's).
+  that a resumed run continues bit for bit (the per-step losses equal an uninterrupted run's);
+- evaluation every N steps on an eval set of the job file (`client.eval_batches`), loss per
+  source (`trainer_client.eval.loss_by_source`), reported to the coordinator (`report_eval`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,26 @@ def micro_batch_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def evaluate(model: nn.Module, client, name: str, world_size: int) -> dict[str, float]:
+    """One pass over eval set `name` (every rank its share): mean loss per source over all ranks."""
+    from trainer_client.eval import add, loss_by_source
+
+    sources = client.batch_info["sources"]
+    total: dict = {}
+    model.eval()
+    with torch.no_grad():
+        for batch in client.eval_batches(name):
+            tokens = batch["tokens"]
+            b, n = tokens.shape
+            logits = model(tokens, batch["position_ids"], document_mask(batch["cu_seqlens"], b, n))
+            per_token = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["labels"].view(-1), reduction="none")
+            total = add(total, loss_by_source(batch, per_token, sources))
+    model.train()
+    sums = torch.tensor([[total.get(s, (0.0, 0))[0], total.get(s, (0.0, 0))[1]] for s in sources], dtype=torch.float64)
+    dist.all_reduce(sums)  # every rank holds a share of the set: sums and counts add up
+    return {s: float(sums[i, 0] / sums[i, 1]) for i, s in enumerate(sources) if sums[i, 1] > 0}
+
+
 def train(rank: int, args: argparse.Namespace) -> None:
     from trainer_client import DataClient
 
@@ -102,7 +125,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         client.load_state_dict(ckpt["data"])
         start = ckpt["step"]
     accumulate = client.micro_batches_per_step  # known before the first batch
-    losses = []
+    losses, evals = [], []
     for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
@@ -122,6 +145,14 @@ def train(rank: int, args: argparse.Namespace) -> None:
         losses.append((step, (total / args.world_size).item()))
         if rank == 0:
             print(f"step {step}: loss {losses[-1][1]:.4f}", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            for _ in range(args.eval_repeat):  # the same weights: the same loss each time
+                by_source = evaluate(model.module, client, args.eval_set, args.world_size)
+                evals.append((step, by_source))
+                if rank == 0:
+                    client.report_eval(args.eval_set, step, by_source)
+                    print(f"step {step}: eval {args.eval_set}: " +
+                          ", ".join(f"{k} {v:.4f}" for k, v in sorted(by_source.items())), flush=True)
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -130,6 +161,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    if rank == 0 and args.eval_losses:
+        with open(args.eval_losses, "w") as f:
+            json.dump(evals, f)
     # Both ranks reach the end before the group goes, and DDP's reducer (which holds the group's
     # work) goes before the group: one CI run had rank 0 abort in teardown ("terminate called
     # without an active exception") while rank 1 was still leaving.
@@ -149,6 +183,10 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="directory of a checkpoint to resume from")
     ap.add_argument("--losses", default=None, help="write [[step, loss], ...] here (JSON)")
     ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (the job's tokenizer's)")
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluate on --eval-set every N steps (0: never)")
+    ap.add_argument("--eval-set", default="heldout", help="the job's eval set to evaluate on")
+    ap.add_argument("--eval-repeat", type=int, default=1, help="passes per evaluation (the same weights each)")
+    ap.add_argument("--eval-losses", default=None, help="write [[step, {source: loss}], ...] here (JSON)")
     args = ap.parse_args()
     torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size, join=True)
 

@@ -239,6 +239,7 @@ class StepAssembler:
             "doc_keys": self.refs[p0:p1, RECIPE_PIECE.doc_key].astype(np.int64),  # 63-bit keys: int64 for torch
             "doc_offsets": self.refs[p0:p1, RECIPE_PIECE.offset].astype(np.int64),
             "piece_lengths": self.lengths[p0:p1],
+            "pieces_per_row": self.counts[first_row:last_row],  # the pieces of each row, in doc_keys order
             "num_tokens": int(lay["piece_ends"][p1] - lay["piece_ends"][p0]),
         }
         if self.patch_bytes:

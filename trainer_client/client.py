@@ -25,11 +25,11 @@ import zmq
 
 from . import memory, security
 from . import protocol as P
-from .errors import PeerLostError, RejectedError
+from .errors import MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
-from .receiving import End, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed
+from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
 from .session import PeerLoop, Registration
 from .sockets import make_socket, send_nowait
 
@@ -107,6 +107,8 @@ class DataClient:
         self._plan_digest: str | None = None  # from a checkpoint, until the I/O thread knows the coordinator's
         self._carried: tuple[int, dict] | None = None  # (step, coordinator state) from a checkpoint
         self._state_replies: queue.SimpleQueue = queue.SimpleQueue()  # StateReply from the I/O thread
+        self._evals: queue.SimpleQueue = queue.SimpleQueue()  # EvalReady from the I/O thread
+        self._eval_passes: dict[str, int] = {}  # eval set -> passes this rank has asked for
         self._ctx = zmq.Context()
         self.keys_dir = keys_dir
         self.metadata_only = metadata_only
@@ -253,6 +255,43 @@ class DataClient:
             raise item
         return item
 
+    def eval_batches(self, name: str) -> Iterator[dict[str, Any]]:
+        """This rank's share of one pass over eval set `name` (the job file's `eval:`): micro-batches
+        of the usual schema with `eval_set` and `eval_pass` added, then the iterator stops. Every
+        rank gets the same number of micro-batches (rows of padding where needed, loss_mask 0), and
+        across the ranks every token of the set is in exactly one of them. The pass is the same
+        records in the same rows every time; it does not change the training stream. Every rank
+        must take part in a pass (the coordinator keeps its records until each has had it)."""
+        self.start()
+        pass_no = self._eval_passes.get(name, 0)
+        self._eval_passes[name] = pass_no + 1
+        self._command(["eval", name, pass_no])
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                ready = self._evals.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise PeerLostError(f"rank {self.rank}: eval pass {pass_no} of {name!r} not complete within "
+                                       f"{self.timeout_s:.0f}s") from None
+            if ready.set == name and ready.pass_no == pass_no:
+                break
+            log.warning("rank %d: eval pass %d of %r came while waiting for pass %d of %r; dropped", self.rank,
+                        ready.pass_no, ready.set, pass_no, name)
+        if ready.assembler is None:
+            raise MsdError(f"rank {self.rank}: eval set {name!r}: {ready.reason}")
+        info = self.batch_info
+        for m in range(ready.assembler.micro_batches):
+            batch = for_rank(ready.assembler.micro_batch(m), info, self.rank, self.metadata_only)
+            batch["eval_set"], batch["eval_pass"], batch["micro_batch"] = name, pass_no, m
+            yield _to_torch(batch, False) if self.as_torch else batch
+
+    def report_eval(self, name: str, step: int, losses: dict[str, float]) -> None:
+        """Send the mean loss per source of an evaluation at training step `step` (from
+        trainer_client.eval.loss_by_source) to the coordinator: it journals it and shows it in
+        `msd status`, the metrics (msd_eval_loss{set, source}) and `msd report`."""
+        self.start()
+        self._command(["eval_report", name, int(step), {str(k): float(v) for k, v in losses.items()}])
+
     def state_dict(self) -> dict[str, Any]:
         """Small, JSON-serialisable: the next micro-batch this rank will consume, the plan digest,
         and the coordinator's state before that step (`coordinator`: the planner's cursors, the
@@ -391,6 +430,12 @@ class _Receiver:
 
     def _on_wake(self, wake: zmq.Socket) -> None:
         cmd = wake.recv_json()
+        if cmd[0] == "eval":
+            self._send(P.make(P.EVAL_REQUEST, rank=self.c.rank, set=str(cmd[1]), pass_no=int(cmd[2])))
+            return
+        if cmd[0] == "eval_report":
+            self._send(P.make(P.EVAL_REPORT, rank=self.c.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))
+            return
         if cmd[0] == "consumed":
             self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2])))
             self.registration.spoke(time.monotonic())
@@ -409,6 +454,8 @@ class _Receiver:
                 self.registration.forgotten()
             elif isinstance(out, StateReply):
                 self.c._state_replies.put(out)
+            elif isinstance(out, EvalReady):
+                self.c._evals.put(out)
             else:  # an error to raise, or the end of the stream
                 self.c._queue.put(out)
 
@@ -432,3 +479,6 @@ class _Receiver:
     def _hand_over(self, now: float) -> None:
         for item in self.state.finished():
             self.c._queue.put(item)
+        if self.state.eval_steps:
+            for ready in self.state.finished_evals():
+                self.c._evals.put(ready)

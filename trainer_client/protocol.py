@@ -19,7 +19,16 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 7: pieces.loss_mask, epochs of prepare and deliver (transforms); 6: welcome.count
+PROTOCOL_VERSION = 7  # 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+
+# Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
+# their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
+EVAL_STEP_BASE = 1 << 56
+EVAL_EPOCH = 0xFFFFFFFF
+
+
+def eval_step(set_index: int, pass_no: int) -> int:
+    return EVAL_STEP_BASE + (set_index << 32) + pass_no
 
 # Limits enforced on every decode (see wire.py); generous for real traffic, small enough that
 # a hostile or broken peer cannot make a process allocate without bound.
@@ -281,6 +290,10 @@ STATE_REQUEST = _msg("state_request", rank=integer(), step=integer())
 CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number())  # waited_s: total time waiting for data
 TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
 TRAINER_BYE = _msg("trainer_bye", rank=integer())
+# trainer -> coordinator: this rank asks for pass `pass_no` of an eval set (client.eval_batches)
+EVAL_REQUEST = _msg("eval_request", rank=integer(), set=text(256), pass_no=integer())
+# trainer -> coordinator: mean loss per source of one evaluation (client.report_eval), from training step `step`
+EVAL_REPORT = _msg("eval_report", rank=integer(), set=text(256), step=integer(), losses=anything())
 
 # coordinator -> trainer
 TRAINER_WELCOME = _msg("trainer_welcome", rank=integer(), batch=anything(), plan_digest=text(), heartbeat_s=number())
@@ -293,6 +306,21 @@ STEP_HEADER = _msg(
     rank=integer(),
     row_len=integer(1, MAX_PIECE_LEN),  # tokens per packed sequence of this step, padding included
     plan=anything(),
+)
+# coordinator -> trainer: this rank's rows of one pass over an eval set (its recipe, as step_header's);
+# the pieces come from workers as `pieces` of step `step` (EVAL_STEP_BASE and up). reason: why the
+# pass cannot be served ("" when it is)
+EVAL_HEADER = _msg(
+    "eval_header",
+    ArraySpec("pieces", "<u8", RECIPE_PIECE),
+    ArraySpec("counts", "<u4"),
+    check=_check_step_header,
+    set=text(256),
+    pass_no=integer(),
+    rank=integer(),
+    step=integer(),
+    row_len=integer(1, MAX_PIECE_LEN),
+    reason=text(MAX_STR_LEN),
 )
 # the rank is held by another live client: keep saying hello (it is yours once that one is gone)
 RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
@@ -324,7 +352,7 @@ ALL_TYPES = {
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
-        STATUS_REPLY,
+        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER,
     )
 }
 
@@ -333,7 +361,7 @@ COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
                      WORKER_EXITED, SOURCE_COUNTS,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST,
-                     STATUS_REQUEST)
+                     STATUS_REQUEST, EVAL_REQUEST, EVAL_REPORT)
 )
 # requests that change the plan: on a CURVE job, accepted only from an operator key
 CONTROL_REQUESTS = frozenset({MIX_REQUEST.name})
@@ -342,7 +370,7 @@ HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, A
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
                                           ALIVE))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
-                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE))
+                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

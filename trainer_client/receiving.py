@@ -48,6 +48,16 @@ class Forgotten:
 
 
 @dataclass(frozen=True, slots=True)
+class EvalReady:
+    """A pass over an eval set whose pieces are all in (or, with `reason`, one that cannot be served)."""
+
+    set: str
+    pass_no: int
+    assembler: StepAssembler | None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StateReply:
     """The coordinator's state before `step` (None, with the reason, when it could not give it)."""
 
@@ -70,6 +80,9 @@ class ReceivingState:
         self.duplicates = 0
         self.buffered = 0  # pieces held in self.early
         self.end: tuple[int, str] | None = None  # (first step that will not come, why)
+        # eval passes: step id (protocol.eval_step) -> (set, pass, assembler); pieces before their header
+        self.eval_steps: dict[int, tuple[str, int, StepAssembler]] = {}
+        self.eval_early: dict[int, list[tuple[np.ndarray, ...]]] = {}
 
     # ------------------------------------------------------------------ the coordinator's messages
 
@@ -92,6 +105,8 @@ class ReceivingState:
             return out
         if kind == "step_header":
             self._on_step_header(msg, arrays)
+        elif kind == "eval_header":
+            return self._on_eval_header(msg, arrays)
         elif kind == "rank_taken":
             log.warning("rank %d: %s; asking again", self.rank, msg["reason"])
         elif kind == "end_of_stream":
@@ -107,6 +122,27 @@ class ReceivingState:
             return [End(msg["reason"])]
         elif kind == "state_reply":
             return [StateReply(msg["step"], msg["state"] if msg["ok"] else None, msg["reason"])]
+        return []
+
+    def _on_eval_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Any]:
+        if msg["reason"]:
+            return [EvalReady(msg["set"], msg["pass_no"], None, msg["reason"])]
+        info = self.batch_info
+        step = msg["step"]
+        if info is None or msg["rank"] != self.rank or step < P.EVAL_STEP_BASE:
+            log.warning("rank %d: eval header for rank %d dropped", self.rank, msg["rank"])
+            return []
+        if step in self.eval_steps:
+            return []
+        try:
+            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"],
+                                      info["micro_batch_size"], info.get("patch_bytes", 0))
+        except ValueError as e:
+            return [EvalReady(msg["set"], msg["pass_no"], None, f"eval header unusable: {e}")]
+        self.eval_steps[step] = (msg["set"], msg["pass_no"], assembler)
+        for items, *payload in self.eval_early.pop(step, []):
+            self.buffered -= len(items)
+            assembler.add(items, *payload)
         return []
 
     def _on_step_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -146,11 +182,18 @@ class ReceivingState:
             log.warning("rank %d: dropped data message: %s", self.rank, e)
             return
         step = msg["step"]
+        items = arrays["items"]  # PIECE_ITEM rows
+        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"])
+        if step >= P.EVAL_STEP_BASE:  # a piece of an eval pass
+            if step in self.eval_steps:
+                self.duplicates += self.eval_steps[step][2].add(items, *payload)
+            elif self.buffered + len(items) <= MAX_BUFFERED_PIECES:
+                self.eval_early.setdefault(step, []).append((items, *payload))
+                self.buffered += len(items)
+            return
         if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
-        items = arrays["items"]  # PIECE_ITEM rows
-        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"])
         if len(payload[1]) and msg["patch_bytes"] != (self.batch_info or {}).get("patch_bytes"):
             log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.rank,
                         msg["patch_bytes"], (self.batch_info or {}).get("patch_bytes"))
@@ -166,6 +209,11 @@ class ReceivingState:
         self.buffered += len(items)
 
     # ------------------------------------------------------------------ finished steps
+
+    def finished_evals(self) -> list[EvalReady]:
+        """Eval passes whose pieces are all in, for the trainer's thread."""
+        done = [step for step, (_, _, a) in self.eval_steps.items() if a.done]
+        return [EvalReady(*self.eval_steps.pop(step)) for step in done]
 
     def finished(self) -> list[Any]:
         """Steps whose recipe and pieces are all in, in order from where the client resumes, for

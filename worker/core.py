@@ -281,7 +281,9 @@ class WorkerCore:
                 if (s, record) in self.slow_records:
                     time.sleep(self.slow_records[(s, record)])
                 try:
-                    tokens, images, mask = reader.read_full(record, int(epochs[i]))
+                    # an eval copy (EVAL_EPOCH) is the record as in epoch 0, cached apart
+                    epoch = 0 if epochs[i] == P.EVAL_EPOCH else int(epochs[i])
+                    tokens, images, mask = reader.read_full(record, epoch)
                 except RecordError as e:
                     log.warning("source %s: skipped record: %s", reader.name, e,
                                 extra={"source": reader.name, "record": record})

