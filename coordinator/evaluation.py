@@ -60,7 +60,10 @@ class EvalSet:
     current: int = -1  # the pass being served (or the last one)
     served: dict[int, bytes] = field(default_factory=dict)  # rank -> peer, of the current pass
     waiting: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # rank -> (pass, peer) not served yet
-    resend: set[int] = field(default_factory=set)  # records whose pieces served ranks must get again
+    # per worker: rank -> records whose pieces it was asked to send in the current pass (a worker
+    # that dies may not have sent them: they are prepared again and sent again)
+    delivered_by: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    resend: dict[int, set[int]] = field(default_factory=dict)  # rank -> records to send it again
     released: bool = True  # the current pass's copies are released
 
     @property
@@ -163,6 +166,10 @@ class EvalBook:
             known = ", ".join(self.by_name) or "none"
             self._refuse(peer, rank, name, pass_no, f"the job has no eval set {name!r} (its eval sets: {known})")
             return
+        if pass_no > e.current and not e.released and rank not in e.served:
+            # a rank past the current pass had it already (from a coordinator before a restart):
+            # it counts as served, so that the pass's copies go once the others have had it
+            e.served[rank] = peer
         e.waiting[rank] = (pass_no, peer)  # an older pass (a rank that restarted) is served again too
         self._advance(e)
 
@@ -173,13 +180,14 @@ class EvalBook:
     def _advance(self, e: EvalSet) -> None:
         """Start the next pass asked for once the current one is done, prepare what it needs, and
         serve the ranks waiting for it when its records are all held."""
-        if e.waiting and (e.released or not e.served):
+        if e.waiting and (e.released or not e.served) and not e.resend:
             nxt = min(p for p, _ in e.waiting.values())
             if nxt != e.current or e.released:
-                e.current, e.served, e.resend = nxt, {}, set()
+                e.current, e.served, e.delivered_by = nxt, {}, {}
                 e.released = False
-        self._prepare(e)
-        if not self._ready(e):
+        needed = self._needed(e)
+        self._prepare(e, needed)
+        if not self._held(e, needed):
             return
         dp = self.topology.dp
         if e.layout is None or e.layout_dp != dp:
@@ -187,19 +195,31 @@ class EvalBook:
             e.layout_dp = dp
             log.info("eval set %s: %d records, %d tokens, %d micro-batches per rank", e.cfg.name, len(e.records),
                      e.tokens, micro_batches)
-        for rank, (pass_no, peer) in sorted(e.waiting.items()):
-            if pass_no != e.current:
-                continue
-            del e.waiting[rank]
-            self._serve(e, rank, peer)
-        if e.resend:
-            for rank in list(e.served):
-                self._deliver(e, rank, only=e.resend)
-            e.resend = set()
+        if not e.released:
+            for rank, (pass_no, peer) in sorted(e.waiting.items()):
+                if pass_no != e.current:
+                    continue
+                del e.waiting[rank]
+                self._serve(e, rank, peer)
+        for rank, records in sorted(e.resend.items()):
+            self._deliver(e, rank, only=records)
+        e.resend = {}
         self._maybe_release(e)
 
-    def _ready(self, e: EvalSet) -> bool:
-        return bool((e.lengths >= 0).all() and (e.holder[e.lengths > 0] >= 0).all())
+    def _needed(self, e: EvalSet) -> np.ndarray:
+        """Which of the set's records must be held now: all of them while a rank waits for the
+        current pass (their lengths fix the layout), else those some rank must be sent again."""
+        if any(p == e.current for p, _ in e.waiting.values()) or (e.waiting and e.released):
+            return np.ones(len(e.records), bool)
+        need = np.zeros(len(e.records), bool)
+        for records in e.resend.values():
+            need[list(records)] = True
+        return need
+
+    def _held(self, e: EvalSet, needed: np.ndarray) -> bool:
+        if not needed.any():
+            return False
+        return bool((e.lengths[needed] >= 0).all() and (e.holder[needed & (e.lengths > 0)] >= 0).all())
 
     def _serve(self, e: EvalSet, rank: int, peer: bytes) -> None:
         d = self.topology.coords(rank).dp
@@ -227,6 +247,7 @@ class EvalBook:
             if w is None:
                 continue
             mine = pieces[holders == wid]
+            e.delivered_by.setdefault(wid, {}).setdefault(rank, set()).update(rec_idx[mine].tolist())
             items = np.column_stack([np.full(len(mine), rank, np.uint64), mine.astype(np.uint64), refs[mine]])
             self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
                                           addresses=[[rank, trainer.address]]),
@@ -235,7 +256,7 @@ class EvalBook:
 
     def _maybe_release(self, e: EvalSet) -> None:
         """Once every registered rank has had the pass, the copies go (unless prepare_ahead)."""
-        if e.released or not e.served or any(r not in e.served for r in self._trainers()):
+        if e.released or not e.served or e.resend or any(r not in e.served for r in self._trainers()):
             return
         e.released = True
         if e.cfg.prepare_ahead:
@@ -257,16 +278,16 @@ class EvalBook:
 
     # ------------------------------------------------------------------ preparing
 
-    def _prepare(self, e: EvalSet) -> None:
-        """Prepare tasks for the set's records that are neither held nor in a task (known skipped
-        records need nothing): only while a pass is asked for."""
-        if e.released and not e.waiting:
+    def _prepare(self, e: EvalSet, needed: np.ndarray) -> None:
+        """Prepare tasks for the needed records that are neither held nor in a task (known
+        skipped records need nothing)."""
+        if not needed.any():
             return
         busy = np.zeros(len(e.records), bool)
         for t in self.tasks.values():
             if self.sets[t.set_index] is e:
                 busy[t.indices] = True
-        need = np.flatnonzero((e.holder < 0) & (e.lengths != 0) & ~busy)
+        need = np.flatnonzero(needed & (e.holder < 0) & (e.lengths != 0) & ~busy)
         workers = sorted(self._workers())
         if not len(need) or not workers:
             return
@@ -301,10 +322,7 @@ class EvalBook:
             log.error("eval set %s: a record's length changed between passes (a transform that is not "
                       "deterministic?); the layout keeps the first", e.cfg.name)
         e.lengths[task.indices] = np.where(known >= 0, known, lengths)
-        held = task.indices[lengths > 0]
-        e.holder[held] = worker_id
-        if not e.released and e.served:
-            e.resend.update(held.tolist())  # pieces of a dead worker's records, for the ranks already served
+        e.holder[task.indices[lengths > 0]] = worker_id
         self._advance(e)
 
     def failed(self, task_id: int) -> None:
@@ -316,7 +334,13 @@ class EvalBook:
         for t in [t for t in self.tasks.values() if t.worker_id == worker_id]:
             del self.tasks[t.task_id]
         for e in self.sets:
-            e.holder[e.holder == worker_id] = -1  # prepared again (and their pieces re-sent) if a pass needs them
+            e.holder[e.holder == worker_id] = -1  # prepared again if a pass needs them
+            # what it was asked to send in the current pass may never have gone: again, from new copies
+            for rank, records in e.delivered_by.pop(worker_id, {}).items():
+                if rank in self._trainers():
+                    e.resend.setdefault(rank, set()).update(records)
+            if e.resend:
+                e.released = False
             self._advance(e)
 
     def reset(self) -> None:
@@ -324,14 +348,18 @@ class EvalBook:
         self.tasks.clear()
         for e in self.sets:
             e.holder[:] = -1
-            if e.served and not e.released:
-                e.resend.update(range(len(e.records)))
+            for wid in list(e.delivered_by):
+                for rank, records in e.delivered_by.pop(wid).items():
+                    if rank in self._trainers():
+                        e.resend.setdefault(rank, set()).update(records)
+            if e.resend:
+                e.released = False
             self._advance(e)
 
     def pump(self) -> None:
         """Workers came (or were waited for): carry on with what is waiting."""
         for e in self.sets:
-            if e.waiting or (e.served and not e.released):
+            if e.waiting or e.resend or (e.served and not e.released):
                 self._advance(e)
 
     # ------------------------------------------------------------------ reports

@@ -740,7 +740,9 @@ class CoordinatorState:
             candidates = ([w for w in workers if w != task.avoid and w not in retiring]
                           or [w for w in workers if w not in retiring] or list(workers))
             s = task.source
-            if self.planner.holdout.any(s) and self._settle_held_out(task, candidates[0]):
+            # (memory-mapped sources are prepared from their index below; the planner passes over
+            # their held-out records all the same)
+            if s not in self.mapped and self.planner.holdout.any(s) and self._settle_held_out(task, candidates[0]):
                 continue
             if s in self.quarantined and self._settle_quarantined(task, candidates[0]):
                 continue

@@ -386,6 +386,7 @@ class _Receiver:
         self.state = ReceivingState(client.rank, client.next_step, client.next_micro_batch, client._plan_digest,
                                     client.metadata_only)
         self.closing = False
+        self.eval_asked: tuple[str, int] | None = None  # the eval pass asked for and not in yet
 
     def run(self) -> None:
         c = self.c
@@ -431,6 +432,7 @@ class _Receiver:
     def _on_wake(self, wake: zmq.Socket) -> None:
         cmd = wake.recv_json()
         if cmd[0] == "eval":
+            self.eval_asked = (str(cmd[1]), int(cmd[2]))
             self._send(P.make(P.EVAL_REQUEST, rank=self.c.rank, set=str(cmd[1]), pass_no=int(cmd[2])))
             return
         if cmd[0] == "eval_report":
@@ -450,11 +452,15 @@ class _Receiver:
         for out in self.state.on_control(control.recv_multipart(copy=False)):
             if isinstance(out, Welcomed):
                 self.registration.welcomed(out.heartbeat_s)
+                if self.eval_asked is not None:  # asked of a coordinator that forgot us (a restart): again
+                    name, pass_no = self.eval_asked
+                    self._send(P.make(P.EVAL_REQUEST, rank=self.c.rank, set=name, pass_no=pass_no))
             elif isinstance(out, Forgotten):
                 self.registration.forgotten()
             elif isinstance(out, StateReply):
                 self.c._state_replies.put(out)
             elif isinstance(out, EvalReady):
+                self.eval_asked = None
                 self.c._evals.put(out)
             else:  # an error to raise, or the end of the stream
                 self.c._queue.put(out)
@@ -481,4 +487,5 @@ class _Receiver:
             self.c._queue.put(item)
         if self.state.eval_steps:
             for ready in self.state.finished_evals():
+                self.eval_asked = None
                 self.c._evals.put(ready)

@@ -83,6 +83,7 @@ class ReceivingState:
         # eval passes: step id (protocol.eval_step) -> (set, pass, assembler); pieces before their header
         self.eval_steps: dict[int, tuple[str, int, StepAssembler]] = {}
         self.eval_early: dict[int, list[tuple[np.ndarray, ...]]] = {}
+        self.eval_done: set[int] = set()  # passes handed over: pieces sent again for them are dropped
 
     # ------------------------------------------------------------------ the coordinator's messages
 
@@ -134,6 +135,7 @@ class ReceivingState:
             return []
         if step in self.eval_steps:
             return []
+        self.eval_done.discard(step)  # the same pass asked for again (a rank that restarted its evaluation)
         try:
             assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"],
                                       info["micro_batch_size"], info.get("patch_bytes", 0))
@@ -185,7 +187,9 @@ class ReceivingState:
         items = arrays["items"]  # PIECE_ITEM rows
         payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"])
         if step >= P.EVAL_STEP_BASE:  # a piece of an eval pass
-            if step in self.eval_steps:
+            if step in self.eval_done:
+                self.duplicates += len(items)
+            elif step in self.eval_steps:
                 self.duplicates += self.eval_steps[step][2].add(items, *payload)
             elif self.buffered + len(items) <= MAX_BUFFERED_PIECES:
                 self.eval_early.setdefault(step, []).append((items, *payload))
@@ -213,6 +217,7 @@ class ReceivingState:
     def finished_evals(self) -> list[EvalReady]:
         """Eval passes whose pieces are all in, for the trainer's thread."""
         done = [step for step, (_, _, a) in self.eval_steps.items() if a.done]
+        self.eval_done.update(done)
         return [EvalReady(*self.eval_steps.pop(step)) for step in done]
 
     def finished(self) -> list[Any]:

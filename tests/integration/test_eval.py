@@ -29,7 +29,9 @@ def _job(dataset_dir, **extra):
     return write_job(dataset_dir, job, f"eval-{os.getpid()}-{time.monotonic_ns()}.yaml")
 
 
-def _rank(address, rank, steps, eval_at, out, name="heldout"):
+def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None):
+    """A trainer: `steps` steps, eval passes after the steps in eval_at ({step: passes}); gate:
+    (an event this rank sets after its passes, an event it waits for before them), by rank."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=90)
@@ -40,10 +42,15 @@ def _rank(address, rank, steps, eval_at, out, name="heldout"):
                              batch["doc_offsets"].tolist(), batch["piece_lengths"].tolist(), batch["tokens"].tolist()))
             last = batch["micro_batch"] == client.micro_batches_per_step - 1
             if last and batch["step"] in eval_at:
+                done, go = (gate or {}).get(rank, (None, None))
+                if go is not None:
+                    go.wait(120)
                 for _ in range(eval_at[batch["step"]]):
                     passes.append([(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist(),
                                     b["tokens"].tolist(), b["loss_mask"].tolist(), b["eval_set"])
                                    for b in client.eval_batches(name)])
+                if done is not None:
+                    done.set()
             if last and batch["step"] + 1 >= steps:
                 break
         out.put((rank, training, passes))
@@ -53,13 +60,27 @@ def _rank(address, rank, steps, eval_at, out, name="heldout"):
         client.close()
 
 
-def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout"):
+def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout", between=None, state_dir=None):
+    """between(cluster): called once rank 0 has had its passes after the first eval step and
+    before rank 1 asks for its own (rank 1 waits for it)."""
     import multiprocessing as mp
+    import threading
 
     ctx = mp.get_context("spawn")
-    with LocalJob(path, workers=workers) as cluster:
+    with LocalJob(path, workers=workers, state_dir=state_dir) as cluster:
         out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, eval_at, out, name)) for r in range(ranks)]
+        gate = None
+        if between is not None:
+            first_done, go = ctx.Event(), ctx.Event()
+            gate = {0: (first_done, None), 1: (None, go)}
+
+            def run_between():
+                first_done.wait(120)
+                between(cluster)
+                go.set()
+            threading.Thread(target=run_between, daemon=True).start()
+        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, eval_at, out, name, gate))
+                 for r in range(ranks)]
         for p in procs:
             p.start()
         results = {}
@@ -125,3 +146,41 @@ def test_train_tiny_evaluates_without_changing_training(dataset_dir, tmp_path):
     assert evals[0][1] == evals[1][1] and evals[2][1] == evals[3][1]  # the same weights, the same loss
     assert set(evals[0][1]) == {"web", "code"} and evals[2][1] != evals[0][1]
     assert "eval heldout" in stdout
+
+
+def test_a_worker_killed_and_a_coordinator_restarted_between_ranks_passes_change_nothing(dataset_dir, tmp_path):
+    """Rank 0 has its pass; then a worker holding the set's copies is SIGKILLed (or the
+    coordinator is restarted on its state dir) before rank 1 asks for its own: the records are
+    prepared again elsewhere and the pass is the one an undisturbed run serves."""
+    import signal
+
+    path = _job(dataset_dir)
+    reference = _run(path, steps=5, eval_at={2: 1})
+
+    def kill_a_worker(cluster):
+        os.kill(cluster.worker_pids()[0], signal.SIGKILL)
+
+    killed = _run(path, steps=5, eval_at={2: 1}, between=kill_a_worker)
+    restarted = _run(path, steps=5, eval_at={2: 1}, between=lambda cluster: cluster.restart_coordinator(),
+                     state_dir=str(tmp_path / "state"))
+    for rank in (0, 1):
+        assert killed[rank][1] == reference[rank][1]
+        assert restarted[rank][1] == reference[rank][1]
+        assert killed[rank][0] == reference[rank][0] and restarted[rank][0] == reference[rank][0]
+
+
+def test_the_set_is_the_same_records_at_another_data_parallel_size(dataset_dir):
+    two = _run(_job(dataset_dir), steps=3, eval_at={1: 1})
+    job = job_dict(batch={"seq_len": 128, "micro_batch_size": 1, "global_batch_size": 4}, topology={"dp": 4})
+    job["eval"] = EVAL
+    four = _run(write_job(dataset_dir, job, "eval-dp4.yaml"), steps=3, eval_at={1: 1}, ranks=4)
+
+    def pieces(results):
+        return sorted((k, o, n) for rank in results for b in results[rank][1][0] for k, o, n in zip(b[0], b[1], b[2]))
+
+    def records(results):
+        return {k for k, _, _ in pieces(results)}
+
+    assert records(two) == records(four)
+    assert sum(n for _, _, n in pieces(two)) == sum(n for _, _, n in pieces(four))
+    assert len({len(four[r][1][0]) for r in four}) == 1  # the same number of micro-batches on every rank
