@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 import click
+import numpy as np
 
 from trainer_client.logs import setup_logging
 
@@ -207,6 +208,15 @@ def validate(job_file: str) -> None:
         f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
         f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
     )
+    if job.eval_sets and not opened.pending:
+        from .evaluation import set_records
+        from .holdout import Holdout
+
+        holdout = Holdout(job.seed, list(opened.num_records), [dict(e.holdout) for e in job.eval_sets])
+        for cfg in job.eval_sets:
+            sources, _ = set_records(job, holdout, list(opened.num_records), cfg)
+            parts = ", ".join(f"{job.sources[s].name} {int((sources == s).sum())}" for s in np.unique(sources).tolist())
+            click.echo(f"eval set {cfg.name}: {len(sources)} records ({parts or 'none'})")
     for i, shards in sorted(opened.pending.items()):
         click.echo(f"note: sources.{job.sources[i].name}: {len(shards)} shard(s) not indexed on this host; the "
                    "workers index them and count its records at start-up (runtime.index_on: workers)", err=True)

@@ -76,7 +76,30 @@ def dry_run(job: JobConfig, steps: int, every_stage: bool = True) -> dict[str, A
     return {"job": job.path, "dp": job.dp, "seq_len": job.batch.seq_len, "steps_per_stage": steps,
             "cost": dataclasses.asdict(job.cost), "token_slack": job.token_slack,
             "skipped_records": {names[s]: len(k) for s, k in enumerate(known.skipped) if k},
+            "eval": eval_sets(job, planner, known),
             "stages": stages, "series": series, "_known": known}
+
+
+def eval_sets(job: JobConfig, planner, known) -> dict[str, Any]:
+    """Each eval set as a pass would serve it: records, tokens, micro-batches per rank, and the
+    max/mean rank cost of its layout (records read here, as for the planned steps)."""
+    from . import evaluation
+
+    out = {}
+    for cfg in job.eval_sets:
+        sources, records = evaluation.set_records(job, planner.holdout, planner.num_records, cfg)
+        lengths = np.zeros(len(records), np.int64)
+        for s in np.unique(sources).tolist():
+            mine = sources == s
+            lengths[mine] = known.lengths(s, records[mine])
+        layout, micro_batches = evaluation.layout(job, cfg, sources, records, lengths, job.dp)
+        costs = [float((refs[:, 2].astype(np.float64) ** 2).sum() * job.cost.quadratic
+                       + refs[:, 2].astype(np.float64).sum() * job.cost.linear) for refs, _, _ in layout.values()]
+        out[cfg.name] = {"records": int(len(records)), "tokens": int(lengths[lengths > 0].sum()),
+                         "by_source": {job.sources[s].name: int((sources == s).sum()) for s in np.unique(sources).tolist()},
+                         "micro_batches_per_rank": micro_batches,
+                         "max_over_mean": round(max(costs) / (sum(costs) / len(costs)), 4) if sum(costs) else 1.0}
+    return out
 
 
 def _summary(index: int, start: int, rows: list[dict], names: list[str], seconds: float,

@@ -188,6 +188,10 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
         for st in w["stages"]:
             click.echo(f"stage {st['stage']}: {st['worker_seconds_per_step']:.3f} worker-seconds per step -> "
                        f"{st['worker_processes']} worker process(es) at {step_time_s:g} s per step")
+    for name, e in report.get("eval", {}).items():
+        click.echo(f"eval set {name}: {e['records']} records ({', '.join(f'{k} {v}' for k, v in e['by_source'].items())}), "
+                   f"{e['tokens']} tokens, {e['micro_batches_per_rank']} micro-batch(es) per rank, max/mean rank cost "
+                   f"{e['max_over_mean']:.3f}")
     if report["skipped_records"]:
         click.echo("records that would be skipped: " + ", ".join(f"{n} {k}" for n, k in
                                                                  report["skipped_records"].items()))
