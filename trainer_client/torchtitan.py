@@ -10,6 +10,12 @@ padding and document ends out. The trainer forwards every key but `input` to the
 keyword argument: override its `post_dataloading_process` to build a document mask from
 `cu_seqlens` and drop the keys the model does not take.
 
+`MsdEvalDataLoader` is the validator's counterpart: torchtitan 0.3.0's `Validator` builds its
+data loader from `Validator.Config.dataloader` at every validation (`config.build(dp_rank=...,
+...)`); give it `MsdEvalDataLoader.Config(eval_set="heldout", client=client)` and each
+validation is one pass over that eval set of the job (the same micro-batch count on every rank,
+so `steps: -1`, one whole pass, does not hang as a dataset that runs out unevenly does).
+
 State: keyed by data-parallel rank as `ParallelAwareDataloader` does (`dp_rank_{r}`, plus
 `world_size`), so `torch.distributed.checkpoint` keeps one state per rank. Needs the optional
 extra: `pip install megascale-data[torchtitan]`.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -58,3 +65,37 @@ class MsdDataLoader(BaseDataLoader):
             raise ValueError(f"the checkpoint was written with {state_dict['world_size']} data-parallel ranks, this "
                              f"run has {self.dp_world_size}: start the client from its own state_dict instead")
         self.client.load_state_dict(json.loads(state_dict[self._rank_id]))
+
+
+def _torchtitan_pair(batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    input_dict = {"input": batch["tokens"], "positions": batch["position_ids"], **{k: batch[k] for k in METADATA_KEYS}}
+    return input_dict, batch["labels"].masked_fill(batch["loss_mask"] == 0, IGNORE_INDEX)
+
+
+class MsdEvalDataLoader(BaseDataLoader):
+    """One pass over an eval set of the job (`client.eval_batches`), as torchtitan's Validator
+    takes its data loader: built from its Config at each validation."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        eval_set: str = "heldout"
+        """The job file's eval set."""
+        client: Any = None
+        """This rank's DataClient (a runtime object, as torchtitan's tokenizer is)."""
+        infinite: bool = False
+        """Set by the Validator; a pass is finite (msd serves every rank the same count)."""
+
+    def __init__(self, config: "MsdEvalDataLoader.Config", **kwargs: Any) -> None:
+        if config.client is None:
+            raise ValueError("MsdEvalDataLoader.Config needs client= this rank's DataClient")
+        self.config = config
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for batch in self.config.client.eval_batches(self.config.eval_set):
+            yield _torchtitan_pair(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # a pass always starts at its beginning
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

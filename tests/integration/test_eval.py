@@ -184,3 +184,42 @@ def test_the_set_is_the_same_records_at_another_data_parallel_size(dataset_dir):
     assert records(two) == records(four)
     assert sum(n for _, _, n in pieces(two)) == sum(n for _, _, n in pieces(four))
     assert len({len(four[r][1][0]) for r in four}) == 1  # the same number of micro-batches on every rank
+
+
+def test_torchtitans_validator_takes_an_eval_set_as_its_data_loader(dataset_dir):
+    """torchtitan 0.3.0's Validator builds its loader from Validator.Config.dataloader at each
+    validation (replace(..., infinite=steps != -1), then build(dp_rank=..., ...)): ours is one
+    pass. (torchtitan.components.validate itself imports triton, which a CPU host lacks: its two
+    calls are made here as it makes them.)"""
+    import threading
+    from dataclasses import replace
+
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    from trainer_client import DataClient
+    from trainer_client.torchtitan import IGNORE_INDEX, MsdEvalDataLoader
+
+    path = _job(dataset_dir)
+    got = {}
+
+    def rank(r, address):
+        with DataClient(address, rank=r, timeout_s=60) as client:
+            next(client)
+            dataloader, steps = MsdEvalDataLoader.Config(client=client), -1  # Validator.Config's fields
+            for _ in range(2):  # two validations: two passes, the same batches
+                loader = replace(dataloader, infinite=steps != -1).build(
+                    dp_world_size=2, dp_rank=r, tokenizer=None, seq_len=128, local_batch_size=1)
+                assert isinstance(loader, BaseDataLoader)
+                got.setdefault(r, []).append([(d["input"].tolist(), labels.tolist()) for d, labels in loader])
+
+    with LocalJob(path, workers=2) as cluster:
+        threads = [threading.Thread(target=rank, args=(r, cluster.address)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert set(got) == {0, 1}
+    for r in (0, 1):
+        first, second = got[r]
+        assert first == second and len(first) == len(got[1 - r][0])
+        assert any(v != IGNORE_INDEX for _, labels in first for row in labels for v in row)
