@@ -29,12 +29,14 @@ def _job(dataset_dir, **extra):
     return write_job(dataset_dir, job, f"eval-{os.getpid()}-{time.monotonic_ns()}.yaml")
 
 
-def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None):
+def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None, resume=None):
     """A trainer: `steps` steps, eval passes after the steps in eval_at ({step: passes}); gate:
     (an event this rank sets after its passes, an event it waits for before them), by rank."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=90)
+    if resume is not None:
+        client.load_state_dict(resume)
     try:
         training, passes = [], []
         for batch in client:
@@ -53,14 +55,15 @@ def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None):
                     done.set()
             if last and batch["step"] + 1 >= steps:
                 break
-        out.put((rank, training, passes))
+        out.put((rank, training, passes, client.state_dict()))
     except Exception as e:  # noqa: BLE001 - reported to the test
-        out.put((rank, f"{type(e).__name__}: {e}", None))
+        out.put((rank, f"{type(e).__name__}: {e}", None, None))
     finally:
         client.close()
 
 
-def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout", between=None, state_dir=None):
+def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout", between=None, state_dir=None, resume=None,
+         states=None):
     """between(cluster): called once rank 0 has had its passes after the first eval step and
     before rank 1 asks for its own (rank 1 waits for it)."""
     import multiprocessing as mp
@@ -79,15 +82,17 @@ def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout", between=None,
                 between(cluster)
                 go.set()
             threading.Thread(target=run_between, daemon=True).start()
-        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, eval_at, out, name, gate))
-                 for r in range(ranks)]
+        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, eval_at, out, name, gate,
+                                                 (resume or {}).get(r))) for r in range(ranks)]
         for p in procs:
             p.start()
         results = {}
         for _ in procs:
-            rank, training, passes = out.get(timeout=240)
+            rank, training, passes, state = out.get(timeout=240)
             assert passes is not None, training
             results[rank] = (training, passes)
+            if states is not None:
+                states[rank] = state
         for p in procs:
             p.join(30)
     return results
@@ -169,21 +174,28 @@ def test_a_worker_killed_and_a_coordinator_restarted_between_ranks_passes_change
         assert killed[rank][0] == reference[rank][0] and restarted[rank][0] == reference[rank][0]
 
 
-def test_the_set_is_the_same_records_at_another_data_parallel_size(dataset_dir):
-    two = _run(_job(dataset_dir), steps=3, eval_at={1: 1})
+def test_an_elastic_resume_over_more_ranks_serves_the_same_set_and_never_trains_on_it(dataset_dir, tmp_path):
+    """A dp=2 job evaluates at step 1 and stops at step 4; resumed with dp=4 on the same state dir,
+    it evaluates again: the same records and tokens, now over four ranks (the same number of
+    micro-batches on each), and no held-out record is trained on before or after."""
+    state, states = str(tmp_path / "state"), {}
+    two = _run(_job(dataset_dir), steps=4, eval_at={1: 1}, state_dir=state, states=states)
     job = job_dict(batch={"seq_len": 128, "micro_batch_size": 1, "global_batch_size": 4}, topology={"dp": 4})
     job["eval"] = EVAL
-    four = _run(write_job(dataset_dir, job, "eval-dp4.yaml"), steps=3, eval_at={1: 1}, ranks=4)
+    resume = {r: dict(states[0], rank=r, next_step=4, next_micro_batch=0) for r in range(4)}
+    four = _run(write_job(dataset_dir, job, "eval-dp4.yaml"), steps=7, eval_at={5: 1}, ranks=4, state_dir=state,
+                resume=resume)
+    assert min(t[0] for r in four for t in four[r][0]) == 4  # resumed, not started again
 
     def pieces(results):
         return sorted((k, o, n) for rank in results for b in results[rank][1][0] for k, o, n in zip(b[0], b[1], b[2]))
 
-    def records(results):
-        return {k for k, _, _ in pieces(results)}
-
-    assert records(two) == records(four)
+    assert {k for k, _, _ in pieces(two)} == {k for k, _, _ in pieces(four)}
     assert sum(n for _, _, n in pieces(two)) == sum(n for _, _, n in pieces(four))
     assert len({len(four[r][1][0]) for r in four}) == 1  # the same number of micro-batches on every rank
+    held = {k for k, _, _ in pieces(two)}
+    trained = {k for run in (two, four) for rank in run for t in run[rank][0] for k in t[2]}
+    assert not (held & trained)
 
 
 def test_torchtitans_validator_takes_an_eval_set_as_its_data_loader(dataset_dir):
