@@ -27,7 +27,7 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "realised": {}, "eval_loss": {}}
+                                     "target": {}, "realised": {}, "eval_loss": {}, "long_docs": {}}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
@@ -61,7 +61,11 @@ class _Totals(Collector):
                                       "report_eval)", labels=["set", "source"])
         for (name, source), loss in c["eval_loss"].items():
             eval_loss.add_metric([name, source], loss)
-        yield from (skipped, wait, delivered, reprepared, eval_loss)
+        long_docs = CounterMetricFamily("msd_long_documents", "Records longer than seq_len, truncated or dropped "
+                                        "(long_docs), by source", labels=["source", "kind"])
+        for (source, kind), n in c["long_docs"].items():
+            long_docs.add_metric([source, kind], n)
+        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs)
 
 
 class CoordinatorMetrics:
@@ -159,4 +163,6 @@ class CoordinatorMetrics:
                             "target": dict(zip(names, weights)),
                             "realised": {name: n / total for name, n in zip(names, delivered)},
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
-                                          for source, (_, loss) in by_source.items()}}
+                                          for source, (_, loss) in by_source.items()},
+                            "long_docs": {(src.name, kind): n for src in state.job.sources
+                                          for kind, n in state.long_docs[src.index].items()}}

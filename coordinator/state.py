@@ -121,6 +121,8 @@ class CoordinatorState:
         self.len_count = [0] * n
         self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
         self.transform_errors: dict[int, int] = {}  # per source: consecutive transform errors so far
+        # per source: records longer than seq_len truncated or dropped (long_docs), as prepared
+        self.long_docs: list[dict[str, int]] = [{} for _ in range(n)]
         self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
         for name, record in quarantined:
             if not self._replay_quarantine(name, record):
@@ -821,6 +823,12 @@ class CoordinatorState:
         new = before < 0
         self.len_sum[s] += int(lengths[new].sum())
         self.len_count[s] += int(new.sum())
+        policy = self.job.sources[s].long_docs
+        if policy != "split":  # records longer than a row, as prepared (the seq_len of the plan's stage)
+            long = int((lengths[new] > self.job.seq_len_at(self.planner.state.next_step)).sum())
+            if long:
+                key = "truncated" if policy == "truncate" else "dropped"
+                self.long_docs[s][key] = self.long_docs[s].get(key, 0) + long
         if self.reprepare:
             self.reprepare.difference_update((s, p) for p in positions.tolist())
 
@@ -1097,6 +1105,8 @@ class CoordinatorState:
             hosts.setdefault(host.host if host else "?", []).append(
                 {"worker_id": w.worker_id, "pid": w.pid, "busy_share": round(w.busy_share, 3)})
         return {
+            "long_docs": {src.name: dict(self.long_docs[src.index]) for src in self.job.sources
+                          if self.long_docs[src.index]},
             "eval": self.eval.status(),
             "job": self.job.path,
             "digest": self.digest,

@@ -56,6 +56,7 @@ def render(status: dict[str, Any]) -> Any:
     skipped = status.get("skipped_by_kind") or {}
     for name, target in (status.get("target_share") or {}).items():
         kinds = skipped.get(name) or {}
+        kinds = {**kinds, **((status.get("long_docs") or {}).get(name) or {})}  # truncated / dropped long docs
         sources.add_row(name, f"{target:.3f}", f"{(status.get('realised_share') or {}).get(name, 0.0):.3f}",
                         ", ".join(f"{k} {n}" for k, n in kinds.items()) or "0")
 

@@ -133,3 +133,20 @@ def test_a_state_without_deferred_samples_reads_as_before():
     st = PlannerState(3, [1, 2], [None, None], [0.0, 1.0], [0, 1], [False, False])
     assert "deferred" not in st.to_json()
     assert PlannerState.from_json(st.to_json()).deferred == [[], []]
+
+
+def test_the_coordinator_counts_long_samples_truncated_or_dropped(dataset_dir):
+    """Through the coordinator's state: samples longer than seq_len are counted per source in the
+    status (long_docs) as they are prepared."""
+    from tests.unit.coordinator_driver import Driver
+
+    job = _whole_job(dataset_dir)
+    driver = Driver(job)
+    driver.add_worker("w0")
+    driver.add_rank(0)
+    driver.add_rank(1)
+    driver.run(6)
+    assert not driver.unserved
+    status = driver.state.status()
+    assert status["long_docs"].get("web", {}).get("truncated", 0) + \
+        status["long_docs"].get("long", {}).get("truncated", 0) > 0
