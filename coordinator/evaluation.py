@@ -217,6 +217,8 @@ class EvalBook:
         return need
 
     def _held(self, e: EvalSet, needed: np.ndarray) -> bool:
+        if not len(e.records):  # an empty set (a share too small for its source): a pass of padding
+            return bool(e.waiting)
         if not needed.any():
             return False
         return bool((e.lengths[needed] >= 0).all() and (e.holder[needed & (e.lengths > 0)] >= 0).all())
