@@ -39,10 +39,10 @@ from .config import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
-from .instructions import (AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
-from .journal import (JournalFile, append_eval_journal, append_mixture_journal, append_quarantine_journal,
+from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal, append_quarantine_journal,
                       read_mixture_journal,
                       read_quarantine_journal)
 from .router import Router
@@ -84,10 +84,12 @@ class Coordinator:
             self.journal.compact(loaded[0])
         mixture = read_mixture_journal(state_dir)
         quarantined = read_quarantine_journal(state_dir)
-        self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture, quarantined)
+        costs = read_cost_journal(state_dir)
+        self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture, quarantined,
+                                      costs)
         self.stimuli = StimulusLog({"job_path": os.path.abspath(job.path), "num_records": list(sources.num_records),
                                     "durable": state_dir is not None, "loaded_states": loaded,
-                                    "mixture_changes": mixture, "quarantined": quarantined},
+                                    "mixture_changes": mixture, "quarantined": quarantined, "cost_changes": costs},
                                    max_bytes=int(job.runtime.stimulus_log_mb * (1 << 20)))
         self.sock: zmq.Socket | None = None
         self.stopped = asyncio.Event()
@@ -386,6 +388,8 @@ class Coordinator:
             append_mixture_journal(self.state_dir, ins.at_step, ins.weights)
         elif isinstance(ins, AppendQuarantine):
             append_quarantine_journal(self.state_dir, ins.source, ins.record, ins.reason)
+        elif isinstance(ins, AppendCostChange):
+            append_cost_journal(self.state_dir, ins.at_step, ins.coefficients)
         elif isinstance(ins, AppendEvalLoss):
             append_eval_journal(self.state_dir, ins.set, ins.step, ins.rank, ins.losses)
         elif isinstance(ins, WriteStatus):

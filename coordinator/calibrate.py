@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 TERMS = ("quadratic", "linear", "constant", "patch_quadratic", "patch_linear")
-MIN_SAMPLES = 64  # micro-batches before a first fit
+MIN_SAMPLES = 64  # micro-batches before a first fit, and between two fits
 WINDOW = 2048  # most recent samples kept
-MARGIN = 0.2  # a fit is adopted only if its error is at most (1 - MARGIN) x the current model's
+MARGIN = 0.2  # a fit is adopted only if its error is at most (1 - MARGIN) x the current model's,
+ABS_MARGIN = 0.02  # and smaller by this much (relative error): noise alone never changes the plan
 HUBER_K = 1.345  # in units of the residuals' robust scale (MAD)
 
 
@@ -60,12 +61,13 @@ def relative_error(predicted: np.ndarray, seconds: np.ndarray) -> float:
 
 
 def scaled_error(features: np.ndarray, seconds: np.ndarray, coefficients: tuple[float, ...]) -> float:
-    """The error of a model up to scale and a constant per micro-batch: the current model's, as
-    fairly as its shape allows (a scale error alone does not change a plan)."""
-    cost = np.asarray(features, dtype=np.float64) @ np.asarray(coefficients, dtype=np.float64)
-    x = np.column_stack([cost, np.ones(len(cost))])
-    coef = _nnls(x, np.asarray(seconds, dtype=np.float64))
-    return relative_error(x @ coef, seconds)
+    """The error of a model up to its scale: the current model's, as fairly as its shape allows
+    (a scale error alone does not change a plan). No constant is granted: with micro-batches of
+    nearly equal tokens, a constant would hide a linear cost the model lacks, which does change
+    how the planner trades tokens against attention across ranks."""
+    cost = (np.asarray(features, dtype=np.float64) @ np.asarray(coefficients, dtype=np.float64))[:, None]
+    coef = _nnls(cost, np.asarray(seconds, dtype=np.float64))
+    return relative_error(cost @ coef, seconds)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -92,6 +94,7 @@ class Calibrator:
         self.features: list[np.ndarray] = []
         self.seconds: list[float] = []
         self.since_change = 0
+        self.since_fit = 0
         self.last_fit: Fit | None = None
         self.current_error: float | None = None
 
@@ -101,18 +104,20 @@ class Calibrator:
                 self.features.append(f)
                 self.seconds.append(float(s))
                 self.since_change += 1
+                self.since_fit += 1
         if len(self.seconds) > WINDOW:
             del self.features[:-WINDOW], self.seconds[:-WINDOW]
 
     def propose(self) -> Fit | None:
         """A fit clearly better than the current model, or None."""
-        if self.since_change < MIN_SAMPLES:
+        if self.since_change < MIN_SAMPLES or self.since_fit < MIN_SAMPLES:
             return None
+        self.since_fit = 0
         x, y = np.asarray(self.features), np.asarray(self.seconds)
         result = fit(x, y)
         self.last_fit = result
         self.current_error = scaled_error(x, y, self.current)
-        if result.error <= (1 - MARGIN) * self.current_error:
+        if result.error <= (1 - MARGIN) * self.current_error and self.current_error - result.error >= ABS_MARGIN:
             return result
         return None
 

@@ -184,6 +184,7 @@ class JobConfig:
     curve_keys: str | None = None  # security.curve: a key directory (msd keys generate); None: plain
     balance_method: str = "greedy"
     token_slack: float = 0.0  # a rank may hold up to (1 + slack) x its token capacity
+    calibrate: bool = False  # fit the cost model to the trainers' compute times as the job runs
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     path: str = "<job>"
     eval_sets: tuple[EvalSetConfig, ...] = ()
@@ -269,7 +270,8 @@ class JobConfig:
             "batch": asdict(self.batch),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
-            "balance": {"method": self.balance_method, "token_slack": self.token_slack},
+            "balance": {"method": self.balance_method, "token_slack": self.token_slack,
+                        **({"calibrate": True} if self.calibrate else {})},
             # eval sets change which records training holds: part of the stream (absent when none,
             # so a job without them keeps its digest)
             **({"eval": [asdict(e) for e in self.eval_sets]} if self.eval_sets else {}),
@@ -676,7 +678,11 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
 
     stages = _stages(c, top.get("mixture", {}), names)
 
-    bal = c.mapping(top.get("balance", {}), "balance", {"cost", "method", "token_slack"})
+    bal = c.mapping(top.get("balance", {}), "balance", {"cost", "method", "token_slack", "calibrate"})
+    calibrate = bal.get("calibrate", False)
+    if not isinstance(calibrate, bool):
+        c.bad("balance.calibrate", f"expected true or false, got {calibrate!r}")
+        calibrate = False
     method = bal.get("method", "greedy")
     _choice(c, method, "balance.method", METHODS)
     slack = c.number(bal.get("token_slack", 0.0), "balance.token_slack")
@@ -744,6 +750,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
+        calibrate=calibrate,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
                               cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies),
         path=path,

@@ -195,3 +195,17 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def with_calibrated_cost(job: JobConfig, state_dir: str) -> JobConfig:
+    """The job with the last cost model its run calibrated (the state dir's cost journal), so the
+    next job file can start from it; ValueError if the run calibrated none."""
+    from .config import CostConfig
+    from .journal import read_cost_journal
+
+    changes = read_cost_journal(state_dir)
+    if not changes:
+        raise ValueError(f"{state_dir}: no calibrated cost model (cost.journal is missing or empty: the run had no "
+                         "balance.calibrate, or never changed its model)")
+    q, lin, _, pq, pl = changes[-1][1]
+    return dataclasses.replace(job, cost=CostConfig(q, lin, pq, pl))

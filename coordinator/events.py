@@ -125,6 +125,8 @@ class Consumed(PeerEvent):
     rank: int
     step: int
     waited_s: float
+    compute_step: int = -1  # the step whose micro-batches compute_s times (balance.calibrate)
+    compute_s: Any = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

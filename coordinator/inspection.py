@@ -141,8 +141,12 @@ def where(state_dir: str, steps: str | None, as_json: bool, config: str | None, 
 @click.option("--series", is_flag=True, help="With --json: every planned step too.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of mix and balance over the planned steps (matplotlib).")
+@click.option("--cost-from", "cost_from", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Plan with the cost model a finished run calibrated (balance.calibrate): the last one in "
+                   "this state dir's cost journal.")
 def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None, measure: bool,
-                 step_time_s: float, as_json: bool, series: bool, plot_path: str | None) -> None:
+                 step_time_s: float, as_json: bool, series: bool, plot_path: str | None,
+                 cost_from: str | None) -> None:
     """Dry-run the job's planner over its real data (no workers, no sockets): per stage the mix,
     tokens and pieces per step, padding, max/mean rank cost under msd's layout and under
     arrival-order dealing of the same documents, and the step-time gain the cost model predicts."""
@@ -152,6 +156,8 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
 
     try:
         job = dryrun.what_if(load_job(job_file), dp, seq_len)
+        if cost_from is not None:
+            job = dryrun.with_calibrated_cost(job, cost_from)
         report = dryrun.dry_run(job, steps)
     except ConfigError as e:
         _fail_config(e)

@@ -55,6 +55,14 @@ class AppendMixture(FileInstruction):
 
 
 @dataclass(frozen=True, slots=True)
+class AppendCostChange(FileInstruction):
+    """Append a calibrated cost model (calibrate.TERMS) and the step it plans from to the cost journal."""
+
+    at_step: int
+    coefficients: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AppendEvalLoss(FileInstruction):
     """Append a rank's evaluation (mean loss per source of one set, at a training step) to the eval journal."""
 
@@ -90,6 +98,7 @@ class Stop(Instruction):
 
 ALL_INSTRUCTIONS: dict[str, type[Instruction]] = {
     cls.__name__: cls for cls in (Send, AppendJournal, CompactJournal, AppendMixture, AppendQuarantine, AppendEvalLoss,
+                                  AppendCostChange,
                                   WriteStatus,
                                                Stop)}
 

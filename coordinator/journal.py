@@ -29,7 +29,8 @@ log = logging.getLogger("msd.journal")
 JOURNAL = "steps.journal"
 MIXTURE_JOURNAL = "mixture.journal"
 QUARANTINE_JOURNAL = "quarantine.journal"
-EVAL_JOURNAL = "eval.journal"  # one line per evaluation a rank reported: set, step, rank, losses
+EVAL_JOURNAL = "eval.journal"
+COST_JOURNAL = "cost.journal"  # cost models calibrated as the job ran: at_step, coefficients (calibrate.TERMS)  # one line per evaluation a rank reported: set, step, rank, losses
 
 
 def _json_lines(path: str) -> list[bytes]:
@@ -151,3 +152,12 @@ def read_eval_journal(state_dir: str) -> list[dict]:
     return _read_entries(state_dir, EVAL_JOURNAL, lambda e: {"set": str(e["set"]), "step": int(e["step"]),
                                                             "rank": int(e["rank"]),
                                                             "losses": {str(k): float(v) for k, v in e["losses"].items()}})
+
+
+def append_cost_journal(state_dir: str, at_step: int, coefficients: Iterable[float]) -> None:
+    _append_entry(state_dir, COST_JOURNAL, {"at_step": at_step, "coefficients": [float(c) for c in coefficients]})
+
+
+def read_cost_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:
+    """The calibrated cost models adopted in the state dir's run, in order: (from step, coefficients)."""
+    return _read_entries(state_dir, COST_JOURNAL, lambda e: (int(e["at_step"]), [float(c) for c in e["coefficients"]]))

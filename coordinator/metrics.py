@@ -27,7 +27,7 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "realised": {}, "eval_loss": {}, "long_docs": {}}
+                                     "target": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {}}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
@@ -65,7 +65,17 @@ class _Totals(Collector):
                                         "(long_docs), by source", labels=["source", "kind"])
         for (source, kind), n in c["long_docs"].items():
             long_docs.add_metric([source, kind], n)
-        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs)
+        coefficient = GaugeMetricFamily("msd_cost_coefficient", "The cost model planning now, by term (seconds per "
+                                        "unit once calibrated; balance.calibrate)", labels=["term"])
+        for term, value in (c["cost"].get("coefficients") or {}).items():
+            coefficient.add_metric([term], value)
+        fit_error = GaugeMetricFamily("msd_cost_fit_error", "Relative error of the last fit of the cost model to the "
+                                      "trainers' compute times, and of the model planning now", labels=["model"])
+        if c["cost"].get("fit"):
+            fit_error.add_metric(["fit"], c["cost"]["fit"]["error"])
+        if c["cost"].get("model_error") is not None:
+            fit_error.add_metric(["current"], c["cost"]["model_error"])
+        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs, coefficient, fit_error)
 
 
 class CoordinatorMetrics:
@@ -165,4 +175,5 @@ class CoordinatorMetrics:
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources
-                                          for kind, n in state.long_docs[src.index].items()}}
+                                          for kind, n in state.long_docs[src.index].items()},
+                            "cost": state._cost_status()}

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import balance
 from .balance import Cost, Grid
-from .config import JobConfig
+from .config import CostConfig, JobConfig
 from .cursor import SourceStream
 from .holdout import Holdout
 
@@ -148,6 +148,7 @@ class Planner:
         s = len(num_records)
         self.state = PlannerState(0, [0] * s, [None] * s, [0.0] * s, [0] * s, [False] * s)
         self.overrides: list[tuple[int, list[float]]] = []  # (from step, weights) set at run time, only added to
+        self.cost_changes: list[tuple[int, CostConfig]] = []  # (from step, model) calibrated at run time
         self._weights_kept: dict[tuple, list[float]] = {}
         self.mean_length = [max(1.0, job.batch.seq_len / 4)] * s  # a guess, refined from what is drawn
         self.events: list[str] = []  # things worth logging (exhausted sources), drained by the caller
@@ -158,6 +159,22 @@ class Planner:
     def grid_at(self, step: int) -> Grid:
         job = self.job
         return Grid(job.dp, job.micro_batches_per_rank, job.batch.micro_batch_size, job.row_capacity_at(step))
+
+    def set_cost(self, from_step: int, model: CostConfig, replaying: bool = False) -> None:
+        """The cost model from `from_step` on (a calibrated one, balance.calibrate): like a
+        run-time mixture change, only for steps not planned yet, unless replaying the journal."""
+        if from_step < self.state.next_step and not replaying:
+            raise ValueError(f"step {from_step} is already planned (the plan stands at step {self.state.next_step})")
+        self.cost_changes.append((from_step, model))
+        self.cost_changes.sort(key=lambda c: c[0])
+
+    def cost_at(self, step: int) -> CostConfig:
+        """The cost model that plans `step`: the job file's, or the last calibrated one adopted by then."""
+        model = self.job.cost
+        for from_step, changed in self.cost_changes:
+            if from_step <= step:
+                model = changed
+        return model
 
     def set_weights(self, from_step: int, weights: list[float], replaying: bool = False) -> None:
         """Weights from `from_step` on, replacing the job file's (a run-time mixture change).
@@ -496,16 +513,17 @@ class Planner:
     def _layout(self, step: int, drawn: "_Drawn", known: Known) -> tuple[StepPlan, np.ndarray]:
         job, grid = self.job, self.grid_at(step)
         pieces = drawn.pieces
-        cost = Cost(job.cost.quadratic, job.cost.linear)
+        model = self.cost_at(step)
+        cost = Cost(model.quadratic, model.linear)
         image_sources = [s.index for s in job.sources if s.has_images]
-        if image_sources and (job.cost.patch_quadratic or job.cost.patch_linear):
+        if image_sources and (model.patch_quadratic or model.patch_linear):
             ratio = np.zeros(len(pieces))
             for s in image_sources:
                 mine = pieces[:, SOURCE] == s
                 if mine.any():
                     ratio[mine] = np.minimum(1.0, known.patches(s, pieces[mine, POSITION])
                                              / np.maximum(drawn.doc_lengths[mine], 1))
-            cost = Cost(job.cost.quadratic, job.cost.linear, ratio, job.cost.patch_quadratic, job.cost.patch_linear)
+            cost = Cost(model.quadratic, model.linear, ratio, model.patch_quadratic, model.patch_linear)
         whole = self.whole[pieces[:, SOURCE]]
         left_out = np.zeros(0, dtype=np.int64)
         source_tokens, finished = drawn.source_tokens, drawn.finished

@@ -18,8 +18,8 @@ import numpy as np
 
 from worker.readers import SourceReader, open_source
 
-from .config import JobConfig, load_job
-from .journal import JournalFile, read_mixture_journal, read_quarantine_journal
+from .config import CostConfig, JobConfig, load_job
+from .journal import JournalFile, read_cost_journal, read_mixture_journal, read_quarantine_journal
 from .plan import OFFSET, LENGTH, POSITION, RECORD, SOURCE, Planner, PlannerState, StepPlan
 from .sources import OpenedSources, mapped_lengths, open_sources
 from .statedir import STATE_FILE, read_state_file
@@ -144,6 +144,8 @@ def open_replay(state_dir: str, job: JobConfig) -> Replay:
     planner = Planner(job, opened.num_records)
     for at_step, weights in read_mixture_journal(state_dir):
         planner.set_weights(at_step, weights, replaying=True)
+    for at_step, (q, lin, _, pq, pl) in read_cost_journal(state_dir):
+        planner.set_cost(at_step, CostConfig(q, lin, pq, pl), replaying=True)
     names = {s.name: s.index for s in job.sources}
     quarantined: dict[int, set[int]] = {}
     for name, record in read_quarantine_journal(state_dir):

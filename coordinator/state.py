@@ -28,14 +28,15 @@ from trainer_client.protocol import DELIVER_ITEM
 from worker.readers.storage import is_url
 
 from .balance import imbalance
-from .config import JobConfig
+from .config import CostConfig, JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,
                      WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
+from .calibrate import TERMS, Calibrator, Fit
 from .evaluation import EvalBook
-from .instructions import (AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
@@ -55,6 +56,7 @@ _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "host": (HostHeartbeat, WorkerExited),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
+FEATURE_STEPS = 64  # steps whose micro-batch features are kept for the compute times ranks report
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
 # A record is quarantined when this many worker processes died working on it (the first try and
 # two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
@@ -68,16 +70,27 @@ _RANK_REPORTS = (Consumed, TrainerHeartbeat)  # events that move nothing but a r
 class CoordinatorState:
     def __init__(self, job: JobConfig, sources: OpenedSources, history: StepHistory,
                  mixture_changes: list[tuple[int, list[float]]] = (),
-                 quarantined: list[tuple[str, int]] = ()) -> None:
+                 quarantined: list[tuple[str, int]] = (),
+                 cost_changes: list[tuple[int, list[float]]] = ()) -> None:
         """history: the recent planner states (restored from the journal, if any);
         mixture_changes: run-time weight changes of an earlier run (the mixture journal);
-        quarantined: (source name, record) of records that killed workers (the quarantine journal)."""
+        quarantined: (source name, record) of records that killed workers (the quarantine journal);
+        cost_changes: cost models calibrated earlier in the run, (from step, coefficients as
+        calibrate.TERMS) (the cost journal)."""
         self.job = job
         self.planner = Planner(job, sources.num_records)
         self.mixture_changes: list[tuple[int, list[float]]] = []  # as asked (msd mix), in order
         for at_step, weights in mixture_changes:
             self._replay_mixture_change(at_step, weights)
             log.info("mixture journal: weights %s from step %d", weights, at_step)
+        self.cost_changes: list[tuple[int, list[float]]] = []  # calibrated models adopted, in order
+        for at_step, coefficients in cost_changes:
+            self._replay_cost_change(at_step, coefficients)
+        # balance.calibrate: the compute times ranks report, and the features of the micro-batches
+        # they timed (by step: [dp rank, micro-batch, calibrate.TERMS])
+        self.calibrator = Calibrator(tuple(self._coefficients(self.planner.cost_at(1 << 62))))
+        self._features: dict[int, np.ndarray] = {}
+        self.last_fit: Fit | None = None
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
         self._dp_of: dict[int, int] = {}  # global rank -> its data-parallel rank (coords, computed once)
@@ -109,7 +122,8 @@ class CoordinatorState:
         restored = history.latest
         self.adopted: tuple[int, Any] | None = None  # (step, state) brought by the first resuming rank
         # no state of an earlier run (a plan that never got past step 0 is none either)
-        self.fresh = (restored is None or restored.next_step == 0) and not mixture_changes and not quarantined
+        self.fresh = (restored is None or restored.next_step == 0) and not mixture_changes and not quarantined \
+            and not cost_changes
         if restored is not None:  # a restart: carry on where the last run's plan stood
             self.planner.state = restored
             log.info("state restored: the plan stands at step %d (steps %d.. can be resumed)", restored.next_step,
@@ -287,6 +301,9 @@ class CoordinatorState:
             for at, w in c["mixture_changes"]:
                 if len(w) != len(self.job.sources) or int(at) < 0:
                     return "the carried mixture changes do not fit this job's sources"
+            for at, coefficients in c.get("cost_changes", []):
+                if int(at) < 0 or len(coefficients) != 5:
+                    return "the carried cost models are malformed"
             [(str(name), int(record)) for name, record in c["quarantined"]]
         except (KeyError, TypeError, ValueError) as e:
             return f"the carried state is malformed ({e!r})"
@@ -340,6 +357,7 @@ class CoordinatorState:
             "topology": self.topology._asdict(),
             "sources": [s.name for s in self.job.sources],
             "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
+            "calibrate": self.job.calibrate,  # clients time each micro-batch's compute and report it
         }
         self._send(peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
                                 heartbeat_s=self.heartbeat_s))
@@ -413,6 +431,58 @@ class CoordinatorState:
         self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
         self.lead.consumed(ev.at, self.registry.slowest())
         trainer.waited_s = max(trainer.waited_s, ev.waited_s)
+        if self.job.calibrate and ev.compute_step >= 0 and ev.compute_s:
+            self._calibrate(trainer.rank, ev.compute_step, ev.compute_s)
+
+    @staticmethod
+    def _coefficients(model: CostConfig) -> list[float]:
+        """A cost model as calibrate.TERMS (the constant per micro-batch is not the plan's: 0)."""
+        return [model.quadratic, model.linear, 0.0, model.patch_quadratic, model.patch_linear]
+
+    def _calibrate(self, rank: int, step: int, seconds: list) -> None:
+        """One rank's compute times of one step's micro-batches: samples for the fit; a fit clearly
+        better than the current model is adopted from the first step not planned yet (journaled
+        with it, carried in checkpoints: the stream stays a function of the job and the journal)."""
+        features = self._features.get(step)
+        if features is None:
+            return
+        d = self._dp_of.get(rank)
+        if d is None:
+            d = self._dp_of[rank] = self.topology.coords(rank).dp
+        times = np.asarray(seconds, dtype=np.float64)[:features.shape[1]]
+        self.calibrator.add(features[d, :len(times)], times)
+        fit = self.calibrator.propose()
+        self.last_fit = self.calibrator.last_fit or self.last_fit
+        if fit is None:
+            return
+        at = self.planner.state.next_step
+        q, lin, const, pq, pl = fit.coefficients
+        self.planner.set_cost(at, CostConfig(q, lin, pq, pl))
+        self.calibrator.adopted(fit.coefficients)
+        self.cost_changes.append((at, list(fit.coefficients)))
+        log.warning("cost model calibrated from %d micro-batch times (error %.3f, the model's %.3f): %s from step %d",
+                    fit.samples, fit.error, self.calibrator.current_error or float("nan"),
+                    ", ".join(f"{t} {c:.4g}" for t, c in zip(TERMS, fit.coefficients)), at)
+        if self.history.durable:
+            self._out.append(AppendCostChange(at, tuple(fit.coefficients)))
+
+    def _cost_status(self) -> dict[str, Any]:
+        """The model planning now, the step it took effect, and the last fit (balance.calibrate)."""
+        at = max((a for a, _ in self.cost_changes if a <= self.planner.state.next_step), default=0)
+        model = self.cost_changes[-1][1] if self.cost_changes else self._coefficients(self.job.cost)
+        fit = self.last_fit
+        return {"calibrate": self.job.calibrate, "coefficients": dict(zip(TERMS, model)), "from_step": at,
+                "changes": [[a, dict(zip(TERMS, c))] for a, c in self.cost_changes],
+                "samples": len(self.calibrator.seconds),
+                "fit": None if fit is None else {"coefficients": dict(zip(TERMS, fit.coefficients)),
+                                                 "error": round(fit.error, 4), "samples": fit.samples},
+                "model_error": None if self.calibrator.current_error is None else
+                round(self.calibrator.current_error, 4)}
+
+    def _replay_cost_change(self, at_step: int, coefficients: list[float]) -> None:
+        q, lin, _, pq, pl = (list(coefficients) + [0.0] * 5)[:5]
+        self.planner.set_cost(at_step, CostConfig(float(q), float(lin), float(pq), float(pl)), replaying=True)
+        self.cost_changes.append((at_step, [float(c) for c in coefficients]))
 
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
         log.info("rank %d left", trainer.rank)
@@ -927,7 +997,23 @@ class CoordinatorState:
         for s, table in enumerate(self.tables):
             table.forget_before(floor[s])
 
+    def _keep_features(self, plan: StepPlan) -> None:
+        """What each (dp rank, micro-batch) of a step holds, as calibrate.TERMS, for the times
+        its ranks will report (image patches are not counted yet)."""
+        lengths = plan.pieces[:, LENGTH].astype(np.float64)
+        mbs = self.job.micro_batches_per_rank
+        cell = plan.rank * mbs + plan.micro_batch
+        features = np.zeros((self.job.dp * mbs, len(TERMS)))
+        features[:, 0] = np.bincount(cell, weights=lengths * lengths, minlength=len(features))
+        features[:, 1] = np.bincount(cell, weights=lengths, minlength=len(features))
+        features[:, 2] = 1.0
+        self._features[plan.step] = features.reshape(self.job.dp, mbs, len(TERMS))
+        for old in [s for s in self._features if s < plan.step - FEATURE_STEPS]:
+            del self._features[old]
+
     def _dispatch(self, plan: StepPlan) -> None:
+        if self.job.calibrate:
+            self._keep_features(plan)
         ours, naive = imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)
         self.planned.append((plan.step, ours, naive, plan.source_tokens))
         if plan.step % 100 == 0:
@@ -1054,6 +1140,12 @@ class CoordinatorState:
             self._replay_mixture_change(int(at), weights)
             if self.history.durable:
                 self._out.append(AppendMixture(int(at), tuple(weights)))
+        for at, coefficients in c.get("cost_changes", []):
+            if any(int(at) == a for a, _ in self.cost_changes):
+                continue
+            self._replay_cost_change(int(at), coefficients)
+            if self.history.durable:
+                self._out.append(AppendCostChange(int(at), tuple(float(x) for x in coefficients)))
         for name, record in c["quarantined"]:
             if self._replay_quarantine(name, int(record)) and self.history.durable:
                 self._out.append(AppendQuarantine(name, int(record), "carried by a trainer's checkpoint"))
@@ -1082,6 +1174,7 @@ class CoordinatorState:
             return None
         return {"digest": self.digest, "planner": state.to_json(),
                 "mixture_changes": [[at, list(w)] for at, w in self.mixture_changes],
+                "cost_changes": [[at, list(c)] for at, c in self.cost_changes],
                 "quarantined": [[self.job.sources[s].name, r] for s, rs in sorted(self.quarantined.items())
                                 for r in sorted(rs)]}
 
@@ -1108,6 +1201,7 @@ class CoordinatorState:
             "long_docs": {src.name: dict(self.long_docs[src.index]) for src in self.job.sources
                           if self.long_docs[src.index]},
             "eval": self.eval.status(),
+            "cost_model": self._cost_status(),
             "job": self.job.path,
             "digest": self.digest,
             "dp": self.job.dp,

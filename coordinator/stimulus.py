@@ -159,4 +159,5 @@ def build_state(dump: Dump, job: Any = None, sources: Any = None) -> Any:
         raise ValueError(f"the sources hold {sources.num_records} records, the logged run had {origin['num_records']}")
     history = StepHistory(origin["durable"], origin["loaded_states"])
     return CoordinatorState(job, sources, history, [(s, list(w)) for s, w in origin["mixture_changes"]],
-                            [(name, int(r)) for name, r in origin.get("quarantined", [])])
+                            [(name, int(r)) for name, r in origin.get("quarantined", [])],
+                            [(int(s), list(c)) for s, c in origin.get("cost_changes", [])])

@@ -75,7 +75,8 @@ class LightRank:
             step = self.ready.popleft()
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
-            send_nowait(self.control, P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0))
+            send_nowait(self.control, P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0, compute_step=-1,
+                                             compute_s=[]))
             self.registration.spoke(now)
             self.steps_done = step + 1
         msg = self.registration.due(now)

@@ -109,6 +109,11 @@ class DataClient:
         self._state_replies: queue.SimpleQueue = queue.SimpleQueue()  # StateReply from the I/O thread
         self._evals: queue.SimpleQueue = queue.SimpleQueue()  # EvalReady from the I/O thread
         self._eval_passes: dict[str, int] = {}  # eval set -> passes this rank has asked for
+        # balance.calibrate: seconds the trainer computed on each micro-batch, by step
+        self._compute: dict[int, dict[int, float]] = {}
+        self._handed: tuple[int, int] | None = None  # (step, micro-batch) handed out by the last next()
+        self._handed_at = 0.0
+        self._manual_compute = False  # the trainer reports its compute itself
         self._ctx = zmq.Context()
         self.keys_dir = keys_dir
         self.metadata_only = metadata_only
@@ -198,6 +203,12 @@ class DataClient:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        if self._handed is not None:  # the trainer's compute of the micro-batch it took last time
+            step, m = self._handed
+            if not self._manual_compute:
+                self._compute.setdefault(step, {})[m] = now - self._handed_at
+            self._handed = None
         self.start()
         if self._step is None:
             self._step = self._next_step()
@@ -206,13 +217,37 @@ class DataClient:
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
-            self._command(["consumed", ready.step, self.waited_s])
+            self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])
             self._step = self._finished_step()  # the next step if it is in; this one's tokens are let go
         else:
             self.next_step, self.next_micro_batch = ready.step, m + 1
         if self._step is not None:
             self._builder.ask(self._step, self.next_micro_batch)
+        self._handed, self._handed_at = (ready.step, m), time.perf_counter()
         return batch
+
+    def _compute_report(self, step: int) -> list:
+        """[step, seconds per micro-batch] of the last step whose every micro-batch's compute is
+        known (the one before `step`: its last micro-batch's compute ended with this step's first
+        next()), for a job with balance.calibrate; [-1, []] otherwise."""
+        info = self._receiver.state.batch_info if self._receiver is not None else None
+        done = self._compute.pop(step - 1, None)
+        for old in [s for s in self._compute if s < step - 1]:
+            del self._compute[old]
+        if not info or not info.get("calibrate") or not done:
+            return [-1, []]
+        return [step - 1, [float(done[m]) for m in sorted(done)]]
+
+    def report_compute_seconds(self, seconds: float, step: int | None = None, micro_batch: int | None = None) -> None:
+        """The trainer's own measure of a micro-batch's compute (default: the one just taken), for
+        a job with balance.calibrate whose GPU work is asynchronous (time it with CUDA events, then
+        report it here). The first call turns the client's own timing off for good."""
+        self._manual_compute = True
+        if step is None or micro_batch is None:
+            last = self._handed or ((self.next_step, self.next_micro_batch - 1) if self.next_micro_batch else
+                                    (self.next_step - 1, self.micro_batches_per_step - 1))
+            step, micro_batch = last
+        self._compute.setdefault(int(step), {})[int(micro_batch)] = float(seconds)
 
     def _build(self, ready: ReadyStep, m: int, ahead: bool = False) -> Batch:
         """Micro-batch m of a finished step, as the trainer gets it (ahead: by the builder's thread,
@@ -439,7 +474,8 @@ class _Receiver:
             self._send(P.make(P.EVAL_REPORT, rank=self.c.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))
             return
         if cmd[0] == "consumed":
-            self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2])))
+            self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2]),
+                              compute_step=int(cmd[3]), compute_s=list(cmd[4])))
             self.registration.spoke(time.monotonic())
         elif cmd[0] == "state":
             self._send(P.make(P.STATE_REQUEST, rank=self.c.rank, step=int(cmd[1])))

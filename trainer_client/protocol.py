@@ -287,7 +287,10 @@ TRAINER_HELLO = _msg(
 )
 # trainer -> coordinator: the coordinator's state before `step`, for the trainer's checkpoint
 STATE_REQUEST = _msg("state_request", rank=integer(), step=integer())
-CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number())  # waited_s: total time waiting for data
+# waited_s: total time waiting for data; compute_s: seconds each micro-batch of step compute_step took the
+# trainer (balance.calibrate; compute_step -1 and [] otherwise)
+CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number(), compute_step=integer(-1),
+                compute_s=seq(number(), 1 << 16))
 TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
 TRAINER_BYE = _msg("trainer_bye", rank=integer())
 # trainer -> coordinator: this rank asks for pass `pass_no` of an eval set (client.eval_batches)
