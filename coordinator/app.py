@@ -389,7 +389,7 @@ class Coordinator:
         elif isinstance(ins, AppendQuarantine):
             append_quarantine_journal(self.state_dir, ins.source, ins.record, ins.reason)
         elif isinstance(ins, AppendCostChange):
-            append_cost_journal(self.state_dir, ins.at_step, ins.coefficients)
+            append_cost_journal(self.state_dir, ins.at_step, ins.coefficients, ins.errors, ins.evidence)
         elif isinstance(ins, AppendEvalLoss):
             append_eval_journal(self.state_dir, ins.set, ins.step, ins.rank, ins.losses)
         elif isinstance(ins, WriteStatus):

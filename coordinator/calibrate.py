@@ -25,6 +25,7 @@ MIN_SAMPLES = 64  # micro-batches before a first fit, and between two fits
 WINDOW = 2048  # most recent samples kept
 MARGIN = 0.2  # a fit is adopted only if its error is at most (1 - MARGIN) x the current model's,
 ABS_MARGIN = 0.02  # and smaller by this much (relative error): noise alone never changes the plan
+EVIDENCE = 128  # samples journaled with each change (measured, predicted before and after)
 HUBER_K = 1.345  # in units of the residuals' robust scale (MAD)
 
 
@@ -58,6 +59,12 @@ def fit(features: np.ndarray, seconds: np.ndarray, iterations: int = 20) -> Fit:
 
 def relative_error(predicted: np.ndarray, seconds: np.ndarray) -> float:
     return float(np.median(np.abs(predicted - seconds)) / max(float(np.median(seconds)), 1e-12))
+
+
+def scaled_prediction(features: np.ndarray, seconds: np.ndarray, coefficients: tuple[float, ...]) -> np.ndarray:
+    """A model's predicted seconds, at the scale that fits the times best."""
+    cost = (np.asarray(features, dtype=np.float64) @ np.asarray(coefficients, dtype=np.float64))[:, None]
+    return cost @ _nnls(cost, np.asarray(seconds, dtype=np.float64))
 
 
 def scaled_error(features: np.ndarray, seconds: np.ndarray, coefficients: tuple[float, ...]) -> float:
@@ -96,6 +103,7 @@ class Calibrator:
         self.since_change = 0
         self.since_fit = 0
         self.last_fit: Fit | None = None
+        self.evidence: list[list[float]] = []  # [measured, predicted before, predicted after] of the last change
         self.current_error: float | None = None
 
     def add(self, features: np.ndarray, seconds: np.ndarray) -> None:
@@ -118,6 +126,11 @@ class Calibrator:
         self.last_fit = result
         self.current_error = scaled_error(x, y, self.current)
         if result.error <= (1 - MARGIN) * self.current_error and self.current_error - result.error >= ABS_MARGIN:
+            # what `msd report` shows of the change: measured against predicted, before and after
+            keep = np.linspace(0, len(y) - 1, min(len(y), EVIDENCE)).astype(int)
+            before = scaled_prediction(x[keep], y[keep], self.current)
+            after = x[keep] @ np.asarray(result.coefficients)
+            self.evidence = [[float(m), float(b), float(a)] for m, b, a in zip(y[keep], before, after)]
             return result
         return None
 

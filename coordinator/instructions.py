@@ -60,6 +60,8 @@ class AppendCostChange(FileInstruction):
 
     at_step: int
     coefficients: tuple[float, ...]
+    errors: tuple[float, float] = (0.0, 0.0)  # relative error of the model before and of the fit
+    evidence: tuple = ()  # [measured, predicted before, predicted after] of some of the samples
 
 
 @dataclass(frozen=True, slots=True)

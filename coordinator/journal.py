@@ -154,8 +154,19 @@ def read_eval_journal(state_dir: str) -> list[dict]:
                                                             "losses": {str(k): float(v) for k, v in e["losses"].items()}})
 
 
-def append_cost_journal(state_dir: str, at_step: int, coefficients: Iterable[float]) -> None:
-    _append_entry(state_dir, COST_JOURNAL, {"at_step": at_step, "coefficients": [float(c) for c in coefficients]})
+def append_cost_journal(state_dir: str, at_step: int, coefficients: Iterable[float], errors: Iterable[float] = (),
+                        evidence: Iterable = ()) -> None:
+    _append_entry(state_dir, COST_JOURNAL, {"at_step": at_step, "coefficients": [float(c) for c in coefficients],
+                                            "errors": [float(e) for e in errors],
+                                            "evidence": [[float(v) for v in row] for row in evidence]})
+
+
+def read_cost_changes(state_dir: str | None) -> list[dict]:
+    """The cost journal's entries whole: at_step, coefficients, errors (before, after), evidence."""
+    return _read_entries(state_dir, COST_JOURNAL, lambda e: {"at_step": int(e["at_step"]),
+                                                            "coefficients": [float(c) for c in e["coefficients"]],
+                                                            "errors": [float(v) for v in e.get("errors", [])],
+                                                            "evidence": e.get("evidence", [])})
 
 
 def read_cost_journal(state_dir: str | None) -> list[tuple[int, list[float]]]:

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from .balance import imbalance
-from .journal import read_eval_journal, read_quarantine_journal
+from .journal import read_cost_changes, read_eval_journal, read_quarantine_journal
 from .replay import Replay
 from .statedir import STATUS_FILE
 
@@ -53,7 +53,7 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
             "steps": mix_steps, "realised_share": realised_share, "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
             "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
-            "evals": read_eval_journal(state_dir)}
+            "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir)}
 
 
 def figure(data: dict[str, Any]):
@@ -131,6 +131,30 @@ def eval_figure(evals: list[dict]):
     return fig
 
 
+def cost_figure(changes: list[dict]):
+    """Per calibrated change: measured against predicted seconds per micro-batch, with the model
+    before (at its best scale) and the one adopted; None without changes."""
+    import matplotlib.pyplot as plt
+
+    changes = [c for c in changes if c.get("evidence")]
+    if not changes:
+        return None
+    fig, axes = plt.subplots(1, len(changes), figsize=(5 * len(changes), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], changes):
+        ev = np.asarray(c["evidence"], dtype=np.float64)
+        top = float(ev.max()) * 1.05
+        ax.plot([0, top], [0, top], color="grey", linewidth=1)
+        before, after = (c["errors"] + [float("nan")] * 2)[:2]
+        ax.scatter(ev[:, 0], ev[:, 1], s=8, label=f"model before (error {before:.3f})")
+        ax.scatter(ev[:, 0], ev[:, 2], s=8, label=f"adopted from step {c['at_step']} (error {after:.3f})")
+        ax.set_xlabel("measured seconds per micro-batch")
+        ax.set_ylabel("predicted seconds")
+        ax.set_title(f"cost model change at step {c['at_step']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def write_report(data: dict[str, Any], out: str) -> None:
     """An HTML file (the plots embedded, tables of mix and skips) or, for a .png path, the plots."""
     import matplotlib.pyplot as plt
@@ -162,6 +186,20 @@ def write_report(data: dict[str, Any], out: str) -> None:
                       f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">')
     else:
         evals_html = '<p id="eval-curves">No evaluation reported (client.report_eval).</p>'
+    changes = data.get("cost_changes") or []
+    cost_fig = cost_figure(changes)
+    if cost_fig is not None:
+        buf = io.BytesIO()
+        cost_fig.savefig(buf, format="png", dpi=100)
+        plt.close(cost_fig)
+        rows_c = "".join(f"<tr><td>{c['at_step']}</td><td>{e(', '.join(f'{v:.4g}' for v in c['coefficients']))}</td>"
+                         f"<td>{e(', '.join(f'{v:.4f}' for v in c['errors']))}</td></tr>" for c in changes)
+        cost_html = (f'<table id="cost-changes"><tr><th>from step</th><th>quadratic, linear, constant, patch terms</th>'
+                     f'<th>error before, after</th></tr>{rows_c}</table>'
+                     f'<img id="cost-fit" alt="predicted against measured time per micro-batch" '
+                     f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">')
+    else:
+        cost_html = '<p id="cost-fit">The job file\'s cost model throughout (no balance.calibrate change).</p>'
 
     balance = data["balance"]
     ours = np.mean([b[1] for b in balance]) if balance else float("nan")
@@ -183,6 +221,7 @@ steps {data['steps'][0] if data['steps'] else '-'} to {data['steps'][-1] if data
 {rows}</table>
 <h2>Quarantined records</h2><ul id="quarantined">{quarantined}</ul>
 <h2>Evaluation</h2>{evals_html}
+<h2>Cost model</h2>{cost_html}
 </body></html>
 """
     with open(out, "w", encoding="utf-8") as f:

@@ -464,7 +464,9 @@ class CoordinatorState:
                     fit.samples, fit.error, self.calibrator.current_error or float("nan"),
                     ", ".join(f"{t} {c:.4g}" for t, c in zip(TERMS, fit.coefficients)), at)
         if self.history.durable:
-            self._out.append(AppendCostChange(at, tuple(fit.coefficients)))
+            self._out.append(AppendCostChange(at, tuple(fit.coefficients),
+                                              (float(self.calibrator.current_error or 0.0), float(fit.error)),
+                                              tuple(tuple(r) for r in self.calibrator.evidence)))
 
     def _cost_status(self) -> dict[str, Any]:
         """The model planning now, the step it took effect, and the last fit (balance.calibrate)."""

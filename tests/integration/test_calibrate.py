@@ -70,6 +70,11 @@ def test_calibration_is_adopted_journaled_and_replayed(dataset_dir, tmp_path):
                 want = [(p["doc_key"], p["offset"], p["length"]) for p in pieces if p["micro_batch"] == mb]
                 got = next(list(zip(k, o, n)) for s, b, k, o, n in received[int(rank)] if s == step and b == mb)
                 assert want == got, (step, rank, mb)
+    report = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["report", "--state-dir", state, "--out", str(report), "--max-steps", "10"])
+    assert r.exit_code == 0, r.output
+    html = report.read_text()
+    assert 'id="cost-fit"' in html and "data:image/png" in html.split('id="cost-fit"')[1][:200]
     plan = CliRunner().invoke(main, ["plan", path, "--steps", "5", "--json", "--cost-from", state])
     assert plan.exit_code == 0, plan.output
     assert orjson.loads(plan.output)["cost"]["linear"] == changes[-1][1][1]
