@@ -8,13 +8,13 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration bench bench-remote-env bench-packing-env clean
+.PHONY: install demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean
 
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[test,torch,torchtitan,plots]'
+	$(PIP) install --quiet -e '.[test,torch,torchtitan,plots,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,6 +31,13 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration
 
+test-docs: $(STAMP)
+	$(PY) -m pytest -q tests/docs
+
+# the documentation site, into site/ (--strict: a broken link or a page left out of the nav fails)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) tools/bench_dataplane.py --json bench-dataplane.json
 
@@ -41,7 +48,7 @@ bench-packing-env:
 	.venv-torchtune/bin/pip install --quiet torchtune==0.6.1 torchao==0.10.0
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json
+	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json site
 
 # tools/bench_remote.py's two outside parts, kept out of the project's venv: npm's s3rver (the
 # S3-compatible server the benchmark serves from) and Mosaic Streaming in a venv of its own

@@ -46,7 +46,8 @@ def _fail_config(e: ConfigError) -> None:
 @click.option("--coordinator", "address", required=True,
               help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
 @click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
-@click.option("--timeout-s", type=float, default=10.0, show_default=True)
+@click.option("--timeout-s", type=float, default=10.0, show_default=True,
+              help="Seconds to wait for the coordinator's answer.")
 @click.option("--keys", "keys_dir", type=click.Path(file_okay=False), default=None,
               help="The job's key directory (a job with security.curve): changes are taken only from its "
                    "operator key (operator.key_secret).")
@@ -94,7 +95,8 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
                    "join with msd worker.")
 @click.option("--max-worker-procs", default=None, type=click.IntRange(min=1),
               help="With --worker-procs auto: the most worker processes here (default: the CPU count).")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", default="INFO", show_default=True,
+              help="Python logging level: DEBUG, INFO, WARNING or ERROR.")
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
                 metrics_port: int | None, metrics_host: str, worker_procs: str | None, max_worker_procs: int | None,
                 log_level: str) -> None:
@@ -224,13 +226,15 @@ def validate(job_file: str) -> None:
         if s.shuffle_block == 1 and s.format != "arrow" and any(is_url(f) for f in s.files):
             click.echo(f"note: sources.{s.name} is read from object storage with a record-level shuffle, one request "
                        "per record; shuffle_block: 64 reads runs of neighbouring records in one request each "
-                       "(README: Data in object storage)", err=True)
+                       "(docs/tutorials/bucket.md)", err=True)
 
 
 @click.command()
-@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1))
-@click.option("--ranks", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=50, show_default=True, type=click.IntRange(min=1), help="Steps to train.")
+@click.option("--ranks", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Trainer ranks (processes), data-parallel.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Worker processes.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary here.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where the demo dataset is generated (default: the megascale-data cache dir).")

@@ -28,6 +28,7 @@ from worker.readers.storage import SECRET_KEYS, is_url, store_for
 from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 
 from .balance import METHODS
+from .job_keys import EVAL, SRC, allowed, required
 
 FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -386,7 +387,6 @@ def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
 
 LONG_DOCS = ("split", "truncate", "drop")
 PACKING = ("concat", "whole")
-CHAT_KEYS = {"messages_key", "train_on", "tools_key"}
 CHAT_FORMATS = ("jsonl", "parquet", "arrow")
 ON_EXHAUSTED = ("renormalize", "stop")
 
@@ -403,11 +403,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     if not isinstance(name, str) or not name:
         c.bad(key, "source names must be non-empty strings")
         return None
-    raw = c.mapping(raw, key, {"format", "paths", "text_key", "tokenizer", "eod_id", "long_docs", "epochs",
-                               "on_exhausted", "tokens_key", "image_token_id", "max_pixels", "patch_size",
-                               "max_record_bytes", "max_image_pixels", "storage", "shuffle_block", "transform",
-                               "transform_args", "max_transform_errors", "chat", "packing"},
-                    {"format", "paths"})
+    raw = c.mapping(raw, key, allowed(SRC), required(SRC))
     storage = _storage(c, raw.get("storage"), f"{key}.storage")
     fmt = raw.get("format")
     ok = True
@@ -571,7 +567,7 @@ def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None
         out.update(transform=transform, transform_args=dict(args) or None, transform_hash=digest,
                    max_transform_errors=errors)
     if chat is not None:
-        chat = c.mapping(chat, f"{key}.chat", CHAT_KEYS)
+        chat = c.mapping(chat, f"{key}.chat", allowed(f"{SRC}.chat"))
         if fmt not in CHAT_FORMATS:
             c.bad(f"{key}.chat", f"for {', '.join(CHAT_FORMATS)} sources, not {fmt}")
             return None
@@ -628,9 +624,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     """Validate a decoded job file; raise ConfigError listing every problem."""
     c = _Checker()
     base = base_dir if base_dir is not None else os.path.dirname(os.path.abspath(path))
-    top = c.mapping(raw, "", {"seed", "sources", "batch", "topology", "mixture", "balance", "runtime",
-                              "long_docs", "on_exhausted", "security", "eval"},
-                    {"seed", "sources", "batch", "topology", "mixture"})
+    top = c.mapping(raw, "", allowed(""), required(""))
     defaults = {}  # job-wide defaults a source may override
     if "long_docs" in top and _choice(c, top["long_docs"], "long_docs", LONG_DOCS):
         defaults["long_docs"] = top["long_docs"]
@@ -655,14 +649,13 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
             if s:
                 sources.append(s)
 
-    b = c.mapping(top.get("batch", {}), "batch", {"seq_len", "micro_batch_size", "global_batch_size", "pad_id"},
-                  {"seq_len", "micro_batch_size", "global_batch_size"})
+    b = c.mapping(top.get("batch", {}), "batch", allowed("batch"), required("batch"))
     seq_len = c.integer(b.get("seq_len", 1), "batch.seq_len", 2)
     mbs = c.integer(b.get("micro_batch_size", 1), "batch.micro_batch_size")
     gbs = c.integer(b.get("global_batch_size", 1), "batch.global_batch_size")
     pad_id = c.integer(b.get("pad_id", 257), "batch.pad_id", 0)
 
-    t = c.mapping(top.get("topology", {}), "topology", {"dp", "pp", "cp", "tp", "order", "delivery"}, {"dp"})
+    t = c.mapping(top.get("topology", {}), "topology", allowed("topology"), required("topology"))
     dp = c.integer(t.get("dp", 1), "topology.dp")
     pp = c.integer(t.get("pp", 1), "topology.pp") or 1
     cp = c.integer(t.get("cp", 1), "topology.cp") or 1
@@ -678,7 +671,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
 
     stages = _stages(c, top.get("mixture", {}), names)
 
-    bal = c.mapping(top.get("balance", {}), "balance", {"cost", "method", "token_slack", "calibrate"})
+    bal = c.mapping(top.get("balance", {}), "balance", allowed("balance"))
     calibrate = bal.get("calibrate", False)
     if not isinstance(calibrate, bool):
         c.bad("balance.calibrate", f"expected true or false, got {calibrate!r}")
@@ -686,15 +679,11 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     method = bal.get("method", "greedy")
     _choice(c, method, "balance.method", METHODS)
     slack = c.number(bal.get("token_slack", 0.0), "balance.token_slack")
-    cost_raw = c.mapping(bal.get("cost", {}), "balance.cost", {"quadratic", "linear", "patch_quadratic",
-                                                                "patch_linear"})
+    cost_raw = c.mapping(bal.get("cost", {}), "balance.cost", allowed("balance.cost"))
     cost = CostConfig(*(c.number(cost_raw.get(k, default), f"balance.cost.{k}") for k, default in
                         (("quadratic", 1.0), ("linear", 0.0), ("patch_quadratic", 0.0), ("patch_linear", 0.0))))
 
-    rt = c.mapping(top.get("runtime", {}), "runtime", {"lookahead_steps", "heartbeat_s", "prepare_batch",
-                                                       "status_every_s", "allocation", "shrink_after_s",
-                                                       "stimulus_log_mb", "cache_dir", "cache_bytes", "index_on",
-                                                       "copies"})
+    rt = c.mapping(top.get("runtime", {}), "runtime", allowed("runtime"))
     lookahead = c.integer(rt.get("lookahead_steps", 4), "runtime.lookahead_steps")
     heartbeat = c.number(rt.get("heartbeat_s", 1.0), "runtime.heartbeat_s")
     if heartbeat is not None and heartbeat <= 0:
@@ -720,7 +709,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     copies = rt.get("copies", "plain")
     _choice(c, copies, "runtime.copies", COPIES)
 
-    sec = c.mapping(top.get("security", {}), "security", {"curve"})
+    sec = c.mapping(top.get("security", {}), "security", allowed("security"))
     curve = sec.get("curve")
     if curve is not None:
         if not isinstance(curve, str):
@@ -758,7 +747,6 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     )
 
 
-EVAL_KEYS = {"holdout", "sources", "max_records", "seq_len", "prepare_ahead"}
 
 
 def _eval_sets(c: _Checker, raw: Any, names: list[str]) -> tuple[EvalSetConfig, ...]:
@@ -775,7 +763,7 @@ def _eval_sets(c: _Checker, raw: Any, names: list[str]) -> tuple[EvalSetConfig, 
         if not isinstance(name, str) or not name:
             c.bad(key, "eval set names must be non-empty strings")
             continue
-        spec = c.mapping(spec, key, EVAL_KEYS)
+        spec = c.mapping(spec, key, allowed(EVAL))
         holdout = []
         raw_holdout = spec.get("holdout", {})
         if not isinstance(raw_holdout, dict):
@@ -819,7 +807,7 @@ def _stages(c: _Checker, mixture: Any, names: list[str]) -> tuple[Stage, ...]:
     """`mixture: {weights: ...}` (one stage), or a list of stages: every stage but the last ends
     at its `until_step`; a stage may ramp from the previous weights and change seq_len."""
     if not isinstance(mixture, list):
-        weights = _weights(c, mixture, names, "mixture", {"weights"})
+        weights = _weights(c, mixture, names, "mixture", allowed("mixture"))
         return (Stage(tuple(weights.get(n, 0.0) for n in names)),)
     if not mixture:
         c.bad("mixture", "expected at least one stage")
@@ -828,7 +816,7 @@ def _stages(c: _Checker, mixture: Any, names: list[str]) -> tuple[Stage, ...]:
     for i, raw in enumerate(mixture):
         key = f"mixture[{i}]"
         last = i == len(mixture) - 1
-        weights = _weights(c, raw, names, key, {"weights", "until_step", "ramp_steps", "seq_len"})
+        weights = _weights(c, raw, names, key, allowed("mixture[]"))
         if not isinstance(raw, dict):
             continue
         until = raw.get("until_step")

@@ -39,8 +39,9 @@ _CONFIG = click.option("--config", "config", type=click.Path(dir_okay=False), de
 
 
 @click.command()
-@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True))
-@click.option("--step", required=True, type=click.IntRange(min=0))
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The coordinator's --state-dir (its journals and the job file it was started with).")
+@click.option("--step", required=True, type=click.IntRange(min=0), help="The step to list.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this data-parallel rank.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--resolve", is_flag=True, help="Also name each piece's file and line, row or sample key.")
@@ -78,7 +79,8 @@ def manifest(state_dir: str, step: int, rank: int | None, as_json: bool, resolve
 
 
 @click.command()
-@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The coordinator's --state-dir (its journals and the job file it was started with).")
 @click.option("--steps", "steps", default=None, help="A:B, steps A to B-1 (default: every journaled step).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_CONFIG
@@ -206,7 +208,8 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
 
 
 @click.command()
-@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The coordinator's --state-dir (its journals and the job file it was started with).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="report.html (plots embedded, tables) or report.png (the plots).")
 @click.option("--max-steps", default=200, show_default=True, type=click.IntRange(min=1),

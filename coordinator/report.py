@@ -38,6 +38,10 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
     with np.errstate(invalid="ignore", divide="ignore"):
         realised_share = np.nan_to_num(got / got.sum(axis=1, keepdims=True))
         target_share = np.nan_to_num(aimed / aimed.sum(axis=1, keepdims=True))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        so_far = np.nan_to_num(delivered[1:] / delivered[1:].sum(axis=1, keepdims=True))
+        aimed_so_far = np.nan_to_num(target[1:] / target[1:].sum(axis=1, keepdims=True))
+    cumulative_distance = np.abs(so_far - aimed_so_far).sum(axis=1) / 2 if len(mix_steps) else np.zeros(0)
     sampled = (sorted({mix_steps[int(i)] for i in np.linspace(0, len(mix_steps) - 1, max_steps)})
                if mix_steps else [])
     balance = []
@@ -50,7 +54,7 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
     except (OSError, orjson.JSONDecodeError):
         status = {}
     return {"job": replay.job.path, "digest": replay.job.digest(), "dp": replay.job.dp, "names": names,
-            "steps": mix_steps, "realised_share": realised_share, "target_share": target_share,
+            "steps": mix_steps, "cumulative_distance": cumulative_distance, "realised_share": realised_share, "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
             "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
             "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir)}
@@ -73,28 +77,41 @@ def figure(data: dict[str, Any]):
         line = mix.plot(steps[window - 1:], np.convolve(data["realised_share"][:, i], kernel, "valid"),
                         label=f"{names[i]} realised")[0]
         mix.plot(steps, data["target_share"][:, i], "--", color=line.get_color(), label=f"{names[i]} target")
-    mix.set_title(f"mix per step (rolling mean of {window} step(s)), top {len(shown)} sources")
+    mix.set_title("share of each step's tokens by source (solid" + (f", mean of {window} steps" if window > 1 else "")
+                  + ") and its target (dashed)")
     mix.set_xlabel("step")
     mix.set_ylabel("share of the step's tokens")
     mix.legend(fontsize=7, ncol=2)
     if len(steps):
-        err = np.abs(data["realised_share"] - data["target_share"]).sum(axis=1) / 2
-        error.plot(steps, np.cumsum(err) / np.arange(1, len(err) + 1))
-    error.set_title("distance of the mix from its target (total variation, running mean)")
+        # the mix of every token so far against the target so far: what the run has trained on
+        # (one step's own share is lumpy, a few documents, and says little)
+        error.plot(steps, data["cumulative_distance"] * 100)
+        final = data["cumulative_distance"][-1] * 100
+        error.set_title(f"all tokens so far: distance from the target mix, % (now {final:.3f} %)")
+    else:
+        error.set_title("all tokens so far: distance from the target mix, %")
     error.set_xlabel("step")
+    error.set_ylabel("total variation distance, %")
+    error.set_ylim(bottom=0)
     if data["balance"]:
         b = np.array(data["balance"])
-        bal.plot(b[:, 0], b[:, 2], ".-", label="arrival order (per-rank loaders)")
-        bal.plot(b[:, 0], b[:, 1], ".-", label="msd layout")
-    bal.set_title("max / mean rank attention cost per step")
+        bal.plot(b[:, 0], b[:, 2], ".-", label=f"arrival order (per-rank loaders), mean {b[:, 2].mean():.3f}")
+        bal.plot(b[:, 0], b[:, 1], ".-", label=f"msd layout, mean {b[:, 1].mean():.3f}")
+        bal.legend()
+    bal.set_title("slowest rank's cost over the mean, per step (1.0 = even)")
     bal.set_xlabel("step")
-    bal.legend()
     waits = data["status"].get("data_wait_s") or {}
     if waits:
         ranks = sorted(waits, key=int)
         wait.bar(ranks, [waits[r] for r in ranks])
-    wait.set_title("data wait per rank, seconds (last status)" if waits else "data wait: no status.json with ranks")
-    wait.set_xlabel("rank")
+        wait.set_title(f"data wait per rank, seconds in all (longest {max(waits.values()):.2f} s)")
+        wait.set_xlabel("rank")
+    else:
+        wait.axis("off")
+        wait.text(0.5, 0.5, "No data wait recorded yet: the coordinator writes each rank's wait to\n"
+                  "STATE/status.json every runtime.status_every_s seconds, and this run\n"
+                  "ended before its first write (msd status shows it live).",
+                  ha="center", va="center", fontsize=10, wrap=True, transform=wait.transAxes)
     fig.suptitle(f"{data['job']} (digest {data['digest']}, dp={data['dp']})")
     fig.tight_layout()
     return fig
@@ -207,7 +224,7 @@ def write_report(data: dict[str, Any], out: str) -> None:
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msd report: {e(data['job'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}</style></head>
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} img{{max-width:100%;height:auto}} td:first-child{{text-align:left}}</style></head>
 <body>
 <h1>msd report</h1>
 <p>Job <code>{e(data['job'])}</code>, digest <code>{e(data['digest'])}</code>, dp={data['dp']};

@@ -90,7 +90,8 @@ def render(status: dict[str, Any]) -> Any:
               help="The job's key directory (a job with security.curve): any authorised key may read status.")
 @click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
-@click.option("--timeout-s", type=float, default=5.0, show_default=True)
+@click.option("--timeout-s", type=float, default=5.0, show_default=True,
+              help="Seconds to wait for the coordinator's answer (then status.json is read).")
 def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_json: bool, interval: float,
            timeout_s: float) -> None:
     """Show a running job: step, steps/s, data wait per rank, target and realised share per source,

@@ -1,13 +1,59 @@
 """What a DataClient hands out: one micro-batch as a dict of arrays (numpy or torch) and plain values.
 
 `Batch.to(device)` moves every tensor and leaves the rest (`step`, `micro_batch`, `num_tokens`,
-`plan`), so the usual one-line move to the GPU works on it. The keys, their dtypes and shapes are
-listed in README ("The batch").
+`plan`), so the usual one-line move to the GPU works on it. `BATCH_KEYS` lists every key, with its
+dtype, shape and meaning (the documentation's batch schema is generated from it; a test checks
+that every key a real batch holds is listed).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class BatchKey(NamedTuple):
+    key: str
+    dtype: str
+    shape: str
+    present: str
+    meaning: str
+
+
+# B: micro_batch_size; L: the row length (seq_len, or the stage's or eval set's, times 1 + token_slack);
+# P: document pieces in the micro-batch; S: segments (each piece, and each row's padding).
+BATCH_KEYS: tuple[BatchKey, ...] = (
+    BatchKey("tokens", "int64", "[B, L]", "first pipeline stage", "Token ids, documents packed into rows; padding "
+             "is `batch.pad_id`."),
+    BatchKey("position_ids", "int64", "[B, L]", "first pipeline stage", "Positions, restarting at 0 with each "
+             "document piece."),
+    BatchKey("labels", "int64", "[B, L]", "last pipeline stage", "The next token within the same document; "
+             "`pad_id` elsewhere."),
+    BatchKey("loss_mask", "float32", "[B, L]", "last pipeline stage", "1 where `labels` is trained on: 0 on "
+             "padding, at the end of each piece, and where a chat source's or a transform's mask says so "
+             "(`loss_mask[i]` is the mask of token i+1)."),
+    BatchKey("cu_seqlens", "int32", "[S + 1]", "always", "Segment boundaries over the flattened micro-batch, for "
+             "variable-length attention (flash-attn `varlen`, `torch` document masks)."),
+    BatchKey("doc_keys", "int64", "[P]", "always", "Each piece's document: `source_index << 48 | record_index`."),
+    BatchKey("doc_offsets", "int64", "[P]", "always", "Where each piece starts in its document (tokens)."),
+    BatchKey("piece_lengths", "int64", "[P]", "always", "Tokens of each piece."),
+    BatchKey("pieces_per_row", "int64", "[B]", "always", "Pieces of each row, in `doc_keys` order."),
+    BatchKey("num_tokens", "int", "", "always", "Real (non-padding) tokens in the micro-batch."),
+    BatchKey("step", "int", "", "always", "The training step (for an eval batch, the pass's internal step)."),
+    BatchKey("micro_batch", "int", "", "always", "Index of the micro-batch within its step (or eval pass)."),
+    BatchKey("plan", "dict", "", "micro-batch 0 of each step", "This rank's cost and the step's balance: "
+             "`rank_cost`, `naive_rank_cost`, `max_over_mean`, `naive_max_over_mean`."),
+    BatchKey("eval_set", "str", "", "eval batches", "The eval set's name (`client.eval_batches(name)`)."),
+    BatchKey("eval_pass", "int", "", "eval batches", "Which pass over the set this is (0, 1, ...)."),
+    BatchKey("pixel_patches", "uint8", "[patches, patch_size * patch_size * 3]", "jobs with images, first stage",
+             "The images' patches, image after image in packing order."),
+    BatchKey("patches_per_image", "int64", "[images]", "jobs with images, first stage", "Patches of each image."),
+    BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
+             "patch's placeholder token."),
+    BatchKey("cu_seqlens_padded", "int32", "[S + 1]", "cp > 1", "Segment boundaries with each segment padded to a "
+             "multiple of 2 x cp (rows are flattened to `[1, n]`)."),
+    BatchKey("cp_cu_seqlens", "int32", "[S + 1]", "cp > 1", "This context-parallel rank's share of each segment."),
+    BatchKey("cp_index", "int64", "[n]", "cp > 1", "Position of each of this rank's tokens in the unsplit flattened micro-batch (-1: padding)."),
+)
 
 
 class Batch(dict):

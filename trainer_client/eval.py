@@ -55,4 +55,6 @@ def add(total: dict[str, tuple[float, int]], more: dict[str, tuple[float, int]])
 
 
 def mean_losses(total: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Mean loss per source from (sum, count) totals (after an all-reduce over the data-parallel
+    ranks), for `DataClient.report_eval`; sources with no token are left out."""
     return {k: s / n for k, (s, n) in total.items() if n > 0}

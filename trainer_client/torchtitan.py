@@ -40,6 +40,11 @@ IGNORE_INDEX = -100
 
 
 class MsdDataLoader(BaseDataLoader):
+    """torchtitan's training data loader, fed by a DataClient: yields `(input_dict, labels)` with
+    `input`, `positions` and the packing metadata, labels -100 where `loss_mask` is 0. Its state
+    is keyed `dp_rank_{r}`, as torchtitan's own loader keys it, so torchtitan's checkpointer saves
+    and restores the client with the model."""
+
     def __init__(self, client: DataClient, dp_rank: int, dp_world_size: int) -> None:
         self.client = client
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size

@@ -19,9 +19,15 @@ ENABLED_ENV = "MSD_WORKER_METRICS"
 class WorkerMetrics:
     """One worker process's metrics (counters summed over the host's processes; gauges per pid)."""
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+    def __init__(self, registry: Any = None) -> None:
+        """`registry`: prometheus-client's default one unless given (the docs list the metrics on one of their own)."""
+        import functools
 
+        import prometheus_client
+
+        on = {"registry": registry} if registry is not None else {}
+        Counter = functools.partial(prometheus_client.Counter, **on)
+        Gauge = functools.partial(prometheus_client.Gauge, **on)
         self.records = Counter("msd_worker_records_prepared", "Records prepared (read and transformed), by source",
                                ["source"])
         self.tokens = Counter("msd_worker_tokens_prepared", "Tokens of the records prepared, by source", ["source"])

@@ -33,13 +33,16 @@ def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None, resume=
     """A trainer: `steps` steps, eval passes after the steps in eval_at ({step: passes}); gate:
     (an event this rank sets after its passes, an event it waits for before them), by rank."""
     from trainer_client import DataClient
+    from trainer_client.batch import BATCH_KEYS
 
+    schema = {k.key for k in BATCH_KEYS}  # the documented batch schema holds every key a batch has
     client = DataClient(address, rank=rank, as_torch=False, timeout_s=90)
     if resume is not None:
         client.load_state_dict(resume)
     try:
         training, passes = [], []
         for batch in client:
+            assert set(batch) <= schema, f"batch keys not in the schema: {set(batch) - schema}"
             training.append((batch["step"], batch["micro_batch"], batch["doc_keys"].tolist(),
                              batch["doc_offsets"].tolist(), batch["piece_lengths"].tolist(), batch["tokens"].tolist()))
             last = batch["micro_batch"] == client.micro_batches_per_step - 1
@@ -50,7 +53,8 @@ def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None, resume=
                 for _ in range(eval_at[batch["step"]]):
                     passes.append([(b["doc_keys"].tolist(), b["doc_offsets"].tolist(), b["piece_lengths"].tolist(),
                                     b["tokens"].tolist(), b["loss_mask"].tolist(), b["eval_set"])
-                                   for b in client.eval_batches(name)])
+                                   for b in client.eval_batches(name) if set(b) <= schema or
+                                   _fail(f"eval batch keys not in the schema: {set(b) - schema}")])
                 if done is not None:
                     done.set()
             if last and batch["step"] + 1 >= steps:
@@ -60,6 +64,10 @@ def _rank(address, rank, steps, eval_at, out, name="heldout", gate=None, resume=
         out.put((rank, f"{type(e).__name__}: {e}", None, None))
     finally:
         client.close()
+
+
+def _fail(message):
+    raise AssertionError(message)
 
 
 def _run(path, steps, eval_at, ranks=2, workers=2, name="heldout", between=None, state_dir=None, resume=None,

@@ -85,6 +85,7 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
         assert r.exit_code == 0, r.output
     _check_report(html_path.read_text(), ["web", "code", "long"])
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _look_at_report(html_path)
 
     # msd where: a document seen in steps 10..20 is found at every step and rank it was delivered
     key = got[(12, 0, 0)][0][0]
@@ -94,6 +95,19 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     assert r.exit_code == 0, r.output
     found = orjson.loads(r.output)["deliveries"]
     assert sorted((f["step"], f["rank"], f["micro_batch"], f["offset"], f["length"]) for f in found) == want
+
+
+def _look_at_report(path):
+    """The report as a person sees it at 1280 pixels: no errors, every plot drawn, nothing cut off
+    behind a horizontal scroll bar."""
+    from tests.browser import look, require_browser
+
+    require_browser()
+    (seen,) = look([path.as_uri()])
+    assert not seen.errors, seen.errors
+    assert seen.scroll_width <= 1280, f"the report is {seen.scroll_width} px wide at 1280"
+    assert len(seen.images) >= 1 and all(natural > 0 and 0 < shown <= 1280 for _, natural, shown in seen.images), \
+        seen.images
 
 
 def _check_report(text, sources):

@@ -1,0 +1,159 @@
+"""The documentation's generated reference pages, from the code itself, so they cannot drift.
+
+Used two ways: as an MkDocs hook (mkdocs.yml `hooks:`), which replaces a marker such as
+`<!-- generated: job-keys -->` in a page by the table it names; and by tests/docs, which check
+that every key, flag and metric has an entry with a meaning.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterator
+
+import click
+
+MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+# ---------------------------------------------------------------- job file
+
+
+def job_keys_md() -> str:
+    from coordinator.job_keys import KEYS
+
+    sections: dict[str, list[Any]] = {}
+    for key in KEYS:
+        top = key.path.split(".")[0].split("[")[0]
+        sections.setdefault(top if "." in key.path or "[" in key.path else "(top level)", []).append(key)
+    out = []
+    for title, keys in sections.items():
+        out += [f"### `{title}`" if title != "(top level)" else "### Top level", "",
+                "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{k.path}` | {_cell(k.type)} | {_cell(k.default)} | {_cell(k.meaning)} |" for k in keys]
+        out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def commands() -> Iterator[tuple[str, click.Command]]:
+    """(full name, command) of `msd` and every command and subcommand under it."""
+    from coordinator.cli import main
+
+    ctx = click.Context(main, info_name="msd")
+
+    def walk(name: str, cmd: click.Command, ctx: click.Context) -> Iterator[tuple[str, click.Command]]:
+        yield name, cmd
+        if isinstance(cmd, click.Group):
+            for sub in cmd.list_commands(ctx):
+                child = cmd.get_command(ctx, sub)
+                if child is not None:
+                    yield from walk(f"{name} {sub}", child, click.Context(child, info_name=sub, parent=ctx))
+
+    yield from walk("msd", main, ctx)
+
+
+def options(cmd: click.Command) -> list[click.Parameter]:
+    return [p for p in cmd.params if isinstance(p, click.Option) or isinstance(p, click.Argument)]
+
+
+def cli_md() -> str:
+    out = []
+    for name, cmd in commands():
+        ctx = click.Context(cmd, info_name=name)
+        out += [f"### `{name}`", "", (cmd.help or "").strip(), "", "```text", f"{name} {' '.join(cmd.collect_usage_pieces(ctx))}", "```", ""]
+        rows = []
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                flags = ", ".join(f"`{o}`" for o in p.opts + p.secondary_opts)
+                unset = p.default is None or type(p.default).__name__ == "Sentinel" or p.is_flag
+                default = "" if unset or p.default in ((), "") else f"`{p.default}`"
+                kind = "flag" if p.is_flag else _cell(p.make_metavar(ctx) if hasattr(p, "make_metavar") else p.type.name)
+                rows.append(f"| {flags} | {kind} | {default} | {_cell(p.help or '')}{' (required)' if p.required else ''} |")
+            elif isinstance(p, click.Argument):
+                rows.append(f"| `{p.human_readable_name}` | argument | | {_cell(getattr(p, 'doc', '') or '')} |")
+        if rows:
+            out += ["| option | value | default | meaning |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def metric_families() -> list[tuple[str, str, str, str, tuple[str, ...]]]:
+    """(exposed name, type, help, process, labels) of every metric the coordinator and workers serve."""
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.metrics import CoordinatorMetrics
+    from worker.metrics import WorkerMetrics
+
+    worker_registry = CollectorRegistry()
+    WorkerMetrics(registry=worker_registry)
+    found = []
+    for process, registry in (("coordinator", CoordinatorMetrics().registry), ("worker", worker_registry)):
+        # the label names of a metric with no samples yet are only on the metric object itself
+        declared = {name: tuple(getattr(c, "_labelnames", ())) for c, names in registry._collector_to_names.items()
+                    for name in names}
+        for family in registry.collect():
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = declared.get(family.name) or tuple(getattr(family, "_labelnames", ()) or ())
+            found.append((name, family.type, family.documentation, process, labels))
+    return found
+
+
+def metrics_md() -> str:
+    out = ["| metric | type | labels | served by | meaning |", "|---|---|---|---|---|"]
+    for name, kind, doc, process, labels in metric_families():
+        out.append(f"| `{name}` | {kind} | {', '.join(f'`{x}`' for x in labels)} | {process} | {_cell(doc)} |")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- wire protocol
+
+
+def protocol_md() -> str:
+    from trainer_client import protocol as p
+
+    inboxes = {"coordinator": p.COORDINATOR_INBOX, "worker": p.WORKER_INBOX, "worker host": p.HOST_INBOX,
+               "trainer (control)": p.TRAINER_CONTROL_INBOX, "trainer (data)": p.TRAINER_DATA_INBOX,
+               "msd mix / status": p.TOOL_INBOX}
+    out = [f"Protocol version **{p.PROTOCOL_VERSION}**. Every message is a msgpack header (a map with `type` and "
+           "the fields below) followed by raw array frames; anything else, or a type the receiving socket does not "
+           "take, is dropped at decode.", "",
+           "| message | received by | header fields | array frames |", "|---|---|---|---|"]
+    for name, m in sorted(p.ALL_TYPES.items()):
+        to = ", ".join(role for role, inbox in inboxes.items() if name in inbox)
+        arrays = ", ".join(f"`{a.name}`" + (f" ({', '.join(a.columns._fields)})" if a.columns else "") for a in m.arrays)
+        out.append(f"| `{name}` | {to} | {', '.join(f'`{f}`' for f in m.fields)} | {arrays} |")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- batch schema
+
+
+def batch_md() -> str:
+    from trainer_client.batch import BATCH_KEYS
+
+    out = ["| key | dtype | shape | present | meaning |", "|---|---|---|---|---|"]
+    out += [f"| `{k.key}` | {k.dtype} | {_cell(k.shape)} | {k.present} | {_cell(k.meaning)} |" for k in BATCH_KEYS]
+    return "\n".join(out) + "\n"
+
+
+GENERATORS: dict[str, Callable[[], str]] = {"job-keys": job_keys_md, "cli": cli_md, "metrics": metrics_md,
+                                            "protocol": protocol_md, "batch": batch_md}
+
+
+def expand(markdown: str) -> str:
+    return MARKER.sub(lambda m: GENERATORS[m.group(1)](), markdown)
+
+
+# ---------------------------------------------------------------- MkDocs hook
+
+
+def on_page_markdown(markdown: str, page: Any = None, config: Any = None, files: Any = None) -> str:
+    return expand(markdown)
