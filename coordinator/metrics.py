@@ -27,7 +27,7 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {}}
+                                     "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {}}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
@@ -36,7 +36,10 @@ class _Totals(Collector):
                 ("msd_mixture_target_share", "The mixture's weight of each source at the plan's step", "source",
                  "target"),
                 ("msd_mixture_realised_share", "Each source's share of every token planned so far", "source",
-                 "realised")):
+                 "realised"),
+                ("msd_mixture_target_so_far_share", "Each source's share of every token planned so far as the "
+                 "mixture asked for it (its changes and ramps included): compare msd_mixture_realised_share with it",
+                 "source", "target_so_far")):
             gauge = GaugeMetricFamily(name, doc, labels=[label])
             for value_label, value in c[key].items():
                 gauge.add_metric([value_label], value)
@@ -167,11 +170,13 @@ class CoordinatorMetrics:
             for kind, n in state.skipped_by_kind[source.index].items():
                 skipped[(source.name, kind)] = n
         names = [source.name for source in state.job.sources]
-        self.totals.copy = {"skipped": skipped, "wait": {str(r): t.waited_s for r, t in reg.trainers.items()},
+        self.totals.copy = {"skipped": skipped, "wait": {str(r): w for r, w in state.data_wait().items()},
                             "delivered": dict(self._delivered), "reprepared": state.reprepared,
                             "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
                             "target": dict(zip(names, weights)),
                             "realised": {name: n / total for name, n in zip(names, delivered)},
+                            "target_so_far": {name: t / (sum(state.planner.state.target) or 1)
+                                              for name, t in zip(names, state.planner.state.target)},
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources

@@ -108,9 +108,9 @@ def figure(data: dict[str, Any]):
         wait.set_xlabel("rank")
     else:
         wait.axis("off")
-        wait.text(0.5, 0.5, "No data wait recorded yet: the coordinator writes each rank's wait to\n"
-                  "STATE/status.json every runtime.status_every_s seconds, and this run\n"
-                  "ended before its first write (msd status shows it live).",
+        wait.text(0.5, 0.5, "No data wait recorded: the coordinator writes each rank's wait to\n"
+                  "STATE/status.json every runtime.status_every_s seconds, and no rank\n"
+                  "had reported a step by its last write (msd status shows it live).",
                   ha="center", va="center", fontsize=10, wrap=True, transform=wait.transAxes)
     fig.suptitle(f"{data['job']} (digest {data['digest']}, dp={data['dp']})")
     fig.tight_layout()

@@ -151,6 +151,8 @@ class CoordinatorState:
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
         self.reprepared = 0  # records prepared again so far (lost with a dead worker)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
+        # seconds each rank that left had waited for data: status and metrics keep the run's waits
+        self.departed_wait: dict[int, float] = {}
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.stopped = False
@@ -486,6 +488,13 @@ class CoordinatorState:
         self.planner.set_cost(at_step, CostConfig(float(q), float(lin), float(pq), float(pl)), replaying=True)
         self.cost_changes.append((at_step, [float(c) for c in coefficients]))
 
+    def data_wait(self) -> dict[int, float]:
+        """Seconds each rank waited for data over the run (ranks that left included)."""
+        waits = dict(self.departed_wait)
+        for r, t in self.registry.trainers.items():
+            waits[r] = max(waits.get(r, 0.0), t.waited_s)
+        return dict(sorted(waits.items()))
+
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
         log.info("rank %d left", trainer.rank)
         self._forget_peer(ev.peer, "left")
@@ -635,6 +644,8 @@ class CoordinatorState:
         """blame: the task the worker died working on (its host agent said so)."""
         removed = self.registry.remove(identity)
         if removed is not None and removed[0] == "trainer":
+            rank = removed[1].rank
+            self.departed_wait[rank] = max(self.departed_wait.get(rank, 0.0), removed[1].waited_s)
             # What workers still hold for it would wait in their backlogs for good: dropped.
             # (A rank that comes back registers again and resumes from its own step.)
             for w in self.registry.workers.values():
@@ -1209,7 +1220,11 @@ class CoordinatorState:
             "dp": self.job.dp,
             "target_share": dict(zip(names, (round(w, 6) for w in self.planner.weights_at(step)))),
             "realised_share": {n: round(d / total, 6) for n, d in zip(names, delivered)},
-            "data_wait_s": {r: round(t.waited_s, 3) for r, t in self.registry.trainers.items()},
+            # what the mixture asked of every token so far (its changes and ramps included), to
+            # compare realised_share with: target_share is only the weight of the step planned now
+            "target_so_far_share": {n: round(t / (sum(self.planner.state.target) or 1), 6)
+                                    for n, t in zip(names, self.planner.state.target)},
+            "data_wait_s": {r: round(w, 3) for r, w in self.data_wait().items()},
             "workers_by_host": hosts,
             "events_handled": self.events_handled,
             "messages_sent": self.messages_sent,

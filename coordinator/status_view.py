@@ -51,13 +51,16 @@ def render(status: dict[str, Any]) -> Any:
         ranks.add_row(str(r), str(consumed[r]), f"{waits.get(r, 0.0):.2f}")
 
     sources = Table(title="sources", title_justify="left")
-    for col, just in (("source", "left"), ("target", "right"), ("realised", "right"), ("skipped", "right")):
+    for col, just in (("source", "left"), ("target now", "right"), ("target so far", "right"),
+                      ("realised so far", "right"), ("skipped", "right")):
         sources.add_column(col, justify=just)
     skipped = status.get("skipped_by_kind") or {}
     for name, target in (status.get("target_share") or {}).items():
         kinds = skipped.get(name) or {}
         kinds = {**kinds, **((status.get("long_docs") or {}).get(name) or {})}  # truncated / dropped long docs
-        sources.add_row(name, f"{target:.3f}", f"{(status.get('realised_share') or {}).get(name, 0.0):.3f}",
+        so_far = (status.get("target_so_far_share") or {}).get(name)
+        sources.add_row(name, f"{target:.3f}", "-" if so_far is None else f"{so_far:.3f}",
+                        f"{(status.get('realised_share') or {}).get(name, 0.0):.3f}",
                         ", ".join(f"{k} {n}" for k, n in kinds.items()) or "0")
 
     workers = Table(title="workers", title_justify="left")

@@ -36,9 +36,13 @@ def test_status_shows_the_running_job(dataset_dir, tmp_path):
     assert set(mid["data_wait_s"]) == {"0", "1"} and set(mid["consumed"]) == {"0", "1"}
     assert 25 <= min(mid["consumed"].values()) < 30 and mid["next_step"] >= 30
     assert last["consumed"] == {} and last["next_step"] >= 40
+    # the ranks left, and their waits stay (the run's, for msd report and the metrics)
+    assert set(last["data_wait_s"]) == {"0", "1"}
+    assert all(last["data_wait_s"][r] >= mid["data_wait_s"][r] for r in ("0", "1"))
     assert last["target_share"] == pytest.approx({"web": 0.5, "code": 0.3, "long": 0.2})
     for name, share in last["target_share"].items():  # 40 steps of 8 x 512 tokens: within a piece or so
         assert abs(last["realised_share"][name] - share) < 0.02, name
+        assert abs(last["realised_share"][name] - last["target_so_far_share"][name]) < 0.02, name
     [workers] = last["workers_by_host"].values()
     assert len(workers) == 2 and all(0.0 <= w["busy_share"] <= 1.0 for w in workers)
     assert any(w["busy_share"] > 0 for w in workers)
@@ -49,7 +53,8 @@ def test_status_shows_the_running_job(dataset_dir, tmp_path):
     console = Console(record=True, width=140)
     console.print(render(mid))
     text = console.export_text()
-    for expected in ("status.yaml", "slowest rank at step", "data wait s", "realised", "web", "busy share",
+    for expected in ("status.yaml", "slowest rank at step", "data wait s", "target so far", "realised so far", "web",
+                     "busy share",
                      "last warnings:"):
         assert expected in text, expected
 
