@@ -175,8 +175,7 @@ class CoordinatorMetrics:
                             "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
                             "target": dict(zip(names, weights)),
                             "realised": {name: n / total for name, n in zip(names, delivered)},
-                            "target_so_far": {name: t / (sum(state.planner.state.target) or 1)
-                                              for name, t in zip(names, state.planner.state.target)},
+                            "target_so_far": state.target_so_far_share(),
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources

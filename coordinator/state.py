@@ -488,6 +488,12 @@ class CoordinatorState:
         self.planner.set_cost(at_step, CostConfig(float(q), float(lin), float(pq), float(pl)), replaying=True)
         self.cost_changes.append((at_step, [float(c) for c in coefficients]))
 
+    def target_so_far_share(self) -> dict[str, float]:
+        """Each source's share of every token so far as the mixture asked for it (changes and ramps included)."""
+        target = self.planner.state.target
+        total = sum(target) or 1
+        return {src.name: t / total for src, t in zip(self.job.sources, target)}
+
     def data_wait(self) -> dict[int, float]:
         """Seconds each rank waited for data over the run (ranks that left included)."""
         waits = dict(self.departed_wait)
@@ -1222,8 +1228,7 @@ class CoordinatorState:
             "realised_share": {n: round(d / total, 6) for n, d in zip(names, delivered)},
             # what the mixture asked of every token so far (its changes and ramps included), to
             # compare realised_share with: target_share is only the weight of the step planned now
-            "target_so_far_share": {n: round(t / (sum(self.planner.state.target) or 1), 6)
-                                    for n, t in zip(names, self.planner.state.target)},
+            "target_so_far_share": {n: round(share, 6) for n, share in self.target_so_far_share().items()},
             "data_wait_s": {r: round(w, 3) for r, w in self.data_wait().items()},
             "workers_by_host": hosts,
             "events_handled": self.events_handled,
