@@ -371,3 +371,47 @@ def test_listing_and_metadata_through_obstore_agree_with_fsspec(corpus, monkeypa
         with pytest.raises(FileNotFoundError, match="missing.jsonl"):
             fast.info(f"s3://{BUCKET}/data/web/missing.jsonl")
         assert "fs" not in vars(fast)
+
+
+def test_a_transform_gets_every_entry_of_a_webdataset_sample_from_a_bucket(tmp_path, monkeypatch):
+    """A prepare task's samples are fetched together: with a transform, every entry of each sample
+    (not only the image and the caption), and the records equal the local shard's."""
+    import io
+    import sys
+    import tarfile
+
+    from coordinator.config import _expand
+    from worker.readers import open_source
+
+    local = tmp_path / "local"
+    local.mkdir()
+    with tarfile.open(local / "s.tar", "w") as tar:
+        for i in range(20):
+            for ext, data in (("jpg", b"j" * (10 + i)), ("seg.png", b"m" * i), ("cls", str(i).encode()),
+                              ("txt", b"caption %d" % i)):
+                if ext == "txt" and i % 4 == 0:
+                    continue  # no caption: the transform's to judge
+                info = tarfile.TarInfo(f"{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "wds_remote.py").write_text(
+        "from worker.transforms import Sample\n"
+        "def names(record, ctx):\n"
+        "    return Sample(ctx.tokenizer.encode(','.join(f'{k}={v[:3]!r}' for k, v in sorted(record.items()))))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"name": "w", "index": 0, "format": "webdataset", "tokenizer": "byte", "image_token_id": 300,
+            "patch_size": 14, "max_pixels": 50176, "transform": "wds_remote:names"}
+    with LoopbackS3() as s3:
+        s3.upload_dir(str(local), BUCKET, "w")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        remote = open_source({**spec, "files": _expand(f"s3://{BUCKET}/w/*.tar", "", "webdataset"),
+                              "cache_dir": str(tmp_path / "c")})
+        here = open_source({**spec, "files": [str(local / "s.tar")], "cache_dir": str(tmp_path / "c2")})
+        remote.prefetch(np.arange(20))
+        for r in range(20):
+            a, b = remote.read_full(r)[0], here.read_full(r)[0]
+            np.testing.assert_array_equal(a, b)
+            text = bytes(a[:-1].astype(np.uint8)).decode()
+            assert "cls=" in text and "seg.png=" in text and ("txt=" in text) == (r % 4 != 0), text
+    sys.modules.pop("wds_remote", None)

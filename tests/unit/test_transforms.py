@@ -148,3 +148,38 @@ def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(d
     spec["sources"][0]["transform_hash"] = "0" * 16  # the coordinator saw other code
     [action] = WorkerCore().handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[]), {})
     assert isinstance(action, Quit) and "differs from the coordinator's" in action.reason
+
+
+def test_a_webdataset_record_holds_every_entry_of_its_sample(tmp_path, monkeypatch):
+    """WebDataset samples carry more than an image and a caption (segmentation masks, class
+    labels, metadata JSON): a transform gets every entry by its suffix, and a sample without a
+    caption is the transform's to judge; the built-in image-text path still refuses it by name."""
+    import io
+    import tarfile
+
+    def add(tar, name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w") as tar:
+        add(tar, "a/000.jpg", b"jpeg bytes")
+        add(tar, "a/000.seg.png", b"mask")
+        add(tar, "a/000.txt", b"a caption")
+        add(tar, "a/000.json", b'{"source": "x"}')
+        add(tar, "a/001.jpg", b"more jpeg bytes")
+        add(tar, "a/001.cls", b"7")
+    (tmp_path / "wds_mod.py").write_text(
+        "from worker.transforms import Sample\n"
+        "def names(record, ctx):\n"
+        "    return Sample(ctx.tokenizer.encode(','.join(f'{k}={len(v)}' for k, v in sorted(record.items()))))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"name": "w", "index": 0, "format": "webdataset", "files": [str(shard)], "tokenizer": "byte",
+            "image_token_id": 300, "patch_size": 14, "max_pixels": 50176, "cache_dir": str(tmp_path / "cache")}
+    r = open_source({**spec, "transform": "wds_mod:names"})
+    got = [bytes(r.read_full(i)[0][:-1].astype(np.uint8)).decode() for i in range(2)]  # the end-of-document id
+    assert got == ["__key__=5,jpg=10,json=15,seg.png=4,txt=9", "__key__=5,cls=1,jpg=15"]
+    with pytest.raises(RecordError, match=r"'a/001'.*no caption entry"):
+        open_source(spec).read_full(1)
+    sys.modules.pop("wds_mod", None)

@@ -115,7 +115,10 @@ class SourceReader:
             self.shards[shard_no].prefetch([])
         for shard_no in touched:
             mine = records[shard_of == shard_no] - self._starts[shard_no]
-            self.shards[shard_no].prefetch(mine.tolist())
+            if self.format == "webdataset":
+                self.shards[shard_no].prefetch(mine.tolist(), every_entry=self.whole_records)
+            else:
+                self.shards[shard_no].prefetch(mine.tolist())
         self._prefetched_shards = touched
 
     @property
@@ -224,9 +227,8 @@ class SourceReader:
                 raise RecordError(f"{shard.path}: row {i} is not a record of fields")
             return row
         if self.format == "webdataset":
-            check_bytes(shard.stored_bytes(i), self.max_record_bytes, self.where(record_index))
-            image, image_ext, caption, caption_ext = shard.entries(i)
-            return {"__key__": shard.key(i), image_ext: image, caption_ext: caption}
+            check_bytes(shard.stored_bytes(i, every_entry=True), self.max_record_bytes, self.where(record_index))
+            return {"__key__": shard.key(i), **shard.all_entries(i)}
         where = f"{shard.shard}:{i + 1}"
         check_bytes(int(shard.offsets[i + 1] - shard.offsets[i]), self.max_record_bytes, where)
         try:

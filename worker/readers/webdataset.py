@@ -2,10 +2,12 @@
 path up to the first dot of its file name), e.g. `000042.jpg` + `000042.txt`.
 
 One sample is one record, in the order of the tar. The shard is scanned once and the index
-(where each sample's image and caption bytes lie) is saved beside it as `<shard>.msdidx.json`
-(or in the cache dir), stamped with the shard's size and mtime. Reading a record is then two
-`pread`s. A sample whose entries are split (its key appears again later), or that lacks an
-image or a caption, keeps its record index but raises RecordError, naming shard and key.
+(where each of a sample's entries lies, and which are its image and caption) is saved beside it
+as `<shard>.msdidx.json` (or in the cache dir), stamped with the shard's size and mtime. Reading
+a record is then a `pread` per entry it needs: the image and the caption for the built-in
+image-text path, every entry for a transform. A sample whose entries are split (its key appears
+again later), or, on the built-in path, that lacks an image or a caption, keeps its record index
+but raises RecordError, naming shard and key.
 
 A shard may be a URL (storage.py): it is scanned once as a stream, its index kept in the cache
 dir, and a sample's entries are read by byte range, a task's samples fetched together.
@@ -30,7 +32,7 @@ log = logging.getLogger("msd.webdataset")
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTS = ("txt", "json")
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: every entry of a sample (a transform gets them all)
 INDEX_SUFFIX = ".msdidx.json"
 
 
@@ -63,7 +65,9 @@ class _Chunks:
 
 
 def scan(path: str, fileobj: Any = None) -> list[dict[str, Any]]:
-    """Samples of a tar in order: key, image/caption (offset, size, ext), and a problem or None.
+    """Samples of a tar in order: key, every entry (suffix -> [offset, size]), image/caption
+    (offset, size, ext), and a problem or None (entries split across the tar); a missing image
+    or caption is noted as `missing` (a problem for the built-in path only).
     With `fileobj`, the tar is read from it as a stream (`path` names it in errors)."""
     samples: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
@@ -80,18 +84,19 @@ def scan(path: str, fileobj: Any = None) -> list[dict[str, Any]]:
                         samples.append({"key": key, "problem": "entries split across the tar"})
                         continue
                     seen[key] = len(samples)
-                    samples.append({"key": key, "problem": None})
+                    samples.append({"key": key, "problem": None, "entries": {}})
                 s = samples[-1]
+                if ext not in s["entries"]:
+                    s["entries"][ext] = [m.offset_data, m.size]
                 kind = "image" if ext.rsplit(".", 1)[-1] in IMAGE_EXTS else "caption" if ext in CAPTION_EXTS else None
                 if kind and kind not in s:
                     s[kind] = [m.offset_data, m.size, ext.rsplit(".", 1)[-1]]
     except (tarfile.TarError, OSError, EOFError) as e:
         raise SourceFormatError(f"{path}: not a readable tar file ({e})") from None
     for s in samples:
-        if s["problem"] is None:
-            missing = [k for k in ("image", "caption") if k not in s]
-            if missing:
-                s["problem"] = f"no {' and no '.join(missing)} entry"
+        missing = [k for k in ("image", "caption") if k not in s]
+        if missing:
+            s["missing"] = f"no {' and no '.join(missing)} entry"
     return samples
 
 
@@ -151,16 +156,18 @@ class WebDatasetShard:
             return None
         return saved["samples"] if isinstance(saved, dict) and saved.get("stamp") == stamp else None
 
-    def prefetch(self, samples: Iterable[int]) -> None:
-        """Fetch the entries of these samples of a remote shard together (a prepare task's)."""
+    def prefetch(self, samples: Iterable[int], every_entry: bool = False) -> None:
+        """Fetch the entries of these samples of a remote shard together (a prepare task's): the
+        image and caption, or with `every_entry` all of them (a transform's records)."""
         self._prefetched = {}
         if self._store is None:
             return
-        wanted = [i for i in sorted(set(samples)) if not self.samples[i]["problem"]]
-        starts, ends = [], []
+        wanted = [i for i in sorted(set(samples)) if not self._unreadable(i, every_entry)]
+        starts, ends, counts = [], [], []
         for i in wanted:
-            for kind in ("image", "caption"):
-                offset, size, _ = self.samples[i][kind]
+            ranges = self._ranges(i, every_entry)
+            counts.append(len(ranges))
+            for offset, size in ranges.values():
                 starts.append(offset)
                 ends.append(offset + size)
         try:
@@ -168,34 +175,60 @@ class WebDatasetShard:
         except OSError as e:
             log.warning("%s: prefetch of %d samples failed (%s); reading them one by one", self.shard, len(wanted), e)
             return
-        self._prefetched = {i: blobs[2 * n: 2 * n + 2] for n, i in enumerate(wanted)}
+        at = 0
+        for i, n in zip(wanted, counts):
+            self._prefetched[i] = blobs[at:at + n]
+            at += n
+
+    def _unreadable(self, i: int, every_entry: bool) -> str | None:
+        s = self.samples[i]
+        return s["problem"] or (None if every_entry else s.get("missing"))
+
+    def _ranges(self, i: int, every_entry: bool) -> dict[str, list[int]]:
+        """The entries to read of sample i: name -> [offset, size]."""
+        s = self.samples[i]
+        if every_entry:
+            return s["entries"]
+        return {kind: s[kind][:2] for kind in ("image", "caption")}
+
+    def _read(self, i: int, every_entry: bool) -> dict[str, bytes]:
+        s = self.samples[i]
+        problem = self._unreadable(i, every_entry)
+        if problem:
+            raise RecordError(f"{self.shard}: sample {s['key']!r}: {problem}")
+        ranges = self._ranges(i, every_entry)
+        fetched = self._prefetched.pop(i, None)
+        if fetched is None and self._store is not None:
+            fetched = self._store.fetch(self.shard, [r[0] for r in ranges.values()],
+                                        [r[0] + r[1] for r in ranges.values()])
+        if fetched is None and self._fd is None:
+            self._fd = os.open(self.shard, os.O_RDONLY)
+        out = {}
+        for n, (name, (offset, size)) in enumerate(ranges.items()):
+            data = fetched[n] if fetched is not None else os.pread(self._fd, size, offset)
+            if len(data) != size:
+                raise RecordError(f"{self.shard}: sample {s['key']!r}: {name} entry truncated")
+            out[name] = data
+        return out
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def entries(self, i: int) -> tuple[bytes, str, bytes, str]:
         """(image bytes, image ext, caption bytes, caption ext) of sample i."""
+        got = self._read(i, every_entry=False)
         s = self.samples[i]
-        if s["problem"]:
-            raise RecordError(f"{self.shard}: sample {s['key']!r}: {s['problem']}")
-        fetched = self._prefetched.pop(i, None)
-        if fetched is None and self._store is not None:
-            fetched = self._store.fetch(self.shard, [s[k][0] for k in ("image", "caption")],
-                                        [s[k][0] + s[k][1] for k in ("image", "caption")])
-        if fetched is None and self._fd is None:
-            self._fd = os.open(self.shard, os.O_RDONLY)
-        out = []
-        for n, kind in enumerate(("image", "caption")):
-            offset, size, ext = s[kind]
-            data = fetched[n] if fetched is not None else os.pread(self._fd, size, offset)
-            if len(data) != size:
-                raise RecordError(f"{self.shard}: sample {s['key']!r}: {kind} entry truncated")
-            out += [data, ext]
-        return out[0], out[1], out[2], out[3]
+        return got["image"], s["image"][2], got["caption"], s["caption"][2]
 
-    def stored_bytes(self, i: int) -> int:
-        """Bytes of sample i's image and caption entries, from the index (0 for a broken sample)."""
+    def all_entries(self, i: int) -> dict[str, bytes]:
+        """Every entry of sample i: suffix (`jpg`, `seg.png`, `json`, `cls`...) -> bytes."""
+        return self._read(i, every_entry=True)
+
+    def stored_bytes(self, i: int, every_entry: bool = False) -> int:
+        """Bytes of sample i's image and caption entries, or of all its entries, from the index."""
         s = self.samples[i]
+        if every_entry:
+            return sum(size for _, size in s["entries"].values())
         return sum(s[kind][1] for kind in ("image", "caption") if kind in s)
 
     def key(self, i: int) -> str:
