@@ -166,6 +166,10 @@ class PositionTable:
     def patches(self, positions: np.ndarray) -> np.ndarray:
         return self.arena.patches[self._index(positions)]
 
+    def lengths(self, positions: np.ndarray) -> np.ndarray:
+        """Prepared lengths (UNKNOWN where not prepared yet)."""
+        return self.arena.length[self._index(positions)]
+
     def set_prepared(self, positions: np.ndarray, lengths: np.ndarray, worker: int | np.ndarray,
                      patches: np.ndarray | None = None) -> np.ndarray:
         """Record what a worker (or each position's worker, an array) prepared; returns the

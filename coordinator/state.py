@@ -1018,7 +1018,9 @@ class CoordinatorState:
 
     def _keep_features(self, plan: StepPlan) -> None:
         """What each (dp rank, micro-batch) of a step holds, as calibrate.TERMS, for the times
-        its ranks will report (image patches are not counted yet)."""
+        its ranks will report. An image-text piece's patches are its record's patches, a fragment
+        charged its share (as balance.Cost does), whatever the job's model says of patches: a fit
+        may find a patch cost the job file left out."""
         lengths = plan.pieces[:, LENGTH].astype(np.float64)
         mbs = self.job.micro_batches_per_rank
         cell = plan.rank * mbs + plan.micro_batch
@@ -1026,9 +1028,27 @@ class CoordinatorState:
         features[:, 0] = np.bincount(cell, weights=lengths * lengths, minlength=len(features))
         features[:, 1] = np.bincount(cell, weights=lengths, minlength=len(features))
         features[:, 2] = 1.0
+        patches = self._piece_patches(plan.pieces, lengths)
+        if patches is not None:
+            features[:, 3] = np.bincount(cell, weights=patches * patches, minlength=len(features))
+            features[:, 4] = np.bincount(cell, weights=patches, minlength=len(features))
         self._features[plan.step] = features.reshape(self.job.dp, mbs, len(TERMS))
         for old in [s for s in self._features if s < plan.step - FEATURE_STEPS]:
             del self._features[old]
+
+    def _piece_patches(self, pieces: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+        """Image patches of each piece of a plan (None: no image-text source in the job)."""
+        image_sources = [s.index for s in self.job.sources if s.has_images]
+        if not image_sources:
+            return None
+        patches = np.zeros(len(pieces))
+        for s in image_sources:
+            mine = np.flatnonzero(pieces[:, SOURCE] == s)
+            if len(mine):
+                positions = pieces[mine, POSITION]
+                doc = np.maximum(self.tables[s].lengths(positions), 1).astype(np.float64)
+                patches[mine] = np.minimum(1.0, self.tables[s].patches(positions) / doc) * lengths[mine]
+        return patches
 
     def _dispatch(self, plan: StepPlan) -> None:
         if self.job.calibrate:

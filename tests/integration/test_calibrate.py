@@ -78,3 +78,74 @@ def test_calibration_is_adopted_journaled_and_replayed(dataset_dir, tmp_path):
     plan = CliRunner().invoke(main, ["plan", path, "--steps", "5", "--json", "--cost-from", state])
     assert plan.exit_code == 0, plan.output
     assert orjson.loads(plan.output)["cost"]["linear"] == changes[-1][1][1]
+
+
+IMAGE_TOKEN = 300
+PATCH_TRUTH = (1.0, 4.0)  # seconds per token and per patch^2 (x a scale): an image encoder's attention
+
+
+def _image_rank(address, rank, steps, out):
+    import numpy as np
+
+    from trainer_client import DataClient
+
+    b, pq = PATCH_TRUTH
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=90)
+    for batch in client:
+        ends = np.cumsum(batch["piece_lengths"])
+        tokens = batch["tokens"].reshape(-1)  # one row a micro-batch
+        patches = np.array([np.count_nonzero(tokens[e - n:e] == IMAGE_TOKEN)
+                            for e, n in zip(ends, batch["piece_lengths"])], dtype=float)
+        time.sleep(4e-6 * float(b * batch["num_tokens"] + pq * (patches ** 2).sum()))  # ~2-8 ms
+        if batch["micro_batch"] == client.micro_batches_per_step - 1 and batch["step"] + 1 >= steps:
+            break
+    client.close()
+    out.put(rank)
+
+
+def test_calibration_finds_the_patch_cost_of_image_pieces(tmp_path):
+    """An image-text job whose file says nothing of patches: the patches of each micro-batch's pieces
+    are features of the fit, so the calibrated model charges images their own cost."""
+    import multiprocessing as mp
+
+    from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
+
+    root = tmp_path / "mm"
+    (root / "images").mkdir(parents=True)
+    write_webdataset(str(root / "images" / "img-000.tar"), 150, seed=1, sizes=(32, 200))
+    write_parquet(str(root / "text.parquet"), captions()[:600], row_group_size=50)
+    job = {
+        "seed": 7,
+        "sources": {
+            "text": {"format": "parquet", "paths": ["text.parquet"], "text_key": "text"},
+            "images": {"format": "webdataset", "paths": ["images/*.tar"], "image_token_id": IMAGE_TOKEN,
+                       "max_pixels": 192 * 192, "patch_size": 16},
+        },
+        "batch": {"seq_len": 512, "micro_batch_size": 1, "global_batch_size": 4},
+        "topology": {"dp": 2},
+        "mixture": {"weights": {"text": 0.5, "images": 0.5}},
+        "balance": {"cost": {"quadratic": 1.0, "linear": 0.0}, "token_slack": 0.25, "calibrate": True},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 8, "lookahead_steps": 3},
+    }
+    path = write_job(str(root), job, "mm.yaml")
+    state = str(tmp_path / "state")
+    ctx = mp.get_context("spawn")
+    steps = 40
+    with LocalJob(path, workers=2, state_dir=state) as cluster:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_image_rank, args=(cluster.address, r, steps, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            out.get(timeout=240)
+        for p in procs:
+            p.join(30)
+    changes = read_cost_journal(state)
+    assert changes
+    q, lin, _, pq, _ = changes[-1][1]
+    assert pq > 0 and lin > 0, changes
+    assert abs((pq / lin) / (PATCH_TRUTH[1] / PATCH_TRUTH[0]) - 1) < 0.5, changes
+    assert q * 512 < 0.1 * lin, changes  # the quadratic term the job file guessed is gone
+    # the stream after the change is the one `msd manifest` replays with the patch terms
+    m = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", str(steps - 1), "--json"])
+    assert m.exit_code == 0, m.output

@@ -35,3 +35,22 @@ def test_a_fit_is_proposed_only_when_clearly_better_than_the_model():
     assert wrong.propose() is not None
     assert right.propose() is None
     assert scaled_error(x, y, (1.0, 0.0, 0, 0, 0)) > 5 * scaled_error(x, y, (2e-9, 5e-6, 0, 0, 0))
+
+
+def test_the_fit_finds_a_patch_cost_the_model_left_out():
+    """Image-text micro-batches: a vision encoder's attention over each image's patches is a cost of
+    its own (patches^2), which a text-only model cannot express; the fit finds it beside the
+    text's linear cost, and a model without it is clearly worse."""
+    rng = np.random.default_rng(3)
+    n = 400
+    text = rng.integers(20, 400, (n, 6)).astype(float)
+    patches = rng.integers(0, 256, (n, 6)).astype(float) * (rng.random((n, 6)) < 0.5)
+    lengths = text + patches  # a piece's tokens hold its image's placeholders
+    x = np.column_stack([(lengths ** 2).sum(1), lengths.sum(1), np.ones(n), (patches ** 2).sum(1), patches.sum(1)])
+    truth = np.array([0.0, 1e-5, 0.0, 2e-7, 0.0])
+    y = x @ truth * (1 + 0.01 * rng.standard_normal(n))
+    f = fit(x, y)
+    q, lin, _, pq, _ = f.coefficients
+    assert abs(pq / truth[3] - 1) < 0.1 and abs(lin / truth[1] - 1) < 0.1 and q < 0.05 * 1e-5 / 1000
+    assert f.error < 0.02
+    assert scaled_error(x, y, (0.0, 1.0, 0.0, 0.0, 0.0)) > 5 * f.error
