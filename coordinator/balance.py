@@ -564,6 +564,8 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
         free[r, row] -= n
         placed += n
         rank_cost[r] += piece_cost[i]
+    if row_of:
+        _exchange_whole(row_of, lengths, piece_cost, free, rank_cost, per_rank)
     for i, at in row_of.items():  # a row's samples back to back, in the order they were placed
         frag_piece.append(i)
         frag_off.append(0)
@@ -606,3 +608,86 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
                  np.asarray(frag_len, dtype=np.int64)[sort], rows[sort])
     return lay, np.asarray(sorted(deferred), dtype=np.int64)
 
+
+
+SWAP_ROUNDS = 64  # exchanges made per step at most
+PAIR_FROM = 8  # a rank's two samples offered for one of the busiest rank's: two of its this many cheapest
+
+
+def _exchange_whole(row_of: dict[int, int], lengths: np.ndarray, piece_cost: np.ndarray, free: np.ndarray,
+                    rank_cost: np.ndarray, per_rank: int) -> None:
+    """Exchanges of whole samples between the busiest rank and another, one of the busiest rank's
+    for one or two of the other's, where both rows have room for what they get, while one lowers
+    the costlier of the two ranks: with every row full (no token slack), a rank that holds a long
+    sample can only become cheaper by trading its other samples for shorter ones of the same
+    total. The set of samples, hence padding, does not change. In place on row_of, free and
+    rank_cost."""
+    pieces = np.fromiter(row_of.keys(), dtype=np.int64, count=len(row_of))
+    at = np.fromiter(row_of.values(), dtype=np.int64, count=len(row_of))
+    n = lengths[pieces]
+    c = piece_cost[pieces]
+    flat_free = free.reshape(-1)
+    level = float(rank_cost.mean()) * (1 + CAP_MARGIN)  # nothing to gain below
+    for _ in range(SWAP_ROUNDS):
+        rank = at // per_rank
+        b = int(np.argmax(rank_cost))
+        if rank_cost[b] <= level:
+            return
+        mine = np.flatnonzero(rank == b)
+        best = _best_exchange(b, mine, np.flatnonzero(rank != b)[:, None], rank, at, n, c, flat_free, rank_cost)
+        if best is None:
+            best = _best_exchange(b, mine, _cheap_pairs(rank, c, b, len(rank_cost)), rank, at, n, c, flat_free,
+                                  rank_cost)
+        if best is None:
+            return
+        i, theirs, delta = best
+        r = int(rank[theirs[0]])
+        row_i, row_j = int(at[i]), int(at[theirs[0]])
+        flat_free[row_i] += int(n[i] - n[theirs].sum())  # what the other gives lands in i's row,
+        flat_free[row_j] -= int(n[i])  # and i in the row of the first of them
+        for t in theirs:
+            flat_free[at[t]] += int(n[t])
+            at[t] = row_i
+        at[i] = row_j
+        rank_cost[b] -= delta
+        rank_cost[r] += delta
+        for p in (i, *theirs):
+            row_of[int(pieces[p])] = int(at[p])
+
+
+def _best_exchange(b: int, mine: np.ndarray, offers: np.ndarray, rank: np.ndarray, at: np.ndarray, n: np.ndarray,
+                   c: np.ndarray, flat_free: np.ndarray, rank_cost: np.ndarray) -> "tuple | None":
+    """The exchange of one of `mine` (on the busiest rank b) for one row of `offers` (samples of
+    one other rank, -1 for none) that leaves the costlier of the two ranks cheapest, if it is
+    cheaper than b now: (sample, offered samples, cost moved)."""
+    if not len(mine) or not len(offers):
+        return None
+    valid = offers >= 0
+    o = np.where(valid, offers, 0)
+    got_n, got_c = (n[o] * valid).sum(axis=1), (c[o] * valid).sum(axis=1)
+    first = o[:, 0]
+    # the first offered sample's row takes the busiest rank's sample; others offered from that row free room in it
+    room = flat_free[at[first]] + (n[o] * (valid & (at[o] == at[first][:, None]))).sum(axis=1)
+    delta = c[mine][:, None] - got_c[None, :]
+    ok = (delta > 0) & (flat_free[at[mine]][:, None] + n[mine][:, None] >= got_n[None, :]) \
+        & (room[None, :] >= n[mine][:, None])
+    after = np.where(ok, np.maximum(rank_cost[b] - delta, rank_cost[rank[first]][None, :] + delta), np.inf)
+    x, y = divmod(int(np.argmin(after)), after.shape[1])
+    if not after[x, y] < rank_cost[b] * (1 - 1e-9):
+        return None
+    return int(mine[x]), o[y][valid[y]], float(delta[x, y])
+
+
+def _cheap_pairs(rank: np.ndarray, c: np.ndarray, b: int, ranks: int) -> np.ndarray:
+    """Pairs of samples of one rank (not b), two of each rank's PAIR_FROM cheapest: [pairs, 2]."""
+    order = np.lexsort((c, rank))
+    starts = np.searchsorted(rank[order], np.arange(ranks))
+    counts = np.bincount(rank, minlength=ranks)
+    cheapest = np.full((ranks, PAIR_FROM), -1, dtype=np.int64)
+    for t in range(PAIR_FROM):
+        has = counts > t
+        cheapest[has, t] = order[starts[has] + t]
+    cheapest[b] = -1
+    x, y = np.triu_indices(PAIR_FROM, 1)
+    pairs = np.stack([cheapest[:, x].reshape(-1), cheapest[:, y].reshape(-1)], axis=1)
+    return pairs[(pairs >= 0).all(axis=1)]

@@ -9,8 +9,11 @@ Conversations (coordinator.testing.chat_data) are rendered with a chat template 
   venv (`make bench-packing-env` makes `.venv-torchtune`; torchtune pins its own torch and torchao),
   through tools/torchtune_packing.py; left out when that venv is missing.
 Figures: padding share (padding / row tokens), samples dropped or truncated, and for msd the
-max/mean rank cost per step against the step's lower bound (max of mean rank cost and the
-costliest sample).
+max/mean rank cost per step against two lower bounds of the busiest rank: the simple one (the
+larger of the mean rank cost and the costliest sample) and one that knows rows are full
+(`full_rows_bound`: the k ranks that hold the k longest samples must also hold the rest of their
+rows' tokens, at best the step's shortest samples; no layout of the step's samples with its
+padding can do better).
 
     python tools/bench_packing.py [--samples 4000] [--seq-len 4096] [--dp 8] [--rows-per-rank 2]
 """
@@ -44,6 +47,27 @@ def lengths_of_conversations(n: int, seed: int) -> np.ndarray:
                      for _ in range(n)], dtype=np.int64)
 
 
+def full_rows_bound(lengths: np.ndarray, rank_tokens: int, padding: int, ranks: int) -> float:
+    """A lower bound of the busiest rank's cost (quadratic model) for any layout of these whole
+    samples on `ranks` ranks of `rank_tokens` each with `padding` tokens of padding in all. For
+    each k: either the k longest samples are on k different ranks, which between them then hold
+    k x rank_tokens - padding tokens at least, the rest at best the shortest samples (taken
+    fractionally: a relaxation), so the busiest holds at least their mean; or two of them share
+    a rank, which then costs at least the two cheapest of them."""
+    n = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]
+    cost = n * n
+    shortest = np.sort(n)  # fill from the cheapest per token
+    best = 0.0
+    for k in range(1, min(ranks, len(n)) + 1):
+        need = k * rank_tokens - n[:k].sum() - padding
+        rest = shortest[:len(n) - k]
+        take = np.clip(need - (np.cumsum(rest) - rest), 0, rest)  # tokens taken of each, in order
+        spread = (cost[:k].sum() + float((take * rest).sum())) / k
+        paired = cost[k - 2] + cost[k - 1] if k >= 2 else np.inf
+        best = max(best, min(spread, paired))
+    return best
+
+
 def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, token_slack: float = 0.0) -> dict:
     from coordinator.config import parse_job
     from coordinator.plan import LENGTH, Planner
@@ -71,12 +95,16 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, 
         except Exception:  # the source's one epoch is used up
             break
     real = sum(int(p.pieces[:, LENGTH].sum()) for p in plans)
-    ratios, bound_ratios = [], []
+    ratios, bound_ratios, full_ratios = [], [], []
+    rank_tokens = rows_per_rank * job.row_capacity_at(0)
     for p in plans[:-1]:  # the last step holds the remainder
         costs = np.asarray(p.rank_costs)
-        bound = max(costs.mean(), float((p.pieces[:, LENGTH].astype(float) ** 2).max()))
+        n = p.pieces[:, LENGTH]
+        bound = max(costs.mean(), float((n.astype(float) ** 2).max()))
         ratios.append(costs.max() / costs.mean())
         bound_ratios.append(costs.max() / bound)
+        padding = dp * rank_tokens - int(n.sum())
+        full_ratios.append(costs.max() / max(costs.mean(), full_rows_bound(n, rank_tokens, padding, dp)))
     full = plans[:-1]
     padding = 1 - sum(int(p.pieces[:, LENGTH].sum()) for p in full) / (len(full) * rows * job.row_capacity_at(0))
     return {"steps": len(plans), "padding_share": round(padding, 4), "tokens": real,
@@ -85,7 +113,9 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, 
             "left_at_epoch_end": int(len(lengths) - sum(len(p.pieces) for p in plans)),  # too few for a last step
             "max_over_mean_median": round(float(np.median(ratios)), 4),
             "max_over_lower_bound_median": round(float(np.median(bound_ratios)), 4),
-            "max_over_lower_bound_p90": round(float(np.quantile(bound_ratios, 0.9)), 4)}
+            "max_over_lower_bound_p90": round(float(np.quantile(bound_ratios, 0.9)), 4),
+            "max_over_full_rows_bound_median": round(float(np.median(full_ratios)), 4),
+            "max_over_full_rows_bound_p90": round(float(np.quantile(full_ratios, 0.9)), 4)}
 
 
 def trl_packing(lengths: np.ndarray, seq_len: int) -> dict:

@@ -150,3 +150,41 @@ def test_the_coordinator_counts_long_samples_truncated_or_dropped(dataset_dir):
     status = driver.state.status()
     assert status["long_docs"].get("web", {}).get("truncated", 0) + \
         status["long_docs"].get("long", {}).get("truncated", 0) > 0
+
+
+def _conversation_tokens(rng) -> int:
+    """Tokens of a chat sample like bench_packing's: 1 to 12 turns of messages of 5 to 40, 120 or
+    400 words."""
+    turns = int(rng.choice([1, 1, 2, 3, 6, 12]))
+    words = int(rng.choice([40, 120, 400]))
+    return int(sum(8 + 1.3 * rng.integers(5, words + 1) for _ in range(2 * turns)))
+
+
+def test_exchanges_between_ranks_lower_the_busiest_rank_and_keep_every_row_within_its_length(monkeypatch):
+    """Every row full, a rank holding a long conversation can only get cheaper by trading its
+    other samples for shorter ones of another rank (one for one, or one for two): the same samples,
+    hence the same padding, a lower busiest rank."""
+    from coordinator import balance
+
+    grid = balance.Grid(ranks=8, micro_batches=2, micro_batch_size=1, row_capacity=4096)
+    cost = balance.Cost(1.0, 0.0)
+    rng = np.random.default_rng(0)
+    lowered, steps = 0, 40
+    for _ in range(steps):
+        lengths = np.minimum(4096, [_conversation_tokens(rng) for _ in range(200)])
+        lengths = lengths[:int(np.searchsorted(np.cumsum(lengths), 16 * 4096 * 1.05))]
+        whole = np.ones(len(lengths), bool)
+        budget = 16 * 4096
+        with monkeypatch.context() as m:
+            m.setattr(balance, "SWAP_ROUNDS", 0)
+            before, left_before = balance.whole_layout(lengths, whole, grid, cost, budget=budget)
+        after, left_after = balance.whole_layout(lengths, whole, grid, cost, budget=budget)
+        assert left_after.tolist() == left_before.tolist()
+        assert sorted(after.piece.tolist()) == sorted(before.piece.tolist())
+        assert (after.offset == 0).all() and (after.length == lengths[after.piece]).all()  # never cut
+        assert np.bincount(after.row, weights=after.length, minlength=16).max() <= 4096
+        worst_before = before.rank_costs(grid, cost).max()
+        worst_after = after.rank_costs(grid, cost).max()
+        assert worst_after <= worst_before
+        lowered += worst_after < worst_before * (1 - 1e-9)
+    assert lowered >= steps // 4, lowered
