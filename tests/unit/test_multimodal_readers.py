@@ -128,3 +128,28 @@ def test_webdataset_index_is_cached_and_rebuilt_when_the_shard_changes(tmp_path)
     (tmp_path / "junk.tar").write_bytes(b"\x00garbage" * 100)
     with pytest.raises(SourceFormatError, match="junk.tar"):
         open_source(_spec("webdataset", [str(tmp_path / "junk.tar")], image_token_id=300))
+
+
+def test_a_split_sample_with_several_late_entries_is_refused_by_name_and_the_rest_read(tmp_path):
+    """A key whose entries come back later as a run of several (a tar appended to): both runs are
+    refused by name, on the built-in path and for a transform, and the shard's other samples read."""
+    import tarfile
+
+    good = io.BytesIO()
+    Image.new("RGB", (20, 20), (9, 9, 9)).save(good, format="PNG")
+    shard = tmp_path / "late.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, data in (("a.png", good.getvalue()), ("a.txt", b"first"), ("b.png", good.getvalue()),
+                           ("b.txt", b"second"), ("a.cls", b"1"), ("a.json", b"{}"), ("c.png", good.getvalue()),
+                           ("c.txt", b"third")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    r = open_source(_spec("webdataset", [str(shard)], image_token_id=300, max_pixels=32 * 32, patch_size=16))
+    assert r.num_records == 4  # a, b, a again, c
+    for i in (0, 2):
+        with pytest.raises(RecordError, match="'a': entries split across the tar"):
+            r.read_sample(i)
+        with pytest.raises(RecordError, match="'a': entries split across the tar"):
+            r.record(i)
+    assert bytes(r.record(1)["txt"]) == b"second" and len(r.read_sample(3)[1]) >= 1

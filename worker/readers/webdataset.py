@@ -81,7 +81,7 @@ def scan(path: str, fileobj: Any = None) -> list[dict[str, Any]]:
                     if key in seen:  # the key's entries are not contiguous: both runs are unusable
                         first = samples[seen[key]]
                         first["problem"] = first["problem"] or "entries split across the tar"
-                        samples.append({"key": key, "problem": "entries split across the tar"})
+                        samples.append({"key": key, "problem": "entries split across the tar", "entries": {}})
                         continue
                     seen[key] = len(samples)
                     samples.append({"key": key, "problem": None, "entries": {}})
