@@ -67,6 +67,12 @@ class Cost(NamedTuple):
         return q * lengths * lengths + lin * lengths
 
 
+def patch_ratio(patches: np.ndarray, doc_lengths: np.ndarray) -> np.ndarray:
+    """Patches per token of image-text records (at most 1: placeholders are tokens): a piece of
+    `n` tokens of such a record is charged n x its ratio patches (Cost.patch_ratio)."""
+    return np.minimum(1.0, np.asarray(patches, dtype=np.float64) / np.maximum(doc_lengths, 1))
+
+
 class Layout(NamedTuple):
     """Fragments of the step's pieces, in packing order within each row. A piece that had to be
     split appears as several fragments (offset > 0 for all but its head)."""

@@ -521,8 +521,8 @@ class Planner:
             for s in image_sources:
                 mine = pieces[:, SOURCE] == s
                 if mine.any():
-                    ratio[mine] = np.minimum(1.0, known.patches(s, pieces[mine, POSITION])
-                                             / np.maximum(drawn.doc_lengths[mine], 1))
+                    ratio[mine] = balance.patch_ratio(known.patches(s, pieces[mine, POSITION]),
+                                                      drawn.doc_lengths[mine])
             cost = Cost(model.quadratic, model.linear, ratio, model.patch_quadratic, model.patch_linear)
         whole = self.whole[pieces[:, SOURCE]]
         left_out = np.zeros(0, dtype=np.int64)

@@ -27,7 +27,7 @@ from trainer_client.doc_keys import doc_key
 from trainer_client.protocol import DELIVER_ITEM
 from worker.readers.storage import is_url
 
-from .balance import imbalance
+from .balance import imbalance, patch_ratio
 from .config import CostConfig, JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
@@ -1046,8 +1046,8 @@ class CoordinatorState:
             mine = np.flatnonzero(pieces[:, SOURCE] == s)
             if len(mine):
                 positions = pieces[mine, POSITION]
-                doc = np.maximum(self.tables[s].lengths(positions), 1).astype(np.float64)
-                patches[mine] = np.minimum(1.0, self.tables[s].patches(positions) / doc) * lengths[mine]
+                table = self.tables[s]
+                patches[mine] = patch_ratio(table.patches(positions), table.lengths(positions)) * lengths[mine]
         return patches
 
     def _dispatch(self, plan: StepPlan) -> None:
