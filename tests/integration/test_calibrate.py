@@ -36,23 +36,31 @@ def _rank(address, rank, steps, out):
     out.put((rank, got))
 
 
-def test_calibration_is_adopted_journaled_and_replayed(dataset_dir, tmp_path):
+def _serve(path, state, rank_fn, steps, then=None):
+    """The job with two trainer processes, each running rank_fn(address, rank, steps, out) to the
+    end: ({rank: what it put}, then(address) called before the job stops)."""
     import multiprocessing as mp
 
-    job = job_dict(balance={"cost": {"quadratic": 1.0, "linear": 0.0}, "token_slack": 0.25, "calibrate": True})
-    path = write_job(dataset_dir, job, "calibrate.yaml")
-    state = str(tmp_path / "state")
     ctx = mp.get_context("spawn")
-    steps = 40
     with LocalJob(path, workers=2, state_dir=state) as cluster:
         out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(cluster.address, r, steps, out)) for r in range(2)]
+        procs = [ctx.Process(target=rank_fn, args=(cluster.address, r, steps, out)) for r in range(2)]
         for p in procs:
             p.start()
         received = dict(out.get(timeout=240) for _ in procs)
-        r = CliRunner().invoke(main, ["status", "--coordinator", cluster.address, "--json"])
+        after = then(cluster.address) if then else None
         for p in procs:
             p.join(30)
+    return received, after
+
+
+def test_calibration_is_adopted_journaled_and_replayed(dataset_dir, tmp_path):
+    job = job_dict(balance={"cost": {"quadratic": 1.0, "linear": 0.0}, "token_slack": 0.25, "calibrate": True})
+    path = write_job(dataset_dir, job, "calibrate.yaml")
+    state = str(tmp_path / "state")
+    steps = 40
+    received, r = _serve(path, state, _rank, steps,
+                         then=lambda address: CliRunner().invoke(main, ["status", "--coordinator", address, "--json"]))
     changes = read_cost_journal(state)
     assert changes, r.output[-3000:]
     at, (q, lin, _, _, _) = changes[0]
@@ -100,14 +108,12 @@ def _image_rank(address, rank, steps, out):
         if batch["micro_batch"] == client.micro_batches_per_step - 1 and batch["step"] + 1 >= steps:
             break
     client.close()
-    out.put(rank)
+    out.put((rank, None))
 
 
 def test_calibration_finds_the_patch_cost_of_image_pieces(tmp_path):
     """An image-text job whose file says nothing of patches: the patches of each micro-batch's pieces
     are features of the fit, so the calibrated model charges images their own cost."""
-    import multiprocessing as mp
-
     from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
 
     root = tmp_path / "mm"
@@ -129,17 +135,8 @@ def test_calibration_finds_the_patch_cost_of_image_pieces(tmp_path):
     }
     path = write_job(str(root), job, "mm.yaml")
     state = str(tmp_path / "state")
-    ctx = mp.get_context("spawn")
     steps = 60
-    with LocalJob(path, workers=2, state_dir=state) as cluster:
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_image_rank, args=(cluster.address, r, steps, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for _ in procs:
-            out.get(timeout=240)
-        for p in procs:
-            p.join(30)
+    _serve(path, state, _image_rank, steps)
     changes = read_cost_journal(state)
     assert changes
     q, lin, _, pq, _ = changes[-1][1]
