@@ -32,7 +32,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import raise_fd_limit
+from trainer_client.sockets import raise_fd_limit, send_frames_nowait
 
 from .balance import COMPILED
 from .config import JobConfig
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # imported where a job serves metrics: prometheus-client is 3
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
 # plain ints: pyzmq's flag enums cost more than the calls they are passed to
-_MORE, _LAST, _EVENTS, _POLLIN = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_NOWAIT, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
 STATE_DIR_RETRY_MAX_S = 2.0
 SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
@@ -193,7 +193,7 @@ class Coordinator:
                 burst: list[Event] = []
                 for _ in range(MAX_BURST):
                     try:
-                        frames = sock.recv_multipart(_LAST, copy=copy)
+                        frames = sock.recv_multipart(_NOWAIT, copy=copy)
                     except zmq.Again:
                         break
                     self._decode(frames, burst)
@@ -415,12 +415,7 @@ class Coordinator:
     def _send(self, ins: Send) -> None:
         # NOBLOCK: a slow or vanished peer must never stall the coordinator.
         try:
-            frames = wire.encode(ins.header, *ins.arrays)
-            send = self.sock.send  # frame by frame with plain int flags: send_multipart's flag enums cost more
-            send(ins.peer, _MORE)
-            for frame in frames[:-1]:
-                send(frame, _MORE)
-            send(frames[-1], _LAST)
+            send_frames_nowait(self.sock, [ins.peer, *wire.encode(ins.header, *ins.arrays)])
         except zmq.Again:
             log.error("send of %s dropped: peer %s is not reading (high-water mark)", ins.header["type"],
                       ins.peer.hex())

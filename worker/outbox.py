@@ -19,6 +19,8 @@ from typing import Callable
 
 import zmq
 
+from trainer_client.sockets import send_frames_nowait
+
 log = logging.getLogger("msd.worker")
 
 
@@ -39,7 +41,7 @@ class RankOutbox:
             return
         sock = self._socket(address)
         try:
-            sock.send_multipart(frames, copy=copy, flags=zmq.NOBLOCK)
+            send_frames_nowait(sock, frames, copy)
         except zmq.Again:
             self.waits += 1
             self._backlog[address] = collections.deque([(frames, copy)])
@@ -52,7 +54,7 @@ class RankOutbox:
         while queue:
             frames, copy = queue[0]
             try:
-                sock.send_multipart(frames, copy=copy, flags=zmq.NOBLOCK)
+                send_frames_nowait(sock, frames, copy)
             except zmq.Again:
                 return
             queue.popleft()

@@ -51,6 +51,31 @@ def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(datas
     assert core.cache[key].copies == 1  # one copy used up, one left
 
 
+def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_leaves_out_bad_pieces(dataset_dir):
+    """The pieces of a whole delivery are read together (source by source), then split by rank:
+    each rank's message holds its rows grouped by source, in row order within a source, and a
+    piece beyond its document is left out of its own rank's message only."""
+    core, job = _welcomed(dataset_dir)
+    core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": np.array([5, 7], dtype=np.uint64)})
+    web, code = (open_source(job.worker_job()["sources"][i]) for i in (0, 1))
+    w5, w7, c2, c3 = web.read(5), web.read(7), code.read(2), code.read(3)
+    items = np.array([[1, 0, doc_key(1, 3), 2, 3],            # rank 1, mapped
+                      [0, 0, doc_key(0, 7), 0, 2],            # rank 0, cached
+                      [0, 1, doc_key(1, 2), 0, 4],            # rank 0, mapped
+                      [1, 1, doc_key(0, 5), 1, 3],            # rank 1, cached
+                      [0, 2, doc_key(0, 5), 0, 1],            # rank 0, cached
+                      [1, 2, doc_key(1, 2), len(c2), 1],      # rank 1, beyond its document
+                      [0, 3, doc_key(1, 3), 0, 1]], dtype=np.uint64)
+    deliver = P.make(P.DELIVER, delivery_id=4, step=0, addresses=[[0, "tcp://a"], [1, "tcp://b"]])
+    actions = core.handle(deliver, {"items": items, "release": np.zeros(0, dtype=np.uint64)})
+    to_ranks = {a.header["rank"]: a for a in actions if isinstance(a, ToRank)}
+    assert to_ranks[0].arrays[0][:, 0].tolist() == [0, 2, 1, 3]  # source 0's rows, then source 1's
+    assert to_ranks[0].arrays[1].tolist() == [*w7[:2], *w5[:1], *c2[:4], *c3[:1]]
+    assert to_ranks[1].arrays[0][:, 0].tolist() == [1, 0]  # the piece beyond its document is not sent
+    assert to_ranks[1].arrays[1].tolist() == [*w5[1:4], *c3[2:5]]
+    assert actions[-1].header["type"] == "delivered"
+
+
 def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(dataset_dir):
     core, _ = _welcomed(dataset_dir)
     items = np.array([[0, 0, doc_key(0, 9), 0, 4]], dtype=np.uint64)  # never prepared here
