@@ -87,6 +87,7 @@ def test_the_pages_of_a_delivery_are_announced_to_the_kernel_in_merged_page_alig
     asked = []
     index._bin = type("Spy", (), {})()  # not a map: _will_need is skipped, the tokens still come from the map
     real = megatron._will_need
+    megatron.DISK_READS.restart()  # as in a fresh process: its corpus may be cold
     try:
         megatron._will_need = lambda mm, starts, ends: asked.append((starts.tolist(), ends.tolist()))
         parts = index.pieces(np.array([2, 0]), np.array([5, 0]), np.array([100, 3000]))
@@ -95,3 +96,30 @@ def test_the_pages_of_a_delivery_are_announced_to_the_kernel_in_merged_page_alig
     assert [p.tolist() for p in parts] == [docs[2][5:105].tolist(), docs[0].tolist()]
     start_2 = (3000 + 10) * 2
     assert asked == [([start_2 + 10, 0], [start_2 + 210, 6000])]
+
+
+def test_pages_are_announced_while_the_process_reads_from_disk_and_not_once_it_stops():
+    """DiskReads: a fresh process announces until its first count of major page faults, then only
+    within KEEP_S of a count of FAULTS or more (counted once a CHECK_EVERY_S): a corpus in the
+    page cache gains nothing from the madvise calls."""
+    from worker.readers.megatron import DiskReads
+
+    now, faults = [0.0], [5]
+    watch = DiskReads(faults=lambda: faults[0], clock=lambda: now[0])
+    assert watch.lately()  # a fresh process, before its first count
+    now[0] = DiskReads.CHECK_EVERY_S
+    assert not watch.lately()  # no disk reads since
+    faults[0] = 5 + DiskReads.FAULTS - 1
+    now[0] += DiskReads.CHECK_EVERY_S
+    assert not watch.lately()  # a few faults: the process's own code paged in
+    faults[0] += DiskReads.FAULTS
+    now[0] += 0.5
+    assert not watch.lately()  # counted only once a CHECK_EVERY_S
+    now[0] += DiskReads.CHECK_EVERY_S
+    assert watch.lately()  # faults seen: announced again
+    now[0] += DiskReads.KEEP_S - 1
+    assert watch.lately()
+    now[0] += 2
+    assert not watch.lately()
+    watch.restart()  # a forked child: its own counts, a fresh window
+    assert watch.lately()
