@@ -145,7 +145,6 @@ class DeliveryPieces:
         self.masks: list[Any] = [0] * n  # a piece's loss mask, or its length where it has none (all 1)
         self.images: list[Any] = [None] * n
         self.patch_counts = np.zeros(n, dtype=np.uint32)
-        self.masked = False
 
     def join(self, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """One rank's message from the rows `mine` selects: its servable rows grouped by source
@@ -165,7 +164,7 @@ class DeliveryPieces:
         patch_counts = self.patch_counts[at] if patches.size else self.patch_counts[:0]
         masks = [self.masks[i] for i in order]
         mask = np.concatenate([m if isinstance(m, np.ndarray) else np.ones(m, np.uint8) for m in masks]) \
-            if self.masked and any(isinstance(m, np.ndarray) for m in masks) else np.zeros(0, np.uint8)
+            if any(isinstance(m, np.ndarray) for m in masks) else np.zeros(0, np.uint8)
         return self.items[at], tokens, patch_counts, patches, mask
 
 
@@ -351,7 +350,8 @@ class WorkerCore:
         out: list[Action] = []
         # Every piece of the delivery is checked and located once, source by source, then each
         # rank's message is joined from them: per rank, the same numpy calls on a handful of rows
-        # cost more than the copy (measured: a worker's CPU per step 3.1 ms against 1.2 ms).
+        # cost more than the copy (tools/bench_wait.py at no compute: the workers' CPU per step 2.6-4.1 ms
+        # against 1.0-1.5 ms, docs/BENCHMARKS.md).
         pieces = self._read_pieces(step, items, _epochs(epochs, len(items)))
         ranks = items[:, DELIVER_ITEM.rank]
         for rank in np.unique(ranks).tolist():
@@ -424,7 +424,6 @@ class WorkerCore:
                 pieces.tokens[i] = entry.tokens[off: off + n]
                 if entry.loss_mask is not None:
                     pieces.masks[i] = entry.loss_mask[off: off + n]
-                    pieces.masked = True
                 else:
                     pieces.masks[i] = n
                 if entry.images is not None and off < len(entry.images):
