@@ -32,7 +32,7 @@ from trainer_client import memory, security
 from trainer_client import protocol as P
 from trainer_client import wire
 from trainer_client.errors import ProtocolError
-from trainer_client.sockets import raise_fd_limit, send_frames_nowait
+from trainer_client.sockets import NOWAIT, has_message, raise_fd_limit, send_frames_nowait
 
 from .balance import COMPILED
 from .config import JobConfig
@@ -56,8 +56,6 @@ if TYPE_CHECKING:  # imported where a job serves metrics: prometheus-client is 3
 
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
-# plain ints: pyzmq's flag enums cost more than the calls they are passed to
-_NOWAIT, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
 STATE_DIR_RETRY_MAX_S = 2.0
 SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
@@ -184,7 +182,7 @@ class Coordinator:
         loop.add_reader(sock.FD, readable.set)
         try:
             while True:
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                if not has_message(sock):
                     readable.clear()
                     await readable.wait()
                     continue
@@ -193,7 +191,7 @@ class Coordinator:
                 burst: list[Event] = []
                 for _ in range(MAX_BURST):
                     try:
-                        frames = sock.recv_multipart(_NOWAIT, copy=copy)
+                        frames = sock.recv_multipart(NOWAIT, copy=copy)
                     except zmq.Again:
                         break
                     self._decode(frames, burst)

@@ -32,13 +32,12 @@ from .buffers import BufferPool
 from .prebuild import Prebuilder
 from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
 from .session import PeerLoop, Registration
-from .sockets import make_socket, send_nowait
+from .sockets import NOWAIT, has_message, make_socket, send_nowait
 
 log = logging.getLogger("msd.client")
 
 STATE_VERSION = 1  # the "coordinator" key was added in protocol 5; older states load without it
 STATE_TIMEOUT_S = 10.0  # state_dict() waits this long for the coordinator's state
-_NOWAIT, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)  # enum arithmetic costs per call
 _ids = itertools.count()
 
 
@@ -407,7 +406,7 @@ class DataClient:
     def _send_command(self, cmd: list) -> None:
         """The builder thread's: send a command down the wake pipe."""
         try:  # NOBLOCK: if the I/O thread has died, its end of the pipe is gone and a send would block
-            self._wake.send(msgpack.packb(cmd), _NOWAIT)  # our own thread's: msgpack is cheaper than JSON
+            self._wake.send(msgpack.packb(cmd), NOWAIT)  # our own thread's: msgpack is cheaper than JSON
         except zmq.Again:
             pass
 
@@ -512,13 +511,12 @@ class _Receiver:
             self.closing = True
 
     def _on_data(self, data: zmq.Socket) -> None:
-        # Drain what is there: many small piece messages may queue up behind one poll. ZMQ_EVENTS
-        # says when it is empty (a zmq.Again raised for that costs more than the check).
+        # Drain what is there: many small piece messages may queue up behind one poll.
         for _ in range(1000):
-            if not data.getsockopt(_EVENTS) & _POLLIN:
+            if not has_message(data):
                 break
             try:
-                frames = data.recv_multipart(_NOWAIT, copy=False)
+                frames = data.recv_multipart(NOWAIT, copy=False)
             except zmq.Again:
                 break
             self.state.on_pieces(frames)

@@ -41,8 +41,15 @@ def bind_free_port(sock: zmq.Socket, host: str) -> str:
 
 # Plain ints: pyzmq's send_multipart ORs enum flags per frame, and enum arithmetic is ~1 us a
 # time (a tenth of a worker's CPU per delivery, 8 messages of 4-5 frames).
+NOWAIT = int(zmq.NOBLOCK)
 _MORE_NOWAIT = int(zmq.SNDMORE | zmq.NOBLOCK)
-_NOWAIT = int(zmq.NOBLOCK)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    """Whether a message waits on the socket now (ZMQ_EVENTS): cheaper than a receive that raises
+    zmq.Again, and true even where a send took the edge of its descriptor."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 def send_frames_nowait(sock: zmq.Socket, frames: list, copy: bool = True) -> None:
@@ -50,7 +57,7 @@ def send_frames_nowait(sock: zmq.Socket, frames: list, copy: bool = True) -> Non
     (a message is taken whole or not at all: libzmq checks the high-water mark at its first frame)."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        sock.send(frame, _MORE_NOWAIT if i < last else _NOWAIT, copy=copy)
+        sock.send(frame, _MORE_NOWAIT if i < last else NOWAIT, copy=copy)
 
 
 def send_nowait(sock: zmq.Socket, header: dict, *arrays) -> bool:
