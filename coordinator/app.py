@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import zmq
 
-from trainer_client import memory, security
-from trainer_client import protocol as P
-from trainer_client import wire
-from trainer_client.errors import ProtocolError
-from trainer_client.sockets import NOWAIT, has_message, raise_fd_limit, send_frames_nowait
+from msd_common import memory, security
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
+from msd_common.sockets import NOWAIT, has_message, raise_fd_limit, send_frames_nowait
 
 from .balance import COMPILED
 from .config import JobConfig

@@ -8,7 +8,7 @@ import os
 
 import click
 
-from trainer_client.logs import FORMAT_ENV
+from msd_common.logs import FORMAT_ENV
 
 COMMANDS = {
     "coordinator": "coordinator.commands:coordinator",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import click
 import numpy as np
 
-from trainer_client.logs import setup_logging
+from msd_common.logs import setup_logging
 
 if TYPE_CHECKING:
     from .config import ConfigError, JobConfig
@@ -169,7 +169,7 @@ def keys_generate(directory: str) -> None:
     """Write key pairs for the coordinator, workers, trainers and operators (the key of msd mix and
     msd status) into DIRECTORY, and the public keys the coordinator and trainers accept into
     DIRECTORY/authorized/. In a directory of older keys, adds the missing operator pair."""
-    from trainer_client.security import generate
+    from msd_common.security import generate
 
     try:
         written = generate(directory)

@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 import yaml
 
-from trainer_client.doc_keys import MAX_SOURCES
-from trainer_client.errors import MsdError
+from msd_common.doc_keys import MAX_SOURCES
+from msd_common.errors import MsdError
 
-from trainer_client.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
+from msd_common.topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
 from worker.readers.errors import SourceFormatError
 from worker.readers.limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_RECORD_BYTES
 from worker.readers.storage import SECRET_KEYS, is_url, store_for

@@ -7,10 +7,10 @@ from typing import Any
 
 import zmq
 
-from trainer_client import protocol as P
-from trainer_client import security, wire
-from trainer_client.errors import ProtocolError
-from trainer_client.sockets import make_socket
+from msd_common import protocol as P
+from msd_common import security, wire
+from msd_common.errors import ProtocolError
+from msd_common.sockets import make_socket
 
 
 class NoAnswer(Exception):
@@ -23,7 +23,7 @@ def ask(address: str, request: dict[str, Any], timeout_s: float = 10.0, keys_dir
     standbys (comma-separated): the one that serves answers (a standby that does not serve has no
     socket bound, so each is given its share of the time). keys_dir: the job's key directory
     (`msd keys generate`), for a job with security.curve."""
-    from trainer_client.session import split_addresses
+    from msd_common.session import split_addresses
 
     keys = security.tool_keys(keys_dir) if keys_dir else None
     addresses = split_addresses(address)

@@ -29,10 +29,10 @@ from typing import Any, Callable
 import orjson
 import zmq
 
-from trainer_client import protocol as P
-from trainer_client import wire
-from trainer_client.errors import ProtocolError
-from trainer_client.sockets import raise_fd_limit
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
+from msd_common.sockets import raise_fd_limit
 
 from .config import ConfigError, JobConfig
 from .lease import Lease

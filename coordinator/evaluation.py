@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trainer_client import protocol as P
-from trainer_client.doc_keys import doc_key
-from trainer_client.topology import Topology
+from msd_common import protocol as P
+from msd_common.doc_keys import doc_key
+from msd_common.topology import Topology
 
 from . import balance
 from .config import EvalSetConfig, JobConfig

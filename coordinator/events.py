@@ -3,7 +3,7 @@
 The shell (app.py) turns every message that passed `wire.decode` into one of these, stamped with
 the monotonic time it was received (`at`), and hands them to `CoordinatorState.handle`. Time
 enters the state only this way: through `at` and through `Tick`. Fields mirror the messages of
-`trainer_client.protocol` one to one (arrays by their frame names), so `from_message` needs no
+`msd_common.protocol` one to one (arrays by their frame names), so `from_message` needs no
 per-type code.
 """
 

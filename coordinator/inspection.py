@@ -87,7 +87,7 @@ def manifest(state_dir: str, step: int, rank: int | None, as_json: bool, resolve
 @click.argument("doc_key", type=int)
 def where(state_dir: str, steps: str | None, as_json: bool, config: str | None, doc_key: int) -> None:
     """The steps, ranks and offsets at which document DOC_KEY was delivered."""
-    from trainer_client.doc_keys import split_doc_key
+    from msd_common.doc_keys import split_doc_key
 
     from .plan import LENGTH, OFFSET, RECORD, SOURCE
     from .replay import ReplayError

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer_client.doc_keys import MAX_SOURCES
-from trainer_client.topology import DEFAULT_ORDER, DELIVERY
+from msd_common.doc_keys import MAX_SOURCES
+from msd_common.topology import DEFAULT_ORDER, DELIVERY
 from worker.readers.limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_RECORD_BYTES
 from worker.vision import DEFAULT_CAPTION_KEY, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
 

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import orjson
 
-from trainer_client.files import atomic_write, durable_append
+from msd_common.files import atomic_write, durable_append
 
 from .plan import PlannerState
 

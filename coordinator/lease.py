@@ -24,7 +24,7 @@ from typing import Callable
 
 import orjson
 
-from trainer_client.errors import MsdError
+from msd_common.errors import MsdError
 
 log = logging.getLogger("msd.coordinator.lease")
 

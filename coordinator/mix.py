@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer_client import protocol as P
+from msd_common import protocol as P
 
 
 def parse_weights(items: tuple[str, ...]) -> dict[str, float]:

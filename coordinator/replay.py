@@ -169,7 +169,7 @@ def fresh_plan(job: JobConfig) -> tuple[Planner, LocalLengths]:
 def manifest_of(plan: StepPlan, job: JobConfig, known: LocalLengths, rank: int | None = None,
                 resolve: bool = False) -> dict[str, Any]:
     """What a step held, per rank, micro-batch and sequence (row), piece by piece in delivery order."""
-    from trainer_client.doc_keys import doc_key
+    from msd_common.doc_keys import doc_key
 
     names = [s.name for s in job.sources]
     ranks: dict[int, list] = {}

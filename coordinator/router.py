@@ -8,8 +8,8 @@ from typing import Any
 
 import zmq
 
-from trainer_client import security
-from trainer_client.sockets import make_socket
+from msd_common import security
+from msd_common.sockets import make_socket
 
 from .config import JobConfig
 

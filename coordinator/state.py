@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trainer_client import protocol as P
-from trainer_client.doc_keys import doc_key
-from trainer_client.protocol import DELIVER_ITEM
+from msd_common import protocol as P
+from msd_common.doc_keys import doc_key
+from msd_common.protocol import DELIVER_ITEM
 from worker.readers.storage import is_url
 
 from .balance import imbalance, patch_ratio

@@ -11,9 +11,9 @@ from typing import Any
 
 import orjson
 
-from trainer_client import protocol as P
-from trainer_client.errors import MsdError
-from trainer_client.files import atomic_write
+from msd_common import protocol as P
+from msd_common.errors import MsdError
+from msd_common.files import atomic_write
 
 from .config import JobConfig, config_diff
 

@@ -10,7 +10,7 @@ from typing import Any
 import click
 import orjson
 
-from trainer_client import protocol as P
+from msd_common import protocol as P
 
 
 def fetch_status(address: str, keys_dir: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from coordinator import balance  # noqa: E402
 from coordinator.balance import Cost, Grid  # noqa: E402
 from coordinator.config import BatchConfig, CostConfig, JobConfig, SourceConfig, Stage  # noqa: E402
 from coordinator.plan import LENGTH, Planner  # noqa: E402
-from trainer_client.topology import Topology  # noqa: E402
+from msd_common.topology import Topology  # noqa: E402
 
 SQUARE = Cost(1.0, 0.0)
 STEP_TOKENS = 4 * 1024 * 1024

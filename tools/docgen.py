@@ -117,7 +117,7 @@ def metrics_md() -> str:
 
 
 def protocol_md() -> str:
-    from trainer_client import protocol as p
+    from msd_common import protocol as p
 
     inboxes = {"coordinator": p.COORDINATOR_INBOX, "worker": p.WORKER_INBOX, "worker host": p.HOST_INBOX,
                "trainer (control)": p.TRAINER_CONTROL_INBOX, "trainer (data)": p.TRAINER_DATA_INBOX,

@@ -134,7 +134,7 @@ def _prepare_process() -> int:
     saving: only what the loader itself left free can be given back after this."""
     import torch  # noqa: F401  (a trainer has torch loaded before its data loader exists)
 
-    from trainer_client.memory import return_freed_memory
+    from msd_common.memory import return_freed_memory
 
     gc.collect()
     return_freed_memory()

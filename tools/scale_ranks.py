@@ -22,10 +22,10 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer_client import protocol as P  # noqa: E402
+from msd_common import protocol as P  # noqa: E402
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed  # noqa: E402
-from trainer_client.session import Registration  # noqa: E402
-from trainer_client.sockets import make_socket, send_nowait  # noqa: E402
+from msd_common.session import Registration  # noqa: E402
+from msd_common.sockets import make_socket, send_nowait  # noqa: E402
 
 
 class LightRank:

@@ -9,8 +9,8 @@ This package imports nothing from the coordinator or the worker; they import its
 
 from typing import TYPE_CHECKING
 
-from .errors import MsdError, PeerLostError, ProtocolError, RejectedError
-from .protocol import PROTOCOL_VERSION
+from msd_common.errors import MsdError, PeerLostError, ProtocolError, RejectedError
+from msd_common.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from .client import DataClient

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
-from .protocol import PIECE_ITEM, RECIPE_PIECE
+from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 

@@ -24,15 +24,15 @@ import msgpack
 import numpy as np
 import zmq
 
-from . import memory, security
-from . import protocol as P
-from .errors import MsdError, PeerLostError, RejectedError
+from msd_common import memory, security
+from msd_common import protocol as P
+from msd_common.errors import MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
 from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
-from .session import PeerLoop, Registration
-from .sockets import NOWAIT, has_message, make_socket, send_nowait
+from msd_common.session import PeerLoop, Registration
+from msd_common.sockets import NOWAIT, has_message, make_socket, send_nowait
 
 log = logging.getLogger("msd.client")
 
@@ -71,7 +71,7 @@ class DataClient:
         pin_memory: torch tensors in pinned host memory, so `batch.to("cuda", non_blocking=True)`
             overlaps the copy with compute (ignored, with a warning, where there is no CUDA device).
         keep_freed_memory: raise glibc's mmap/trim thresholds in this process, so that each
-            step's buffers reuse memory instead of page-faulting fresh pages (trainer_client.memory;
+            step's buffers reuse memory instead of page-faulting fresh pages (msd_common.memory;
             up to ~300 MiB more resident memory, several times cheaper batch assembly), and give
             the heap's free pages back once, when the client has started (what importing and
             setting it up left free).

@@ -1,17 +1,7 @@
-"""Exception types shared by all parts of megascale-data (imported by coordinator and worker too)."""
+"""Moved to `msd_common.errors` in 0.4.0; this old path stays for one release (CHANGELOG.md)."""
 
+import sys
 
-class MsdError(Exception):
-    """Base class of every error megascale-data raises on purpose."""
+from msd_common import errors as _moved
 
-
-class ProtocolError(MsdError):
-    """A wire message was malformed, oversized, of the wrong type or of the wrong version."""
-
-
-class RejectedError(MsdError):
-    """The coordinator refused this peer (version mismatch, rank already taken, bad request)."""
-
-
-class PeerLostError(MsdError):
-    """The coordinator stopped answering for longer than the configured timeout."""
+sys.modules[__name__] = _moved

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 
 def loss_by_source(batch: dict[str, Any], token_loss: Any, source_names: list[str] | None = None

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as P
-from . import wire
+from msd_common import protocol as P
+from msd_common import wire
 from .assemble import StepAssembler
 from .buffers import BufferPool
-from .errors import ProtocolError, RejectedError
-from .topology import Topology, cp_share
+from msd_common.errors import ProtocolError, RejectedError
+from msd_common.topology import Topology, cp_share
 
 log = logging.getLogger("msd.client")
 
@@ -269,7 +269,7 @@ class ReadyStep:
 
 def for_rank(batch: dict[str, Any], info: dict[str, Any], rank: int, metadata_only: bool) -> dict[str, Any]:
     """What a global rank gets of its DP rank's micro-batch: its CP share, and the fields of its
-    pipeline stage (trainer_client.topology)."""
+    pipeline stage (msd_common.topology)."""
     topo = Topology(**info["topology"])
     if topo.world_size == topo.dp:
         return batch

@@ -28,7 +28,7 @@ def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None
         raise click.BadParameter(f"expected a number >= 1 or 'auto', got {procs!r}", param_hint="--procs")
     if max_procs is not None and procs != "auto":
         raise click.BadParameter("only with --procs auto", param_hint="--max-procs")
-    from trainer_client.logs import setup_logging
+    from msd_common.logs import setup_logging
 
     setup_logging(log_level, "worker-host")
     from .host import HostAgent

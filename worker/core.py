@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trainer_client import protocol as P
-from trainer_client.doc_keys import doc_key, split_doc_key
-from trainer_client.protocol import DELIVER_ITEM
+from msd_common import protocol as P
+from msd_common.doc_keys import doc_key, split_doc_key
+from msd_common.protocol import DELIVER_ITEM
 
 from .readers import RecordError, SourceReader, indexing, is_memory_mapped, open_source
 

@@ -46,7 +46,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from trainer_client.memory import return_freed_memory
+from msd_common.memory import return_freed_memory
 
 log = logging.getLogger("msd.worker.forks")
 

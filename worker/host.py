@@ -26,11 +26,11 @@ import time
 
 import zmq
 
-from trainer_client import protocol as P
-from trainer_client import security, wire
-from trainer_client.errors import ProtocolError
-from trainer_client.session import PeerLoop, Registration
-from trainer_client.sockets import make_socket, send_nowait
+from msd_common import protocol as P
+from msd_common import security, wire
+from msd_common.errors import ProtocolError
+from msd_common.session import PeerLoop, Registration
+from msd_common.sockets import make_socket, send_nowait
 
 from .forks import ForkedWorker, ForkServer
 

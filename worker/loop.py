@@ -1,4 +1,4 @@
-"""One worker process: a plain synchronous loop around a poller (trainer_client.session.PeerLoop).
+"""One worker process: a plain synchronous loop around a poller (msd_common.session.PeerLoop).
 
 It owns the sockets and nothing else: the control DEALER to the coordinator and one PUSH per
 trainer data address (`outbox.py`: sends that never block, a backlog per rank). Messages from the coordinator go to `WorkerCore.handle` (worker/core.py),
@@ -16,13 +16,13 @@ from typing import Any
 
 import zmq
 
-from trainer_client import memory, security
-from trainer_client import protocol as P
-from trainer_client import wire
-from trainer_client.errors import ProtocolError
-from trainer_client.logs import setup_logging
-from trainer_client.session import PeerLoop, Registration
-from trainer_client.sockets import make_socket, raise_fd_limit, send_nowait
+from msd_common import memory, security
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
+from msd_common.logs import setup_logging
+from msd_common.session import PeerLoop, Registration
+from msd_common.sockets import make_socket, raise_fd_limit, send_nowait
 
 from .readers import storage
 from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
@@ -35,7 +35,7 @@ MAX_SOCKETS = 65536
 # Below this, copying a frame is cheaper than zero-copy bookkeeping (pyzmq tracks zero-copy
 # frames through a garbage-collector thread).
 ZERO_COPY_BYTES = 1 << 20
-# Freed heap pages go back to the OS this often (trainer_client.memory.return_freed_memory): a
+# Freed heap pages go back to the OS this often (msd_common.memory.return_freed_memory): a
 # trim of a worker's heap takes well under a millisecond; the pages it frees fault in again later
 TRIM_EVERY_S = 2.0
 PARENT_CHECK_S = 0.5  # inside long work (keep_alive), whether the host agent is still there

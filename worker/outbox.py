@@ -19,7 +19,7 @@ from typing import Callable
 
 import zmq
 
-from trainer_client.sockets import send_frames_nowait
+from msd_common.sockets import send_frames_nowait
 
 log = logging.getLogger("msd.worker")
 

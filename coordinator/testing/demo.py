@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 import yaml
 
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 from worker.readers.jsonl import default_cache_dir
 
 from .demo_data import DEMO_JOB, ensure_demo_data

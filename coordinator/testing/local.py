@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from trainer_client.logs import setup_logging
+from msd_common.logs import setup_logging
 
 from .ports import free_address
 

@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import orjson
 
-from trainer_client.files import atomic_write
+from msd_common.files import atomic_write
 
 from .demo_data import _docstrings, _stdlib_sources
 

@@ -84,7 +84,7 @@ def test_every_metric_has_a_meaning_and_an_entry() -> None:
 
 
 def test_every_message_of_the_protocol_is_listed() -> None:
-    from trainer_client import protocol
+    from msd_common import protocol
 
     page = docgen.protocol_md()
     for name in protocol.ALL_TYPES:
@@ -93,7 +93,7 @@ def test_every_message_of_the_protocol_is_listed() -> None:
 
 def test_every_key_of_a_real_batch_is_in_the_schema() -> None:
     from trainer_client.assemble import assemble_step
-    from trainer_client.topology import cp_share
+    from msd_common.topology import cp_share
 
     schema = {k.key for k in BATCH_KEYS}
     pieces = {(1 << 48 | 7, 0, 5): np.arange(5, dtype=np.int32), (2 << 48 | 9, 0, 3): np.arange(3, dtype=np.int32)}

@@ -12,7 +12,7 @@ import numpy as np
 
 from coordinator.config import load_job
 from coordinator.testing.local import LocalJob
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 from worker.readers import open_source
 
 SPAWN = mp.get_context("spawn")

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.testing.multimodal_data import captions
 from tests.conftest import write_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 from .harness import check_content, run_job
 

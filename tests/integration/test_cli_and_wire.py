@@ -11,7 +11,7 @@ import orjson
 import pytest
 import zmq
 
-from trainer_client import protocol as P
+from msd_common import protocol as P
 
 from coordinator.testing.ports import free_address, free_port
 from coordinator.testing.processes import stop

@@ -8,8 +8,8 @@ import zmq
 from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient, RejectedError
-from trainer_client import protocol as P
-from trainer_client import wire
+from msd_common import protocol as P
+from msd_common import wire
 
 from .harness import check_content
 
@@ -158,7 +158,7 @@ from trainer_client import DataClient
 def anon_kb():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
-from trainer_client.memory import keep_freed_memory
+from msd_common.memory import keep_freed_memory
 keep_freed_memory()  # as a client does: freed heap stays resident
 blocks = [bytearray(3000) for _ in range(4000)]  # 12 MB of heap, then 11 of it freed in holes
 kept = blocks[::12]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import job_dict, write_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 from .harness import check_content, run_job, signature
 

@@ -14,7 +14,7 @@ import pytest
 from coordinator.testing.local import LocalJob
 from coordinator.testing.ports import free_port
 from tests.conftest import job_dict, write_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

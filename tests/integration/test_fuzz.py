@@ -9,8 +9,8 @@ import zmq
 from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
-from trainer_client import protocol as P
-from trainer_client import wire
+from msd_common import protocol as P
+from msd_common import wire
 
 from .harness import check_content
 

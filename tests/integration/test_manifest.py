@@ -9,7 +9,7 @@ from coordinator.cli import main
 from coordinator.mix import request_mix
 from coordinator.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 from .harness import run_ranks
 

@@ -7,7 +7,7 @@ import pytest
 from coordinator.config import load_job
 from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
 from tests.conftest import write_job
-from trainer_client.doc_keys import doc_key, split_doc_key
+from msd_common.doc_keys import doc_key, split_doc_key
 from worker.readers import open_source
 
 from .harness import check_content, run_job

@@ -11,7 +11,7 @@ import pytest
 from coordinator.testing.local import LocalJob
 from coordinator.testing.multimodal_data import write_webdataset
 from tests.conftest import write_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 from worker.core import KILL_RECORDS_ENV
 
 from .harness import check_content, run_job, run_ranks, signature

@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.testing.ports import free_port
 from tests.integration.harness import run_job
-from trainer_client.doc_keys import split_doc_key
+from msd_common.doc_keys import split_doc_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 

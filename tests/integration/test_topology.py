@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import job_dict, write_job
-from trainer_client.topology import Topology
+from msd_common.topology import Topology
 
 from .harness import run_job
 

@@ -16,9 +16,9 @@ from coordinator.history import StepHistory
 from coordinator.instructions import Instruction, Send
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
-from trainer_client import protocol as P
-from trainer_client.doc_keys import doc_key, split_doc_key
-from trainer_client.protocol import DELIVER_ITEM
+from msd_common import protocol as P
+from msd_common.doc_keys import doc_key, split_doc_key
+from msd_common.protocol import DELIVER_ITEM
 from worker.readers import open_source
 
 

@@ -161,7 +161,7 @@ def test_the_frames_of_a_zstd_shard_are_checked_to_their_ends(tmp_path, tail, re
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
 def test_a_decompressed_copy_has_its_disk_reserved_first_and_is_exactly_the_content(tmp_path):
-    from trainer_client.files import preallocate
+    from msd_common.files import preallocate
     from worker.readers.jsonl import _declared_size
 
     reserved = tmp_path / "reserved"
@@ -271,7 +271,7 @@ def test_the_worker_processes_of_a_host_share_the_indexing_of_shards_it_lacks(tm
 
 def test_a_welcomed_worker_builds_what_its_host_lacks_keeping_itself_alive(tmp_path):
     from worker.core import Registered, WorkerCore
-    from trainer_client import protocol as P
+    from msd_common import protocol as P
 
     rng = np.random.default_rng(22)
     files = [str(tmp_path / f"w{i}.jsonl.zst") for i in range(3)]

@@ -13,8 +13,8 @@ from coordinator.history import StepHistory
 from coordinator.instructions import AppendJournal, AppendMixture, Send, Stop
 from coordinator.plan import Planner
 from tests.conftest import job_dict
-from trainer_client import protocol as P
-from trainer_client.doc_keys import split_doc_key
+from msd_common import protocol as P
+from msd_common.doc_keys import split_doc_key
 
 from .coordinator_driver import Driver
 

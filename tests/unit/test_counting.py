@@ -10,7 +10,7 @@ from coordinator.config import parse_job
 from coordinator.counting import _Counting
 from coordinator.sources import open_sources
 from tests.conftest import job_dict
-from trainer_client import protocol as P
+from msd_common import protocol as P
 from worker.core import ToCoordinator, WorkerCore
 
 

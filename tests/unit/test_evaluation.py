@@ -6,7 +6,7 @@ from coordinator import evaluation
 from coordinator.config import parse_job
 from coordinator.holdout import Holdout, record_hash
 from tests.conftest import job_dict
-from trainer_client import protocol as P
+from msd_common import protocol as P
 
 
 def _job(dataset_dir, eval_sets):

@@ -4,7 +4,7 @@ is named in a warning."""
 import logging
 import resource
 
-from trainer_client.sockets import raise_fd_limit
+from msd_common.sockets import raise_fd_limit
 
 
 def test_the_soft_limit_is_raised_to_the_hard_one(monkeypatch):

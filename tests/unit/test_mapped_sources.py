@@ -12,7 +12,7 @@ from coordinator.history import StepHistory
 from coordinator.instructions import Send
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
-from trainer_client import protocol as P
+from msd_common import protocol as P
 from worker.core import Quit, WorkerCore
 from worker.readers.megatron import MegatronIndex, write_megatron
 

@@ -35,7 +35,7 @@ def test_the_adapter_fills_megatron_cores_own_packed_seq_params_as_te_expects_th
 
     import torch
 
-    from trainer_client.topology import cp_share
+    from msd_common.topology import cp_share
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

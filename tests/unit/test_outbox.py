@@ -7,7 +7,7 @@ import time
 import zmq
 
 from coordinator.testing.ports import free_address
-from trainer_client.sockets import make_socket
+from msd_common.sockets import make_socket
 from worker.outbox import RankOutbox
 
 

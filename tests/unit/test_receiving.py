@@ -3,12 +3,12 @@ heartbeat rhythm every peer shares."""
 
 import numpy as np
 
-from trainer_client import protocol as P
-from trainer_client import wire
+from msd_common import protocol as P
+from msd_common import wire
 from trainer_client.assemble import FIELD_BYTES
-from trainer_client.errors import RejectedError
+from msd_common.errors import RejectedError
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed
-from trainer_client.session import Registration
+from msd_common.session import Registration
 
 BATCH = {"seq_len": 8, "micro_batch_size": 1, "micro_batches": 2, "pad_id": 0, "dp": 1,
          "topology": {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "order": "tp-cp-dp-pp", "delivery": "tp_leader"},
@@ -96,7 +96,7 @@ def test_registration_says_hello_until_welcomed_then_heartbeats_and_hello_at_onc
 
 
 def test_a_consuming_rank_sends_no_heartbeats_and_an_idle_one_does():
-    from trainer_client.session import Registration
+    from msd_common.session import Registration
 
     reg = Registration(lambda: {"type": "hello"}, lambda: {"type": "beat"}, heartbeat_s=1.0)
     assert reg.due(0.0) == {"type": "hello"}

@@ -137,7 +137,7 @@ def test_images_from_a_transform_take_the_image_path(tmp_path, monkeypatch):
 
 
 def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(dataset_dir, tmp_path, module):
-    from trainer_client import protocol as P
+    from msd_common import protocol as P
     from worker.core import Quit, Registered, WorkerCore
 
     job = job_dict()

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_client import protocol as P
-from trainer_client import wire
-from trainer_client.errors import ProtocolError
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
 
 
 def _frames(header, *arrays):

@@ -4,8 +4,8 @@ import numpy as np
 
 from tests.conftest import job_dict
 from coordinator.config import parse_job
-from trainer_client import protocol as P
-from trainer_client.doc_keys import doc_key
+from msd_common import protocol as P
+from msd_common.doc_keys import doc_key
 from worker.core import CacheEntry, Forgotten, Registered, ToCoordinator, ToRank, WorkerCore
 from worker.readers import open_source
 

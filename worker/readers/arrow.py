@@ -14,7 +14,7 @@ import bisect
 import os
 from typing import Any
 
-from trainer_client.files import atomic_write
+from msd_common.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
 from .storage import is_url, local_name, store_for

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Callable, BinaryIO
 
-from trainer_client.files import atomic_write
+from msd_common.files import atomic_write
 
 log = logging.getLogger("msd.copies")
 

@@ -1,7 +1,7 @@
 """Error classes of the readers: a fatal one for a source that cannot be used at all, and a
 skippable one for a single bad record (the job goes on; the record is counted and logged)."""
 
-from trainer_client.errors import MsdError
+from msd_common.errors import MsdError
 
 # Why a record was skipped (the coordinator counts skips per source and kind).
 SKIP_KINDS = ("corrupt", "over_limit", "error", "quarantined")

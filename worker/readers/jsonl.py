@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable
 import numpy as np
 import zstandard
 
-from trainer_client.files import atomic_write, preallocate
+from msd_common.files import atomic_write, preallocate
 
 from .copies import CopyCache, is_evicted
 from .direct_io import DirectWriter, Seen, pump

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from trainer_client.files import atomic_write
+from msd_common.files import atomic_write
 
 from .copies import CopyCache
 from .errors import SourceFormatError

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import orjson
 
-from trainer_client.files import atomic_write
+from msd_common.files import atomic_write
 
 from .errors import RecordError, SourceFormatError
 from .jsonl import _sidecar_path

@@ -1,0 +1,17 @@
+"""Exception types shared by all parts of megascale-data (imported by coordinator and worker too)."""
+
+
+class MsdError(Exception):
+    """Base class of every error megascale-data raises on purpose."""
+
+
+class ProtocolError(MsdError):
+    """A wire message was malformed, oversized, of the wrong type or of the wrong version."""
+
+
+class RejectedError(MsdError):
+    """The coordinator refused this peer (version mismatch, rank already taken, bad request)."""
+
+
+class PeerLostError(MsdError):
+    """The coordinator stopped answering for longer than the configured timeout."""

@@ -1,0 +1,166 @@
+"""The loop every peer of the coordinator runs: say hello until welcomed, then heartbeat, say hello
+again when the coordinator forgets us, and meanwhile serve the sockets. Written once here for
+the worker process, the worker host agent and the trainer client's I/O thread.
+
+A peer may be given several coordinator addresses (`tcp://a:5555,tcp://b:5555`: a primary and
+its standbys). The coordinator answers every heartbeat (`alive`); a peer with several addresses
+that hears nothing for LOST_AFTER_BEATS heartbeats, or gets no welcome for as long, moves on to
+the next address and says hello there. With one address it stays (a coordinator restarted there
+answers its next heartbeat with `unknown_peer`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+
+from .sockets import send_nowait
+
+log = logging.getLogger("msd.session")
+
+HELLO_RETRY_S = 2.0
+LOST_AFTER_BEATS = 3  # silence (in heartbeats) after which the coordinator is taken for gone
+
+
+def split_addresses(coordinator: str) -> list[str]:
+    """`tcp://a:5555,tcp://b:5555` -> the addresses, in order (a primary first, then standbys)."""
+    out = [a.strip() for a in coordinator.split(",") if a.strip()]
+    if not out:
+        raise ValueError(f"no coordinator address in {coordinator!r}")
+    return out
+
+
+class Registration:
+    """When to send a hello or a heartbeat. `hello()` and `heartbeat()` build the messages."""
+
+    def __init__(self, hello: Callable[[], dict[str, Any]], heartbeat: Callable[[], dict[str, Any]],
+                 heartbeat_s: float = 1.0, retry_s: float = HELLO_RETRY_S) -> None:
+        self.hello, self.heartbeat = hello, heartbeat
+        self.heartbeat_s, self.retry_s = heartbeat_s, retry_s
+        self.registered = False
+        self._last_hello = self._last_beat = float("-inf")
+        self.last_heard = float("-inf")  # the last message from the coordinator
+        self.since = float("-inf")  # when we started talking to the current address
+
+    def due(self, now: float) -> dict[str, Any] | None:
+        """The message to send now, if one is due."""
+        if not self.registered:
+            if now - self._last_hello >= self.retry_s:
+                self._last_hello = now
+                return self.hello()
+        elif now - self._last_beat >= self.heartbeat_s:
+            self._last_beat = now
+            return self.heartbeat()
+        return None
+
+    @property
+    def last_beat(self) -> float:
+        """When the last heartbeat (or a message that counts as one) went out."""
+        return self._last_beat
+
+    def heard(self, now: float) -> None:
+        self.last_heard = now
+
+    def spoke(self, now: float) -> None:
+        """Another message to the coordinator went out (a rank's `consumed`): it shows we are
+        alive as well as a heartbeat does, so the next heartbeat waits a full interval. A rank
+        consuming a step a second then sends no heartbeats at all (at a thousand ranks, they and
+        their answers were a third of the coordinator's messages)."""
+        if self.registered:
+            self._last_beat = max(self._last_beat, now)
+
+    def silent(self, now: float) -> bool:
+        """The coordinator at the current address said nothing for too long: registered and no
+        answer to our heartbeats, or no answer to our hellos."""
+        quiet = max(self.last_heard, self.since)
+        limit = LOST_AFTER_BEATS * self.heartbeat_s if self.registered else max(self.retry_s, LOST_AFTER_BEATS *
+                                                                                self.heartbeat_s)
+        return now - quiet > limit
+
+    def welcomed(self, heartbeat_s: float | None = None) -> None:
+        """The coordinator accepted our hello (at the heartbeat interval it asks for)."""
+        self.registered = True
+        if heartbeat_s is not None:
+            self.heartbeat_s = heartbeat_s
+
+    def forgotten(self) -> None:
+        """The coordinator does not know us (it restarted, or declared us dead): hello at once,
+        unless a hello is already on its way (several messages of ours may each be answered
+        `unknown_peer`; one hello for all of them)."""
+        if self.registered:
+            self._last_hello = float("-inf")
+        self.registered = False
+
+    def hello_now(self) -> None:
+        self._last_hello = float("-inf")
+
+    def waiting(self) -> None:
+        """The coordinator is going away: hello again at the usual pace until one answers."""
+        self.registered = False
+
+
+class PeerLoop:
+    """Polls a control socket (and any others) and keeps the registration's rhythm. It connects
+    the control socket to the coordinator (`addresses`: one, or a comma-separated list)."""
+
+    def __init__(self, control: zmq.Socket, registration: Registration, addresses: str | list[str]) -> None:
+        self.control = control
+        self.registration = registration
+        self.addresses = split_addresses(addresses) if isinstance(addresses, str) else list(addresses)
+        self.current = 0
+        self._poller = zmq.Poller()
+        self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
+        control.connect(self.addresses[0])
+        registration.since = time.monotonic()
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.current]
+
+    def _move_on(self, now: float) -> None:
+        """The coordinator at the current address is gone: talk to the next one."""
+        old = self.address
+        self.control.disconnect(old)
+        self.current = (self.current + 1) % len(self.addresses)
+        self.control.connect(self.address)
+        log.warning("coordinator at %s silent for %.1fs; trying %s", old,
+                    now - max(self.registration.last_heard, self.registration.since), self.address)
+        self.registration.forgotten()
+        self.registration.hello_now()
+        self.registration.since = now
+
+    def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
+        """Call handler(sock) whenever sock has a message."""
+        self._poller.register(sock, zmq.POLLIN)
+        self._handlers[sock] = handler
+
+    def on_writable(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None] | None) -> None:
+        """Call handler(sock) whenever sock can take a message; None: stop polling it."""
+        if handler is None:
+            if sock in self._handlers:
+                self._poller.unregister(sock)
+                del self._handlers[sock]
+            return
+        self._poller.register(sock, zmq.POLLOUT)
+        self._handlers[sock] = handler
+
+    def run(self, running: Callable[[], bool], each: Callable[[float], None] | None = None) -> None:
+        """Until running() is false. each(now), if given, runs once per turn, before the poll;
+        a turn ends after a quarter of a heartbeat interval without messages."""
+        while running():
+            now = time.monotonic()
+            if len(self.addresses) > 1 and self.registration.silent(now):
+                self._move_on(now)
+            msg = self.registration.due(now)
+            if msg is not None and not send_nowait(self.control, msg):
+                log.debug("coordinator not reachable yet; %s not sent", msg["type"])
+            if each is not None:
+                each(now)
+            if not running():
+                return
+            for sock, _ in self._poller.poll(timeout=int(self.registration.heartbeat_s * 250)):
+                if sock is self.control:
+                    self.registration.heard(time.monotonic())
+                self._handlers[sock](sock)
