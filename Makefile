@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean
 
-$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c Makefile
+$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)

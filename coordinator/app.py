@@ -35,7 +35,7 @@ from msd_common.errors import ProtocolError
 from msd_common.sockets import NOWAIT, has_message, raise_fd_limit, send_frames_nowait
 
 from .balance import COMPILED
-from .config import JobConfig
+from msd_common.spec import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-METHODS = ("greedy", "karmarkar_karp", "none")
+from msd_common.job_keys import METHODS
 
 
 class Grid(NamedTuple):

@@ -34,7 +34,7 @@ from msd_common import wire
 from msd_common.errors import ProtocolError
 from msd_common.sockets import raise_fd_limit
 
-from .config import ConfigError, JobConfig
+from msd_common.spec import ConfigError, JobConfig
 from .lease import Lease
 from .router import Router
 from .sources import OpenedSources
@@ -82,7 +82,7 @@ class _Counting:
                 return P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}")
             self.welcomed[peer] = msg["host"]
             self.next_id += 1
-            return P.make(P.WELCOME, worker_id=self.next_id - 1, job=self.job.worker_job(),
+            return P.make(P.WELCOME, worker_id=self.next_id - 1, job=self.job.worker_job().to_wire(),
                           heartbeat_s=self.job.runtime.heartbeat_s, count=sorted(self.pending))
         if kind == P.WORKER_HEARTBEAT.name:
             return P.make(P.ALIVE) if peer in self.welcomed else None

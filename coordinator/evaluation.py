@@ -32,7 +32,7 @@ from msd_common.doc_keys import doc_key
 from msd_common.topology import Topology
 
 from . import balance
-from .config import EvalSetConfig, JobConfig
+from msd_common.spec import EvalSetConfig, JobConfig
 from .holdout import Holdout, sample
 
 log = logging.getLogger("msd.coordinator")

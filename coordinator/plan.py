@@ -31,7 +31,7 @@ import numpy as np
 
 from . import balance
 from .balance import Cost, Grid
-from .config import CostConfig, JobConfig
+from msd_common.spec import CostConfig, JobConfig
 from .cursor import SourceStream
 from .holdout import Holdout
 

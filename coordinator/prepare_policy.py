@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import JobConfig
+from msd_common.spec import JobConfig
 from .lead import PrepareLead
 
 

@@ -11,7 +11,7 @@ import zmq
 from msd_common import security
 from msd_common.sockets import make_socket
 
-from .config import JobConfig
+from msd_common.spec import JobConfig
 
 
 class Router:

@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Callable
 
-from .config import JobConfig
+from msd_common.spec import JobConfig
 from .lease import Lease, LeaseHeld
 from .router import Router
 from .sources import OpenedSources

@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from worker.readers import SourceFormatError, SourceReader, open_source
-from worker.readers import indexing
-from worker.readers.storage import is_url, store_for
+from msd_common.formats.errors import SourceFormatError
+from msd_common.formats.records import SourceRecords
+from msd_common.formats import indexing
+from msd_common.formats.storage import is_url, store_for
 
-from .config import ConfigError, JobConfig
+from msd_common.spec import ConfigError, JobConfig
 
 
 @dataclass
@@ -21,7 +22,7 @@ class OpenedSources:
     num_records: list[int]  # per source, in source_index order
     # memory-mapped (Megatron) sources by index, kept open: the coordinator reads their lengths
     # from the index itself instead of asking a worker
-    mapped: dict[int, SourceReader] = field(default_factory=dict)
+    mapped: dict[int, SourceRecords] = field(default_factory=dict)
     # sources with shards this host has no index of, left to the workers to index and count
     # (runtime.index_on: workers): their num_records are 0 until counted (with_counts)
     pending: dict[int, list[str]] = field(default_factory=dict)
@@ -41,9 +42,9 @@ def open_sources(job: JobConfig, index_here: bool = True, meanwhile: Callable[[]
     not opened but left pending, for the workers to index and count (coordinator/counting.py).
     meanwhile: the caller's own work, done while the indexing pool runs (indexing.build_indexes)."""
     counts: list[int] = []
-    mapped: dict[int, SourceReader] = {}
+    mapped: dict[int, SourceRecords] = {}
     problems: list[str] = []
-    specs = job.worker_job()["sources"]
+    specs = job.worker_job().sources
     pending = {} if index_here else indexing.unindexed_shards(specs)
     # Shards without an index yet are indexed by all cores at once; a shard that fails here fails
     # again below, where its source's error is reported.
@@ -54,14 +55,14 @@ def open_sources(job: JobConfig, index_here: bool = True, meanwhile: Callable[[]
             counts.append(0)
             continue
         try:
-            reader = open_source(spec)
+            reader = SourceRecords.of(spec)
         except SourceFormatError as e:
-            problems.append(f"sources.{spec['name']}: {e}")
+            problems.append(f"sources.{spec.name}: {e}")
             counts.append(0)
             continue
         counts.append(reader.num_records)
         if reader.memory_mapped:  # (a Megatron source in object storage is prepared by workers)
-            mapped[spec["index"]] = reader
+            mapped[spec.index] = reader
     _check_not_empty(job, counts, problems, skip=set(pending))
     return OpenedSources(counts, mapped, pending)
 
@@ -81,7 +82,7 @@ def _check_not_empty(job: JobConfig, counts: list[int], problems: list[str], ski
         raise ConfigError(job.path, problems)
 
 
-def mapped_lengths(reader: SourceReader, source: Any, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def mapped_lengths(reader: SourceRecords, source: Any, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of memory-mapped records from their index, and which are over the source's
     max_record_bytes (length 0: skipped, as a worker would skip them)."""
     lengths = reader.lengths(records)

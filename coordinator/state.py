@@ -25,10 +25,10 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key
 from msd_common.protocol import DELIVER_ITEM
-from worker.readers.storage import is_url
+from msd_common.formats.storage import is_url
 
 from .balance import imbalance, patch_ratio
-from .config import CostConfig, JobConfig
+from msd_common.spec import CostConfig, JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,
@@ -248,7 +248,7 @@ class CoordinatorState:
         worker = self.registry.add_worker(ev.peer, ev.at, ev.agent, ev.pid)
         log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid,
                  extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
-        self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job(),
+        self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job().to_wire(),
                                    heartbeat_s=self.heartbeat_s, count=[]))
         self.eval.pump()  # a pass waiting for workers
 

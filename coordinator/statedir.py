@@ -15,7 +15,7 @@ from msd_common import protocol as P
 from msd_common.errors import MsdError
 from msd_common.files import atomic_write
 
-from .config import JobConfig, config_diff
+from msd_common.spec import JobConfig, config_diff
 
 log = logging.getLogger("msd.coordinator")
 JOB_RECORD = "job.json"

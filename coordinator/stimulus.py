@@ -147,7 +147,7 @@ def replay(dump: Dump, state: Any) -> ReplayResult:
 def build_state(dump: Dump, job: Any = None, sources: Any = None) -> Any:
     """A CoordinatorState built as the dump's origin says: its job file (or `job`), the job's
     sources (or `sources`), the restored history and mixture changes."""
-    from .config import load_job
+    from msd_common.spec import load_job
     from .history import StepHistory
     from .sources import open_sources
     from .state import CoordinatorState

@@ -99,6 +99,21 @@ def tup(*items: Check) -> Check:
     return check
 
 
+def worker_job() -> Check:
+    """The job a worker is welcomed with, checked as msd_common.spec.WorkerJob reads it (imported
+    on first use: only workers receive it, and the spec's parser is no load for a trainer)."""
+
+    def check(value: Any, path: str) -> None:
+        from .spec import WorkerJob
+
+        try:
+            WorkerJob.from_wire(value)
+        except ProtocolError as e:
+            _fail(path, str(e))
+
+    return check
+
+
 def anything() -> Check:
     """Free-form JSON-like data (job description, plan summary); sizes are bounded by msgpack."""
 
@@ -243,7 +258,7 @@ DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
 # coordinator -> worker
 # count: sources whose record counts the coordinator asks for (a coordinator waiting for its workers
 # to index them, runtime.index_on: workers); empty otherwise
-WELCOME = _msg("welcome", worker_id=integer(), job=anything(), heartbeat_s=number(),
+WELCOME = _msg("welcome", worker_id=integer(), job=worker_job(), heartbeat_s=number(),
                count=seq(integer(0, 0xFFFF), 0x10000))
 # coordinator -> host agent: run this many worker processes (within its limits)
 # retire: pids to stop; heartbeat_s: how often the host heartbeats (the job's runtime.heartbeat_s)

@@ -11,8 +11,8 @@ import pytest
 import yaml
 import zstandard
 
-from worker.readers.megatron import write_megatron
-from worker.tokenizer import ByteTokenizer
+from msd_common.formats.megatron import write_megatron
+from msd_common.tokenizer import ByteTokenizer
 
 
 def _text(rng: np.random.Generator, n_words: int) -> str:

@@ -19,7 +19,7 @@ worker's read of its tokens from the memory map here (text_s_per_token).
 Runs alternate (a, b, a, b, ...); medians are compared. Top-level `ratio` = steps/s (b) / (a).
 
 `--case slow-transform` (issue 32): the second source is the same Megatron text through a
-deliberately slow transform of the user's own (`coordinator.testing.transforms:busy`,
+deliberately slow transform of the user's own (`msd.testing.transforms:busy`,
 `--transform-ms` of CPU per record): a transform's time is part of its source's measured cost,
 so adaptive allocation gives that source the workers it needs.
 """
@@ -40,11 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
-from coordinator.testing.local import LocalJob  # noqa: E402
-from coordinator.testing.multimodal_data import captions, write_webdataset  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
+from msd.testing.multimodal_data import captions, write_webdataset  # noqa: E402
 from worker.readers import open_source  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
-from worker.tokenizer import ByteTokenizer  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
+from msd_common.tokenizer import ByteTokenizer  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 DATA_VERSION = 1
@@ -72,7 +72,7 @@ def write_job(root: str, allocation: str, seq_len: int, ranks: int, case: str = 
                          "max_pixels": 224 * 224, "patch_size": 14}}
     if case == "slow-transform":
         second = {"slow": {"format": "megatron", "paths": ["text_document"],
-                             "transform": "coordinator.testing.transforms:busy", "transform_args": {"ms": transform_ms}}}
+                             "transform": "msd.testing.transforms:busy", "transform_args": {"ms": transform_ms}}}
     job = {
         "seed": 11,
         "sources": {

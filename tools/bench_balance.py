@@ -34,7 +34,7 @@ from bench_output import emit  # noqa: E402  (tools/ is on the path when run as 
 
 from coordinator import balance  # noqa: E402
 from coordinator.balance import Cost, Grid  # noqa: E402
-from coordinator.config import BatchConfig, CostConfig, JobConfig, SourceConfig, Stage  # noqa: E402
+from msd_common.spec import BatchConfig, CostConfig, JobConfig, SourceConfig, Stage  # noqa: E402
 from coordinator.plan import LENGTH, Planner  # noqa: E402
 from msd_common.topology import Topology  # noqa: E402
 

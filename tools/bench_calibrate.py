@@ -33,7 +33,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.journal import read_cost_journal  # noqa: E402
-from coordinator.testing.local import LocalJob  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 CASES = {

@@ -28,7 +28,7 @@ def main() -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from coordinator.testing.chat_data import conversation, write_tokenizer_dir
+    from msd.testing.chat_data import conversation, write_tokenizer_dir
     from worker.chat import ChatTemplate
 
     path = write_tokenizer_dir(tempfile.mkdtemp())

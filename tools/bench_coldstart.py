@@ -49,11 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402
 
-from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
-from coordinator.testing.ports import free_address  # noqa: E402
-from coordinator.testing.processes import stop  # noqa: E402
+from msd.testing.demo_data import _stdlib_sources  # noqa: E402
+from msd.testing.ports import free_address  # noqa: E402
+from msd.testing.processes import stop  # noqa: E402
 
-OPEN = "import sys; from coordinator.config import load_job; from coordinator.sources import open_sources; " \
+OPEN = "import sys; from msd_common.spec import load_job; from coordinator.sources import open_sources; " \
        "print(sum(open_sources(load_job(sys.argv[1])).num_records), flush=True)"
 
 
@@ -113,7 +113,7 @@ def ours_s(job: str) -> tuple[float, int]:
     return seconds, int(line.strip())
 
 
-WORKERS = "import sys, json; from worker.readers.indexing import build_indexes_shared; " \
+WORKERS = "import sys, json; from msd_common.formats.indexing import build_indexes_shared; " \
     "specs = json.loads(sys.argv[1]); built, problems = build_indexes_shared(specs, first=int(sys.argv[2])); " \
     "assert not problems, problems; print(len(built))"
 
@@ -125,7 +125,7 @@ def _worker_specs(paths: list[str], cache: str, copies: str) -> list[dict]:
 
 def record_read_us(path: str, cache: str, copies: str, reads: int = 3000) -> float:
     """Microseconds per line read at random places of one shard, from its cached copy."""
-    from worker.readers.jsonl import JsonlShard
+    from msd_common.formats.jsonl import JsonlShard
 
     shard = JsonlShard(path, cache, copies=copies)
     lines = np.random.default_rng(0).integers(0, len(shard), reads).tolist()
@@ -155,7 +155,7 @@ def forked_workers_s(paths: list[str], cache: str, copies: str, processes: int) 
     """Seconds until `processes` processes forked from this one, which has imported the readers
     (as a host's fork server has before it forks its workers), have indexed every shard: what a
     welcomed worker spends, without the fresh interpreter's imports that workers_s includes."""
-    from worker.readers.indexing import build_indexes_shared
+    from msd_common.formats.indexing import build_indexes_shared
 
     spec = _worker_specs(paths, cache, copies)
     started = time.perf_counter()

@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
-from coordinator.testing.local import LocalJob  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
 from trainer_client.assemble import assemble_micro_batch  # noqa: E402,F401  (imported by the receiver)
-from worker.readers.megatron import MegatronIndex, write_megatron  # noqa: E402
+from msd_common.formats.megatron import MegatronIndex, write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 SEQ_LEN = 8192

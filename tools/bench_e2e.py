@@ -61,10 +61,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_output import emit  # noqa: E402
 import e2e_ranks  # noqa: E402
 
-from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
-from coordinator.testing.ports import free_port  # noqa: E402
-from coordinator.testing.processes import stop  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from msd.testing.demo_data import _stdlib_sources  # noqa: E402
+from msd.testing.ports import free_port  # noqa: E402
+from msd.testing.processes import stop  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 A_7B = 6 * 4096 * 32 / 4e14  # seconds per token^2 (causal attention, forward + backward)
@@ -138,7 +138,7 @@ def make_large_data(root: str, sources: int, docs: int) -> tuple[list[str], list
     stamp, jsonl, prefixes, means_path, saved = _data_paths(root, sources, f"{sources}x{docs}")
     if saved is not None:
         return jsonl, prefixes, saved
-    from worker.readers.jsonl import INDEX_SUFFIX, JsonlShard
+    from msd_common.formats.jsonl import INDEX_SUFFIX, JsonlShard
 
     text = _text()
     rng = np.random.default_rng(2027)

@@ -30,7 +30,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.testing.local import LocalJob  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 WORDS = "the loader plans every global batch from sample metadata and balances cost across ranks".split()

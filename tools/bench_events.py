@@ -43,8 +43,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
-from coordinator.testing.local import LocalJob  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 STEPS = 120
@@ -161,7 +161,7 @@ def run_once(path: str, event: str, pause_s: float, root: str) -> dict:
 def _records_near_event(path: str, reference_state: str) -> list[int]:
     """Two JSONL records the plan uses just after the event step (read from the step journal of
     the reference run: the stream is the same in every run)."""
-    from coordinator.config import load_job
+    from msd_common.spec import load_job
     from coordinator.plan import Planner
     from coordinator.sources import open_sources
 

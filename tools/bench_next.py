@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 from bench_output import emit  # noqa: E402
 
-from coordinator.testing.ports import free_port  # noqa: E402
+from msd.testing.ports import free_port  # noqa: E402
 from trainer_client import DataClient  # noqa: E402
 from trainer_client.assemble import StepAssembler  # noqa: E402
 from trainer_client.receiving import ReadyStep  # noqa: E402

@@ -1,6 +1,6 @@
 """Whole-sample packing against TRL's best-fit decreasing, on the same conversations.
 
-Conversations (coordinator.testing.chat_data) are rendered with a chat template and tokenized
+Conversations (msd.testing.chat_data) are rendered with a chat template and tokenized
 (msd's worker/chat.py); their lengths go to:
 - msd: the planner with one `packing: whole` source (dp ranks x rows of seq_len, the cost
   model quadratic), for as many steps as the conversations fill;
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def lengths_of_conversations(n: int, seed: int) -> np.ndarray:
     from tokenizers import Tokenizer
 
-    from coordinator.testing.chat_data import conversation, write_tokenizer_dir
+    from msd.testing.chat_data import conversation, write_tokenizer_dir
     from worker.chat import ChatTemplate
 
     path = write_tokenizer_dir(tempfile.mkdtemp())
@@ -69,7 +69,7 @@ def full_rows_bound(lengths: np.ndarray, rank_tokens: int, padding: int, ranks: 
 
 
 def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, token_slack: float = 0.0) -> dict:
-    from coordinator.config import parse_job
+    from msd_common.spec import parse_job
     from coordinator.plan import LENGTH, Planner
 
     rows = dp * rows_per_rank

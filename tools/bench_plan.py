@@ -6,7 +6,7 @@ prediction checked against the measured imbalance of a real run.
 1. Data: three Megatron sources of real text, this Python's standard library (.py files) as
    byte tokens: `paragraphs` (blank-line separated blocks: short), `files` (whole files: a long
    tail) and `packages` (every directory's files joined: very long).
-2. Dry runs (coordinator.dryrun, what `msd plan --json` prints) of two mixes - `files`, and
+2. Dry runs (msd.dryrun, what `msd plan --json` prints) of two mixes - `files`, and
    `short_long` (60 % paragraphs, 40 % packages by tokens) - at DP 8 to 1,024 and 32k and 128k
    context, one packed sequence per rank per step, with a 7B-like cost model (attention
    6*d*layers*len^2 against 6*params*len flops), with 1 and 4 packed sequences per rank per step:
@@ -41,9 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
 
-from coordinator import dryrun  # noqa: E402
-from coordinator.config import load_job  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from msd import dryrun  # noqa: E402
+from msd_common.spec import load_job  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
 
 A_7B = 6 * 4096 * 32 / 4e14  # seconds per token^2 (causal attention, forward + backward), as bench_e2e
 B_7B = 6 * 7e9 / 4e14  # seconds per token (everything else)
@@ -173,7 +173,7 @@ def fit_cost(run, max_len: int, repeats: int = 7) -> tuple[float, float, float]:
 
 def receive(path: str, ranks: int, steps: int) -> dict[tuple[int, int], list[int]]:
     """Run the job for real; (step, rank) -> the lengths of the pieces the rank received."""
-    from coordinator.testing.local import LocalJob
+    from msd.testing.local import LocalJob
     from trainer_client import DataClient
 
     got: dict[tuple[int, int], list[int]] = {}

@@ -48,11 +48,11 @@ sys.path.insert(0, HERE)
 from bench_output import emit  # noqa: E402
 from e2e_ranks import descendants, pss_kb  # noqa: E402
 
-from coordinator.testing.demo_data import _stdlib_sources  # noqa: E402
-from coordinator.testing.local import LocalJob  # noqa: E402
-from coordinator.testing.ports import free_port  # noqa: E402
-from coordinator.testing.s3 import LoopbackS3  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from msd.testing.demo_data import _stdlib_sources  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
+from msd.testing.ports import free_port  # noqa: E402
+from msd.testing.s3 import LoopbackS3  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
 
 BUCKET = "bench"
 SHARDS = 8

@@ -40,9 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402
 
-from coordinator.testing.fleet import sources  # noqa: E402
-from coordinator.testing.ports import free_port  # noqa: E402
-from coordinator.testing.processes import stop  # noqa: E402
+from msd.testing.fleet import sources  # noqa: E402
+from msd.testing.ports import free_port  # noqa: E402
+from msd.testing.processes import stop  # noqa: E402
 from worker.forks import host_worker_pids  # noqa: E402
 
 TOKENS_PER_RANK = 8192
@@ -124,7 +124,7 @@ def _slowest_step(samples: dict) -> float:
 
 PROFILED = """
 import cProfile, sys
-from coordinator.cli import main
+from msd.cli import main
 profile = cProfile.Profile()
 profile.enable()
 try:

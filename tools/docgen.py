@@ -23,7 +23,7 @@ def _cell(text: str) -> str:
 
 
 def job_keys_md() -> str:
-    from coordinator.job_keys import KEYS
+    from msd_common.job_keys import KEYS
 
     sections: dict[str, list[Any]] = {}
     for key in KEYS:
@@ -43,7 +43,7 @@ def job_keys_md() -> str:
 
 def commands() -> Iterator[tuple[str, click.Command]]:
     """(full name, command) of `msd` and every command and subcommand under it."""
-    from coordinator.cli import main
+    from msd.cli import main
 
     ctx = click.Context(main, info_name="msd")
 

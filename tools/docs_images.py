@@ -34,7 +34,7 @@ def main(address: str | None, state_dir: str | None, out: str) -> None:
         from click.testing import CliRunner
         from PIL import Image
 
-        from coordinator.cli import main as msd
+        from msd.cli import main as msd
         from tests.browser import look
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -30,8 +30,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_output import emit  # noqa: E402  (tools/ is on the path when run as a script)
-from coordinator.testing.local import LocalJob  # noqa: E402
-from worker.readers.megatron import write_megatron  # noqa: E402
+from msd.testing.local import LocalJob  # noqa: E402
+from msd_common.formats.megatron import write_megatron  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 

@@ -19,43 +19,14 @@ Which tokens are trained on (`train_on`):
 
 from __future__ import annotations
 
-import json
 import os
-from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import numpy as np
 import orjson
 
-TRAIN_ON = ("assistant", "all", "last")
-TEMPLATE_FILE = "chat_template.jinja"
-
-
-class ChatError(ValueError):
-    """A conversation that cannot be rendered as asked (the message says why)."""
-
-
-def find_template(tokenizer_path: str) -> tuple[str, str]:
-    """(the chat template, where it came from) of a tokenizer directory (or of the directory of a
-    tokenizer.json): `chat_template.jinja` beside it, else `chat_template` in tokenizer_config.json
-    (a string, or a list of named templates: the one named "default")."""
-    base = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
-    file = os.path.join(base, TEMPLATE_FILE)
-    if os.path.isfile(file):
-        with open(file, encoding="utf-8") as f:
-            return f.read(), file
-    config = os.path.join(base, "tokenizer_config.json")
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            template = orjson.loads(f.read()).get("chat_template")
-        if isinstance(template, list):
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                            None)
-        if isinstance(template, str) and template:
-            return template, config
-    raise ChatError(f"{base}: no chat template ({TEMPLATE_FILE}, or chat_template in tokenizer_config.json)")
+from msd_common.usercode import TEMPLATE_FILE, TRAIN_ON, ChatError, environment, find_template  # noqa: F401 - their old home
 
 
 def special_tokens(tokenizer_path: str) -> dict[str, Any]:
@@ -79,50 +50,6 @@ def special_tokens(tokenizer_path: str) -> dict[str, Any]:
     return out
 
 
-def _environment() -> Any:
-    """The jinja environment transformers renders chat templates in (sandboxed; generation tags)."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTracker(Extension):
-        """`{% generation %}...{% endgeneration %}`: record the character span of what it renders."""
-
-        tags = {"generation"}
-
-        def __init__(self, environment: Any) -> None:
-            super().__init__(environment)
-            environment.extend(generation_spans=ContextVar("generation_spans", default=None))
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
-
-        def _track(self, caller: Any) -> str:
-            text = caller()
-            tracking = self.environment.generation_spans.get()
-            if tracking is not None:
-                blocks, spans = tracking
-                start = len("".join(blocks))
-                spans.append((start, start + len(text)))
-            return text
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTracker, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
 @dataclass(frozen=True)
 class Rendered:
     tokens: np.ndarray
@@ -136,7 +63,7 @@ class ChatTemplate:
         if train_on not in TRAIN_ON:
             raise ChatError(f"train_on: expected one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         self.source_text, self.origin = find_template(tokenizer_path)
-        self.env = _environment()
+        self.env = environment()
         try:
             self.template = self.env.from_string(self.source_text)
         except Exception as e:  # jinja2's TemplateSyntaxError, named with where the template came from

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -23,7 +23,13 @@ from msd_common import protocol as P
 from msd_common.doc_keys import doc_key, split_doc_key
 from msd_common.protocol import DELIVER_ITEM
 
-from .readers import RecordError, SourceReader, indexing, is_memory_mapped, open_source
+from msd_common.errors import ProtocolError
+from msd_common.formats import indexing
+from msd_common.formats.errors import RecordError
+from msd_common.spec import SourceSpec, WorkerJob
+from msd_common.usercode import TransformImportError, code_hash
+
+from .samples import SourceReader, open_source
 
 log = logging.getLogger("msd.worker")
 
@@ -91,8 +97,8 @@ KILL_RECORDS_ENV = "MSD_KILL_RECORDS"
 SLOW_RECORDS_ENV = "MSD_TEST_SLOW_RECORDS"
 
 
-def _slow_records(specs: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
-    index = {spec.get("name"): s for s, spec in enumerate(specs)}
+def _slow_records(specs: Sequence[SourceSpec]) -> dict[tuple[int, int], float]:
+    index = {spec.name: s for s, spec in enumerate(specs)}
     out: dict[tuple[int, int], float] = {}
     for item in filter(None, (x.strip() for x in os.environ.get(SLOW_RECORDS_ENV, "").split(","))):
         where, _, seconds = item.partition("=")
@@ -104,9 +110,9 @@ def _slow_records(specs: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
     return out
 
 
-def _kill_records(specs: list[dict[str, Any]]) -> dict[int, set[int]]:
+def _kill_records(specs: Sequence[SourceSpec]) -> dict[int, set[int]]:
     raw = os.environ.get(KILL_RECORDS_ENV, "")
-    index = {spec.get("name"): s for s, spec in enumerate(specs)}
+    index = {spec.name: s for s, spec in enumerate(specs)}
     out: dict[int, set[int]] = {}
     for item in filter(None, (x.strip() for x in raw.split(","))):
         name, _, record = item.rpartition(":")
@@ -171,7 +177,7 @@ class DeliveryPieces:
 class WorkerCore:
     def __init__(self) -> None:
         self.worker_id: int | None = None
-        self.specs: list[dict[str, Any]] = []
+        self.specs: Sequence[SourceSpec] = ()
         self.readers: dict[int, SourceReader] = {}
         self.cache: dict[int, CacheEntry] = {}  # doc key -> entry (memory-mapped records are never cached)
         self.kill_records: dict[int, set[int]] = {}  # fault injection (KILL_RECORDS_ENV), by source index
@@ -211,12 +217,13 @@ class WorkerCore:
         return []
 
     def _on_welcome(self, msg: dict[str, Any]) -> list[Action]:
-        job = msg["job"]
-        if not isinstance(job, dict) or not isinstance(job.get("sources"), list):
-            log.error("welcome without a usable job description; ignored")
+        try:
+            job = WorkerJob.from_wire(msg["job"])
+        except ProtocolError as e:
+            log.error("welcome without a usable job description (%s); ignored", e)
             return []
         self.worker_id = msg["worker_id"]
-        self.specs = job["sources"]
+        self.specs = job.sources
         self.readers.clear()
         self.cache.clear()
         self.kill_records = _kill_records(self.specs)
@@ -230,30 +237,28 @@ class WorkerCore:
         # A transform is part of the job's identity: a host whose copy of its code differs from the
         # coordinator's would make another stream, so it does not serve.
         for spec in self.specs:
-            if spec.get("transform"):
-                from .transforms import TransformImportError, code_hash
-
+            if spec.transform:
                 try:
-                    mine = code_hash(spec["transform"])
+                    mine = code_hash(spec.transform)
                 except TransformImportError as e:
-                    log.error("source %s: %s; this worker cannot serve the job, stopping", spec.get("name"), e)
-                    return [Quit(f"cannot import transform {spec['transform']}")]
-                if spec.get("transform_hash") and mine != spec["transform_hash"]:
+                    log.error("source %s: %s; this worker cannot serve the job, stopping", spec.name, e)
+                    return [Quit(f"cannot import transform {spec.transform}")]
+                if spec.transform_hash and mine != spec.transform_hash:
                     log.error("source %s: transform %s on this host (code %s) differs from the coordinator's (code %s); "
-                              "this worker cannot serve the job, stopping", spec.get("name"), spec["transform"], mine,
-                              spec["transform_hash"])
-                    return [Quit(f"transform {spec['transform']} differs from the coordinator's")]
+                              "this worker cannot serve the job, stopping", spec.name, spec.transform, mine,
+                              spec.transform_hash)
+                    return [Quit(f"transform {spec.transform} differs from the coordinator's")]
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
-            if is_memory_mapped(spec):
+            if spec.memory_mapped:
                 self.keep_alive()
                 try:
                     self._reader(s)
                 except Exception as e:
                     log.error("cannot open source %s on this host (%s); this worker cannot serve the job, stopping",
-                              spec.get("name"), e)
-                    return [Quit(f"cannot open source {spec.get('name')}")]
+                              spec.name, e)
+                    return [Quit(f"cannot open source {spec.name}")]
         log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
         out: list[Action] = [Registered(self.worker_id, float(msg["heartbeat_s"]))]
         if msg["count"]:  # the coordinator waits for these sources' record counts before it plans

@@ -135,7 +135,7 @@ class Worker:
         if marked:
             self.current_task.value = -1
         if self.metrics is not None and header["type"] == "prepare" and 0 <= header["source"] < len(self.core.specs):
-            self.metrics.prepared(self.core.specs[header["source"]]["name"], len(arrays["records"]),
+            self.metrics.prepared(self.core.specs[header["source"]].name, len(arrays["records"]),
                                   prepared_tokens(actions), time.perf_counter() - started)
         for action in actions:
             self._do(action, started)

@@ -6,7 +6,7 @@ worker re-imports everything: ~20 MB of its own per process)."""
 import gc
 
 from worker import loop  # noqa: F401  (numpy, pyzmq, msgpack, orjson, the readers)
-from worker.readers import jsonl, megatron, parquet, webdataset  # noqa: F401
+from msd_common.formats import jsonl, megatron, parquet, webdataset  # noqa: F401
 
 gc.collect()
 gc.freeze()

@@ -24,14 +24,12 @@ This module imports without torch (worker hosts need not have it).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import inspect
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+
+from msd_common.usercode import TransformImportError, code_hash, load  # noqa: F401 - their old home
 
 
 @dataclass
@@ -66,46 +64,10 @@ class Context:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class TransformImportError(ValueError):
-    """A transform that cannot be imported: names the module and the exception."""
-
-
 def record_rng(seed: int, source_index: int, record: int, epoch: int) -> np.random.Generator:
     """The generator a record's transform gets: a pure function of its four arguments."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed & (2**64 - 1), source_index, record,
                                                                         epoch])))
-
-
-def load(spec: str) -> Callable[..., Any]:
-    """Import `package.module:function` (from the worker's own Python environment)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TransformImportError(f"transform {spec!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # whatever the module raises on import
-        raise TransformImportError(f"transform {spec!r}: cannot import module {module_name!r} "
-                                   f"({type(e).__name__}: {e})") from None
-    target: Any = module
-    for part in attr.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise TransformImportError(f"transform {spec!r}: module {module_name!r} has no {attr!r}")
-    if not callable(target):
-        raise TransformImportError(f"transform {spec!r}: {attr!r} is not callable")
-    return target
-
-
-def code_hash(spec: str) -> str:
-    """A hash of the transform's code: the source of the module that defines it (the job's
-    identity, so that a restart or a worker host with other code is noticed)."""
-    fn = load(spec)
-    module = sys.modules.get(getattr(fn, "__module__", "") or "") or importlib.import_module(spec.partition(":")[0])
-    try:
-        text = inspect.getsource(module)
-    except (OSError, TypeError):  # no source file (a compiled module): its code objects, as well as we can
-        text = repr(getattr(fn, "__code__", None) and fn.__code__.co_code)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def as_sample(result: Any, where: str) -> Sample | None:

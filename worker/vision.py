@@ -15,9 +15,10 @@ from typing import Callable
 import numpy as np
 
 
-DEFAULT_MAX_PIXELS = 256 * 256  # the job file's defaults for max_pixels, patch_size and text_key
-DEFAULT_PATCH_SIZE = 16
-DEFAULT_CAPTION_KEY = "caption"  # the caption text's key in a JSON caption entry
+from msd_common.formats.limits import DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
+
+__all__ = ["DEFAULT_CAPTION_KEY", "DEFAULT_MAX_PIXELS", "DEFAULT_PATCH_SIZE", "ImageError", "fit", "to_patches",
+           "patches_of_array"]
 
 
 class ImageError(ValueError):
@@ -33,8 +34,6 @@ def fit(width: int, height: int, max_pixels: int, patch_size: int) -> tuple[int,
 
 
 def _check_default_size(width: int, height: int) -> None:
-    from .readers.limits import DEFAULT_MAX_IMAGE_PIXELS
-
     if width * height > DEFAULT_MAX_IMAGE_PIXELS:
         raise ImageError(f"image of {width}x{height} pixels is over {DEFAULT_MAX_IMAGE_PIXELS} pixels")
 

@@ -10,8 +10,8 @@ import click
 import numpy as np
 import pytest
 
-from coordinator.config import ConfigError, parse_job
-from coordinator.job_keys import KEYS, allowed
+from msd_common.spec import ConfigError, parse_job
+from msd_common.job_keys import KEYS, allowed
 from trainer_client.batch import BATCH_KEYS
 
 from .runnable import REPO

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from coordinator.config import load_job
-from coordinator.testing.local import LocalJob
+from msd_common.spec import load_job
+from msd.testing.local import LocalJob
 from msd_common.doc_keys import split_doc_key
 from worker.readers import open_source
 
@@ -119,7 +119,7 @@ def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
     the number of pieces checked."""
     job = load_job(job_path)
     pad_id = job.batch.pad_id
-    readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+    readers = [open_source(spec) for spec in job.worker_job().sources]
     checked = 0
     for batches in received.values():
         for b in batches:

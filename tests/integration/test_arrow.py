@@ -6,7 +6,7 @@ import glob
 import numpy as np
 import pytest
 
-from coordinator.testing.multimodal_data import captions
+from msd.testing.multimodal_data import captions
 from tests.conftest import write_job
 from msd_common.doc_keys import split_doc_key
 

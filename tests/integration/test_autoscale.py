@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from coordinator.testing.multimodal_data import write_webdataset
+from msd.testing.multimodal_data import write_webdataset
 from tests.conftest import write_job
-from worker.readers.megatron import write_megatron
-from worker.tokenizer import ByteTokenizer
+from msd_common.formats.megatron import write_megatron
+from msd_common.tokenizer import ByteTokenizer
 
 from .harness import check_content, run_job, signature
 

@@ -9,9 +9,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from coordinator.cli import main
+from msd.cli import main
 from coordinator.journal import read_cost_journal
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -114,7 +114,7 @@ def _image_rank(address, rank, steps, out):
 def test_calibration_finds_the_patch_cost_of_image_pieces(tmp_path):
     """An image-text job whose file says nothing of patches: the patches of each micro-batch's pieces
     are features of the fit, so the calibrated model charges images their own cost."""
-    from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
+    from msd.testing.multimodal_data import captions, write_parquet, write_webdataset
 
     root = tmp_path / "mm"
     (root / "images").mkdir(parents=True)

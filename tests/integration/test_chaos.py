@@ -62,8 +62,8 @@ def test_a_real_runs_life_in_one_run_of_300_steps(dataset_dir, tmp_path):
     bomb and an undecodable image in a WebDataset shard), worker SIGKILLs at random, every rank
     pausing, one rank three times slower for 50 steps, and the primary coordinator SIGKILLed with
     a standby taking over. The stream equals a fault-free run's, the poison skipped in both."""
-    from coordinator.testing.local import LocalJob
-    from coordinator.testing.multimodal_data import write_webdataset
+    from msd.testing.local import LocalJob
+    from msd.testing.multimodal_data import write_webdataset
 
     from .harness import run_ranks
 

@@ -13,8 +13,8 @@ import zmq
 
 from msd_common import protocol as P
 
-from coordinator.testing.ports import free_address, free_port
-from coordinator.testing.processes import stop
+from msd.testing.ports import free_address, free_port
+from msd.testing.processes import stop
 from tests.conftest import job_dict, write_job
 
 from .harness import SPAWN, check_content, collect
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 def _msd(*args, log):
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "msd.cli", *args], stdout=log, stderr=subprocess.STDOUT)
 
 
 def _receive(address, ranks, steps, timeout_s=60, while_waiting=None):
@@ -129,7 +129,7 @@ def test_malformed_messages_are_dropped_and_the_job_goes_on(cli_job):
 def test_msd_demo_writes_its_summary(tmp_path):
     out = tmp_path / "demo.json"
     env = {**os.environ, "MSD_CACHE_DIR": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "--steps", "6", "--ranks", "2", "--workers",
+    r = subprocess.run([sys.executable, "-m", "msd.cli", "demo", "--steps", "6", "--ranks", "2", "--workers",
                         "1", "--json", str(out)], capture_output=True, text=True, env=env, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = orjson.loads(out.read_bytes())
@@ -174,7 +174,7 @@ def test_the_example_job_file_validates_as_written():
 
     from click.testing import CliRunner
 
-    from coordinator.cli import main as msd
+    from msd.cli import main as msd
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = CliRunner().invoke(msd, ["validate", os.path.join(root, "configs", "example.yaml")])

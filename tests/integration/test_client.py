@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import zmq
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient, RejectedError
 from msd_common import protocol as P
@@ -70,7 +70,7 @@ def test_a_new_users_ddp_loop_works_with_the_batches(job_path):
     import torch
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from coordinator.config import load_job
+    from msd_common.spec import load_job
 
     job = load_job(job_path)
     with LocalJob(job_path, workers=1) as cluster:

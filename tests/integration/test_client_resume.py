@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from tests.resume_harness import check_save_load
 from trainer_client import DataClient

@@ -142,7 +142,7 @@ def test_curriculum_slack_and_end_of_stream(dataset_dir, tmp_path):
 def test_trainers_resume_from_an_older_checkpoint_and_get_the_same_batches(job_path):
     """All ranks stop at step 12; restarted from a checkpoint of step 5 they receive exactly
     what they received the first time from step 5 on (the coordinator plans those steps again)."""
-    from coordinator.testing.local import LocalJob
+    from msd.testing.local import LocalJob
 
     from .harness import run_ranks
 
@@ -162,7 +162,7 @@ def test_coordinator_killed_and_restarted_from_its_state_dir_keeps_the_stream(jo
     """SIGKILL the coordinator in the middle of a 300-step run; a new one on the same address and
     --state-dir takes over: workers and ranks register again by themselves and the stream is the
     fault-free one, piece by piece."""
-    from coordinator.testing.local import LocalJob
+    from msd.testing.local import LocalJob
 
     from .harness import run_ranks
 
@@ -200,7 +200,7 @@ def _tokens_per_document(received, steps):
 def test_elastic_resume_over_more_ranks_continues_the_global_stream(dataset_dir, job_path, reference, tmp_path):
     """Stop a dp=2 job at step 10; restart it with dp=4 on the same --state-dir: steps 10.. hold
     the same documents as the uninterrupted dp=2 run, now spread over four ranks."""
-    from coordinator.testing.local import LocalJob
+    from msd.testing.local import LocalJob
 
     from .harness import run_ranks
 
@@ -219,7 +219,7 @@ def test_elastic_resume_over_more_ranks_continues_the_global_stream(dataset_dir,
 
 def test_a_changed_job_is_refused_at_restart_with_what_changed(dataset_dir, tmp_path):
     from coordinator.statedir import JobChanged, check_job_change
-    from coordinator.config import parse_job
+    from msd_common.spec import parse_job
 
     state = str(tmp_path / "state")
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from coordinator.testing.local import LocalJob
-from coordinator.testing.ports import free_port
+from msd.testing.local import LocalJob
+from msd.testing.ports import free_port
 from tests.conftest import job_dict, write_job
 from msd_common.doc_keys import split_doc_key
 

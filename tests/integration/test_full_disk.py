@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from coordinator.journal import JournalFile
-from coordinator.config import load_job
-from coordinator.testing.local import LocalJob
+from msd_common.spec import load_job
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 from .harness import run_job, run_ranks, signature

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zmq
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 from msd_common import protocol as P

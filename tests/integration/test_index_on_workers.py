@@ -15,9 +15,9 @@ import types
 import pytest
 import zstandard
 
-from coordinator.testing.ports import free_address
-from coordinator.testing.processes import stop
-from coordinator.testing.s3 import LoopbackS3
+from msd.testing.ports import free_address
+from msd.testing.processes import stop
+from msd.testing.s3 import LoopbackS3
 from tests.conftest import build_dataset, job_dict, write_job
 
 from .harness import run_job, run_ranks, signature
@@ -181,9 +181,9 @@ def test_a_worker_whose_host_is_killed_while_it_indexes_stops(tmp_path):
     going on alone."""
     import fcntl
 
-    from coordinator.testing.processes import running
+    from msd.testing.processes import running
     from worker.forks import host_worker_pids
-    from worker.readers import indexing
+    from msd_common.formats import indexing
 
     build_dataset(str(tmp_path))
     path = write_job(str(tmp_path), job_dict(runtime=_runtime(index_on="workers")))
@@ -210,7 +210,7 @@ def test_a_stop_as_the_counting_ends_stops_the_coordinator_and_its_workers_clean
     """SIGTERM to `msd coordinator --worker-procs` the moment the workers have counted (between
     the counting and the coordinator's loop): a clean stop, exit status 0 and no worker process
     left, not the default action's death that left the host's workers behind, indexing on."""
-    from coordinator.testing.processes import running
+    from msd.testing.processes import running
     from worker.forks import host_worker_pids
 
     build_dataset(str(tmp_path))

@@ -5,9 +5,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from coordinator.cli import main
+from msd.cli import main
 from coordinator.mix import request_mix
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from msd_common.doc_keys import split_doc_key
 

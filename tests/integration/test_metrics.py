@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from coordinator.testing.ports import free_port
-from coordinator.testing.processes import stop
+from msd.testing.ports import free_port
+from msd.testing.processes import stop
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 

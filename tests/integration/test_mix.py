@@ -7,11 +7,11 @@ from click.testing import CliRunner
 
 from coordinator.app import Coordinator
 from coordinator.journal import read_mixture_journal
-from coordinator.cli import main
-from coordinator.config import parse_job
+from msd.cli import main
+from msd_common.spec import parse_job
 from coordinator.mix import parse_weights, request_mix
 from coordinator.sources import OpenedSources
-from coordinator.testing.local import serve_in_thread
+from msd.testing.local import serve_in_thread
 from tests.conftest import job_dict
 
 pytestmark = pytest.mark.timeout(60)

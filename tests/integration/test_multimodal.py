@@ -4,8 +4,8 @@ PNG and WebP images, a real Parquet file, worker processes, trainer processes.""
 import numpy as np
 import pytest
 
-from coordinator.config import load_job
-from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
+from msd_common.spec import load_job
+from msd.testing.multimodal_data import captions, write_parquet, write_webdataset
 from tests.conftest import write_job
 from msd_common.doc_keys import doc_key, split_doc_key
 from worker.readers import open_source
@@ -53,7 +53,7 @@ def test_tokens_of_every_piece_match_the_sources(mm_job):
 def test_batches_carry_the_patches_of_their_placeholders(mm_job):
     path, received, _ = mm_job
     job = load_job(path)
-    images = open_source(job.worker_job()["sources"][1])
+    images = open_source(job.worker_job().sources[1])
     seen_images = 0
     for batches in received.values():
         for b in batches:

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from coordinator.commands import validate
-from coordinator.testing.multimodal_data import captions, write_parquet, write_webdataset
-from coordinator.testing.s3 import LoopbackS3
+from msd.commands import validate
+from msd.testing.multimodal_data import captions, write_parquet, write_webdataset
+from msd.testing.s3 import LoopbackS3
 from tests.conftest import build_dataset, job_dict, write_job
 
 from .harness import check_content, run_job, signature
@@ -166,7 +166,7 @@ def test_indexes_are_shared_beside_the_shards_when_the_job_allows_it(corpus, tmp
         for name in ("web", "long", "images"):
             job["sources"][name]["storage"] = {"share_indexes": True}
         shared = write_job(str(tmp_path), job, "shared.yaml")
-        from coordinator.config import load_job
+        from msd_common.spec import load_job
         from coordinator.sources import open_sources
 
         open_sources(load_job(shared))
@@ -202,7 +202,7 @@ def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetche
     """With runtime.copies: seekable the cached copies are in the Zstandard seekable format, and
     the same bound holds as many of them as of plain copies three times their size."""
     from worker.readers import open_source
-    from worker.readers.jsonl import JsonlShard
+    from msd_common.formats.jsonl import JsonlShard
 
     local = tmp_path / "local"
     local.mkdir()
@@ -249,7 +249,7 @@ def test_arrow_and_pre_tokenized_parquet_from_a_bucket_read_as_local(tmp_path, m
         s3.upload_dir(str(local), BUCKET, "t")
         for k, v in s3.env().items():
             monkeypatch.setenv(k, v)
-        from coordinator.config import _expand
+        from msd_common.spec import _expand
 
         for fmt, sub, pattern, key in (("arrow", "arrow", "*.arrow", {"text_key": "text"}),
                                        ("parquet", "pq", "*.parquet", {"tokens_key": "tokens"})):
@@ -309,7 +309,7 @@ def test_a_block_shuffle_reads_a_run_of_records_in_one_request_and_streams_as_lo
     """shuffle_block: the stream over the bucket equals the same job's over the local files, and
     the records of a task come in a request or two where a record-level shuffle asks for each
     document alone (documents of 10 KB lie too far apart to be coalesced)."""
-    from worker.readers.megatron import write_megatron
+    from msd_common.formats.megatron import write_megatron
 
     data = tmp_path / "data"
     (data / "big").mkdir(parents=True)
@@ -348,7 +348,7 @@ def test_a_block_shuffle_reads_a_run_of_records_in_one_request_and_streams_as_lo
 def test_listing_and_metadata_through_obstore_agree_with_fsspec(corpus, monkeypatch):
     """For s3:// the objects a pattern matches and each object's size and version tag come from
     obstore (no s3fs import in a worker process); they must be fsspec's answers."""
-    from worker.readers.storage import Store
+    from msd_common.formats.storage import Store
 
     with LoopbackS3() as s3:
         s3.upload_dir(str(corpus), BUCKET, "data")
@@ -380,7 +380,7 @@ def test_a_transform_gets_every_entry_of_a_webdataset_sample_from_a_bucket(tmp_p
     import sys
     import tarfile
 
-    from coordinator.config import _expand
+    from msd_common.spec import _expand
     from worker.readers import open_source
 
     local = tmp_path / "local"

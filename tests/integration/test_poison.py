@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from coordinator.testing.local import LocalJob
-from coordinator.testing.multimodal_data import write_webdataset
+from msd.testing.local import LocalJob
+from msd.testing.multimodal_data import write_webdataset
 from tests.conftest import write_job
 from msd_common.doc_keys import split_doc_key
 from worker.core import KILL_RECORDS_ENV

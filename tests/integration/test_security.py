@@ -6,8 +6,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from coordinator.cli import main
-from coordinator.testing.local import LocalJob
+from msd.cli import main
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient, RejectedError
 
@@ -144,8 +144,8 @@ def test_workers_in_the_coordinators_process_use_the_jobs_keys(dataset_dir, keys
     import signal
     import subprocess
 
-    from coordinator.testing.ports import free_address
-    from coordinator.testing.processes import msd_command
+    from msd.testing.ports import free_address
+    from msd.testing.processes import msd_command
 
     good, _ = keys
     path, address = _job(dataset_dir, good), free_address()

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 
-from coordinator.testing.ports import free_port
+from msd.testing.ports import free_port
 from tests.integration.harness import run_job
 from msd_common.doc_keys import split_doc_key
 
@@ -105,7 +105,7 @@ def test_the_transform_runs_on_workers_and_the_stream_does_not_depend_on_their_n
 def test_the_example_trains_through_the_commands(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([CONFIGS, ROOT])}
-    msd = [sys.executable, "-m", "coordinator.cli"]
+    msd = [sys.executable, "-m", "msd.cli"]
     coordinator = subprocess.Popen(msd + ["coordinator", "--config", JOB, "--bind", f"tcp://127.0.0.1:{port}"],
                                    env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.log", "w"))
     worker = subprocess.Popen(msd + ["worker", "--coordinator", f"tcp://127.0.0.1:{port}", "--procs", "1"],
@@ -134,8 +134,8 @@ def test_manifest_where_and_plan_answer_for_chat_transformed_and_whole_sources(t
     what the ranks received (whole samples, deferred ones included), and msd where finds them."""
     from click.testing import CliRunner
 
-    from coordinator.cli import main
-    from coordinator.testing.local import LocalJob
+    from msd.cli import main
+    from msd.testing.local import LocalJob
     from tests.integration.harness import run_ranks
 
     state = str(tmp_path / "state")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 from .harness import run_job, run_ranks, signature

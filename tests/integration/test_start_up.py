@@ -7,8 +7,8 @@ import time
 
 import yaml
 
-from coordinator.testing.fleet import sources
-from coordinator.testing.local import LocalJob
+from msd.testing.fleet import sources
+from msd.testing.local import LocalJob
 from trainer_client import DataClient
 
 FIRST_BATCH_S = 10.0  # the target for a job whose indexes are built, at any size

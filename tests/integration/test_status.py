@@ -5,9 +5,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from coordinator.cli import main
+from msd.cli import main
 from coordinator.status_view import render
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 from .harness import run_ranks

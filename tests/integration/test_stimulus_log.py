@@ -10,11 +10,11 @@ import pytest
 
 from coordinator import stimulus
 from coordinator.app import Coordinator
-from coordinator.config import load_job
+from msd_common.spec import load_job
 from coordinator.instructions import Send, Stop
 from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
-from coordinator.testing.local import _SPAWN, _host_main, serve_in_thread
+from msd.testing.local import _SPAWN, _host_main, serve_in_thread
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 

@@ -100,7 +100,7 @@ def test_pipeline_stages_get_their_fields(dataset_dir):
 
 
 def test_a_middle_stage_gets_the_metadata_only_when_it_asks(dataset_dir):
-    from coordinator.testing.local import LocalJob
+    from msd.testing.local import LocalJob
     from trainer_client import DataClient, RejectedError
 
     path = write_job(dataset_dir, job_dict(topology={"dp": 1, "pp": 3}, batch={"seq_len": 512, "micro_batch_size": 1,

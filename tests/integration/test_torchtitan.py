@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from trainer_client import DataClient
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from coordinator.testing.local import LocalJob
-from coordinator.testing.ports import free_port
+from msd.testing.local import LocalJob
+from msd.testing.ports import free_port
 from tests.conftest import job_dict, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

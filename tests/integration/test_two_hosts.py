@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from coordinator.testing.local import LocalJob
+from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 
 from .harness import check_content, run_job, run_ranks, signature

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from coordinator.testing.ports import free_address
-from coordinator.testing.processes import msd_command, wait_gone
+from msd.testing.ports import free_address
+from msd.testing.processes import msd_command, wait_gone
 from worker.forks import LINGER_S, WORKER_NAME, fork_server_pids, host_worker_pids, process_comm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

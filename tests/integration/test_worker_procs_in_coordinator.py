@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.testing.local import LocalJob
-from coordinator.testing.ports import free_address
-from coordinator.testing.processes import msd_command, wait_gone
+from msd.testing.local import LocalJob
+from msd.testing.ports import free_address
+from msd.testing.processes import msd_command, wait_gone
 from tests.conftest import job_dict, write_job
 from tests.integration.harness import check_content, run_ranks, signature
 from worker.forks import SERVER_NAME, WORKER_NAME, fork_server_pids, host_worker_pids, process_comm

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.config import JobConfig
+from msd_common.spec import JobConfig
 from coordinator.events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, Prepared, Tick, TrainerBye, TrainerHeartbeat,
                                 TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from coordinator.history import StepHistory
@@ -48,7 +48,7 @@ class Driver:
         self.job = job
         self.sources = open_sources(job)
         self.state = CoordinatorState(job, self.sources, history or StepHistory(False), (), quarantined)
-        self.readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+        self.readers = [open_source(spec) for spec in job.worker_job().sources]
         self.now = 0.0
         self.workers: dict[bytes, FakeWorker] = {}
         self.ranks: dict[int, FakeRank] = {}

@@ -1,5 +1,6 @@
 """runtime.cache_dir and the parallel indexing of shards at start-up (issue 15's cold start)."""
 
+import dataclasses
 import os
 import sys
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from coordinator.config import ConfigError, parse_job
+from msd_common.spec import ConfigError, parse_job
 from coordinator.sources import open_sources
 from tests.conftest import build_dataset, job_dict
 from worker.readers import RecordError, indexing, open_source
@@ -27,7 +28,7 @@ def _sidecars(root):
 def test_cache_dir_is_a_path_relative_to_the_job_file_and_a_bad_one_is_named(dataset_dir):
     job = parse_job(job_dict(runtime={"cache_dir": "cache"}), "job.yaml", base_dir=dataset_dir)
     assert job.runtime.cache_dir == os.path.join(dataset_dir, "cache")
-    assert all(s["cache_dir"] == job.runtime.cache_dir for s in job.worker_job()["sources"])
+    assert all(s.cache_dir == job.runtime.cache_dir for s in job.worker_job().sources)
     assert parse_job(job_dict(), "job.yaml", base_dir=dataset_dir).runtime.cache_dir is None
     with pytest.raises(ConfigError, match="runtime.cache_dir"):
         parse_job(job_dict(runtime={"cache_dir": 7}), "job.yaml", base_dir=dataset_dir)
@@ -53,7 +54,7 @@ def test_with_a_cache_dir_every_index_and_decompressed_copy_goes_there_and_worke
     assert sum(n.endswith(".msdidx.npy") for n in cached) == 3  # two web shards and the long one
     stamps = {n: os.path.getmtime(os.path.join(cache, n)) for n in cached}
     # a worker opens its sources from the spec it is sent: it finds the cache, builds nothing
-    readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+    readers = [open_source(spec) for spec in job.worker_job().sources]
     assert [r.num_records for r in readers] == plain.num_records
     assert {n: os.path.getmtime(os.path.join(cache, n)) for n in _sidecars(cache)} == stamps
     assert readers[2].read(0) is not None
@@ -93,8 +94,8 @@ def test_line_offsets_are_the_same_by_every_scan(tmp_path, line_bytes):
     on a part of an mmap (a DirectWriter's buffer), and a whole file's offsets."""
     import mmap
 
-    from worker.readers import jsonl
-    from worker.readers.jsonl import _newlines, _newlines_py, _scan_offsets
+    from msd_common.formats import jsonl
+    from msd_common.formats.jsonl import _newlines, _newlines_py, _scan_offsets
 
     assert jsonl._lines is not None, "worker._lines was not built (setup.py): the scan falls back to Python"
     rng = np.random.default_rng(line_bytes)
@@ -115,7 +116,7 @@ def test_line_offsets_are_the_same_by_every_scan(tmp_path, line_bytes):
 
 
 def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_whole(tmp_path):
-    from worker.readers.errors import SourceFormatError
+    from msd_common.formats.errors import SourceFormatError
 
     lines = [b'{"text": "line %d"}\n' % i for i in range(3000)]
     frames = zstandard.ZstdCompressor().compress(b"".join(lines[:1000])) + \
@@ -139,7 +140,7 @@ def test_a_truncated_zstd_shard_is_refused_by_name_and_several_frames_are_read_w
 def test_the_frames_of_a_zstd_shard_are_checked_to_their_ends(tmp_path, tail, refused):
     """The copy is decompressed by a stream reader that says nothing at a cut frame; the frames
     are walked afterwards, so whatever follows the last whole frame is named, not dropped."""
-    from worker.readers.errors import SourceFormatError
+    from msd_common.formats.errors import SourceFormatError
 
     lines = [b'{"text": "line %d"}\n' % i for i in range(3000)]
     skippable = b"\x50\x2a\x4d\x18" + (5).to_bytes(4, "little") + b"12345"
@@ -149,7 +150,7 @@ def test_the_frames_of_a_zstd_shard_are_checked_to_their_ends(tmp_path, tail, re
     shard.write_bytes(data)
     spec = {"name": "t", "format": "jsonl", "files": [str(shard)], "cache_dir": str(tmp_path / "cache")}
     if refused is None:
-        from worker.readers.jsonl import JsonlShard
+        from msd_common.formats.jsonl import JsonlShard
 
         assert open_source(spec).num_records == 3000
         shard_reader = JsonlShard(str(shard), str(tmp_path / "cache"))
@@ -162,7 +163,7 @@ def test_the_frames_of_a_zstd_shard_are_checked_to_their_ends(tmp_path, tail, re
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
 def test_a_decompressed_copy_has_its_disk_reserved_first_and_is_exactly_the_content(tmp_path):
     from msd_common.files import preallocate
-    from worker.readers.jsonl import _declared_size
+    from msd_common.formats.jsonl import _declared_size
 
     reserved = tmp_path / "reserved"
     with open(reserved, "wb") as f:
@@ -193,7 +194,7 @@ def test_a_copy_written_without_waiting_for_the_disk_is_reused_until_a_reboot_un
     """Decompressed copies built at start-up are not fsynced before the job starts (the disk was
     most of a cold start); they are synced in the background and marked. A copy written before
     the machine's last boot without its marker may have lost pages in a crash: decompressed again."""
-    from worker.readers import jsonl
+    from msd_common.formats import jsonl
 
     boot = jsonl.boot_time_ns()
     assert boot is not None  # Linux
@@ -283,7 +284,7 @@ def test_a_welcomed_worker_builds_what_its_host_lacks_keeping_itself_alive(tmp_p
     core = WorkerCore()
     beats = []
     core.keep_alive = lambda: beats.append(1)
-    actions = core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job={"sources": [spec]}, count=[]), {})
+    actions = core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job={"seed": 0, "sources": [spec]}, count=[]), {})
     assert actions == [Registered(1, 0.5)]
     assert sum(n.endswith(".msdidx.npy") for n in os.listdir(cache)) == 3  # before its first task
     assert len(beats) >= 3
@@ -305,7 +306,7 @@ def _text_shard(path, rng, lines):
 def test_seekable_copies_read_every_line_as_plain_copies_do_from_a_third_of_the_disk(tmp_path):
     import pyzstd
 
-    from worker.readers import jsonl
+    from msd_common.formats import jsonl
 
     lines = _text_shard(str(tmp_path / "a.jsonl.zst"), np.random.default_rng(5), 3000)
     plain = jsonl.JsonlShard(str(tmp_path / "a.jsonl.zst"))
@@ -321,7 +322,7 @@ def test_seekable_copies_read_every_line_as_plain_copies_do_from_a_third_of_the_
 
 
 def test_a_seekable_copy_cut_short_is_written_again_and_few_readers_stay_open(tmp_path):
-    from worker.readers import jsonl
+    from msd_common.formats import jsonl
 
     rng = np.random.default_rng(6)
     shards = [str(tmp_path / f"s{i}.jsonl.zst") for i in range(jsonl.OPEN_SEEKABLE + 4)]
@@ -353,15 +354,15 @@ def test_runtime_copies_is_checked_and_sent_to_workers_and_the_pool_writes_seeka
     plain = open_sources(parse_job(job_dict(), "job.yaml", base_dir=root))
     assert indexing.wait_for_syncs(10)
     job = parse_job(job_dict(runtime={"copies": "seekable"}), "job.yaml", base_dir=root)
-    assert all(s["copies"] == "seekable" for s in job.worker_job()["sources"])
+    assert all(s.copies == "seekable" for s in job.worker_job().sources)
     # the plain copy and the index exist: the shard still counts as lacking its seekable copy
-    assert indexing.unindexed_shards(job.worker_job()["sources"]) == {2: [os.path.join(root, "long", "long-0.jsonl.zst")]}
+    assert indexing.unindexed_shards(job.worker_job().sources) == {2: [os.path.join(root, "long", "long-0.jsonl.zst")]}
     opened = open_sources(job)  # the start-up pool writes it
     assert indexing.wait_for_syncs(10)
     assert opened.num_records == plain.num_records
     assert "long-0.jsonl.zst.msd.seekable.zst" in _sidecars(root)
-    assert indexing.unindexed_shards(job.worker_job()["sources"]) == {}
-    long_spec = job.worker_job()["sources"][2]
+    assert indexing.unindexed_shards(job.worker_job().sources) == {}
+    long_spec = job.worker_job().sources[2]
     reader = open_source(long_spec)
     assert reader.shards[0].seekable
-    np.testing.assert_array_equal(reader.read(3), open_source({**long_spec, "copies": "plain"}).read(3))
+    np.testing.assert_array_equal(reader.read(3), open_source(dataclasses.replace(long_spec, copies="plain")).read(3))

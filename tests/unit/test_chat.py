@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from coordinator.testing.chat_data import conversation, write_tokenizer_dir
+from msd.testing.chat_data import conversation, write_tokenizer_dir
 from worker.chat import ChatError, ChatTemplate
 
 trl = pytest.importorskip("trl")  # a test dependency (pyproject [test]); CI installs it

@@ -3,8 +3,8 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from coordinator.cli import main
-from coordinator.config import ConfigError, parse_job
+from msd.cli import main
+from msd_common.spec import ConfigError, parse_job
 from tests.conftest import job_dict, write_job
 
 

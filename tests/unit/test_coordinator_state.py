@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordinator import stimulus
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.events import (Consumed, HostHeartbeat, HostHello, MixRequest, Shutdown, Tick, TrainerHello,
                                 WorkerHeartbeat)
 from coordinator.history import StepHistory

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.counting import _Counting
 from coordinator.sources import open_sources
 from tests.conftest import job_dict
@@ -101,7 +101,7 @@ def test_a_source_a_worker_cannot_open_is_a_problem_naming_its_host(dataset_dir)
 
 @pytest.mark.parametrize("value", ["everywhere", 1])
 def test_index_on_takes_two_values(dataset_dir, value):
-    from coordinator.config import ConfigError
+    from msd_common.spec import ConfigError
 
     with pytest.raises(ConfigError, match="runtime.index_on: expected one of coordinator, workers"):
         parse_job(job_dict(runtime={"index_on": value}), "job.yaml", base_dir=dataset_dir)
@@ -114,7 +114,7 @@ def test_msd_validate_does_not_index_what_the_workers_will(tmp_path):
 
     from click.testing import CliRunner
 
-    from coordinator.commands import validate
+    from msd.commands import validate
     from tests.conftest import build_dataset, write_job
 
     build_dataset(str(tmp_path))

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from worker.readers import direct_io
-from worker.readers.direct_io import BUFFER, DirectWriter
+from msd_common.formats import direct_io
+from msd_common.formats.direct_io import BUFFER, DirectWriter
 
 
 def _fs_type(path: str) -> str:

@@ -3,7 +3,7 @@
 import numpy as np
 
 from coordinator import evaluation
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.holdout import Holdout, record_hash
 from tests.conftest import job_dict
 from msd_common import protocol as P

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from coordinator.testing.processes import running
+from msd.testing.processes import running
 from worker import forks
 from worker.forks import ForkServer, fork_server_pids, host_worker_pids
 

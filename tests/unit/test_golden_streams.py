@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 import pytest
 
-from coordinator.config import load_job
-from coordinator.replay import fresh_plan, manifest_of
+from msd_common.spec import load_job
+from msd.replay import fresh_plan, manifest_of
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 STEPS = 6

@@ -1,7 +1,7 @@
 import orjson
 import pytest
 
-from coordinator.config import ConfigError, parse_job
+from msd_common.spec import ConfigError, parse_job
 from tests.conftest import job_dict, train_tokenizer
 from worker.readers import open_source
 
@@ -50,7 +50,7 @@ def test_a_tokenizer_directory_reads_eos_token_from_its_config(tmp_path, dataset
     job = job_dict()
     job["sources"]["web"]["tokenizer"] = str(model)
     parsed = parse_job(job, "job.yaml", base_dir=dataset_dir)
-    reader = open_source(parsed.worker_job()["sources"][0])
+    reader = open_source(parsed.worker_job().sources[0])
     assert reader.read(0)[-1] == tok.token_to_id("</s>") != tok.token_to_id("<|endoftext|>")
     # a config naming a token the vocabulary lacks is refused, saying so
     (model / "tokenizer_config.json").write_bytes(orjson.dumps({"eos_token": "<nope>"}))

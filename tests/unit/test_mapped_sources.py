@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.events import WorkerHello
 from coordinator.history import StepHistory
 from coordinator.instructions import Send
@@ -14,7 +14,7 @@ from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
 from msd_common import protocol as P
 from worker.core import Quit, WorkerCore
-from worker.readers.megatron import MegatronIndex, write_megatron
+from msd_common.formats.megatron import MegatronIndex, write_megatron
 
 
 def _job(tmp_path):
@@ -49,6 +49,6 @@ def test_worker_that_cannot_open_a_mapped_source_stops(tmp_path, caplog):
     core = WorkerCore()
     spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
     with caplog.at_level(logging.ERROR, logger="msd.worker"):
-        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"sources": [spec]}, count=[]), {})
+        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"seed": 0, "sources": [spec]}, count=[]), {})
     assert actions == [Quit("cannot open source code")]
     assert "cannot open source code" in caplog.text

@@ -4,7 +4,7 @@ import warnings
 
 import numpy as np
 
-from worker.readers.megatron import MegatronIndex, write_megatron
+from msd_common.formats.megatron import MegatronIndex, write_megatron
 
 import torch
 

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from worker.readers.errors import SourceFormatError
-from worker.readers.megatron import _HEADER, CODE_OF_DTYPE, FULL_CHECK_RECORDS, MAGIC, VERSION, MegatronIndex
+from msd_common.formats.errors import SourceFormatError
+from msd_common.formats.megatron import _HEADER, CODE_OF_DTYPE, FULL_CHECK_RECORDS, MAGIC, VERSION, MegatronIndex
 
 
 def _write(prefix: str, lengths: np.ndarray) -> None:
@@ -52,7 +52,7 @@ def test_the_pages_of_a_delivery_are_announced_to_the_kernel_in_merged_page_alig
     byte ranges it returns, and the tokens are those of the documents."""
     import mmap
 
-    from worker.readers import megatron
+    from msd_common.formats import megatron
 
     class Recording(mmap.mmap):
         calls: list = []
@@ -102,7 +102,7 @@ def test_pages_are_announced_while_the_process_reads_from_disk_and_not_once_it_s
     """DiskReads: a fresh process announces until its first count of major page faults, then only
     within KEEP_S of a count of FAULTS or more (counted once a CHECK_EVERY_S): a corpus in the
     page cache gains nothing from the madvise calls."""
-    from worker.readers.megatron import DiskReads
+    from msd_common.formats.megatron import DiskReads
 
     now, faults = [0.0], [5]
     watch = DiskReads(faults=lambda: faults[0], clock=lambda: now[0])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from coordinator.testing.multimodal_data import write_parquet, write_webdataset
+from msd.testing.multimodal_data import write_parquet, write_webdataset
 from worker.readers import RecordError, SourceFormatError, open_source
 from worker.vision import fit, to_patches
 

@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from coordinator.testing.ports import free_address
+from msd.testing.ports import free_address
 from msd_common.sockets import make_socket
 from worker.outbox import RankOutbox
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coordinator.balance import imbalance
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, SourceExhausted
 from tests.conftest import job_dict
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from coordinator.plan import Planner, PlannerState
 from coordinator.sources import open_sources
 from tests.conftest import job_dict
@@ -15,7 +15,7 @@ class TrueLengths:
 
     def __init__(self, job, planner):
         self.planner = planner
-        self.readers = [open_source(spec) for spec in job.worker_job()["sources"]]
+        self.readers = [open_source(spec) for spec in job.worker_job().sources]
 
     def window(self, source, start, count):
         records = self.planner.streams[source].records_array(start, count)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from worker.readers import RecordError, SourceFormatError, open_source
-from worker.readers.jsonl import JsonlShard
-from worker.readers.megatron import MAGIC, MegatronIndex, write_megatron
-from worker.tokenizer import ByteTokenizer
+from msd_common.formats.jsonl import JsonlShard
+from msd_common.formats.megatron import MAGIC, MegatronIndex, write_megatron
+from msd_common.tokenizer import ByteTokenizer
 
 
 def test_megatron_round_trip_and_exact_layout(tmp_path):

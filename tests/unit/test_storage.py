@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from coordinator.config import ConfigError, load_job
+from msd_common.spec import ConfigError, load_job
 from tests.conftest import job_dict, write_job
-from worker.readers import storage
-from worker.readers.storage import COALESCE_GAP, COALESCE_MAX, Store
+from msd_common.formats import storage
+from msd_common.formats.storage import COALESCE_GAP, COALESCE_MAX, Store
 
 
 class Recording:
@@ -143,6 +143,6 @@ def test_storage_blocks_are_checked_in_the_job_file(tmp_path, dataset_dir):
     ok = job_dict()
     ok["sources"]["web"]["storage"] = {"max_retries": 2, "share_indexes": True}
     loaded = load_job(write_job(dataset_dir, ok, "storage-ok.yaml"))
-    spec = loaded.worker_job()["sources"][0]
-    assert spec["storage"] == {"max_retries": 2, "share_indexes": True} and spec["cache_bytes"] > 0
+    spec = loaded.worker_job().sources[0]
+    assert spec.storage == {"max_retries": 2, "share_indexes": True} and spec.cache_bytes > 0
     assert loaded.digest() == load_job(write_job(dataset_dir, job_dict(), "plain.yaml")).digest()  # access, not stream

@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from coordinator.config import ConfigError, parse_job
+from msd_common.spec import ConfigError, parse_job
 from tests.conftest import job_dict
 from worker.readers import RecordError, open_source
 from worker.transforms import Sample, record_rng
@@ -142,7 +142,7 @@ def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(d
 
     job = job_dict()
     job["sources"]["web"]["transform"] = f"{module}:crop"
-    spec = parse_job(job, "job.yaml", base_dir=dataset_dir).worker_job()
+    spec = parse_job(job, "job.yaml", base_dir=dataset_dir).worker_job().to_wire()
     welcome = P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[])
     assert WorkerCore().handle(welcome, {}) == [Registered(1, 0.5)]
     spec["sources"][0]["transform_hash"] = "0" * 16  # the coordinator saw other code

@@ -21,7 +21,7 @@ def _whole_job(dataset_dir, long_docs=None, weights=None, **extra):
     if weights:
         job["mixture"] = {"weights": weights}
     job.update(extra)
-    from coordinator.config import parse_job
+    from msd_common.spec import parse_job
     return parse_job(job, "job.yaml", base_dir=dataset_dir)
 
 

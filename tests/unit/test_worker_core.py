@@ -3,7 +3,7 @@
 import numpy as np
 
 from tests.conftest import job_dict
-from coordinator.config import parse_job
+from msd_common.spec import parse_job
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key
 from worker.core import CacheEntry, Forgotten, Registered, ToCoordinator, ToRank, WorkerCore
@@ -13,7 +13,7 @@ from worker.readers import open_source
 def _welcomed(dataset_dir):
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job(), count=[]), {})
+    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
     assert actions == [Registered(3, 0.5)]
     return core, job
 
@@ -24,7 +24,7 @@ def test_prepare_caches_typed_entries_and_answers_lengths_and_skips(dataset_dir)
     [reply] = core.handle(P.make(P.PREPARE, task_id=9, source=0), {"records": records})
     assert isinstance(reply, ToCoordinator) and reply.header["type"] == "prepared"
     lengths = reply.arrays[0]
-    reader = open_source(job.worker_job()["sources"][0])
+    reader = open_source(job.worker_job().sources[0])
     assert lengths.tolist() == [len(reader.read(61)), 0, 0, len(reader.read(0))]
     assert [i for i, _, _ in reply.header["skipped"]] == [1, 2]
     assert "corrupt JSON line" in reply.header["skipped"][0][1] and reply.header["skipped"][0][2] == "corrupt"
@@ -43,9 +43,9 @@ def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(datas
     actions = core.handle(deliver, {"items": items, "release": np.array([key], dtype=np.uint64)})
     to_ranks = [a for a in actions if isinstance(a, ToRank)]
     assert [(a.address, a.header["rank"]) for a in to_ranks] == [("tcp://a", 0), ("tcp://b", 1)]
-    web = open_source(job.worker_job()["sources"][0]).read(5)
+    web = open_source(job.worker_job().sources[0]).read(5)
     assert to_ranks[0].arrays[1].tolist() == web.tolist()  # both pieces, in recipe order
-    code = open_source(job.worker_job()["sources"][1]).read(2)
+    code = open_source(job.worker_job().sources[1]).read(2)
     assert to_ranks[1].arrays[1].tolist() == code[1:6].tolist()  # read from the memory map
     assert actions[-1] == ToCoordinator(P.make(P.DELIVERED, worker_id=3, delivery_id=7))
     assert core.cache[key].copies == 1  # one copy used up, one left
@@ -57,7 +57,7 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
     piece beyond its document is left out of its own rank's message only."""
     core, job = _welcomed(dataset_dir)
     core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": np.array([5, 7], dtype=np.uint64)})
-    web, code = (open_source(job.worker_job()["sources"][i]) for i in (0, 1))
+    web, code = (open_source(job.worker_job().sources[i]) for i in (0, 1))
     w5, w7, c2, c3 = web.read(5), web.read(7), code.read(2), code.read(3)
     items = np.array([[1, 0, doc_key(1, 3), 2, 3],            # rank 1, mapped
                       [0, 0, doc_key(0, 7), 0, 2],            # rank 0, cached
@@ -93,8 +93,8 @@ def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_
     raw["sources"]["web"]["max_record_bytes"] = 400
     job = parse_job(raw, "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job(), count=[]), {})
-    reader = open_source(job.worker_job()["sources"][0])
+    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
+    reader = open_source(job.worker_job().sources[0])
     sizes = [int(reader.shards[0].offsets[i + 1] - reader.shards[0].offsets[i]) for i in range(60)]
     big = [i for i, n in enumerate(sizes) if n > 400]
     small = [i for i, n in enumerate(sizes) if n <= 400]
@@ -125,7 +125,7 @@ class _FailsOn:
 
 def test_any_error_while_reading_one_record_is_a_skip_naming_the_record(dataset_dir):
     core, job = _welcomed(dataset_dir)
-    real = open_source(job.worker_job()["sources"][0])
+    real = open_source(job.worker_job().sources[0])
     for error in (MemoryError(), ValueError("tokenizer blew up")):
         core.cache.clear()
         core.readers[0] = _FailsOn(real, 7, error)

@@ -1,7 +1,7 @@
-"""Source readers: map a record index to its tokens. Used by workers to read and by the
-coordinator (counts and Megatron lengths only; it never reads payloads)."""
+"""Moved in 0.4.0: records by format are `msd_common.formats` (the floor the coordinator reads
+counts from), samples are `worker.samples`. These old names stay for one release (CHANGELOG.md)."""
 
-from .errors import RecordError, SourceFormatError
-from .source import SourceReader, is_memory_mapped, open_source
+from msd_common.formats.errors import RecordError, SourceFormatError
+from worker.samples import SourceReader, is_memory_mapped, open_source
 
 __all__ = ["RecordError", "SourceFormatError", "SourceReader", "is_memory_mapped", "open_source"]

@@ -1,21 +1,7 @@
-"""Per-source limits that turn a poison record into a skip before it is decoded (job file keys
-`max_record_bytes` and `max_image_pixels`). A record over a limit is the same in every run, so
-the skip is deterministic."""
+"""Moved to `msd_common.formats.limits` in 0.4.0; this old path stays for one release (CHANGELOG.md)."""
 
-from __future__ import annotations
+import sys
 
-from .errors import RecordError
+from msd_common.formats import limits as _moved
 
-DEFAULT_MAX_RECORD_BYTES = 64 << 20  # a record's stored bytes
-DEFAULT_MAX_IMAGE_PIXELS = 1 << 26  # pixels an image's header declares (Pillow's own bomb check is at 2 x 89M)
-
-
-def check_bytes(size: int, limit: int, where: str) -> None:
-    if size > limit:
-        raise RecordError(f"{where}: record of {size} bytes is over max_record_bytes ({limit})", kind="over_limit")
-
-
-def check_pixels(width: int, height: int, limit: int, where: str) -> None:
-    if width * height > limit:
-        raise RecordError(f"{where}: image of {width}x{height} pixels is over max_image_pixels ({limit})",
-                          kind="over_limit")
+sys.modules[__name__] = _moved

@@ -21,10 +21,10 @@ _SPAWN = mp.get_context("spawn")
 def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str, log_path: str | None,
                       state_dir: str | None = None, standby: bool = False) -> None:
     setup_logging(log_level, "coordinator" if not standby else "standby", log_path)
-    from ..app import Coordinator
-    from ..serving import counted_sources, take_lease
-    from ..config import load_job
-    from ..sources import open_as_coordinator
+    from coordinator.app import Coordinator
+    from coordinator.serving import counted_sources, take_lease
+    from msd_common.spec import load_job
+    from coordinator.sources import open_as_coordinator
 
     try:
         import uvloop

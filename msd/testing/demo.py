@@ -20,7 +20,7 @@ import orjson
 import yaml
 
 from msd_common.doc_keys import split_doc_key
-from worker.readers.jsonl import default_cache_dir
+from msd_common.formats.jsonl import default_cache_dir
 
 from .demo_data import DEMO_JOB, ensure_demo_data
 from .local import LocalJob
@@ -71,7 +71,7 @@ def run_demo(steps: int, ranks: int, workers: int, json_path: str | None = None,
     from rich.progress import Progress
     from rich.table import Table
 
-    from ..config import load_job
+    from msd_common.spec import load_job
 
     console = Console(stderr=True)
     data_dir = data_dir or os.path.join(default_cache_dir(), "demo")

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from worker.readers.megatron import _HEADER, CODE_OF_DTYPE, MAGIC, VERSION
+from msd_common.formats.megatron import _HEADER, CODE_OF_DTYPE, MAGIC, VERSION
 
 
 def write_index(prefix: str, records: int, seed: int = 0) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .balance import imbalance
-from .config import JobConfig
-from .plan import SourceExhausted
+from coordinator.balance import imbalance
+from msd_common.spec import JobConfig
+from coordinator.plan import SourceExhausted
 from .replay import LocalLengths, fresh_plan
 
 MEASURE_RECORDS = 256  # records read per source by --measure
@@ -83,7 +83,7 @@ def dry_run(job: JobConfig, steps: int, every_stage: bool = True) -> dict[str, A
 def eval_sets(job: JobConfig, planner, known) -> dict[str, Any]:
     """Each eval set as a pass would serve it: records, tokens, micro-batches per rank, and the
     max/mean rank cost of its layout (records read here, as for the planned steps)."""
-    from . import evaluation
+    from coordinator import evaluation
 
     out = {}
     for cfg in job.eval_sets:
@@ -200,8 +200,8 @@ def plot(report: dict[str, Any], path: str) -> None:
 def with_calibrated_cost(job: JobConfig, state_dir: str) -> JobConfig:
     """The job with the last cost model its run calibrated (the state dir's cost journal), so the
     next job file can start from it; ValueError if the run calibrated none."""
-    from .config import CostConfig
-    from .journal import read_cost_journal
+    from msd_common.spec import CostConfig
+    from coordinator.journal import read_cost_journal
 
     changes = read_cost_journal(state_dir)
     if not changes:

@@ -22,7 +22,7 @@ def _steps_range(text: str | None) -> tuple[int | None, int | None]:
 
 
 def _open(state_dir: str, config: str | None):
-    from .config import ConfigError
+    from msd_common.spec import ConfigError
     from .replay import ReplayError, job_of_state_dir, open_replay
 
     try:
@@ -89,7 +89,7 @@ def where(state_dir: str, steps: str | None, as_json: bool, config: str | None, 
     """The steps, ranks and offsets at which document DOC_KEY was delivered."""
     from msd_common.doc_keys import split_doc_key
 
-    from .plan import LENGTH, OFFSET, RECORD, SOURCE
+    from coordinator.plan import LENGTH, OFFSET, RECORD, SOURCE
     from .replay import ReplayError
 
     first, last = _steps_range(steps)
@@ -154,7 +154,7 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
     arrival-order dealing of the same documents, and the step-time gain the cost model predicts."""
     from . import dryrun
     from .commands import _fail_config
-    from .config import ConfigError, load_job
+    from msd_common.spec import ConfigError, load_job
 
     try:
         job = dryrun.what_if(load_job(job_file), dp, seq_len)

@@ -17,8 +17,8 @@ import numpy as np
 import orjson
 import zstandard
 
-from worker.readers.megatron import write_megatron
-from worker.tokenizer import ByteTokenizer
+from msd_common.formats.megatron import write_megatron
+from msd_common.tokenizer import ByteTokenizer
 
 DEMO_VERSION = 1
 MAX_FILES = 1200

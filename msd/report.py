@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .balance import imbalance
-from .journal import read_cost_changes, read_eval_journal, read_quarantine_journal
+from coordinator.balance import imbalance
+from coordinator.journal import read_cost_changes, read_eval_journal, read_quarantine_journal
 from .replay import Replay
-from .statedir import STATUS_FILE
+from coordinator.statedir import STATUS_FILE
 
 
 def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, Any]:

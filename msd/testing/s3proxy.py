@@ -2,7 +2,7 @@
 503 SlowDown answers, dropped connections, stalls. It counts requests and response bytes
 (read amplification is measured here, on the wire).
 
-    python -m coordinator.testing.s3proxy --upstream http://127.0.0.1:5000 --port 5001 \
+    python -m msd.testing.s3proxy --upstream http://127.0.0.1:5000 --port 5001 \
         --error-rate 0.1 --stall-rate 0.02 --stall-s 2
 
 Which requests fail is drawn from a seeded generator in arrival order; GET /__msd_proxy/stats

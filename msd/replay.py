@@ -16,13 +16,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from worker.readers import SourceReader, open_source
+from worker.samples import SourceReader, open_source
 
-from .config import CostConfig, JobConfig, load_job
-from .journal import JournalFile, read_cost_journal, read_mixture_journal, read_quarantine_journal
-from .plan import OFFSET, LENGTH, POSITION, RECORD, SOURCE, Planner, PlannerState, StepPlan
-from .sources import OpenedSources, mapped_lengths, open_sources
-from .statedir import STATE_FILE, read_state_file
+from msd_common.spec import CostConfig, JobConfig, load_job
+from coordinator.journal import JournalFile, read_cost_journal, read_mixture_journal, read_quarantine_journal
+from coordinator.plan import OFFSET, LENGTH, POSITION, RECORD, SOURCE, Planner, PlannerState, StepPlan
+from coordinator.sources import OpenedSources, mapped_lengths, open_sources
+from coordinator.statedir import STATE_FILE, read_state_file
 
 log = logging.getLogger("msd.replay")
 
@@ -41,15 +41,15 @@ class LocalLengths:
         self.opened = opened
         self.planner = planner
         self.quarantined = quarantined or {}
-        self.specs = job.worker_job()["sources"]
+        self.specs = job.worker_job().sources
         self._readers: dict[int, SourceReader] = {}
         # (record, epoch) -> (length, patches); the epoch matters only to a transform (else 0)
         self._known: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in job.sources]
         self.skipped: list[dict[int, str]] = [{} for _ in job.sources]  # record -> why (the worker's log line)
 
     def reader(self, source: int) -> SourceReader:
-        if source in self.opened.mapped:
-            return self.opened.mapped[source]
+        """The source's samples as a worker makes them (a memory-mapped source's lengths come from the
+        index the coordinator opened; its tokens are read here as a worker reads them)."""
         if source not in self._readers:
             self._readers[source] = open_source(self.specs[source])
         return self._readers[source]

@@ -11,16 +11,16 @@ import click
 from msd_common.logs import FORMAT_ENV
 
 COMMANDS = {
-    "coordinator": "coordinator.commands:coordinator",
-    "validate": "coordinator.commands:validate",
-    "mix": "coordinator.commands:mix",
-    "keys": "coordinator.commands:keys",
-    "demo": "coordinator.commands:demo",
-    "manifest": "coordinator.inspection:manifest",
-    "where": "coordinator.inspection:where",
-    "plan": "coordinator.inspection:plan_command",
+    "coordinator": "msd.commands:coordinator",
+    "validate": "msd.commands:validate",
+    "mix": "msd.commands:mix",
+    "keys": "msd.commands:keys",
+    "demo": "msd.commands:demo",
+    "manifest": "msd.inspection:manifest",
+    "where": "msd.inspection:where",
+    "plan": "msd.inspection:plan_command",
     "status": "coordinator.status_view:status",
-    "report": "coordinator.inspection:report",
+    "report": "msd.inspection:report",
     "worker": "worker.cli:worker",
 }
 

@@ -1,5 +1,5 @@
 """A real S3-compatible server on loopback for tests and benchmarks: moto's server mode in a child
-process, optionally behind a proxy (`python -m coordinator.testing.s3proxy`) that fails or stalls
+process, optionally behind a proxy (`python -m msd.testing.s3proxy`) that fails or stalls
 a share of requests and counts the bytes it passes.
 
     with LoopbackS3(error_rate=0.1) as s3:
@@ -81,7 +81,7 @@ class LoopbackS3:
         self.endpoint = self.server_url
         if self.proxy:
             proxy_port = free_port()
-            args = [sys.executable, "-m", "coordinator.testing.s3proxy", "--upstream", self.server_url,
+            args = [sys.executable, "-m", "msd.testing.s3proxy", "--upstream", self.server_url,
                     "--port", str(proxy_port)]
             for k, v in self.faults.items():
                 args += [f"--{k.replace('_', '-')}", str(v)]

@@ -12,8 +12,8 @@ import numpy as np
 from msd_common.logs import setup_logging
 
 if TYPE_CHECKING:
-    from .config import ConfigError, JobConfig
-    from .sources import OpenedSources
+    from msd_common.spec import ConfigError, JobConfig
+    from coordinator.sources import OpenedSources
 
 # The job-file machinery (numpy, the planner) is imported by the commands that read a job.
 
@@ -22,8 +22,8 @@ def _load_and_open(path: str, meanwhile: Callable[[], object] | None = None) -> 
     """The job and its sources, opened as its coordinator opens them: the sources this host has
     no index of are left to the workers when the job says so (runtime.index_on: workers).
     meanwhile: work done while this host's indexing pool runs, if it does."""
-    from .config import load_job
-    from .sources import open_as_coordinator
+    from msd_common.spec import load_job
+    from coordinator.sources import open_as_coordinator
 
     job = load_job(path)
     return job, open_as_coordinator(job, meanwhile)
@@ -56,7 +56,7 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
     """Set new mixture weights (SOURCE=WEIGHT ...) from step AT_STEP on. The step must lie beyond
     what is already planned; the coordinator journals the change in its --state-dir, so a
     restarted coordinator plans the same stream."""
-    from .mix import parse_weights, request_mix
+    from coordinator.mix import parse_weights, request_mix
 
     try:
         parsed = parse_weights(weights)
@@ -101,7 +101,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
                 metrics_port: int | None, metrics_host: str, worker_procs: str | None, max_worker_procs: int | None,
                 log_level: str) -> None:
     """Run the job's coordinator."""
-    from .config import ConfigError
+    from msd_common.spec import ConfigError
 
     procs = _worker_procs(worker_procs, max_worker_procs, standby, bind)
     setup_logging(log_level, "coordinator")
@@ -116,8 +116,8 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
             job, sources = _load_and_open(config_path, meanwhile=_import_the_coordinator)
         except ConfigError as e:
             _fail_config(e)
-        from .serving import serve
-        from .statedir import JobChanged
+        from coordinator.serving import serve
+        from coordinator.statedir import JobChanged
 
         if host is not None:
             from worker.host import local_address
@@ -131,7 +131,7 @@ def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config
         except ConfigError as e:  # a source the workers could not open (runtime.index_on: workers)
             _fail_config(e)
         finally:
-            from worker.readers.indexing import wait_for_syncs
+            from msd_common.formats.indexing import wait_for_syncs
 
             wait_for_syncs(timeout_s=60)  # decompressed copies written at start-up reach the disk
     finally:
@@ -188,10 +188,10 @@ def keys_generate(directory: str) -> None:
 def validate(job_file: str) -> None:
     """Check a job file and its sources (remote objects: that each exists and can be read); print a
     one-line summary or every problem (notes on the job, if any, go to stderr)."""
-    from worker.readers.storage import is_url
+    from msd_common.formats.storage import is_url
 
-    from .config import ConfigError, load_job
-    from .sources import check_readable, open_as_coordinator
+    from msd_common.spec import ConfigError, load_job
+    from coordinator.sources import check_readable, open_as_coordinator
 
     try:
         job = load_job(job_file)
@@ -211,8 +211,8 @@ def validate(job_file: str) -> None:
         f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
     )
     if job.eval_sets and not opened.pending:
-        from .evaluation import set_records
-        from .holdout import Holdout
+        from coordinator.evaluation import set_records
+        from coordinator.holdout import Holdout
 
         holdout = Holdout(job.seed, list(opened.num_records), [dict(e.holdout) for e in job.eval_sets])
         for cfg in job.eval_sets:
