@@ -333,24 +333,21 @@ class EvalBook:
             self._advance(self.sets[task.set_index])
 
     def worker_gone(self, worker_id: int) -> None:
-        for t in [t for t in self.tasks.values() if t.worker_id == worker_id]:
-            del self.tasks[t.task_id]
-        for e in self.sets:
-            e.holder[e.holder == worker_id] = -1  # prepared again if a pass needs them
-            # what it was asked to send in the current pass may never have gone: again, from new copies
-            for rank, records in e.delivered_by.pop(worker_id, {}).items():
-                if rank in self._trainers():
-                    e.resend.setdefault(rank, set()).update(records)
-            if e.resend:
-                e.released = False
-            self._advance(e)
+        self._forget_workers(lambda held_by: held_by == worker_id)
 
     def reset(self) -> None:
         """Every worker starts clean (a rewind): no copy is held any more."""
-        self.tasks.clear()
+        self._forget_workers(lambda held_by: held_by >= 0)
+
+    def _forget_workers(self, gone: Callable[[Any], Any]) -> None:
+        """The copies the workers `gone` marks are lost: their tasks are dropped, their records are
+        prepared again if a pass needs them, and what they were asked to send in the current pass,
+        which may never have gone, is sent again from new copies."""
+        for t in [t for t in self.tasks.values() if gone(t.worker_id)]:
+            del self.tasks[t.task_id]
         for e in self.sets:
-            e.holder[:] = -1
-            for wid in list(e.delivered_by):
+            e.holder[gone(e.holder)] = -1
+            for wid in [w for w in e.delivered_by if gone(w)]:
                 for rank, records in e.delivered_by.pop(wid).items():
                     if rank in self._trainers():
                         e.resend.setdefault(rank, set()).update(records)

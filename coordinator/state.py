@@ -857,27 +857,25 @@ class CoordinatorState:
         """Records of a queued task that an eval set holds out of training are prepared as
         length 0 right here: the planner passes over them, so no worker reads them for training
         (an eval pass reads them for itself). True when nothing of the task is left to do."""
-        s = task.source
-        held = self.planner.holdout.held_out(s, self.tables[s].records(task.positions))
-        if not held.any():
-            return False
-        self._set_prepared(s, task.positions[held], np.zeros(int(held.sum()), dtype=np.int64), worker_id)
-        task.positions = task.positions[~held]
-        if len(task.positions):
-            return False
-        self.tasks.drop(task)
-        return True
+        return self._settle(task, worker_id, self.planner.holdout.held_out)
 
     def _settle_quarantined(self, task, worker_id: int) -> bool:
         """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
         by worker_id, and never handed to a worker; True when nothing of the task is left to do."""
+        return self._settle(task, worker_id, self._is_quarantined, skip_kind="quarantined")
+
+    def _settle(self, task, worker_id: int, settled: Callable[[int, np.ndarray], np.ndarray],
+                skip_kind: str | None = None) -> bool:
+        """The task's records that `settled(source, records)` marks are prepared as length 0, held by
+        worker_id (counted as skips of skip_kind, if given); True when nothing of the task is left."""
         s = task.source
-        bad = self._is_quarantined(s, self.tables[s].records(task.positions))
-        if not bad.any():
+        done = settled(s, self.tables[s].records(task.positions))
+        if not done.any():
             return False
-        self._count_skip(s, "quarantined", int(bad.sum()))
-        self._set_prepared(s, task.positions[bad], np.zeros(int(bad.sum()), dtype=np.int64), worker_id)
-        task.positions = task.positions[~bad]
+        if skip_kind:
+            self._count_skip(s, skip_kind, int(done.sum()))
+        self._set_prepared(s, task.positions[done], np.zeros(int(done.sum()), dtype=np.int64), worker_id)
+        task.positions = task.positions[~done]
         if len(task.positions):
             return False
         self.tasks.drop(task)

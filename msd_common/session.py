@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -22,6 +23,12 @@ log = logging.getLogger("msd.session")
 
 HELLO_RETRY_S = 2.0
 LOST_AFTER_BEATS = 3  # silence (in heartbeats) after which the coordinator is taken for gone
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """The coordinator does not know this peer (a restarted coordinator, or one that took it for
+    dead): say hello again. The same answer for a worker process and a trainer rank."""
 
 
 def split_addresses(coordinator: str) -> list[str]:

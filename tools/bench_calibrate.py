@@ -19,7 +19,6 @@ found against the truth (a/b ratio).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -31,7 +30,9 @@ import orjson
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_output import emit  # noqa: E402
 from coordinator.journal import read_cost_journal  # noqa: E402
 from msd.testing.local import LocalJob  # noqa: E402
 
@@ -139,11 +140,7 @@ def main() -> None:
             "ratio_a_over_b_found_over_true": round((found[0] / found[1]) / (a / b), 4) if found and found[1] else None,
         }
         print(f"# {name}: {result['cases'][name]}", file=sys.stderr)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ rows of 1,024 tokens, 2 micro-batches a step per rank. For each rank count:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -29,7 +28,9 @@ import orjson
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_output import emit  # noqa: E402
 from msd.testing.local import LocalJob  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
@@ -130,11 +131,7 @@ def main() -> None:
         result["ranks"][str(ranks)] = {**passes, "training_step_s_without_eval": without,
                                        "training_step_s_with_eval_every_5": with_passes}
         print(f"# {ranks} ranks: {result['ranks'][str(ranks)]}", file=sys.stderr)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from msd_common import protocol as P
+from msd_common.session import Forgotten
 from msd_common import wire
 from .assemble import StepAssembler
 from .buffers import BufferPool
@@ -40,11 +41,6 @@ class End:
 @dataclass(frozen=True, slots=True)
 class Welcomed:
     heartbeat_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Forgotten:
-    """The coordinator does not know this rank: say hello again."""
 
 
 @dataclass(frozen=True, slots=True)

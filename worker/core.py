@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from msd_common import protocol as P
+from msd_common.session import Forgotten
 from msd_common.doc_keys import doc_key, split_doc_key
 from msd_common.protocol import DELIVER_ITEM
 
@@ -74,11 +75,6 @@ class ReleaseRank:
 class Registered:
     worker_id: int
     heartbeat_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Forgotten:
-    """The coordinator does not know this worker any more: say hello again."""
 
 
 @dataclass(frozen=True, slots=True)
