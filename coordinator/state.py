@@ -27,14 +27,14 @@ from msd_common.doc_keys import doc_key
 from msd_common.protocol import DELIVER_ITEM
 from msd_common.formats.storage import is_url
 
-from .balance import imbalance, patch_ratio
-from msd_common.spec import CostConfig, JobConfig
+from .balance import imbalance
+from msd_common.spec import JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,
                      WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
-from .calibrate import TERMS, Calibrator, Fit
+from .calibration_book import CalibrationBook
 from .evaluation import EvalBook
 from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
@@ -56,7 +56,6 @@ _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "host": (HostHeartbeat, WorkerExited),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
-FEATURE_STEPS = 64  # steps whose micro-batch features are kept for the compute times ranks report
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
 # A record is quarantined when this many worker processes died working on it (the first try and
 # two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
@@ -83,14 +82,8 @@ class CoordinatorState:
         for at_step, weights in mixture_changes:
             self._replay_mixture_change(at_step, weights)
             log.info("mixture journal: weights %s from step %d", weights, at_step)
-        self.cost_changes: list[tuple[int, list[float]]] = []  # calibrated models adopted, in order
-        for at_step, coefficients in cost_changes:
-            self._replay_cost_change(at_step, coefficients)
-        # balance.calibrate: the compute times ranks report, and the features of the micro-batches
-        # they timed (by step: [dp rank, micro-batch, calibrate.TERMS])
-        self.calibrator = Calibrator(tuple(self._coefficients(self.planner.cost_at(1 << 62))))
-        self._features: dict[int, np.ndarray] = {}
-        self.last_fit: Fit | None = None
+        # balance.calibrate: the micro-batches' features, the ranks' compute times, the models adopted
+        self.calibration = CalibrationBook(job, self.planner, self._dp_rank, cost_changes)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
         self._dp_of: dict[int, int] = {}  # global rank -> its data-parallel rank (coords, computed once)
@@ -434,59 +427,20 @@ class CoordinatorState:
         self.lead.consumed(ev.at, self.registry.slowest())
         trainer.waited_s = max(trainer.waited_s, ev.waited_s)
         if self.job.calibrate and ev.compute_step >= 0 and ev.compute_s:
-            self._calibrate(trainer.rank, ev.compute_step, ev.compute_s)
+            adopted = self.calibration.timed(trainer.rank, ev.compute_step, ev.compute_s, self.planner.state.next_step)
+            if adopted is not None and self.history.durable:
+                at, fit = adopted
+                calibrator = self.calibration.calibrator
+                self._out.append(AppendCostChange(at, tuple(fit.coefficients),
+                                                  (float(calibrator.current_error or 0.0), float(fit.error)),
+                                                  tuple(tuple(r) for r in calibrator.evidence)))
 
-    @staticmethod
-    def _coefficients(model: CostConfig) -> list[float]:
-        """A cost model as calibrate.TERMS (the constant per micro-batch is not the plan's: 0)."""
-        return [model.quadratic, model.linear, 0.0, model.patch_quadratic, model.patch_linear]
-
-    def _calibrate(self, rank: int, step: int, seconds: list) -> None:
-        """One rank's compute times of one step's micro-batches: samples for the fit; a fit clearly
-        better than the current model is adopted from the first step not planned yet (journaled
-        with it, carried in checkpoints: the stream stays a function of the job and the journal)."""
-        features = self._features.get(step)
-        if features is None:
-            return
+    def _dp_rank(self, rank: int) -> int:
+        """A global rank's data-parallel rank (its coordinates, computed once)."""
         d = self._dp_of.get(rank)
         if d is None:
             d = self._dp_of[rank] = self.topology.coords(rank).dp
-        times = np.asarray(seconds, dtype=np.float64)[:features.shape[1]]
-        self.calibrator.add(features[d, :len(times)], times)
-        fit = self.calibrator.propose()
-        self.last_fit = self.calibrator.last_fit or self.last_fit
-        if fit is None:
-            return
-        at = self.planner.state.next_step
-        q, lin, const, pq, pl = fit.coefficients
-        self.planner.set_cost(at, CostConfig(q, lin, pq, pl))
-        self.calibrator.adopted(fit.coefficients)
-        self.cost_changes.append((at, list(fit.coefficients)))
-        log.warning("cost model calibrated from %d micro-batch times (error %.3f, the model's %.3f): %s from step %d",
-                    fit.samples, fit.error, self.calibrator.current_error or float("nan"),
-                    ", ".join(f"{t} {c:.4g}" for t, c in zip(TERMS, fit.coefficients)), at)
-        if self.history.durable:
-            self._out.append(AppendCostChange(at, tuple(fit.coefficients),
-                                              (float(self.calibrator.current_error or 0.0), float(fit.error)),
-                                              tuple(tuple(r) for r in self.calibrator.evidence)))
-
-    def _cost_status(self) -> dict[str, Any]:
-        """The model planning now, the step it took effect, and the last fit (balance.calibrate)."""
-        at = max((a for a, _ in self.cost_changes if a <= self.planner.state.next_step), default=0)
-        model = self.cost_changes[-1][1] if self.cost_changes else self._coefficients(self.job.cost)
-        fit = self.last_fit
-        return {"calibrate": self.job.calibrate, "coefficients": dict(zip(TERMS, model)), "from_step": at,
-                "changes": [[a, dict(zip(TERMS, c))] for a, c in self.cost_changes],
-                "samples": len(self.calibrator.seconds),
-                "fit": None if fit is None else {"coefficients": dict(zip(TERMS, fit.coefficients)),
-                                                 "error": round(fit.error, 4), "samples": fit.samples},
-                "model_error": None if self.calibrator.current_error is None else
-                round(self.calibrator.current_error, 4)}
-
-    def _replay_cost_change(self, at_step: int, coefficients: list[float]) -> None:
-        q, lin, _, pq, pl = (list(coefficients) + [0.0] * 5)[:5]
-        self.planner.set_cost(at_step, CostConfig(float(q), float(lin), float(pq), float(pl)), replaying=True)
-        self.cost_changes.append((at_step, [float(c) for c in coefficients]))
+        return d
 
     def target_so_far_share(self) -> dict[str, float]:
         """Each source's share of every token so far as the mixture asked for it (changes and ramps included)."""
@@ -1014,43 +968,10 @@ class CoordinatorState:
         for s, table in enumerate(self.tables):
             table.forget_before(floor[s])
 
-    def _keep_features(self, plan: StepPlan) -> None:
-        """What each (dp rank, micro-batch) of a step holds, as calibrate.TERMS, for the times
-        its ranks will report. An image-text piece's patches are its record's patches, a fragment
-        charged its share (as balance.Cost does), whatever the job's model says of patches: a fit
-        may find a patch cost the job file left out."""
-        lengths = plan.pieces[:, LENGTH].astype(np.float64)
-        mbs = self.job.micro_batches_per_rank
-        cell = plan.rank * mbs + plan.micro_batch
-        features = np.zeros((self.job.dp * mbs, len(TERMS)))
-        features[:, 0] = np.bincount(cell, weights=lengths * lengths, minlength=len(features))
-        features[:, 1] = np.bincount(cell, weights=lengths, minlength=len(features))
-        features[:, 2] = 1.0
-        patches = self._piece_patches(plan.pieces, lengths)
-        if patches is not None:
-            features[:, 3] = np.bincount(cell, weights=patches * patches, minlength=len(features))
-            features[:, 4] = np.bincount(cell, weights=patches, minlength=len(features))
-        self._features[plan.step] = features.reshape(self.job.dp, mbs, len(TERMS))
-        for old in [s for s in self._features if s < plan.step - FEATURE_STEPS]:
-            del self._features[old]
-
-    def _piece_patches(self, pieces: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
-        """Image patches of each piece of a plan (None: no image-text source in the job)."""
-        image_sources = [s.index for s in self.job.sources if s.has_images]
-        if not image_sources:
-            return None
-        patches = np.zeros(len(pieces))
-        for s in image_sources:
-            mine = np.flatnonzero(pieces[:, SOURCE] == s)
-            if len(mine):
-                positions = pieces[mine, POSITION]
-                table = self.tables[s]
-                patches[mine] = patch_ratio(table.patches(positions), table.lengths(positions)) * lengths[mine]
-        return patches
-
     def _dispatch(self, plan: StepPlan) -> None:
         if self.job.calibrate:
-            self._keep_features(plan)
+            self.calibration.planned(plan, lambda s, positions: (self.tables[s].patches(positions),
+                                                                 self.tables[s].lengths(positions)))
         ours, naive = imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)
         self.planned.append((plan.step, ours, naive, plan.source_tokens))
         if plan.step % 100 == 0:
@@ -1072,9 +993,7 @@ class CoordinatorState:
         rank_costs = np.asarray(plan.rank_costs, dtype=np.float64).tolist()
         naive_costs = np.asarray(plan.naive_rank_costs, dtype=np.float64).tolist()
         for rank in ranks:
-            d = self._dp_of.get(rank)
-            if d is None:
-                d = self._dp_of[rank] = self.topology.coords(rank).dp
+            d = self._dp_rank(rank)
             lo, hi = bounds[d], bounds[d + 1]
             summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
                        "naive_rank_cost": naive_costs[d]}
@@ -1178,10 +1097,7 @@ class CoordinatorState:
             if self.history.durable:
                 self._out.append(AppendMixture(int(at), tuple(weights)))
         for at, coefficients in c.get("cost_changes", []):
-            if any(int(at) == a for a, _ in self.cost_changes):
-                continue
-            self._replay_cost_change(int(at), coefficients)
-            if self.history.durable:
+            if self.calibration.replay(int(at), coefficients) and self.history.durable:
                 self._out.append(AppendCostChange(int(at), tuple(float(x) for x in coefficients)))
         for name, record in c["quarantined"]:
             if self._replay_quarantine(name, int(record)) and self.history.durable:
@@ -1211,7 +1127,7 @@ class CoordinatorState:
             return None
         return {"digest": self.digest, "planner": state.to_json(),
                 "mixture_changes": [[at, list(w)] for at, w in self.mixture_changes],
-                "cost_changes": [[at, list(c)] for at, c in self.cost_changes],
+                "cost_changes": [[at, list(c)] for at, c in self.calibration.changes],
                 "quarantined": [[self.job.sources[s].name, r] for s, rs in sorted(self.quarantined.items())
                                 for r in sorted(rs)]}
 
@@ -1238,7 +1154,7 @@ class CoordinatorState:
             "long_docs": {src.name: dict(self.long_docs[src.index]) for src in self.job.sources
                           if self.long_docs[src.index]},
             "eval": self.eval.status(),
-            "cost_model": self._cost_status(),
+            "cost_model": self.calibration.status(self.planner.state.next_step),
             "job": self.job.path,
             "digest": self.digest,
             "dp": self.job.dp,
