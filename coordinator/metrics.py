@@ -179,5 +179,5 @@ class CoordinatorMetrics:
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources
-                                          for kind, n in state.long_docs[src.index].items()},
+                                          for kind, n in state.prep.long_docs[src.index].items()},
                             "cost": state._cost_status()}

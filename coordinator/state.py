@@ -25,7 +25,6 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key
 from msd_common.protocol import DELIVER_ITEM
-from msd_common.formats.storage import is_url
 
 from .balance import imbalance
 from msd_common.spec import JobConfig
@@ -40,10 +39,10 @@ from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, Appe
                            WriteStatus)
 from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
-from .positions import NOBODY, HeldCounts, PositionTables
-from .prepare_policy import PreparePolicy
+from .positions import NOBODY
+from .preparation import PreparationBook
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
-from .sources import OpenedSources, mapped_lengths
+from .sources import OpenedSources
 from .tasks import TaskBook
 from .workforce import Workforce
 
@@ -93,22 +92,15 @@ class CoordinatorState:
         self.registry = Registry()
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
         n = len(job.sources)
-        # Memory-mapped sources: their lengths are in an index the coordinator opened at start-up,
-        # so their records need no prepare round trip (a worker reads them straight from the map).
-        self.mapped = sources.mapped
-        self.mapped_held = HeldCounts()  # copies of memory-mapped records each worker holds
-        # per source: record, length, holder by position
-        self.tables = PositionTables([self.mapped_held if s in self.mapped else None for s in range(n)])
-        self._mapped_mask = np.array([s in self.mapped for s in range(n)], dtype=bool)
-        # sources in object storage: their tasks are always full too, so that a worker fetches a
-        # task's records in one round of concurrent requests, not a round trip per step's few
-        self._full_tasks = self._mapped_mask | np.array([any(is_url(f) for f in src.files) for src in job.sources],
-                                                        dtype=bool)
-        # a source shuffled in blocks gets tasks of whole blocks, each read in one request
-        self._task_block = np.array([src.shuffle_block for src in job.sources], dtype=np.int64)
-        self._prepared_stamp = 0  # lengths reported so far (prepare-ahead depends on their mean)
-        self._tables_stamp = 0  # resets of the position tables
-        self._prepare_ahead_stamp: tuple | None = None
+        self.tasks = TaskBook()
+        self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
+        self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
+        self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
+        # what is known of every stream position, and preparing it ahead of the plan
+        self.prep = PreparationBook(job, self.planner, sources, self.tasks, self.registry, self.workforce, self.lead,
+                                    self.quarantined, self._send, self._count_skip, self._epochs, lambda: self.clock)
+        self.tables = self.prep.tables  # (the same object: read here by planning, dispatch and rewinds)
+        self.mapped = self.prep.mapped
         self.history = history
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
         self._compact_to: dict | None = None
@@ -123,26 +115,16 @@ class CoordinatorState:
                      history.oldest)
         else:
             self._record(self.planner.state)
-        self._reset_tables()
-        self.len_sum = [0] * n
-        self.len_count = [0] * n
+        self.prep.reset_tables()
         self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
         self.transform_errors: dict[int, int] = {}  # per source: consecutive transform errors so far
-        # per source: records longer than seq_len truncated or dropped (long_docs), as prepared
-        self.long_docs: list[dict[str, int]] = [{} for _ in range(n)]
-        self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
         for name, record in quarantined:
             if not self._replay_quarantine(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
-        self.tasks = TaskBook()
-        self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
-        self.policy = PreparePolicy(job, self._full_tasks, self._task_block, self.lead)
         self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology, self._send,
                              lambda: self.registry.workers, lambda: self.registry.trainers)
-        self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         self.deliveries = DeliveryBook()
-        self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
-        self.reprepared = 0  # records prepared again so far (lost with a dead worker)
+        self.prep.reprepared = 0  # records prepared again so far (lost with a dead worker)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         # seconds each rank that left had waited for data: status and metrics keep the run's waits
         self.departed_wait: dict[int, float] = {}
@@ -420,7 +402,7 @@ class CoordinatorState:
         wid = self._dead_pids.get((host.agent_id, ev.pid))  # already forgotten: it was silent first
         if blame is not None and wid is not None:
             self._blame(blame, wid)
-            self._assign_queued()
+            self.prep.assign_queued()
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
@@ -487,7 +469,7 @@ class CoordinatorState:
         if len(ev.lengths) != len(task.positions):
             log.warning("worker %d: task %d returned %d lengths for %d records; re-issuing", worker.worker_id,
                         task.task_id, len(ev.lengths), len(task.positions))
-            self._issue_prepare(s, task.positions)
+            self.prep.issue(s, task.positions)
             return
         for _, reason, kind in ev.skipped:
             self._count_skip(s, kind)
@@ -498,7 +480,7 @@ class CoordinatorState:
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self.lead.task_done(s, ev.at - task.assigned_at)
-        self._set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
+        self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
 
     def _transform_failing(self, s: int, skipped: list, n_records: int) -> bool:
         """Count a source's consecutive transform errors (in task order); at max_transform_errors
@@ -533,7 +515,7 @@ class CoordinatorState:
         log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason,
                   extra={"worker_id": worker.worker_id})
         if self.tasks.fail(ev.task_id, worker.worker_id) is not None:
-            self._assign_queued()
+            self.prep.assign_queued()
 
     def _on_delivered(self, ev: Delivered, worker: WorkerInfo) -> None:
         d = self.deliveries.acknowledge(ev.delivery_id, worker.worker_id)
@@ -543,7 +525,7 @@ class CoordinatorState:
         # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
         holders = self.tables.release(d.release)
         if self.mapped:
-            self.mapped_held.change(holders[self._mapped_mask[d.release[:, 0]]], -1)
+            self.prep.mapped_held.change(holders[self.prep.mapped_mask[d.release[:, 0]]], -1)
 
     # ------------------------------------------------------------------ time, failures, stopping
 
@@ -625,7 +607,7 @@ class CoordinatorState:
             self._blame(blame, wid)
         lost = {s: t.held_by(wid) for s, t in enumerate(self.tables)}
         for s, positions in lost.items():
-            self.reprepare.update((s, p) for p in positions.tolist())
+            self.prep.reprepare.update((s, p) for p in positions.tolist())
         _, acked = self.deliveries.orphan(wid)
         for d in acked:  # acknowledged, but maybe never sent: again, from new copies
             for rows in (d.positions, d.release):
@@ -633,12 +615,12 @@ class CoordinatorState:
                     positions = np.unique(rows[rows[:, 0] == s, 1])
                     gone = positions[self.tables[s].holders(positions) == NOBODY]
                     lost[s] = np.union1d(lost[s], gone)
-                    self.reprepare.update((s, p) for p in gone.tolist())
-        self._assign_queued()
+                    self.prep.reprepare.update((s, p) for p in gone.tolist())
+        self.prep.assign_queued()
         for s, positions in lost.items():
             if len(positions):
-                self.reprepared += len(positions)
-                self._issue_prepare(s, positions)
+                self.prep.reprepared += len(positions)
+                self.prep.issue(s, positions)
         # its deliveries are sent again by the next planning pass, once their records have live holders
 
     def _blame(self, task_id: int, worker_id: int) -> None:
@@ -675,214 +657,12 @@ class CoordinatorState:
         # In step order, and none after one that must wait: a later step's delivery may release a
         # record an earlier step still reads (the worker would drop it before the earlier one came).
         for d in self.deliveries.orphans():
-            if d.needs() & self.reprepare:
+            if d.needs() & self.prep.reprepare:
                 return
             self.deliveries.replaced(d)
             self._send_deliveries(d.step, d.items, d.positions, d.release)
 
     # ------------------------------------------------------------------ prepare-ahead
-
-    def _records_per_step(self) -> np.ndarray:
-        step = self.planner.state.next_step
-        return self.policy.records_per_step(step, self.planner.weights_at(step),
-                                            self.planner.weights_at(step + self.job.runtime.lookahead_steps),
-                                            self.len_sum, self.len_count)
-
-    def _left(self, s: int) -> int:
-        """Stream positions of source s not sent to a worker yet (sources with finite epochs end)."""
-        limit = self.planner.limit[s]
-        return 1 << 62 if limit is None else max(0, limit - self.tables[s].end)
-
-    def _prepare_ahead(self) -> None:
-        if not self.registry.workers:
-            return
-        # Called on every planning pass (many per step at hundreds of ranks); what it computes
-        # changes only with these, so an unchanged stamp means there is nothing to refill.
-        stamp = (self.planner.state.next_step, self._prepared_stamp, self._tables_stamp, self.lead.version,
-                 len(self.registry.workers), self.registry.next_worker_id, len(self.planner.overrides),
-                 tuple(self.planner.state.exhausted))
-        if stamp == self._prepare_ahead_stamp:
-            return
-        self._prepare_ahead_stamp = stamp
-        per_step = self._records_per_step()
-        task = self.policy.task_sizes(per_step)
-        window = self.policy.windows(per_step, task)
-        ahead = np.fromiter((t.end for t in self.tables), dtype=np.int64, count=len(self.tables)) \
-            - np.asarray(self.planner.state.cursors, dtype=np.int64)
-        for s in self.policy.short(per_step, task, window, ahead).tolist():
-            self._refill(s, int(task[s]), int(window[s]))
-
-    def _refill(self, s: int, batch: int, window: int) -> None:
-        table, cursors = self.tables[s], self.planner.state.cursors
-        if s in self.mapped:
-            self._prepare_mapped(s, cursors[s] + window, batch)
-            return
-        while table.end - cursors[s] < window and self._left(s):
-            self._prepare_next_batch(s, min(batch, self._left(s)))
-
-    def _ensure_prepared(self, s: int, position: int) -> None:
-        batch = int(self.policy.task_sizes(self._records_per_step())[s])
-        if s in self.mapped and self.registry.workers:
-            self._prepare_mapped(s, position + 1, batch)
-        while self.tables[s].end <= position and self.registry.workers and self._left(s):
-            self._prepare_next_batch(s, min(batch, self._left(s)))
-
-    def _prepare_next_batch(self, s: int, batch: int) -> None:
-        records = self.planner.streams[s].records_array(self.tables[s].end, batch)
-        self._issue_prepare(s, self.tables[s].issue(records))
-
-    def _prepare_mapped(self, s: int, until: int, batch: int) -> None:
-        """A memory-mapped source's positions up to `until` (exclusive; the shortfall rounded up
-        to whole tasks of `batch`), prepared here in one pass (their lengths come from the index)
-        and dealt to workers in prepare_batch chunks, each chunk to the worker a task of it would
-        go to (workforce.choose: least work queued, then fewest such records held). One pass
-        instead of a task per chunk: at a thousand ranks a step needs thousands of records, and
-        sixty small tasks a step were a sixth of the coordinator's CPU."""
-        short = until - self.tables[s].end
-        count = min(-(-short // batch) * batch, self._left(s))
-        if count <= 0:
-            return
-        workers = self.registry.workers
-        retiring = self.workforce.retiring(self.registry.hosts)
-        candidates = [w for w in workers if w not in retiring] or list(workers)
-        records = self.planner.streams[s].records_array(self.tables[s].end, count)
-        positions = self.tables[s].issue(records)
-        lengths = np.zeros(len(records), dtype=np.int64)
-        good = np.ones(len(records), dtype=bool)
-        if s in self.quarantined:
-            good = ~self._is_quarantined(s, records)
-            if not good.all():
-                self._count_skip(s, "quarantined", int((~good).sum()))
-        lengths[good] = self._mapped_lengths(s, records[good])
-        weights = self.planner.weights_at(self.planner.state.next_step)
-        held = self.mapped_held.counts(self.registry.next_worker_id + 1)
-        batch = self.job.runtime.prepare_batch
-        holders = np.empty(len(records), dtype=np.int64)
-        for lo in range(0, len(records), batch):
-            wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
-            holders[lo:lo + batch] = wid
-            held[wid] += min(batch, len(records) - lo)
-        self._set_prepared(s, positions, lengths, holders)
-
-    def _issue_prepare(self, s: int, positions: np.ndarray) -> None:
-        self.tasks.new(s, positions)
-        self._assign_queued()
-
-    def _assign_queued(self) -> None:
-        """Hand every queued task to a worker (the allocation picks which), if any is alive."""
-        workers = self.registry.workers
-        queued = self.tasks.queued()
-        if not workers:
-            for task in queued:  # remembered: assigned when a worker registers
-                self.tasks.requeue(task)
-            if queued:  # one line, not one per task: with hundreds of sources there are thousands
-                log.warning("no worker to prepare %d records (%d tasks, %d sources); waiting",
-                            sum(len(t.positions) for t in queued), len(queued), len({t.source for t in queued}))
-            return
-        retiring = self.workforce.retiring(self.registry.hosts)
-        weights = self.planner.weights_at(self.planner.state.next_step)
-        for task in queued:
-            candidates = ([w for w in workers if w != task.avoid and w not in retiring]
-                          or [w for w in workers if w not in retiring] or list(workers))
-            s = task.source
-            # (memory-mapped sources are prepared from their index below; the planner passes over
-            # their held-out records all the same)
-            if s not in self.mapped and self.planner.holdout.any(s) and self._settle_held_out(task, candidates[0]):
-                continue
-            if s in self.quarantined and self._settle_quarantined(task, candidates[0]):
-                continue
-            if s in self.mapped:
-                # Prepared here and now: the lengths come from the index, and the worker that will
-                # read the records from its map is the one holding the fewest such records.
-                held = self.mapped_held.counts(self.registry.next_worker_id + 1)
-                wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s, held=held)
-                self.tasks.assign(task, wid, 0.0, self.clock)
-                self.tasks.complete(task.task_id, wid)
-                records = self.tables[s].records(task.positions)
-                self._set_prepared(s, task.positions, self._mapped_lengths(s, records), wid)
-                continue
-            wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
-            self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)), self.clock)
-            records = self.tables[s].records(task.positions)
-            self._send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s), records,
-                       self._epochs(s, task.positions))
-
-    def _settle_held_out(self, task, worker_id: int) -> bool:
-        """Records of a queued task that an eval set holds out of training are prepared as
-        length 0 right here: the planner passes over them, so no worker reads them for training
-        (an eval pass reads them for itself). True when nothing of the task is left to do."""
-        return self._settle(task, worker_id, self.planner.holdout.held_out)
-
-    def _settle_quarantined(self, task, worker_id: int) -> bool:
-        """Quarantined records of a queued task are prepared as skipped (length 0) right here, held
-        by worker_id, and never handed to a worker; True when nothing of the task is left to do."""
-        return self._settle(task, worker_id, self._is_quarantined, skip_kind="quarantined")
-
-    def _settle(self, task, worker_id: int, settled: Callable[[int, np.ndarray], np.ndarray],
-                skip_kind: str | None = None) -> bool:
-        """The task's records that `settled(source, records)` marks are prepared as length 0, held by
-        worker_id (counted as skips of skip_kind, if given); True when nothing of the task is left."""
-        s = task.source
-        done = settled(s, self.tables[s].records(task.positions))
-        if not done.any():
-            return False
-        if skip_kind:
-            self._count_skip(s, skip_kind, int(done.sum()))
-        self._set_prepared(s, task.positions[done], np.zeros(int(done.sum()), dtype=np.int64), worker_id)
-        task.positions = task.positions[~done]
-        if len(task.positions):
-            return False
-        self.tasks.drop(task)
-        return True
-
-    def _is_quarantined(self, s: int, records: np.ndarray) -> np.ndarray:
-        return np.isin(records, np.fromiter(self.quarantined[s], dtype=np.int64))
-
-    def _mapped_lengths(self, s: int, records: np.ndarray) -> np.ndarray:
-        """Lengths of memory-mapped records from their index; a record over max_record_bytes is
-        skipped (length 0), as a worker would skip it."""
-        source = self.job.sources[s]
-        lengths, over = mapped_lengths(self.mapped[s], source, records)
-        if over.any():
-            for r in records[over].tolist():
-                log.warning("source %s: record skipped (over_limit): %s: over max_record_bytes (%d)",
-                            source.name, self.mapped[s].where(r), source.max_record_bytes,
-                            extra={"source": source.name})
-            self._count_skip(s, "over_limit", int(over.sum()))
-        return lengths
-
-    def _set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,
-                      patches: np.ndarray | None = None) -> None:
-        """The records at these positions of source s are prepared, held by the worker (or by
-        each position's worker, an array)."""
-        self._prepared_stamp += 1
-        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches)
-        changed = (before >= 0) & (before != lengths)
-        for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
-            log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
-                      self.job.sources[s].name, pos, now, was)
-        new = before < 0
-        self.len_sum[s] += int(lengths[new].sum())
-        self.len_count[s] += int(new.sum())
-        policy = self.job.sources[s].long_docs
-        if policy != "split":  # records longer than a row, as prepared (the seq_len of the plan's stage)
-            long = int((lengths[new] > self.job.seq_len_at(self.planner.state.next_step)).sum())
-            if long:
-                key = "truncated" if policy == "truncate" else "dropped"
-                self.long_docs[s][key] = self.long_docs[s].get(key, 0) + long
-        if self.reprepare:
-            self.reprepare.difference_update((s, p) for p in positions.tolist())
-
-    # ------------------------------------------------------------------ the plan's side of the planner
-
-    def window(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(records, lengths) of stream positions [start, start+count): what the planner may use
-        (plan.Known). Length -1: not prepared yet."""
-        return self.tables[source].window(start, count)
-
-    def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
-        """Image patches of prepared records (plan.Known)."""
-        return self.tables[source].patches(positions)
 
     # ------------------------------------------------------------------ planning and dispatch
 
@@ -892,13 +672,13 @@ class CoordinatorState:
                                         self.registry.slowest())
         if not self.registry.workers:
             return
-        self._assign_queued()  # tasks queued while no worker lived
+        self.prep.assign_queued()  # tasks queued while no worker lived
         if self.deliveries.orphaned:  # a dead worker's deliveries whose records have live holders again
             self._reissue_orphans()
-        if self.reprepare or not self.registry.all_present(self.receivers):
+        if self.prep.reprepare or not self.registry.all_present(self.receivers):
             # Records lost with a dead worker are being prepared again (a carried-over document may
             # be among them), or not every rank is here yet: plan nothing, but prepare ahead.
-            self._prepare_ahead()
+            self.prep.prepare_ahead()
             return
         limit = self.registry.slowest() + 1 + self.job.runtime.lookahead_steps
         planned = []
@@ -907,10 +687,10 @@ class CoordinatorState:
                 break  # the length the last attempt stopped at is still not in: planning would stop there again
             self.waiting = None
             try:
-                plan = self.planner.plan_step(self)
+                plan = self.planner.plan_step(self.prep)
             except NeedLength as need:  # nothing changed: plan again once the length is in
                 self.waiting = (need.source, need.position)
-                self._ensure_prepared(need.source, need.position)
+                self.prep.ensure_prepared(need.source, need.position)
                 break
             except SourceExhausted as e:
                 log.warning("%s: the stream ends before step %d", e, e.step, extra={"step": e.step})
@@ -929,7 +709,7 @@ class CoordinatorState:
             self._dispatch(plan)
             if plan.step % FORGET_EVERY_STEPS == 0:
                 self._forget_old()
-        self._prepare_ahead()
+        self.prep.prepare_ahead()
 
     def _record(self, state) -> None:
         j, compact = self.history.record(state)
@@ -1046,17 +826,6 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------ resume
 
-    def _reset_tables(self) -> None:
-        """Start every source's position table at the first position the plan still needs."""
-        st = self.planner.state
-        self._tables_stamp += 1
-        for s, table in enumerate(self.tables):
-            carry = st.carry[s]
-            start = min(st.cursors[s], carry[0]) if carry is not None else st.cursors[s]
-            if st.deferred[s]:
-                start = min(start, st.deferred[s][0][0])
-            table.reset(start)
-
     def _rewind(self, step: int, journaled: dict | None) -> None:
         """Plan again from `step` (a trainer resumes from an older checkpoint). The planner is
         deterministic, so the steps planned again are the ones planned before; what was prepared
@@ -1072,7 +841,7 @@ class CoordinatorState:
         step = state.next_step
         self.planner.state = state
         self.deliveries.clear()
-        self.reprepare.clear()
+        self.prep.reprepare.clear()
         self.tasks.clear()
         self.lead.forget_pace()
         self.waiting = None
@@ -1081,7 +850,7 @@ class CoordinatorState:
         for w in self.registry.forget_workers():
             self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
         self.eval.reset()
-        self._reset_tables()
+        self.prep.reset_tables()
 
     def _adopt(self, ev: TrainerHello) -> None:
         """A coordinator with no state of its own (no state dir, or an empty one) resumes from the
@@ -1151,8 +920,8 @@ class CoordinatorState:
             hosts.setdefault(host.host if host else "?", []).append(
                 {"worker_id": w.worker_id, "pid": w.pid, "busy_share": round(w.busy_share, 3)})
         return {
-            "long_docs": {src.name: dict(self.long_docs[src.index]) for src in self.job.sources
-                          if self.long_docs[src.index]},
+            "long_docs": {src.name: dict(self.prep.long_docs[src.index]) for src in self.job.sources
+                          if self.prep.long_docs[src.index]},
             "eval": self.eval.status(),
             "cost_model": self.calibration.status(self.planner.state.next_step),
             "job": self.job.path,
@@ -1175,7 +944,7 @@ class CoordinatorState:
             "tasks_in_flight": len(self.tasks),
             "prepare_ahead_steps": dict(zip(names, (round(float(n), 2) for n in self.lead.steps_ahead()))),
             "step_s": None if self.lead.step_s is None else round(self.lead.step_s, 4),
-            "records_reprepared": self.reprepared,
+            "records_reprepared": self.prep.reprepared,
             "deliveries": self.deliveries.counts(),
             "skipped": {s.name: self._skipped(s.index) for s in self.job.sources},
             "skipped_by_kind": {s.name: dict(self.skipped_by_kind[s.index]) for s in self.job.sources},

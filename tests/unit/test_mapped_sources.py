@@ -41,7 +41,7 @@ def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
     assert table.window(table.base, len(positions))[1].tolist() == index.document_lengths()[records].tolist()
     held = np.bincount(table.holders(positions), minlength=3)
     assert held.max() - held.min() <= job.runtime.prepare_batch  # batches dealt to whoever holds fewest
-    plan = state.planner.plan_step(state)  # planning needs nothing from a worker
+    plan = state.planner.plan_step(state.prep)  # planning needs nothing from a worker
     assert int(plan.pieces[:, 4].sum()) == job.step_tokens
 
 
