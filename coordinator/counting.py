@@ -38,6 +38,7 @@ from msd_common.spec import ConfigError, JobConfig
 from .lease import Lease
 from .router import Router
 from .sources import OpenedSources
+from .welcome import host_scale, version_refusal, worker_welcome
 
 log = logging.getLogger("msd.coordinator")
 
@@ -76,22 +77,20 @@ class _Counting:
         """The answer to one message, if it gets one."""
         kind = msg["type"]
         if kind == P.WORKER_HELLO.name:
-            if msg["version"] != P.PROTOCOL_VERSION:
-                log.warning("worker from %s speaks protocol %d, we speak %d: rejected", msg["host"], msg["version"],
-                            P.PROTOCOL_VERSION)
-                return P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}")
+            refusal = version_refusal(msg["version"], f"worker from {msg['host']}")
+            if refusal is not None:
+                return refusal
             self.welcomed[peer] = msg["host"]
             self.next_id += 1
-            return P.make(P.WELCOME, worker_id=self.next_id - 1, job=self.job.worker_job().to_wire(),
-                          heartbeat_s=self.job.runtime.heartbeat_s, count=sorted(self.pending))
+            return worker_welcome(self.job, self.next_id - 1, count=self.pending)
         if kind == P.WORKER_HEARTBEAT.name:
             return P.make(P.ALIVE) if peer in self.welcomed else None
         if kind == P.HOST_HELLO.name:  # indexing is work for every process a host may run
-            if msg["version"] != P.PROTOCOL_VERSION:
-                return P.make(P.REJECT, reason=f"protocol version {msg['version']} != {P.PROTOCOL_VERSION}")
+            refusal = version_refusal(msg["version"], f"worker host {msg['host']}")
+            if refusal is not None:
+                return refusal
             self.hosts.add(peer)
-            return P.make(P.SCALE, procs=msg["max_procs"], retire=[], reason="indexing the job's shards",
-                          heartbeat_s=self.job.runtime.heartbeat_s)
+            return host_scale(self.job, msg["max_procs"], [], "indexing the job's shards")
         if kind == P.HOST_HEARTBEAT.name:
             return P.make(P.ALIVE) if peer in self.hosts else None
         if kind == P.SOURCE_COUNTS.name and peer in self.welcomed:

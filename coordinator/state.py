@@ -44,6 +44,7 @@ from .preparation import PreparationBook
 from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources
 from .tasks import TaskBook
+from .welcome import host_scale, version_refusal, worker_welcome
 from .workforce import Workforce
 
 log = logging.getLogger("msd.coordinator")
@@ -213,23 +214,22 @@ class CoordinatorState:
     # ------------------------------------------------------------------ hellos and requests
 
     def _on_worker_hello(self, ev: WorkerHello) -> None:
-        if ev.version != P.PROTOCOL_VERSION:
-            log.warning("worker from %s speaks protocol %d, we speak %d: rejected", ev.host, ev.version,
-                        P.PROTOCOL_VERSION)
-            self._send(ev.peer, P.make(P.REJECT, reason=f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"))
+        refusal = version_refusal(ev.version, f"worker from {ev.host}")
+        if refusal is not None:
+            self._send(ev.peer, refusal)
             return
         if ev.peer in self.registry:
             self._forget_peer(ev.peer, "re-registered")
         worker = self.registry.add_worker(ev.peer, ev.at, ev.agent, ev.pid)
         log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid,
                  extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
-        self._send(ev.peer, P.make(P.WELCOME, worker_id=worker.worker_id, job=self.job.worker_job().to_wire(),
-                                   heartbeat_s=self.heartbeat_s, count=[]))
+        self._send(ev.peer, worker_welcome(self.job, worker.worker_id))
         self.eval.pump()  # a pass waiting for workers
 
     def _on_host_hello(self, ev: HostHello) -> None:
-        if ev.version != P.PROTOCOL_VERSION:
-            self._send(ev.peer, P.make(P.REJECT, reason=f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"))
+        refusal = version_refusal(ev.version, f"worker host {ev.host}")
+        if refusal is not None:
+            self._send(ev.peer, refusal)
             return
         if ev.peer in self.registry:
             self._forget_peer(ev.peer, "re-registered")
@@ -579,8 +579,7 @@ class CoordinatorState:
 
     def _scale(self, host: HostInfo, procs: int, retire: list[int], reason: str) -> None:
         """Tell a host agent its process count (and which emptied workers to stop)."""
-        self._send(host.identity, P.make(P.SCALE, procs=procs, retire=retire, reason=reason,
-                                         heartbeat_s=self.heartbeat_s))
+        self._send(host.identity, host_scale(self.job, procs, retire, reason))
 
     def _forget_peer(self, identity: bytes, why: str, blame: int | None = None) -> None:
         """blame: the task the worker died working on (its host agent said so)."""

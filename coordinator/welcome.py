@@ -1,0 +1,35 @@
+"""How the coordinator answers a worker's or a host agent's hello: the one place that says what a
+welcome holds and when a peer is refused. CoordinatorState answers with these while it serves the
+job, and the counting at start-up (counting.py, `runtime.index_on: workers`) with the same, so a
+worker welcomed by either gets the same job in the same typed form.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from msd_common import protocol as P
+from msd_common.spec import JobConfig
+
+log = logging.getLogger("msd.coordinator")
+
+
+def version_refusal(version: int, who: str) -> dict[str, Any] | None:
+    """A REJECT for a peer that speaks another protocol (logged, naming `who`), else None."""
+    if version == P.PROTOCOL_VERSION:
+        return None
+    log.warning("%s speaks protocol %d, we speak %d: rejected", who, version, P.PROTOCOL_VERSION)
+    return P.make(P.REJECT, reason=f"protocol version {version} != {P.PROTOCOL_VERSION}")
+
+
+def worker_welcome(job: JobConfig, worker_id: int, count: Sequence[int] = ()) -> dict[str, Any]:
+    """A worker's welcome: its id, the job as workers read it (msd_common.spec.WorkerJob), the
+    heartbeat, and the sources whose records it should count before anything else."""
+    return P.make(P.WELCOME, worker_id=worker_id, job=job.worker_job().to_wire(), heartbeat_s=job.runtime.heartbeat_s,
+                  count=sorted(count))
+
+
+def host_scale(job: JobConfig, procs: int, retire: list[int], reason: str) -> dict[str, Any]:
+    """How many worker processes a host agent runs (and which to retire first)."""
+    return P.make(P.SCALE, procs=procs, retire=retire, reason=reason, heartbeat_s=job.runtime.heartbeat_s)
