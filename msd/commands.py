@@ -1,5 +1,5 @@
 """The `msd` commands of the coordinator's side: coordinator, validate, mix, keys, demo
-(`coordinator/cli.py` dispatches to them; `msd worker` lives in `worker/cli.py`)."""
+(`msd/cli.py` dispatches to them; `msd worker` lives in `worker/cli.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`msd plan JOB.yaml`: the real planner over the job's real data, with no workers and no sockets
-(record lengths found in this process: coordinator/replay.py), to see what a job will do before it
+(record lengths found in this process: msd/replay.py), to see what a job will do before it
 runs: its mix, its packing, its balance against arrival-order dealing (what per-rank loaders do),
 the step-time gain that the job's cost model predicts, and how many worker processes keep it fed.
 """

@@ -1,7 +1,7 @@
 """Questions about a job without a running job: `msd manifest` (what a step held) and `msd where`
 (where a document went), recomputed from the state dir's journals, with no per-step storage; and
 `msd plan` (a dry run of the planner over the job's data), and `msd report` (a run in one file). All
-are built on coordinator/replay.py."""
+are built on msd/replay.py."""
 
 from __future__ import annotations
 

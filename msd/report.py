@@ -4,7 +4,7 @@ arrival-order dealing, the data wait of each rank, and the skipped records.
 
 Everything comes from the state dir: the step journal holds each step's cumulative target and
 delivered tokens per source; the balance of a step is planned again from its journaled state
-(coordinator/replay.py), for at most `max_steps` steps spread over the run; data wait and skips
+(msd/replay.py), for at most `max_steps` steps spread over the run; data wait and skips
 are the coordinator's last status (status.json) and the quarantine journal.
 """
 

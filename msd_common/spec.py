@@ -67,7 +67,7 @@ class SourceConfig:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a record's stored bytes (line, row value, tar entries, document)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # WebDataset: pixels an image's header declares
     # Object storage: the file system's options for URL paths (endpoint, region, profile; never
-    # secrets) and ours (max_retries, share_indexes, whole_objects); see worker/readers/storage.py
+    # secrets) and ours (max_retries, share_indexes, whole_objects); see msd_common/formats/storage.py
     storage: dict[str, Any] | None = None
     # Records shuffled in runs of this many consecutive ones (cursor.BlockPermutation): a run is
     # one request to object storage; 1 shuffles every record on its own

@@ -42,7 +42,7 @@ from bench_output import emit  # noqa: E402  (tools/ is on the path when run as 
 
 from msd.testing.local import LocalJob  # noqa: E402
 from msd.testing.multimodal_data import captions, write_webdataset  # noqa: E402
-from worker.readers import open_source  # noqa: E402
+from worker.samples import open_source  # noqa: E402
 from msd_common.formats.megatron import write_megatron  # noqa: E402
 from msd_common.tokenizer import ByteTokenizer  # noqa: E402
 

@@ -144,8 +144,21 @@ def batch_md() -> str:
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------- floors and modules
+
+
+def floors_md() -> str:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import floors
+
+    return floors.floors_md()
+
+
 GENERATORS: dict[str, Callable[[], str]] = {"job-keys": job_keys_md, "cli": cli_md, "metrics": metrics_md,
-                                            "protocol": protocol_md, "batch": batch_md}
+                                            "protocol": protocol_md, "batch": batch_md, "floors": floors_md}
 
 
 def expand(markdown: str) -> str:

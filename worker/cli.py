@@ -1,4 +1,4 @@
-"""`msd worker`: the worker host agent's command (dispatched by coordinator/cli.py)."""
+"""`msd worker`: the worker host agent's command (dispatched by msd/cli.py)."""
 
 from __future__ import annotations
 
