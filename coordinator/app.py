@@ -49,6 +49,7 @@ from .router import Router
 from .sources import OpenedSources
 from .state import CoordinatorState
 from .statedir import check_job_change, write_state_file, write_status
+from .status_view import status_line
 from .stimulus import StimulusLog
 
 if TYPE_CHECKING:  # imported where a job serves metrics: prometheus-client is 3.3 MB of a coordinator's memory
@@ -92,6 +93,7 @@ class Coordinator:
         self.sock: zmq.Socket | None = None
         self.stopped = asyncio.Event()
         self.failed = False
+        self.failure: str | None = None  # the fatal error that stopped the job: ranks raise it
         self.messages_received = 0
         self.address: str | None = None
         self._backlog: collections.deque[Instruction] = collections.deque()  # waiting behind file work
@@ -145,7 +147,7 @@ class Coordinator:
             loops.append(stopped)
             await asyncio.gather(*loops, return_exceptions=True)
             if not self.lease_lost:  # the peers are another coordinator's now
-                self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping")])
+                self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping", failed=self.failure or "")])
             if self.state_dir_stalled_since is not None and self._drain_task is not None:
                 # The disk is still full: what waits for it is dropped (the ranks resume from the
                 # journal, which holds every step that went out), and the peers are told directly.
@@ -331,7 +333,7 @@ class Coordinator:
         if isinstance(ins, Send):
             self._send(ins)
         elif isinstance(ins, WriteStatus):  # no state dir: the log only
-            log.info("status: %s", self._status(ins.status))
+            log.info("%s", status_line(self._status(ins.status)))
         elif isinstance(ins, Stop):
             if ins.failed:
                 self._fail(ins.reason)
@@ -392,7 +394,7 @@ class Coordinator:
             append_eval_journal(self.state_dir, ins.set, ins.step, ins.rank, ins.losses)
         elif isinstance(ins, WriteStatus):
             status = self._status(ins.status)
-            log.info("status: %s", status)
+            log.info("%s", status_line(status))
             write_status(self.state_dir, status)
 
     def status(self) -> dict[str, Any]:
@@ -436,6 +438,7 @@ class Coordinator:
 
     def _fail(self, reason: str) -> None:
         self.failed = True
+        self.failure = self.failure or reason
         path = os.path.join(self.state_dir or tempfile.gettempdir(), f"stimulus-{os.getpid()}.msgpack")
         try:
             self.stimuli.dump(path)

@@ -32,9 +32,11 @@ class Tick(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown(Event):
-    """The coordinator stops (a signal, or the end of the job): peers are told."""
+    """The coordinator stops (a signal, or the end of the job): peers are told. `failed`: the fatal
+    error that stopped the job, if one did (ranks raise it)."""
 
     reason: str
+    failed: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -171,7 +171,7 @@ class CoordinatorMetrics:
                 skipped[(source.name, kind)] = n
         names = [source.name for source in state.job.sources]
         self.totals.copy = {"skipped": skipped, "wait": {str(r): w for r, w in state.data_wait().items()},
-                            "delivered": dict(self._delivered), "reprepared": state.reprepared,
+                            "delivered": dict(self._delivered), "reprepared": state.prep.reprepared,
                             "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
                             "target": dict(zip(names, weights)),
                             "realised": {name: n / total for name, n in zip(names, delivered)},
@@ -180,4 +180,4 @@ class CoordinatorMetrics:
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources
                                           for kind, n in state.prep.long_docs[src.index].items()},
-                            "cost": state._cost_status()}
+                            "cost": state.calibration.status(state.planner.state.next_step)}

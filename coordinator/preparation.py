@@ -66,6 +66,7 @@ class PreparationBook:
         # per source: records longer than seq_len truncated or dropped (long_docs), as prepared
         self.long_docs: list[dict[str, int]] = [{} for _ in range(n)]
         self.reprepare: set[tuple[int, int]] = set()  # (source, position) lost with a dead worker
+        self.reprepared = 0  # records prepared again so far (lost with a dead worker)
 
     def reset_tables(self) -> None:
         """Start every source's position table at the first position the plan still needs."""

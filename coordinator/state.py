@@ -125,7 +125,6 @@ class CoordinatorState:
         self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology, self._send,
                              lambda: self.registry.workers, lambda: self.registry.trainers)
         self.deliveries = DeliveryBook()
-        self.prep.reprepared = 0  # records prepared again so far (lost with a dead worker)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         # seconds each rank that left had waited for data: status and metrics keep the run's waits
         self.departed_wait: dict[int, float] = {}
@@ -133,6 +132,7 @@ class CoordinatorState:
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.stopped = False
         self.failed = False  # an internal error: the state may be inconsistent
+        self.failure: str | None = None  # why the job was stopped on a fatal error, if it was
         self.events_handled = self.messages_sent = 0
         self._last_status: float | None = None
         self._out: list[Instruction] = []
@@ -144,7 +144,7 @@ class CoordinatorState:
             EvalRequest: self._on_eval_request, EvalReport: self._on_eval_report,
         }
         self._unregistered: dict[type, Callable[[Any], None]] = {
-            Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason),
+            Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason, ev.failed),
             WorkerHello: self._on_worker_hello, TrainerHello: self._on_trainer_hello, MixRequest: self._on_mix_request,
             HostHello: self._on_host_hello,
         }
@@ -180,8 +180,8 @@ class CoordinatorState:
                 log.critical("internal error while planning step %d; stopping the coordinator",
                              self.planner.state.next_step, exc_info=True)
                 self.failed = True
-                out.append(Stop(f"internal error while planning step {self.planner.state.next_step}: {e!r}",
-                                failed=True))
+                self.failure = f"internal error while planning step {self.planner.state.next_step}: {e!r}"
+                out.append(Stop(self.failure, failed=True))
         self._out = []
         return out
 
@@ -496,6 +496,7 @@ class CoordinatorState:
                           f"(max_transform_errors: {src.max_transform_errors}); the last: {errors[i]}")
                 log.critical("%s", reason, extra={"source": src.name})
                 self.failed = True
+                self.failure = reason
                 self._out.append(Stop(reason, failed=True))
                 return True
         self.transform_errors[s] = run
@@ -549,12 +550,21 @@ class CoordinatorState:
             self._last_status = now
             self._out.append(WriteStatus(self.status()))
 
-    def _shutdown(self, reason: str) -> None:
+    def _shutdown(self, reason: str, failed: str = "") -> None:
+        """Every peer is told: workers and hosts stop; ranks end their stream, or, when a fatal error
+        stopped the job, raise it (JobFailedError with the reason). A last status.json says how the
+        job ended, so `msd status` and `msd report` made afterwards show it."""
         self.stopped = True
+        self.failure = failed or self.failure
         for w in self.registry.workers.values():
             self._send(w.identity, P.make(P.SHUTDOWN, reason=reason))
         for t in self.registry.trainers.values():
-            self._send(t.identity, P.make(P.SHUTDOWN, reason=reason))
+            self._send(t.identity, P.make(P.JOB_FAILED, reason=self.failure) if self.failure
+                       else P.make(P.SHUTDOWN, reason=reason))
+        try:
+            self._out.append(WriteStatus({**self.status(), "stopped": reason, "failed": self.failure}))
+        except Exception:  # noqa: BLE001 - after an internal error the books may not add up; the peers are told
+            log.exception("no last status (the state is inconsistent)")
 
     def _scale_hosts(self, now: float) -> None:
         reg = self.registry

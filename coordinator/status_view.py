@@ -20,6 +20,25 @@ def fetch_status(address: str, keys_dir: str | None = None, timeout_s: float = 5
     return ask(address, P.make(P.STATUS_REQUEST), timeout_s, keys_dir)["status"]
 
 
+def status_line(status: dict[str, Any]) -> str:
+    """One short log line of a status snapshot (the whole of it is status.json's and `msd status`'s):
+    where the plan and the ranks are, the pace, the workers, and what is wrong."""
+    consumed = status.get("consumed") or {}
+    waits = status.get("data_wait_s") or {}
+    workers = status.get("workers_by_host") or {}
+    skipped = sum(n for kinds in (status.get("skipped_by_kind") or {}).values() for n in kinds.values())
+    line = (f"status: planned through step {status.get('next_step', 0) - 1}, slowest rank at step "
+            f"{min(consumed.values()) if consumed else -1} of {len(consumed)} rank(s), "
+            f"{status.get('steps_per_s', 0):.2f} steps/s, {sum(len(p) for p in workers.values())} worker(s) on "
+            f"{len(workers)} host(s), longest data wait {max(waits.values(), default=0.0):.2f}s, "
+            f"{skipped} record(s) skipped")
+    if status.get("state_dir_stalled_s"):
+        line += f"; STATE DIR STALLED {status['state_dir_stalled_s']:.0f}s"
+    if status.get("failed"):
+        line += f"; JOB FAILED: {status['failed']}"
+    return line
+
+
 def render(status: dict[str, Any]) -> Any:
     """The view of one snapshot: a rich renderable."""
     from rich.console import Group
@@ -40,6 +59,10 @@ def render(status: dict[str, Any]) -> Any:
         head.append(f"\nwaiting for the workers to index {counting['shards_to_index']} shard(s): "
                     f"{counting['counted']} of {counting['sources']} source(s) counted, {counting['workers']} "
                     f"worker(s)", style="bold yellow")
+    if status.get("failed"):
+        head.append(f"\nJOB FAILED: {status['failed']}", style="bold red")
+    elif status.get("stopped"):
+        head.append(f"\nstopped: {status['stopped']}", style="bold")
     if status.get("state_dir_stalled_s"):
         head.append(f"  STATE DIR STALLED {status['state_dir_stalled_s']:.0f}s", style="bold red")
 
@@ -84,6 +107,27 @@ def render(status: dict[str, Any]) -> Any:
     return Group(*parts, Text("last warnings:", style="bold"), warnings)
 
 
+def last_status(state_dir: str) -> dict[str, Any] | None:
+    """The status the job's coordinator last wrote to its state dir (status.json), if any."""
+    from .statedir import STATUS_FILE
+
+    try:
+        with open(f"{state_dir}/{STATUS_FILE}", "rb") as f:
+            return orjson.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _plain(renderable: Any) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=120, file=io.StringIO())
+    console.print(renderable)
+    return console.file.getvalue()
+
+
 @click.command()
 @click.option("--coordinator", "address", default=None,
               help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
@@ -114,8 +158,18 @@ def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_
     try:
         snapshot = fetch_status(address, keys_dir, timeout_s)
     except (NoAnswer, FileNotFoundError) as e:
-        click.echo(f"msd status: {e}", err=True)
-        sys.exit(1)
+        snapshot = last_status(state_dir) if state_dir else None
+        if snapshot is None:
+            click.echo(f"msd status: {e}", err=True)
+            sys.exit(1)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.get("time", 0)))
+        click.echo(f"msd status: no coordinator answers at {address}; the last status it wrote ({state_dir}, "
+                   f"{when}):", err=True)
+        if as_json:
+            sys.stdout.buffer.write(orjson.dumps(snapshot, option=orjson.OPT_INDENT_2) + b"\n")
+        else:  # the job is not running: one view, not a live one
+            click.echo(_plain(render(snapshot)))
+        sys.exit(1 if snapshot.get("failed") else 0)
     if as_json:
         sys.stdout.buffer.write(orjson.dumps(snapshot, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
                                 + b"\n")

@@ -13,5 +13,10 @@ class RejectedError(MsdError):
     """The coordinator refused this peer (version mismatch, rank already taken, bad request)."""
 
 
+class JobFailedError(MsdError):
+    """The coordinator stopped the job on a fatal error (a transform failing on every record, an
+    internal error, a state dir it cannot write); the message carries its reason."""
+
+
 class PeerLostError(MsdError):
     """The coordinator stopped answering for longer than the configured timeout."""

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 8  # 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -344,6 +344,8 @@ EVAL_HEADER = _msg(
 RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
 # no step at or after `step` will be planned (a source with on_exhausted: stop ran out)
 END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
+# the job was stopped on a fatal error: every rank raises JobFailedError with the reason
+JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 
 # worker -> trainer: items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step
 # recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
@@ -370,7 +372,7 @@ ALL_TYPES = {
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
-        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER,
+        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER, JOB_FAILED,
     )
 }
 
@@ -388,7 +390,8 @@ HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, A
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
                                           ALIVE))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
-                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER))
+                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER,
+                                                    JOB_FAILED))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
 
 

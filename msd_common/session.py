@@ -23,6 +23,13 @@ log = logging.getLogger("msd.session")
 
 HELLO_RETRY_S = 2.0
 LOST_AFTER_BEATS = 3  # silence (in heartbeats) after which the coordinator is taken for gone
+# A peer waiting for its first welcome says so after this long, then at doubling intervals up to
+# WAITING_REPORT_MAX_S: ranks and workers often start before the coordinator, so waiting is right,
+# but silence is not (which address, for how long, what may be wrong)
+WAITING_REPORT_S = 3.0
+WAITING_REPORT_MAX_S = 60.0
+WAITING_HINT = ("is `msd coordinator` running there and reachable from this host? A job with security.curve "
+                "needs this peer to have the job's keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +119,17 @@ class PeerLoop:
     """Polls a control socket (and any others) and keeps the registration's rhythm. It connects
     the control socket to the coordinator (`addresses`: one, or a comma-separated list)."""
 
-    def __init__(self, control: zmq.Socket, registration: Registration, addresses: str | list[str]) -> None:
+    def __init__(self, control: zmq.Socket, registration: Registration, addresses: str | list[str],
+                 who: str = "peer") -> None:
+        """who: how log lines name this peer (`rank 3`, `worker host`)."""
         self.control = control
         self.registration = registration
         self.addresses = split_addresses(addresses) if isinstance(addresses, str) else list(addresses)
+        self.who = who
         self.current = 0
+        self._started = time.monotonic()
+        self._next_report = WAITING_REPORT_S  # seconds without a first welcome before the next report
+        self._ever_welcomed = False
         self._poller = zmq.Poller()
         self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         control.connect(self.addresses[0])
@@ -137,6 +150,22 @@ class PeerLoop:
         self.registration.forgotten()
         self.registration.hello_now()
         self.registration.since = now
+
+    def _report_waiting(self, now: float) -> None:
+        """Until the first welcome: say, early and then at doubling intervals, what we wait for."""
+        if self._ever_welcomed:
+            return
+        if self.registration.registered:
+            self._ever_welcomed = True
+            if self._next_report > WAITING_REPORT_S:  # we said we were waiting: say it is over
+                log.info("%s: welcomed by the coordinator at %s after %.0fs", self.who, self.address,
+                         now - self._started)
+            return
+        waited = now - self._started
+        if waited >= self._next_report:
+            self._next_report = min(self._next_report * 2, waited + WAITING_REPORT_MAX_S)
+            log.warning("%s: waiting for the coordinator at %s: no welcome after %.0fs (%s)", self.who,
+                        ", ".join(self.addresses), waited, WAITING_HINT)
 
     def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
         """Call handler(sock) whenever sock has a message."""
@@ -163,6 +192,7 @@ class PeerLoop:
             msg = self.registration.due(now)
             if msg is not None and not send_nowait(self.control, msg):
                 log.debug("coordinator not reachable yet; %s not sent", msg["type"])
+            self._report_waiting(now)
             if each is not None:
                 each(now)
             if not running():

@@ -31,7 +31,7 @@ from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
 from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
-from msd_common.session import PeerLoop, Registration
+from msd_common.session import WAITING_HINT, PeerLoop, Registration
 from msd_common.sockets import NOWAIT, has_message, make_socket, send_nowait
 
 log = logging.getLogger("msd.client")
@@ -165,7 +165,8 @@ class DataClient:
             if error is not None:
                 raise error
             if time.monotonic() > deadline:
-                raise PeerLostError(f"rank {self.rank}: no welcome from the coordinator within {self.timeout_s:.0f}s")
+                raise PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} within "
+                                    f"{self.timeout_s:.0f}s ({WAITING_HINT})")
             time.sleep(0.005)
         return self.batch_info
 
@@ -282,8 +283,12 @@ class DataClient:
                     item = self._queue.get(timeout=self.timeout_s)
                     self.waited_s += time.perf_counter() - started
         except queue.Empty:
-            raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s "
-                                f"(waiting for step {self.next_step})") from None
+            if self.batch_info is None:
+                raise PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} "
+                                    f"within {self.timeout_s:.0f}s ({WAITING_HINT})") from None
+            raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s (waiting for step "
+                                f"{self.next_step}; the coordinator at {self.coordinator} sent nothing that "
+                                f"completes it)") from None
         if isinstance(item, (BaseException, End)):
             self._held = item  # sticky: every later call raises the same error, or stops
             if isinstance(item, End):
@@ -446,7 +451,7 @@ class _Receiver:
                            carried=c._carried_for(self.state.step)),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration, c.coordinator)
+        loop = PeerLoop(control, self.registration, c.coordinator, who=f"rank {c.rank}")
         loop.on(wake, self._on_wake)
         loop.on(control, self._on_control)
         loop.on(data, self._on_data)

@@ -21,7 +21,7 @@ from msd_common.session import Forgotten
 from msd_common import wire
 from .assemble import StepAssembler
 from .buffers import BufferPool
-from msd_common.errors import ProtocolError, RejectedError
+from msd_common.errors import JobFailedError, ProtocolError, RejectedError
 from msd_common.topology import Topology, cp_share
 
 log = logging.getLogger("msd.client")
@@ -117,6 +117,9 @@ class ReceivingState:
             return [RejectedError(f"rank {self.rank}: coordinator refused: {msg['reason']}")]
         elif kind == "shutdown":
             return [End(msg["reason"])]
+        elif kind == "job_failed":
+            log.error("rank %d: the coordinator stopped the job: %s", self.rank, msg["reason"])
+            return [JobFailedError(f"rank {self.rank}: the coordinator stopped the job: {msg['reason']}")]
         elif kind == "state_reply":
             return [StateReply(msg["step"], msg["state"] if msg["ok"] else None, msg["reason"])]
         return []

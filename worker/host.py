@@ -187,7 +187,7 @@ class HostAgent:
                            procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
             lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target), heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration, self.coordinator)
+        loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")
         loop.on(control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:

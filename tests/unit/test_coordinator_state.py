@@ -439,3 +439,25 @@ def test_sources_keep_one_step_ahead_of_the_plan_when_their_round_trip_is_short(
     assert d.state.status()["prepare_ahead_steps"] == {"docs": round(float(lead.steps_ahead()[0]), 2)}
     per_step = 8 * 512 / 100  # records: 8 rows of 512 tokens, documents of 100 bytes on average
     assert narrow < 3.5 * per_step < 4 * per_step < wide, (narrow, wide, per_step)
+
+
+def test_a_status_is_logged_in_one_short_line_and_a_stop_writes_the_last_one(job):
+    """Issue 48: the coordinator logged the whole status (about 2 KB) at every write; a job that
+    ended left a status.json from up to 30 s before its end."""
+    from coordinator.events import Shutdown
+    from coordinator.instructions import WriteStatus
+    from coordinator.status_view import status_line
+
+    d = _started(job)
+    d.add_host()
+    d.run(STEPS)
+    status = d.state.status()
+    line = status_line(status)
+    assert len(line) < 300 and len(str(status)) > 1000
+    assert f"planned through step {status['next_step'] - 1}" in line and "2 rank(s)" in line
+    out = d.handle(Shutdown(at=d.now, reason="coordinator stopping", failed="source 'web': it broke"))
+    [last] = [i for i in out if isinstance(i, WriteStatus)]
+    assert last.status["stopped"] == "coordinator stopping" and last.status["failed"] == "source 'web': it broke"
+    assert "JOB FAILED: source 'web': it broke" in status_line(last.status)
+    told = [s.header for s in d.sends(out, "job_failed")]
+    assert len(told) == 2 and all(h["reason"] == "source 'web': it broke" for h in told)
