@@ -94,3 +94,25 @@ def test_a_rank_with_no_coordinator_says_what_it_waits_for_and_names_the_address
     assert address in str(raised.value)
     waiting = [r.getMessage() for r in caplog.records if "waiting for the coordinator" in r.getMessage()]
     assert waiting and address in waiting[0]
+
+
+def test_a_worker_host_with_no_coordinator_says_what_it_waits_for(tmp_path):
+    import subprocess
+
+    from msd.testing.processes import msd_command
+
+    address = free_address()
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([msd_command(), "worker", "--coordinator", address, "--procs", "1"], stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and "worker host: waiting for the coordinator" not in log.read_text():
+                time.sleep(0.2)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    text = log.read_text()
+    line = next(l for l in text.splitlines() if "worker host: waiting for the coordinator" in l)
+    assert address in line and "no welcome after" in line
