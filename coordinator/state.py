@@ -128,6 +128,7 @@ class CoordinatorState:
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         # seconds each rank that left had waited for data: status and metrics keep the run's waits
         self.departed_wait: dict[int, float] = {}
+        self.last_consumed_step = -1  # the furthest step any rank (here now or gone) reported consumed
         self.end: tuple[int, str] | None = None  # (first step that will never be planned, why)
         self.waiting: tuple[int, int] | None = None  # (source, position) whose length planning waits for
         self.stopped = False
@@ -406,6 +407,7 @@ class CoordinatorState:
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
+        self.last_consumed_step = max(self.last_consumed_step, trainer.consumed)
         self.lead.consumed(ev.at, self.registry.slowest())
         trainer.waited_s = max(trainer.waited_s, ev.waited_s)
         if self.job.calibrate and ev.compute_step >= 0 and ev.compute_s:
@@ -947,6 +949,7 @@ class CoordinatorState:
             "messages_sent": self.messages_sent,
             "next_step": step,
             "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
+            "last_consumed_step": self.last_consumed_step,
             "workers": len(self.registry.workers),
             "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),
             "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),

@@ -28,7 +28,15 @@ from coordinator.statedir import STATUS_FILE
 def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, Any]:
     """The report's data."""
     names = [s.name for s in replay.job.sources]
+    try:  # the coordinator's last status: written at every runtime.status_every_s, and when it stops
+        with open(os.path.join(state_dir, STATUS_FILE), "rb") as f:
+            status = orjson.loads(f.read())
+    except (OSError, orjson.JSONDecodeError):
+        status = {}
     steps = sorted(replay.journaled)
+    last = max([status.get("last_consumed_step", -1), *(status.get("consumed") or {}).values()])
+    if last >= 0:  # the steps some rank trained on, not the ones planned ahead of them
+        steps = [s for s in steps if s <= last + 1]
     states = [replay.journaled[s] for s in steps]
     target = np.array([st["target"] for st in states], dtype=np.float64)
     delivered = np.array([st["delivered"] for st in states], dtype=np.float64)
@@ -48,11 +56,6 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
     for step in sampled:
         plan = next(replay.plan_from(step))
         balance.append((step, imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)))
-    try:
-        with open(os.path.join(state_dir, STATUS_FILE), "rb") as f:
-            status = orjson.loads(f.read())
-    except (OSError, orjson.JSONDecodeError):
-        status = {}
     return {"job": replay.job.path, "digest": replay.job.digest(), "dp": replay.job.dp, "names": names,
             "steps": mix_steps, "cumulative_distance": cumulative_distance, "realised_share": realised_share, "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
@@ -81,7 +84,7 @@ def figure(data: dict[str, Any]):
                   + ") and its target (dashed)")
     mix.set_xlabel("step")
     mix.set_ylabel("share of the step's tokens")
-    mix.legend(fontsize=7, ncol=2)
+    mix.legend(fontsize=9, ncol=2)
     if len(steps):
         # the mix of every token so far against the target so far: what the run has trained on
         # (one step's own share is lumpy, a few documents, and says little)
@@ -108,10 +111,14 @@ def figure(data: dict[str, Any]):
         wait.set_xlabel("rank")
     else:
         wait.axis("off")
-        wait.text(0.5, 0.5, "No data wait recorded: the coordinator writes each rank's wait to\n"
-                  "STATE/status.json every runtime.status_every_s seconds, and no rank\n"
-                  "had reported a step by its last write (msd status shows it live).",
+        wait.text(0.5, 0.5, "No data wait recorded: no rank had reported a step by the coordinator's\n"
+                  "last status (STATE/status.json, written every runtime.status_every_s\n"
+                  "seconds and when it stops; msd status shows it live).",
                   ha="center", va="center", fontsize=10, wrap=True, transform=wait.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (mix, error, bal):  # steps are whole numbers, also on a short run's axis
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{data['job']} (digest {data['digest']}, dp={data['dp']})")
     fig.tight_layout()
     return fig

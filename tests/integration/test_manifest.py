@@ -86,6 +86,14 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     _check_report(html_path.read_text(), ["web", "code", "long"])
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _look_at_report(html_path)
+    # made after the job, it shows what the job measured (issue 48: the wait panel was empty, the
+    # last status.json having been written up to 30 s before the end) and only the steps trained on
+    from msd.replay import job_of_state_dir, open_replay
+    from msd.report import gather
+
+    data = gather(open_replay(state, job_of_state_dir(state)), state)
+    assert sorted(data["status"]["data_wait_s"], key=int) == ["0", "1"] and data["status"]["stopped"]
+    assert data["steps"] and max(data["steps"]) == steps - 1  # 30 steps consumed: 0..29, none planned ahead
 
     # msd where: a document seen in steps 10..20 is found at every step and rank it was delivered
     key = got[(12, 0, 0)][0][0]
