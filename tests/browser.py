@@ -38,6 +38,34 @@ class Seen:
     scroll_width: int = 0  # wider than the viewport: a horizontal scroll bar
     images: list[tuple[str, int, int]] = field(default_factory=list)  # (alt or src, natural width, shown width)
     title: str = ""
+    cut_code: list[str] = field(default_factory=list)  # code blocks whose lines hide behind a scroll bar
+    broken_names: list[str] = field(default_factory=list)  # reference names broken inside a word
+
+
+# Code blocks wider than their box, and names (code.msd-name, tools/docgen.py) whose text moves to a
+# new line anywhere but right after a "." or a "_".
+_CODE_CHECK = """() => {
+  const cut = Array.from(document.querySelectorAll('pre > code'))
+    .filter(c => c.scrollWidth > c.clientWidth + 1)
+    .map(c => c.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 80));
+  const broken = [];
+  for (const code of document.querySelectorAll('code.msd-name')) {
+    if (code.getClientRects().length < 2) continue;
+    const text = code.textContent;
+    let top = null, at = 0;
+    const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (let i = 0; i < node.length; i++, at++) {
+        const r = document.createRange();
+        r.setStart(node, i); r.setEnd(node, i + 1);
+        const y = r.getBoundingClientRect().top;
+        if (top !== null && y > top + 2 && !'._'.includes(text[at - 1])) broken.push(text);
+        top = y;
+      }
+    }
+  }
+  return [cut, broken];
+}"""
 
 
 def look(urls: list[str], width: int = 1280, screenshot: dict[str, str] | None = None) -> list[Seen]:
@@ -57,6 +85,7 @@ def look(urls: list[str], width: int = 1280, screenshot: dict[str, str] | None =
                 page.goto(url, wait_until="load")
                 s.title = page.title()
                 s.scroll_width = page.evaluate("document.documentElement.scrollWidth")
+                s.cut_code, s.broken_names = page.evaluate(_CODE_CHECK)
                 s.images = [tuple(x) for x in page.evaluate(
                     "Array.from(document.images).map(i => [i.alt || i.src.slice(0, 60), i.naturalWidth, i.width])")]
                 if screenshot and url in screenshot:

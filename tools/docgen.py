@@ -15,6 +15,16 @@ import click
 MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
 
 
+def _name(text: str, breaks: str = ".") -> str:
+    """A name a reader looks for (a key, a flag, a metric, a message): code that a narrow column may
+    break only after one of `breaks` (a job-file key at its dots; a metric's long name also at its
+    underscores), never inside a word nor at a flag's hyphens (docs/stylesheets/extra.css)."""
+    import html
+
+    parts = re.split(f"(?<=[{re.escape(breaks)}])", text)
+    return '<code class="msd-name">' + "<wbr>".join(f"<span>{html.escape(p)}</span>" for p in parts) + "</code>"
+
+
 def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
@@ -33,7 +43,7 @@ def job_keys_md() -> str:
     for title, keys in sections.items():
         out += [f"### `{title}`" if title != "(top level)" else "### Top level", "",
                 "| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{k.path}` | {_cell(k.type)} | {_cell(k.default)} | {_cell(k.meaning)} |" for k in keys]
+        out += [f"| {_name(k.path)} | {_cell(k.type)} | {_cell(k.default)} | {_cell(k.meaning)} |" for k in keys]
         out.append("")
     return "\n".join(out)
 
@@ -70,13 +80,13 @@ def cli_md() -> str:
         rows = []
         for p in cmd.params:
             if isinstance(p, click.Option):
-                flags = ", ".join(f"`{o}`" for o in p.opts + p.secondary_opts)
+                flags = ", ".join(_name(o) for o in p.opts + p.secondary_opts)
                 unset = p.default is None or type(p.default).__name__ == "Sentinel" or p.is_flag
                 default = "" if unset or p.default in ((), "") else f"`{p.default}`"
                 kind = "flag" if p.is_flag else _cell(p.make_metavar(ctx) if hasattr(p, "make_metavar") else p.type.name)
                 rows.append(f"| {flags} | {kind} | {default} | {_cell(p.help or '')}{' (required)' if p.required else ''} |")
             elif isinstance(p, click.Argument):
-                rows.append(f"| `{p.human_readable_name}` | argument | | {_cell(getattr(p, 'doc', '') or '')} |")
+                rows.append(f"| {_name(p.human_readable_name)} | argument | | {_cell(getattr(p, 'doc', '') or '')} |")
         if rows:
             out += ["| option | value | default | meaning |", "|---|---|---|---|", *rows, ""]
     return "\n".join(out)
@@ -109,7 +119,7 @@ def metric_families() -> list[tuple[str, str, str, str, tuple[str, ...]]]:
 def metrics_md() -> str:
     out = ["| metric | type | labels | served by | meaning |", "|---|---|---|---|---|"]
     for name, kind, doc, process, labels in metric_families():
-        out.append(f"| `{name}` | {kind} | {', '.join(f'`{x}`' for x in labels)} | {process} | {_cell(doc)} |")
+        out.append(f"| {_name(name, breaks='_')} | {kind} | {', '.join(f'`{x}`' for x in labels)} | {process} | {_cell(doc)} |")
     return "\n".join(out) + "\n"
 
 
@@ -129,7 +139,7 @@ def protocol_md() -> str:
     for name, m in sorted(p.ALL_TYPES.items()):
         to = ", ".join(role for role, inbox in inboxes.items() if name in inbox)
         arrays = ", ".join(f"`{a.name}`" + (f" ({', '.join(a.columns._fields)})" if a.columns else "") for a in m.arrays)
-        out.append(f"| `{name}` | {to} | {', '.join(f'`{f}`' for f in m.fields)} | {arrays} |")
+        out.append(f"| {_name(name)} | {to} | {', '.join(f'`{f}`' for f in m.fields)} | {arrays} |")
     return "\n".join(out) + "\n"
 
 
@@ -140,7 +150,7 @@ def batch_md() -> str:
     from trainer_client.batch import BATCH_KEYS
 
     out = ["| key | dtype | shape | present | meaning |", "|---|---|---|---|---|"]
-    out += [f"| `{k.key}` | {k.dtype} | {_cell(k.shape)} | {k.present} | {_cell(k.meaning)} |" for k in BATCH_KEYS]
+    out += [f"| {_name(k.key)} | {k.dtype} | {_cell(k.shape)} | {k.present} | {_cell(k.meaning)} |" for k in BATCH_KEYS]
     return "\n".join(out) + "\n"
 
 
