@@ -207,7 +207,8 @@ def validate(job_file: str) -> None:
         for s, n in zip(job.sources, counts)
     )
     click.echo(
-        f"{job_file}: OK: {len(job.sources)} sources ({sources}); step = {job.batch.global_batch_size} x "
+        f"{job_file}: OK: {len(job.sources)} source{'' if len(job.sources) == 1 else 's'} ({sources}); step = "
+        f"{job.batch.global_batch_size} x "
         f"{job.batch.seq_len} tokens over dp={job.dp}; seed {job.seed}; digest {job.digest()}"
     )
     if job.eval_sets and not opened.pending:

@@ -154,6 +154,44 @@ def batch_md() -> str:
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------- msd validate, as it answers
+
+
+VALIDATE_EXAMPLE = """seed: 1
+sources:
+  web: {format: jsnol, paths: ["data/*.jsonl"]}
+batch: {seq_len: 512, micro_batch_size: 2, global_batch_size: 6}
+topology: {dp: 2}
+mixture: {weights: {web: 1.0}}
+"""
+
+
+def validate_md() -> str:
+    """What `msd validate` answers for a job file with two mistakes, run now (so the page shows the
+    command's own words)."""
+    import os
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from msd.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "data"))
+        with open(os.path.join(tmp, "data", "a.jsonl"), "w") as f:
+            f.write('{"text": "hello"}\n')
+        with open(os.path.join(tmp, "job.yaml"), "w") as f:
+            f.write(VALIDATE_EXAMPLE)
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            result = CliRunner().invoke(main, ["validate", "job.yaml"])
+        finally:
+            os.chdir(cwd)
+    return ("```yaml\n" + VALIDATE_EXAMPLE + "```\n\n```text\n$ msd validate job.yaml\n"
+            + result.output.rstrip() + "\n```\n")
+
+
 # ---------------------------------------------------------------- floors and modules
 
 
@@ -168,7 +206,8 @@ def floors_md() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {"job-keys": job_keys_md, "cli": cli_md, "metrics": metrics_md,
-                                            "protocol": protocol_md, "batch": batch_md, "floors": floors_md}
+                                            "protocol": protocol_md, "batch": batch_md, "floors": floors_md,
+                                            "validate": validate_md}
 
 
 def expand(markdown: str) -> str:

@@ -66,6 +66,9 @@ class DataClient:
         rank: this process's global trainer rank.
         host: the address workers use to reach this process (advertised to them); the data
             socket binds on `bind_host` (default: the same) at a free port.
+        bind_host: the interface the data socket binds on, where it differs from `host` (a
+            container or a NAT that workers reach at another address): "0.0.0.0" for every
+            interface. Default: `host`.
         timeout_s: how long `next()` waits for a micro-batch before raising PeerLostError.
         as_torch: return torch tensors (default: when torch is importable) or numpy arrays.
         pin_memory: torch tensors in pinned host memory, so `batch.to("cuda", non_blocking=True)`
