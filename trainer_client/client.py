@@ -168,10 +168,16 @@ class DataClient:
             if error is not None:
                 raise error
             if time.monotonic() > deadline:
-                raise PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} within "
-                                    f"{self.timeout_s:.0f}s ({WAITING_HINT})")
+                raise self._no_welcome()
             time.sleep(0.005)
         return self.batch_info
+
+    def _no_welcome(self) -> PeerLostError:
+        """The error of a rank the coordinator never welcomed: what it answered, if it did."""
+        refused = self._receiver.state.not_welcomed if self._receiver is not None else None
+        why = f"it answered: {refused}" if refused else WAITING_HINT
+        return PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} within "
+                             f"{self.timeout_s:.0f}s ({why})")
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -287,8 +293,7 @@ class DataClient:
                     self.waited_s += time.perf_counter() - started
         except queue.Empty:
             if self.batch_info is None:
-                raise PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} "
-                                    f"within {self.timeout_s:.0f}s ({WAITING_HINT})") from None
+                raise self._no_welcome() from None
             raise PeerLostError(f"rank {self.rank}: no micro-batch for {self.timeout_s:.0f}s (waiting for step "
                                 f"{self.next_step}; the coordinator at {self.coordinator} sent nothing that "
                                 f"completes it)") from None

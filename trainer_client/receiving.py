@@ -76,6 +76,7 @@ class ReceivingState:
         self.duplicates = 0
         self.buffered = 0  # pieces held in self.early
         self.end: tuple[int, str] | None = None  # (first step that will not come, why)
+        self.not_welcomed: str | None = None  # why the coordinator answered a hello without a welcome
         # eval passes: step id (protocol.eval_step) -> (set, pass, assembler); pieces before their header
         self.eval_steps: dict[int, tuple[str, int, StepAssembler]] = {}
         self.eval_early: dict[int, list[tuple[np.ndarray, ...]]] = {}
@@ -106,6 +107,7 @@ class ReceivingState:
             return self._on_eval_header(msg, arrays)
         elif kind == "rank_taken":
             log.warning("rank %d: %s; asking again", self.rank, msg["reason"])
+            self.not_welcomed = msg["reason"]
         elif kind == "end_of_stream":
             log.info("rank %d: the stream ends before step %d: %s", self.rank, msg["step"], msg["reason"])
             self.end = (msg["step"], msg["reason"])

@@ -7,7 +7,7 @@ import zmq
 
 from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
-from trainer_client import DataClient, RejectedError
+from trainer_client import DataClient, PeerLostError, RejectedError
 from msd_common import protocol as P
 from msd_common import wire
 
@@ -139,8 +139,8 @@ def test_a_second_client_for_a_live_rank_gets_nothing_until_the_first_leaves(job
         second = DataClient(job.address, rank=0, as_torch=False, timeout_s=3)
         try:
             got = [next(first) for _ in range(3)]
-            with pytest.raises(Exception, match="no micro-batch"):
-                next(second)  # refused while the first is alive: no data at all
+            with pytest.raises(PeerLostError, match="no welcome .*it answered: rank 0 is held by a live client"):
+                next(second)  # refused while the first is alive: no data at all, and the error says why
             assert second.state_dict()["next_step"] == 0
             first.close()  # the rank is free: the second takes it over, from its own step 0
             second.timeout_s = 30

@@ -16,7 +16,7 @@ from coordinator.sources import open_sources
 from coordinator.state import CoordinatorState
 from msd.testing.local import _SPAWN, _host_main, serve_in_thread
 from tests.conftest import job_dict, write_job
-from trainer_client import DataClient
+from trainer_client import DataClient, JobFailedError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 FAIL_AT_STEP = 4
@@ -41,8 +41,10 @@ def test_a_failed_coordinator_leaves_a_log_that_replays_its_failure(dataset_dir,
     steps = set()
     try:
         with DataClient(address, rank=0, as_torch=False, timeout_s=30) as client:
-            for batch in client:  # the coordinator's shutdown ends the stream
-                steps.add(batch["step"])
+            # the failure reaches the rank, with its reason (issue 48: it ended the stream as if done)
+            with pytest.raises(JobFailedError, match=f"injected failure at step {FAIL_AT_STEP}"):
+                for batch in client:
+                    steps.add(batch["step"])
         thread.join(20)
     finally:
         host.terminate()
