@@ -104,7 +104,7 @@ def worker_job() -> Check:
     on first use: only workers receive it, and the spec's parser is no load for a trainer)."""
 
     def check(value: Any, path: str) -> None:
-        from .spec import WorkerJob
+        from .worker_job import WorkerJob
 
         try:
             WorkerJob.from_wire(value)

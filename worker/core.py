@@ -27,7 +27,7 @@ from msd_common.protocol import DELIVER_ITEM
 from msd_common.errors import ProtocolError
 from msd_common.formats import indexing
 from msd_common.formats.errors import RecordError
-from msd_common.spec import SourceSpec, WorkerJob
+from msd_common.worker_job import SourceSpec, WorkerJob
 from msd_common.usercode import TransformImportError, code_hash
 
 from .samples import SourceReader, open_source

@@ -17,7 +17,7 @@ import numpy as np
 from msd_common.formats.errors import RecordError
 from msd_common.formats.limits import check_pixels
 from msd_common.formats.records import SourceRecords
-from msd_common.spec import SourceSpec
+from msd_common.worker_job import SourceSpec
 from msd_common.tokenizer import make_tokenizer
 
 from .vision import ImageError, to_patches

@@ -26,7 +26,7 @@ from . import jsonl, webdataset
 from .storage import is_url, store_for
 
 if TYPE_CHECKING:  # (the spec imports this floor's readers; only its type is needed here)
-    from ..spec import SourceSpec
+    from ..worker_job import SourceSpec
 
 log = logging.getLogger("msd.indexing")
 
@@ -44,7 +44,7 @@ def _unindexed(spec: "SourceSpec") -> list[str]:
 
 def _typed(specs: Sequence[Any]) -> list["SourceSpec"]:
     """Source specs as SourceSpec (a plain dict of a spec's fields is accepted, and checked)."""
-    from ..spec import SourceSpec
+    from ..worker_job import SourceSpec
 
     return [s if isinstance(s, SourceSpec) else SourceSpec.from_wire(s) for s in specs]
 
