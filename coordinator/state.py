@@ -25,9 +25,9 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key
 from msd_common.protocol import DELIVER_ITEM
+from msd_common.spec import JobConfig
 
 from .balance import imbalance
-from msd_common.spec import JobConfig
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,

@@ -20,15 +20,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from msd_common import protocol as P
-from msd_common.session import Forgotten
 from msd_common.doc_keys import doc_key, split_doc_key
-from msd_common.protocol import DELIVER_ITEM
-
 from msd_common.errors import ProtocolError
 from msd_common.formats import indexing
 from msd_common.formats.errors import RecordError
-from msd_common.worker_job import SourceSpec, WorkerJob
+from msd_common.protocol import DELIVER_ITEM
+from msd_common.session import Forgotten
 from msd_common.usercode import TransformImportError, code_hash
+from msd_common.worker_job import SourceSpec, WorkerJob
 
 from .samples import SourceReader, open_source
 
