@@ -120,8 +120,9 @@ class PeerLoop:
     the control socket to the coordinator (`addresses`: one, or a comma-separated list)."""
 
     def __init__(self, control: zmq.Socket, registration: Registration, addresses: str | list[str],
-                 who: str = "peer") -> None:
-        """who: how log lines name this peer (`rank 3`, `worker host`)."""
+                 who: str | None = "peer") -> None:
+        """who: how log lines name this peer (`rank 3`, `worker host`); None: it says nothing while
+        it waits for its first welcome (a worker process, whose host agent says it already)."""
         self.control = control
         self.registration = registration
         self.addresses = split_addresses(addresses) if isinstance(addresses, str) else list(addresses)
@@ -129,7 +130,7 @@ class PeerLoop:
         self.current = 0
         self._started = time.monotonic()
         self._next_report = WAITING_REPORT_S  # seconds without a first welcome before the next report
-        self._ever_welcomed = False
+        self._ever_welcomed = who is None
         self._poller = zmq.Poller()
         self._handlers: dict[zmq.Socket, Callable[[zmq.Socket], None]] = {}
         control.connect(self.addresses[0])

@@ -86,7 +86,7 @@ class Worker:
 
     def run(self) -> None:
         handshakes = security.HandshakeWatch(self.control)
-        loop = self.loop = PeerLoop(self.control, self.registration, self.coordinator, who=f"worker process {os.getpid()}")
+        loop = self.loop = PeerLoop(self.control, self.registration, self.coordinator, who=None)
         loop.on(self.control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:
