@@ -246,10 +246,13 @@ class JobConfig:
         """What workers need to read records and make samples: each source's definition and where
         to keep indexes and copies, nothing about the plan."""
         return WorkerJob(self.seed, tuple(
-            SourceSpec(s.name, s.index, s.format, s.files, s.text_key, s.tokens_key, s.tokenizer, s.eod_id,
-                       s.image_token_id, s.max_pixels, s.patch_size, s.max_record_bytes, s.max_image_pixels,
-                       self.runtime.cache_dir, self.runtime.cache_bytes, self.runtime.copies, s.storage, self.seed,
-                       s.transform, s.transform_args, s.transform_hash, s.chat)
+            SourceSpec(name=s.name, index=s.index, format=s.format, files=s.files, text_key=s.text_key,
+                       tokens_key=s.tokens_key, tokenizer=s.tokenizer, eod_id=s.eod_id, image_token_id=s.image_token_id,
+                       max_pixels=s.max_pixels, patch_size=s.patch_size, max_record_bytes=s.max_record_bytes,
+                       max_image_pixels=s.max_image_pixels, cache_dir=self.runtime.cache_dir,
+                       cache_bytes=self.runtime.cache_bytes, copies=self.runtime.copies, storage=s.storage,
+                       seed=self.seed, transform=s.transform, transform_args=s.transform_args,
+                       transform_hash=s.transform_hash, chat=s.chat)
             for s in self.sources))
 
     def stream_definition(self) -> dict[str, Any]:

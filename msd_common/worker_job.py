@@ -53,7 +53,7 @@ class SourceSpec:
     def memory_mapped(self) -> bool:
         """Tokens read straight from local memory maps, lengths from the index (the coordinator
         prepares such a source itself), without opening it."""
-        return is_memory_mapped(self.format, self.files, self.transform)
+        return is_memory_mapped(self.format, self.files, bool(self.transform))
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)

@@ -32,10 +32,10 @@ TABLES = {"parquet": ParquetShard, "arrow": ArrowShard}  # a row per record, a t
 FORMATS = ("jsonl", "megatron", "parquet", "arrow", "webdataset")
 
 
-def is_memory_mapped(fmt: str, files: Any, transform: str | None = None) -> bool:
+def is_memory_mapped(fmt: str, files: Any, transformed: bool = False) -> bool:
     """Whether a source is memory-mapped (read by the coordinator's index, its tokens by piece at
-    delivery): a local Megatron source whose lengths are the index's (no transform)."""
-    return fmt == "megatron" and not transform and not any(is_url(f) for f in files)
+    delivery): a local Megatron source whose lengths are the index's (not transformed)."""
+    return fmt == "megatron" and not transformed and not any(is_url(f) for f in files)
 
 
 class SourceRecords:
@@ -102,7 +102,7 @@ class SourceRecords:
         coordinator prepares such a source itself. A Megatron source in object storage is not:
         workers prepare it like any other (a task's documents fetched together, ahead of use)."""
         return self.format == "megatron" and is_memory_mapped(self.format, [s.prefix for s in self.shards],
-                                                              "whole" if self.whole_records else None)
+                                                              self.whole_records)
 
     def locate(self, record_index: int) -> tuple[int, int]:
         """(shard number, index within shard) of a record."""
