@@ -45,6 +45,7 @@ from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
 from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal, append_quarantine_journal,
                       read_mixture_journal,
                       read_quarantine_journal)
+from .relaying import RelayEnvelopes
 from .router import Router
 from .sources import OpenedSources
 from .state import CoordinatorState
@@ -106,6 +107,8 @@ class Coordinator:
         self.operators = security.operator_ids(job.curve_keys) if job.curve_keys else None
         self._names = [s.name for s in job.sources]
         self.journaled_step = -1  # the last step whose planner state is durable in the journal
+        self.relays = RelayEnvelopes()
+        self._relay_flush_due = False
         self.warnings = RecentWarnings()
         logging.getLogger("msd").addHandler(self.warnings)
 
@@ -157,6 +160,7 @@ class Coordinator:
                     self._do(ins)
                 self._backlog.clear()
             await self._drained()
+            self._flush_relays()  # what the last pass sent to relayed ranks (job_failed, shutdown)
             if self.lease is not None and not self.failed:
                 await asyncio.to_thread(self.lease.release)
         finally:
@@ -216,6 +220,9 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.message(self.metrics.received, header["type"])
         if header["type"] == P.SOURCE_COUNTS.name:  # late for the counting at start-up (counting.py): settled
+            return
+        if header["type"] == P.RELAY_UP.name:  # the messages of a relay's ranks, each an event of its own
+            burst.extend(self.relays.unpack(identity, time.monotonic(), header))
             return
         if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
             self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
@@ -413,19 +420,37 @@ class Coordinator:
                 "instructions_waiting": len(self._backlog), **status}
 
     def _send(self, ins: Send) -> None:
-        # NOBLOCK: a slow or vanished peer must never stall the coordinator.
-        try:
-            send_frames_nowait(self.sock, [ins.peer, *wire.encode(ins.header, *ins.arrays)])
-        except zmq.Again:
-            log.error("send of %s dropped: peer %s is not reading (high-water mark)", ins.header["type"],
-                      ins.peer.hex())
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                log.info("send of %s to %s: peer has disconnected", ins.header["type"], ins.peer.hex())
-            else:
-                log.warning("send of %s to %s failed: %s", ins.header["type"], ins.peer.hex(), e)
+        if self.relays.relayed(ins.peer):  # to a rank behind a relay: one relay_down per relay and loop pass
+            self.relays.add(ins.peer, ins.header, ins.arrays)
+            if not self._relay_flush_due:
+                self._relay_flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush_relays)
+            if self.metrics is not None:
+                self.metrics.message(self.metrics.sent, ins.header["type"])
+            return
+        if self.relays.waiting_for(ins.peer):  # what it is to pass on goes first
+            for relay, frames in self.relays.take(ins.peer):
+                self._send_frames(relay, "relay_down", frames)
+        self._send_frames(ins.peer, ins.header["type"], wire.encode(ins.header, *ins.arrays))
         if self.metrics is not None:
             self.metrics.message(self.metrics.sent, ins.header["type"])
+
+    def _flush_relays(self) -> None:
+        self._relay_flush_due = False
+        for relay, frames in self.relays.take():
+            self._send_frames(relay, "relay_down", frames)
+
+    def _send_frames(self, peer: bytes, kind: str, frames: list) -> None:
+        # NOBLOCK: a slow or vanished peer must never stall the coordinator.
+        try:
+            send_frames_nowait(self.sock, [peer, *frames])
+        except zmq.Again:
+            log.error("send of %s dropped: peer %s is not reading (high-water mark)", kind, peer.hex())
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                log.info("send of %s to %s: peer has disconnected", kind, peer.hex())
+            else:
+                log.warning("send of %s to %s failed: %s", kind, peer.hex(), e)
         if self._readable is not None:
             self._readable.set()  # the send may have taken the edge of a message that came meanwhile
 

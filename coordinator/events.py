@@ -23,6 +23,9 @@ class Event:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerEvent(Event):
     peer: bytes  # the sender's socket identity: where answers go
+    # a rank's message that came through its host's relay: the relay's socket identity (`peer` is
+    # then the rank's identity at this coordinator, relay.relayed_identity); b"" for a direct one
+    via: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +98,25 @@ class HostHello(PeerEvent):
 class HostHeartbeat(PeerEvent):
     agent_id: int
     procs: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayHello(PeerEvent):
+    version: int
+    host: str
+    data_address: str
+    local: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayHeartbeat(PeerEvent):
+    relay_id: int
+    ranks: Any  # the ranks behind it that are alive
+    bytes_in: int = 0
+    bytes_out: int = 0
+    queued: int = 0
+    late_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,20 +196,22 @@ MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "worker_exited": WorkerExited, "trainer_hello": TrainerHello, "consumed": Consumed,
     "trainer_heartbeat": TrainerHeartbeat, "trainer_bye": TrainerBye, "mix_request": MixRequest,
     "state_request": StateRequest, "eval_request": EvalRequest, "eval_report": EvalReport,
+    "relay_hello": RelayHello, "relay_heartbeat": RelayHeartbeat,
 }
 ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
 
 
-_FIELDS = {cls: frozenset(f.name for f in fields(cls)) for cls in MESSAGE_EVENTS.values()}
+_FIELDS = {cls: frozenset(f.name for f in fields(cls)) - {"peer", "at", "via"} for cls in MESSAGE_EVENTS.values()}
 
 
-def from_message(peer: bytes, at: float, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> PeerEvent:
+def from_message(peer: bytes, at: float, header: dict[str, Any], arrays: dict[str, np.ndarray],
+                 via: bytes = b"") -> PeerEvent:
     """The event of one decoded message (its type is one of COORDINATOR_INBOX, and every field
     its schema names is there and valid: wire.decode checked). Fields the schema does not name
     (a newer peer's additions) are left out."""
     cls = MESSAGE_EVENTS[header["type"]]
     names = _FIELDS[cls]
-    return cls(peer=peer, at=at, **{k: v for k, v in header.items() if k in names}, **arrays)
+    return cls(peer=peer, at=at, via=via, **{k: v for k, v in header.items() if k in names}, **arrays)
 
 
 def to_dict(event: Event) -> dict[str, Any]:

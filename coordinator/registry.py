@@ -1,4 +1,4 @@
-"""Who is connected: workers, trainer ranks and worker host agents, by id and by socket identity.
+"""Who is connected: workers, trainer ranks, worker host agents and relays, by id and by socket identity.
 
 Part of the coordinator's state (no sockets, no clock: times come from events). A peer is known
 from its hello until it leaves, is declared dead or registers again; a message from an identity
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["worker", "trainer", "host"]
+Role = Literal["worker", "trainer", "host", "relay"]
 
 
 @dataclass
@@ -35,6 +35,23 @@ class TrainerInfo:
     last_seen: float
     consumed: int = -1  # last step this rank has fully consumed
     waited_s: float = 0.0  # total time its trainer waited for data (reported with `consumed`)
+    via: int | None = None  # the relay it speaks through (its relay_id); None: direct
+    incarnation: int = 0  # of its client (a process started again says hello with another)
+
+
+@dataclass
+class RelayInfo:
+    relay_id: int
+    identity: bytes
+    host: str
+    address: str  # its data socket, where workers push the pieces of all its ranks
+    local: str  # the endpoint its ranks reach it at, on its host
+    last_seen: float
+    ranks: list[int] = field(default_factory=list)  # alive behind it (its last heartbeat)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    queued: int = 0
+    late_steps: int = 0
 
 
 @dataclass
@@ -55,6 +72,8 @@ class Registry:
         self.workers: dict[int, WorkerInfo] = {}
         self.trainers: dict[int, TrainerInfo] = {}
         self.hosts: dict[int, HostInfo] = {}
+        self.relays: dict[int, RelayInfo] = {}
+        self.next_relay_id = 0
         self._roles: dict[bytes, tuple[Role, int]] = {}  # socket identity -> (role, id)
         self.next_worker_id = 0
         # the slowest rank's consumed step and how many ranks are at it: every consumed message
@@ -123,13 +142,24 @@ class Registry:
         self.hosts[info.agent_id] = info
         self._roles[info.identity] = ("host", info.agent_id)
 
-    def remove(self, identity: bytes) -> tuple[Role, WorkerInfo | TrainerInfo | HostInfo | None] | None:
+    def add_relay(self, identity: bytes, host: str, address: str, local: str, at: float) -> RelayInfo:
+        relay = self.relays[self.next_relay_id] = RelayInfo(self.next_relay_id, identity, host, address, local, at)
+        self.next_relay_id += 1
+        self._roles[identity] = ("relay", relay.relay_id)
+        return relay
+
+    def relay_at(self, identity: bytes) -> RelayInfo | None:
+        """The registered relay with this socket identity."""
+        entry = self._roles.get(identity)
+        return self.relays.get(entry[1]) if entry is not None and entry[0] == "relay" else None
+
+    def remove(self, identity: bytes) -> tuple[Role, WorkerInfo | TrainerInfo | HostInfo | RelayInfo | None] | None:
         """Forget a peer: (role, its record), or None for an identity nobody holds."""
         entry = self._roles.pop(identity, None)
         if entry is None:
             return None
         role, pid = entry
-        table = {"worker": self.workers, "trainer": self.trainers, "host": self.hosts}[role]
+        table = {"worker": self.workers, "trainer": self.trainers, "host": self.hosts, "relay": self.relays}[role]
         if role == "trainer":
             self._floor = self._present = None
         return role, table.pop(pid, None)
@@ -143,10 +173,11 @@ class Registry:
         return gone
 
     def silent(self, now: float, deadline_s: float,
-               host_deadline_s: float | None = None) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo]]:
+               host_deadline_s: float | None = None) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo | RelayInfo]]:
         """Peers not heard from for longer than the deadline (host agents: their own deadline)."""
         host_deadline_s = deadline_s if host_deadline_s is None else host_deadline_s
         out: list = [("worker", w) for w in self.workers.values() if now - w.last_seen > deadline_s]
         out += [("trainer", t) for t in self.trainers.values() if now - t.last_seen > deadline_s]
         out += [("host", h) for h in self.hosts.values() if now - h.last_seen > host_deadline_s]
+        out += [("relay", r) for r in self.relays.values() if now - r.last_seen > deadline_s]
         return out

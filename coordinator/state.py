@@ -30,8 +30,8 @@ from msd_common.spec import JobConfig
 from .balance import imbalance
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
-                     Prepared, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye, TrainerHeartbeat, TrainerHello,
-                     WorkerExited, WorkerHeartbeat, WorkerHello)
+                     Prepared, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
+                     TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
 from .calibration_book import CalibrationBook
 from .evaluation import EvalBook
@@ -41,7 +41,7 @@ from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY
 from .preparation import PreparationBook
-from .registry import HostInfo, Registry, TrainerInfo, WorkerInfo
+from .registry import HostInfo, RelayInfo, Registry, TrainerInfo, WorkerInfo
 from .sources import OpenedSources
 from .tasks import TaskBook
 from .welcome import host_scale, version_refusal, worker_welcome
@@ -54,8 +54,9 @@ _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
     "trainer": (Consumed, TrainerHeartbeat, TrainerBye, StateRequest, EvalRequest, EvalReport),
     "host": (HostHeartbeat, WorkerExited),
+    "relay": (RelayHeartbeat,),
 }
-_ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id"}
+_ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id", "relay": "relay_id"}
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
 # A record is quarantined when this many worker processes died working on it (the first try and
 # two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
@@ -63,7 +64,7 @@ ALLOWED_DEATHS = 3
 HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, this) of silence
 
 
-_RANK_REPORTS = (Consumed, TrainerHeartbeat)  # events that move nothing but a rank's consumed step
+_RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat)  # events that move nothing but a rank's consumed step
 
 
 class CoordinatorState:
@@ -143,14 +144,15 @@ class CoordinatorState:
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
             WorkerExited: self._on_worker_exited, StateRequest: self._on_state_request,
             EvalRequest: self._on_eval_request, EvalReport: self._on_eval_report,
+            RelayHeartbeat: self._on_relay_heartbeat,
         }
         self._unregistered: dict[type, Callable[[Any], None]] = {
             Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason, ev.failed),
             WorkerHello: self._on_worker_hello, TrainerHello: self._on_trainer_hello, MixRequest: self._on_mix_request,
-            HostHello: self._on_host_hello,
+            HostHello: self._on_host_hello, RelayHello: self._on_relay_hello,
         }
         self._peers_of = {"worker": self.registry.workers, "trainer": self.registry.trainers,
-                          "host": self.registry.hosts}
+                          "host": self.registry.hosts, "relay": self.registry.relays}
 
     # ------------------------------------------------------------------ the one entry point
 
@@ -293,8 +295,42 @@ class CoordinatorState:
             state = PlannerState.from_json(ev.carried["planner"])
         return state
 
+    def _on_relay_hello(self, ev: RelayHello) -> None:
+        refusal = version_refusal(ev.version, f"relay on {ev.host}")
+        if refusal is not None:
+            self._send(ev.peer, refusal)
+            return
+        if ev.peer in self.registry:
+            self._forget_peer(ev.peer, "re-registered")
+        for old in [r for r in self.registry.relays.values() if (r.host, r.local) == (ev.host, ev.local)]:
+            # the host's relay started again (its ranks come back through the new one at once)
+            self._forget_peer(old.identity, "replaced by a new relay on its host")
+        relay = self.registry.add_relay(ev.peer, ev.host, ev.data_address, ev.local, ev.at)
+        log.info("relay %d registered on %s, data address %s", relay.relay_id, ev.host, ev.data_address)
+        self._send(ev.peer, P.make(P.RELAY_WELCOME, relay_id=relay.relay_id, heartbeat_s=self.heartbeat_s,
+                                   topology=self.topology._asdict()))
+
+    def _on_relay_heartbeat(self, ev: RelayHeartbeat, relay: RelayInfo) -> None:
+        """One heartbeat for the relay and every rank behind it that it still hears."""
+        relay.ranks = [int(r) for r in ev.ranks]
+        relay.bytes_in, relay.bytes_out, relay.queued, relay.late_steps = (ev.bytes_in, ev.bytes_out, ev.queued,
+                                                                            ev.late_steps)
+        trainers = self.registry.trainers
+        for r in relay.ranks:
+            t = trainers.get(r)
+            if t is not None and t.via == relay.relay_id:
+                t.last_seen = ev.at
+        self._alive(ev, relay)
+
     def _on_trainer_hello(self, ev: TrainerHello) -> None:
         rank = ev.rank
+        relay = None
+        if ev.via:  # through a relay, which must be registered (a restarted coordinator: it says hello first)
+            relay = self.registry.relay_at(ev.via)
+            if relay is None:
+                self._send(ev.via, P.make(P.UNKNOWN_PEER, reason="relay not registered: send a relay_hello first"))
+                return
+            relay.last_seen = ev.at
         reason = self._trainer_refusal(ev)
         if reason:
             log.warning("trainer rank %d rejected: %s", rank, reason, extra={"rank": rank, "peer": ev.peer.hex()})
@@ -307,8 +343,9 @@ class CoordinatorState:
             log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
             self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
             return
-        if (old is not None and old.identity == ev.peer and old.address == ev.data_address
-                and ev.resume_step == old.consumed + 1):
+        address = relay.address if relay is not None else ev.data_address
+        if (old is not None and old.identity == ev.peer and old.address == address
+                and old.incarnation == ev.incarnation and ev.resume_step == old.consumed + 1):
             # The same client saying hello again before our welcome reached it (a busy coordinator
             # at a thousand ranks): nothing to rewind, nothing to register again.
             old.last_seen = ev.at
@@ -320,9 +357,11 @@ class CoordinatorState:
             self._rewind(ev.resume_step, self._state_before(ev).to_json())
         if self.registry.lookup(ev.peer) not in (None, ("trainer", rank)):
             self._forget_peer(ev.peer, "re-registered")
-        self.registry.add_trainer(TrainerInfo(rank, ev.peer, ev.data_address, ev.at, ev.resume_step - 1))
-        log.info("rank %d registered, data address %s", rank, ev.data_address,
-                 extra={"rank": rank, "peer": ev.peer.hex()})
+        self.registry.add_trainer(TrainerInfo(rank, ev.peer, address, ev.at, ev.resume_step - 1,
+                                              via=relay.relay_id if relay is not None else None,
+                                              incarnation=ev.incarnation))
+        log.info("rank %d registered, data address %s%s", rank, address,
+                 f" (relay {relay.relay_id})" if relay is not None else "", extra={"rank": rank, "peer": ev.peer.hex()})
         self._welcome(ev.peer, rank)
 
     def _welcome(self, peer: bytes, rank: int) -> None:
@@ -542,6 +581,9 @@ class CoordinatorState:
             elif role == "trainer":
                 log.warning("rank %d silent for %.1fs: released (it may register again)", info.rank,
                             now - info.last_seen, extra={"rank": info.rank})
+            elif role == "relay":
+                log.warning("relay %d on %s silent for %.1fs: its ranks are released (they register again through "
+                            "a relay started again)", info.relay_id, info.host, now - info.last_seen)
             else:
                 log.warning("worker host %s silent for %.1fs: forgotten", info.host, now - info.last_seen)
             self._forget_peer(info.identity, "dead")
@@ -563,6 +605,8 @@ class CoordinatorState:
         for t in self.registry.trainers.values():
             self._send(t.identity, P.make(P.JOB_FAILED, reason=self.failure) if self.failure
                        else P.make(P.SHUTDOWN, reason=reason))
+        for r in self.registry.relays.values():  # after what they pass on to their ranks
+            self._send(r.identity, P.make(P.SHUTDOWN, reason=reason))
         try:
             self._out.append(WriteStatus({**self.status(), "stopped": reason, "failed": self.failure}))
         except Exception:  # noqa: BLE001 - after an internal error the books may not add up; the peers are told
@@ -596,9 +640,18 @@ class CoordinatorState:
     def _forget_peer(self, identity: bytes, why: str, blame: int | None = None) -> None:
         """blame: the task the worker died working on (its host agent said so)."""
         removed = self.registry.remove(identity)
+        if removed is not None and removed[0] == "relay":
+            relay = removed[1]
+            for t in [t for t in self.registry.trainers.values() if t.via == relay.relay_id]:
+                self._forget_peer(t.identity, why)
+            for w in self.registry.workers.values():  # what workers hold for it: dropped, with its connection
+                self._send(w.identity, P.make(P.RELEASE_RANK, rank=0, address=relay.address))
+            return
         if removed is not None and removed[0] == "trainer":
             rank = removed[1].rank
             self.departed_wait[rank] = max(self.departed_wait.get(rank, 0.0), removed[1].waited_s)
+            if removed[1].via is not None:  # its relay serves other ranks on the same connection
+                return
             # What workers still hold for it would wait in their backlogs for good: dropped.
             # (A rank that comes back registers again and resumes from its own step.)
             for w in self.registry.workers.values():
@@ -789,7 +842,9 @@ class CoordinatorState:
             summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
                        "naive_rank_cost": naive_costs[d]}
             self._send(trainers[rank].identity, {**template, "rank": rank, "plan": summary}, refs[lo:hi], counts[d])
-        # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part
+        # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part, and
+        # once per relay for all its ranks of one DP rank (it passes them on to each)
+        ranks = self._delivery_ranks(ranks)
         dps = np.array([self._dp_of[r] for r in ranks], dtype=np.int64)
         sizes = np.diff(bounds)[dps]
         piece = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in dps.tolist()]) if len(dps) else \
@@ -798,6 +853,22 @@ class CoordinatorState:
         items = np.column_stack([np.repeat(np.array(ranks, dtype=np.uint64), sizes), within.astype(np.uint64),
                                  refs[piece]])
         self._send_deliveries(plan.step, items, t[piece][:, [SOURCE, POSITION]], plan.finished)
+
+    def _delivery_ranks(self, ranks: list[int]) -> list[int]:
+        """The ranks pieces are addressed to: a direct rank itself; behind a relay, the lowest of
+        its ranks of each DP rank (the relay passes them on to the others)."""
+        trainers = self.registry.trainers
+        out, seen = [], set()
+        for r in ranks:
+            t = trainers.get(r)
+            if t is None or t.via is None:
+                out.append(r)
+                continue
+            key = (t.via, self._dp_of[r])
+            if key not in seen:
+                seen.add(key)
+                out.append(r)
+        return out
 
     def _holders(self, positions: np.ndarray) -> np.ndarray:
         """The worker holding each [source, position] row's prepared copy."""
@@ -949,6 +1020,10 @@ class CoordinatorState:
             "messages_sent": self.messages_sent,
             "next_step": step,
             "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
+            "relays": [{"relay_id": r.relay_id, "host": r.host, "address": r.address,
+                        "ranks": sorted(t.rank for t in self.registry.trainers.values() if t.via == r.relay_id),
+                        "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "queued": r.queued,
+                        "late_steps": r.late_steps} for r in self.registry.relays.values()],
             "last_consumed_step": self.last_consumed_step,
             "workers": len(self.registry.workers),
             "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),

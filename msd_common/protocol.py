@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 8  # 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 9  # 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -355,6 +355,24 @@ PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens
               ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
               patch_bytes=integer(0, 1 << 24))
 
+# relay (one per trainer host, `msd relay`) -> coordinator. data_address: where workers push the pieces of
+# its ranks (one connection per worker process and relay, whatever the number of its ranks)
+# local: the endpoint its ranks reach it at (a relay started again on a host, at the same endpoint, replaces the old one)
+RELAY_HELLO = _msg("relay_hello", version=integer(), host=text(), data_address=text(), local=text(),
+                   incarnation=integer())
+# ranks: the ranks behind it that are alive (their heartbeats stop at the relay); the rest: its counters
+RELAY_HEARTBEAT = _msg("relay_heartbeat", relay_id=integer(), ranks=seq(integer(), 1 << 16), bytes_in=integer(),
+                       bytes_out=integer(), queued=integer(), late_steps=integer())
+# the messages of its ranks (TRAINER_UP messages, each checked as if the rank had sent it), gathered:
+# a host's `consumed` of one step go up together
+RELAY_UP = _msg("relay_up", relay_id=integer(), messages=seq(anything(), 1 << 16))
+# coordinator -> relay
+RELAY_WELCOME = _msg("relay_welcome", relay_id=integer(), heartbeat_s=number(), topology=anything())
+# the coordinator's messages to the relay's ranks, gathered: parts [rank, header, byte size of each array
+# frame]; the array frames of every part, concatenated in part order, in `blob`
+RELAY_DOWN = _msg("relay_down", ArraySpec("blob", "|u1"), parts=seq(tup(integer(), anything(), seq(integer(), 8)),
+                                                                    1 << 16))
+
 # tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on
 # coordinator -> trainer: the answer (state: {digest, planner, mixture_changes, quarantined})
 STATE_REPLY = _msg("state_reply", step=integer(), ok=integer(0, 1), reason=text(MAX_STR_LEN), state=anything())
@@ -372,7 +390,8 @@ ALL_TYPES = {
         HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
-        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER, JOB_FAILED,
+        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER, JOB_FAILED, RELAY_HELLO, RELAY_HEARTBEAT, RELAY_UP,
+        RELAY_WELCOME, RELAY_DOWN,
     )
 }
 
@@ -381,8 +400,11 @@ COORDINATOR_INBOX = frozenset(
     m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
                      WORKER_EXITED, SOURCE_COUNTS,
                      TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST,
-                     STATUS_REQUEST, EVAL_REQUEST, EVAL_REPORT)
+                     STATUS_REQUEST, EVAL_REQUEST, EVAL_REPORT, RELAY_HELLO, RELAY_HEARTBEAT, RELAY_UP)
 )
+# what a rank sends its coordinator (or its relay, which passes them up in RELAY_UP)
+TRAINER_UP = frozenset(m.name for m in (TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, STATE_REQUEST,
+                                        EVAL_REQUEST, EVAL_REPORT))
 # requests that change the plan: on a CURVE job, accepted only from an operator key
 CONTROL_REQUESTS = frozenset({MIX_REQUEST.name})
 TOOL_INBOX = frozenset({MIX_REPLY.name, STATUS_REPLY.name})
@@ -393,6 +415,7 @@ TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER,
                                                     SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER,
                                                     JOB_FAILED))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
+RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN))
 
 
 def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType:

@@ -30,6 +30,7 @@ from msd_common.errors import MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
+from .relay import default_endpoint, rank_endpoint
 from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
 from msd_common.session import WAITING_HINT, PeerLoop, Registration
 from msd_common.sockets import NOWAIT, has_message, make_socket, send_nowait
@@ -82,13 +83,24 @@ class DataClient:
             packing metadata of its DP rank's micro-batches (cu_seqlens, doc_keys, ...).
         keys_dir: the job's key directory (msd keys generate) when it sets security.curve: the
             client then speaks CURVE to the coordinator and accepts data only from workers whose
-            public key is authorised.
+            public key is authorised (behind a relay, the relay does; its ranks speak ipc to it).
+        relay: the endpoint of this host's relay (`msd relay`, one per trainer host), or "auto" for
+            the default endpoint of this coordinator's relay; the rank then speaks to the relay
+            only, which speaks for the host's ranks and fans out their pieces. Default: the
+            environment variable MSD_RELAY, if set (for launchers that cannot change the training
+            script); without it, the rank speaks to the coordinator and workers directly.
+        relay_timeout_s: behind a relay, `next()` raises PeerLostError naming the relay once it has
+            been silent this long (a relay that is not restarted).
     """
 
     def __init__(self, coordinator: str, rank: int, *, host: str = "127.0.0.1", bind_host: str | None = None,
                  timeout_s: float = 300.0, as_torch: bool | None = None, keep_freed_memory: bool = True,
-                 keys_dir: str | None = None, metadata_only: bool = False, pin_memory: bool = False) -> None:
+                 keys_dir: str | None = None, metadata_only: bool = False, pin_memory: bool = False,
+                 relay: str | None = None, relay_timeout_s: float = 30.0) -> None:
         self.coordinator = coordinator
+        relay = relay if relay is not None else (os.environ.get("MSD_RELAY") or None)
+        self.relay = default_endpoint(coordinator) if relay == "auto" else relay
+        self.relay_timeout_s = relay_timeout_s
         self.rank = rank
         self.host = host
         self.bind_host = bind_host or host
@@ -444,12 +456,16 @@ class _Receiver:
         wake.bind(c._wake_addr)
         control = make_socket(ctx, zmq.DEALER)
         data = make_socket(ctx, zmq.PULL, hwm=10_000)
-        if c.keys_dir:
-            keys = security.load(c.keys_dir, "trainer")
-            security.as_client(control, keys, security.public_key(c.keys_dir, "coordinator"))
-            security.as_server(data, keys)
-        port = data.bind_to_random_port(f"tcp://{c.bind_host}")
-        self.address = f"tcp://{c.host}:{port}"
+        if c.relay:  # both on this host, to the relay (which holds the job's keys, if it has any)
+            self.address = rank_endpoint(c.relay, c.rank)
+            data.bind(self.address)
+        else:
+            if c.keys_dir:
+                keys = security.load(c.keys_dir, "trainer")
+                security.as_client(control, keys, security.public_key(c.keys_dir, "coordinator"))
+                security.as_server(data, keys)
+            port = data.bind_to_random_port(f"tcp://{c.bind_host}")
+            self.address = f"tcp://{c.host}:{port}"
         self.control = control
         self.ready.set()
         incarnation = int.from_bytes(os.urandom(6), "little")
@@ -459,7 +475,8 @@ class _Receiver:
                            carried=c._carried_for(self.state.step)),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration, c.coordinator, who=f"rank {c.rank}")
+        loop = PeerLoop(control, self.registration, c.relay or c.coordinator, who=f"rank {c.rank}")
+        self.loop = loop
         loop.on(wake, self._on_wake)
         loop.on(control, self._on_control)
         loop.on(data, self._on_data)
@@ -535,6 +552,12 @@ class _Receiver:
             self.state.on_pieces(frames)
 
     def _hand_over(self, now: float) -> None:
+        if self.c.relay and now - max(self.registration.last_heard, self.registration.since) > self.c.relay_timeout_s:
+            self.c._queue.put(PeerLostError(f"rank {self.c.rank}: the relay at {self.c.relay} has been silent for "
+                                            f"{self.c.relay_timeout_s:.0f}s (is `msd relay` running on this host, and "
+                                            "restarted when it dies?)"))
+            self.closing = True
+            return
         for item in self.state.finished():
             self.c._queue.put(item)
         if self.state.eval_steps:

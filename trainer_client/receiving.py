@@ -179,7 +179,7 @@ class ReceivingState:
     def on_pieces(self, frames: list) -> None:
         try:
             msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
-            if msg["rank"] != self.rank:
+            if msg["rank"] != self.rank and not self._same_dp(msg["rank"]):
                 raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.rank}")
         except ProtocolError as e:
             log.warning("rank %d: dropped data message: %s", self.rank, e)
@@ -212,6 +212,15 @@ class ReceivingState:
             return
         self.early.setdefault(step, []).append((items, *payload))
         self.buffered += len(items)
+
+    def _same_dp(self, rank: int) -> bool:
+        """Whether `rank` is of this rank's data-parallel rank: a relay passes a DP rank's pieces,
+        asked for once per host, to each of its local ranks of that DP rank."""
+        info = self.batch_info
+        if info is None:
+            return False
+        topo = Topology(**info["topology"])
+        return rank < topo.world_size and topo.coords(rank).dp == topo.coords(self.rank).dp
 
     # ------------------------------------------------------------------ finished steps
 

@@ -27,7 +27,7 @@ from msd_common.sockets import make_socket, raise_fd_limit, send_nowait
 from .readers import storage
 from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
 from .metrics import prepared_tokens, worker_metrics
-from .outbox import RankOutbox
+from msd_common.outbox import RankOutbox
 
 log = logging.getLogger("msd.worker")
 MAX_SOCKETS = 65536

@@ -29,13 +29,15 @@ def _compute_at(compute_s: Compute, step: int) -> float:
 
 
 def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 0.0,
-            resume: dict | None = None, host: str = "127.0.0.1") -> None:
+            resume: dict | None = None, host: str = "127.0.0.1", relay: str | None = None,
+            relay_timeout_s: float = 30.0) -> None:
     """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
     every micro-batch back to the test, spending `compute_s` per micro-batch (or per the
-    schedule) as a trainer's compute would."""
+    schedule) as a trainer's compute would; through `relay` (an endpoint) if given."""
     from trainer_client import DataClient
 
-    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60, host=host)
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60, host=host, relay=relay,
+                        relay_timeout_s=relay_timeout_s)
     if resume is not None:
         client.load_state_dict(resume)
     try:
@@ -65,15 +67,17 @@ def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_p
 def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
               timeout_s: float = 90, compute_s: PerRank = 0.0,
               resume: dict[int, dict] | None = None,
-              client_host: str = "127.0.0.1") -> tuple[dict[int, list[dict]], dict[int, dict]]:
+              client_host: str = "127.0.0.1", relays: dict[int, str] | None = None,
+              relay_timeout_s: float = 30.0) -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
-    received, and each one's final state_dict."""
+    received, and each one's final state_dict. relays: rank -> the endpoint of the relay it uses."""
     received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     states: dict[int, dict] = {}
     out = SPAWN.Queue()
     per_rank = compute_s if isinstance(compute_s, dict) else {r: compute_s for r in range(ranks)}
     procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, per_rank.get(r, 0.0),
-                                                 (resume or {}).get(r), client_host)) for r in range(ranks)]
+                                                 (resume or {}).get(r), client_host, (relays or {}).get(r),
+                                                 relay_timeout_s)) for r in range(ranks)]
     for p in procs:
         p.start()
     cluster.trainer_pids = [p.pid for p in procs]  # for fault injection in `during`

@@ -8,7 +8,7 @@ import zmq
 
 from msd.testing.ports import free_address
 from msd_common.sockets import make_socket
-from worker.outbox import RankOutbox
+from msd_common.outbox import RankOutbox
 
 
 def test_sends_never_block_and_the_backlog_goes_out_in_order_once_the_rank_is_there():

@@ -1,0 +1,120 @@
+"""Relays (`msd relay`, one per trainer host) with real processes on loopback: the ranks behind
+them get exactly the stream of the direct path, a piece their host's ranks share crosses once, a
+relay killed and started again loses nothing, and one that does not come back is named."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import job_dict, write_job
+from msd.testing.local import LocalJob
+from msd.testing.processes import stop
+
+from .harness import run_ranks, signature
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STEPS = 8
+# dp=2 x tp=2, every rank receiving: ranks 0 and 1 are DP rank 0, ranks 2 and 3 DP rank 1
+TOPOLOGY = {"dp": 2, "tp": 2, "delivery": "all"}
+
+
+def start_relay(address: str, local: str, log: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "msd.cli", "relay", "--coordinator", address, "--local", local],
+                            stderr=open(log, "ab"))
+
+
+def _job(dataset_dir: str) -> str:
+    return write_job(dataset_dir, job_dict(topology=TOPOLOGY), "relay.yaml")
+
+
+def _status(cluster: LocalJob) -> dict:
+    from coordinator.control import ask
+    from msd_common import protocol as P
+
+    return ask(cluster.address, P.make(P.STATUS_REQUEST), 5.0)["status"]
+
+
+@pytest.fixture(scope="module")
+def direct(dataset_dir):
+    with LocalJob(_job(dataset_dir), workers=1) as cluster:
+        received, _ = run_ranks(cluster, ranks=4, steps=STEPS, timeout_s=120)
+    return received
+
+
+def _relays(tmp_path, n: int) -> list[str]:
+    return [f"ipc://{tmp_path}/relay-{i}.sock" for i in range(n)]
+
+
+def test_ranks_behind_relays_get_the_direct_stream(dataset_dir, direct, tmp_path):
+    local = _relays(tmp_path, 2)
+    with LocalJob(_job(dataset_dir), workers=1) as cluster:
+        relays = [start_relay(cluster.address, e, str(tmp_path / f"relay-{i}.log")) for i, e in enumerate(local)]
+        try:
+            seen = {}
+
+            def during(c, n):
+                if not seen and n >= 40:  # of 64
+                    seen.update(_status(c))
+
+            received, _ = run_ranks(cluster, ranks=4, steps=STEPS, timeout_s=120, during=during, compute_s=0.1,
+                                    relays={0: local[0], 1: local[0], 2: local[1], 3: local[1]})
+        finally:
+            stop(relays)
+    assert signature(received) == signature(direct)
+    for r in range(4):
+        for got, want in zip(received[r], direct[r]):
+            np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    # each relay holds both ranks of one DP rank; the coordinator sees two relays
+    assert sorted(sorted(r["ranks"]) for r in seen["relays"]) == [[0, 1], [2, 3]], (seen["relays"], seen["consumed"])
+    # a DP rank's pieces come in once and go out to its two local ranks
+    assert all(r["bytes_in"] > 0 and r["bytes_out"] == 2 * r["bytes_in"] for r in seen["relays"]), seen["relays"]
+
+
+def test_a_relay_killed_and_started_again_loses_nothing(dataset_dir, direct, tmp_path):
+    local = _relays(tmp_path, 2)
+    with LocalJob(_job(dataset_dir), workers=1) as cluster:
+        logs = [str(tmp_path / f"relay-{i}.log") for i in range(2)]
+        relays = [start_relay(cluster.address, e, log) for e, log in zip(local, logs)]
+        killed = []
+
+        def during(c, n):
+            if not killed and n >= 12:  # a few steps in: SIGKILL, then its supervisor starts it again
+                relays[0].send_signal(signal.SIGKILL)
+                relays[0].wait()
+                killed.append(time.monotonic())
+                relays[0] = start_relay(c.address, local[0], logs[0])
+
+        try:
+            received, _ = run_ranks(cluster, ranks=4, steps=STEPS, timeout_s=120, during=during,
+                                    relays={0: local[0], 1: local[0], 2: local[1], 3: local[1]})
+        finally:
+            stop(relays)
+    assert killed
+    assert signature(received) == signature(direct)  # nothing lost, nothing twice
+
+
+def test_a_relay_that_does_not_come_back_is_named(dataset_dir, tmp_path):
+    local = _relays(tmp_path, 1)[0]
+    with LocalJob(_job(dataset_dir), workers=1) as cluster:
+        relay = start_relay(cluster.address, local, str(tmp_path / "relay.log"))
+        started = []
+
+        def during(c, n):
+            if not started and n >= 8:
+                relay.send_signal(signal.SIGKILL)
+                started.append(time.monotonic())
+
+        try:
+            with pytest.raises(AssertionError) as failed:
+                run_ranks(cluster, ranks=4, steps=1000, timeout_s=120, during=during, relay_timeout_s=5.0,
+                          relays={r: local for r in range(4)})
+        finally:
+            stop([relay])
+    assert "PeerLostError" in str(failed.value) and local in str(failed.value)
+    assert time.monotonic() - started[0] < 30
