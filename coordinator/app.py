@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import gc
 import logging
 import os
 import tempfile
@@ -60,7 +61,8 @@ log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
 STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
 STATE_DIR_RETRY_MAX_S = 2.0
-SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
+SLOW_WRITE_S = 1.0
+GC_NURSERY = 20_000  # allocations between collections of the youngest generation (Python's default: 700)  # a state dir write slower than this is logged
 
 
 class Coordinator:
@@ -116,6 +118,12 @@ class Coordinator:
 
     async def run(self, ready: asyncio.Future | None = None) -> None:
         memory.keep_freed_memory()
+        # What was built to start (the job, the sources' tables) lives for the whole run: out of the
+        # collector's way. And a collection per 700 allocations, each walking the books of thousands
+        # of ranks, cost ~20 ms a step at DP 4,096 (tools/bench_fanout.py): the nursery is larger.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_NURSERY, 20, 20)
         raise_fd_limit("coordinator")
         router = self.router
         try:
@@ -222,7 +230,7 @@ class Coordinator:
         if header["type"] == P.SOURCE_COUNTS.name:  # late for the counting at start-up (counting.py): settled
             return
         if header["type"] == P.RELAY_UP.name:  # the messages of a relay's ranks, each an event of its own
-            burst.extend(self.relays.unpack(identity, time.monotonic(), header))
+            burst.extend(self.relays.unpack(identity, time.monotonic(), header, arrays))
             return
         if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
             self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))

@@ -120,6 +120,15 @@ class RelayHeartbeat(PeerEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RelayReport(RelayHeartbeat):
+    """What a relay_up says of the relay (as a heartbeat does, unanswered), and the `consumed` of
+    its ranks, gathered (its table)."""
+
+    consumed: np.ndarray  # protocol.RELAY_CONSUMED rows: rank, step
+    waited_s: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerHello(PeerEvent):
     version: int
     rank: int
@@ -198,7 +207,8 @@ MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "state_request": StateRequest, "eval_request": EvalRequest, "eval_report": EvalReport,
     "relay_hello": RelayHello, "relay_heartbeat": RelayHeartbeat,
 }
-ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, *MESSAGE_EVENTS.values())}
+ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, RelayReport,
+                                                                     *MESSAGE_EVENTS.values())}
 
 
 _FIELDS = {cls: frozenset(f.name for f in fields(cls)) - {"peer", "at", "via"} for cls in MESSAGE_EVENTS.values()}

@@ -7,6 +7,7 @@ the registry does not know is answered with `unknown_peer`.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,19 +77,17 @@ class Registry:
         self.next_relay_id = 0
         self._roles: dict[bytes, tuple[Role, int]] = {}  # socket identity -> (role, id)
         self.next_worker_id = 0
-        # the slowest rank's consumed step and how many ranks are at it: every consumed message
-        # would otherwise cost a pass over all ranks (O(ranks^2) per step at a thousand ranks)
+        # how many ranks have consumed up to each step (a few distinct steps): the slowest rank's
+        # step without a pass over all ranks (O(ranks^2) per step at a thousand ranks)
+        self._at_step: collections.Counter[int] = collections.Counter()
         self._floor: int | None = None
-        self._at_floor = 0
         self._present: tuple[set[int], bool] | None = None  # all_present's answer, until ranks change
 
     def slowest(self) -> int:
         """The lowest consumed step over the registered ranks (-1 without any)."""
-        if self._floor is None:
-            steps = [t.consumed for t in self.trainers.values()]
-            self._floor = min(steps, default=-1)
-            self._at_floor = steps.count(self._floor)
-        return self._floor
+        if self._floor is None and self._at_step:
+            self._floor = min(self._at_step)
+        return self._floor if self._floor is not None else -1
 
     def all_present(self, ranks: set[int]) -> bool:
         """Whether every one of `ranks` is registered (remembered until a rank comes or goes)."""
@@ -99,14 +98,19 @@ class Registry:
     def set_consumed(self, trainer: TrainerInfo, step: int) -> None:
         """A rank's consumed step changes (only through here, so that slowest() stays right)."""
         old, trainer.consumed = trainer.consumed, step
-        if self._floor is None or step == old:
+        if step == old:
             return
-        if step < self._floor:
-            self._floor = None
-        elif old == self._floor:
-            self._at_floor -= 1
-            if self._at_floor <= 0:
+        self._count(old, -1)
+        self._count(step, 1)
+
+    def _count(self, step: int, n: int) -> None:
+        left = self._at_step[step] = self._at_step[step] + n
+        if left <= 0:
+            del self._at_step[step]
+            if step == self._floor:
                 self._floor = None
+        elif self._floor is not None and step < self._floor:
+            self._floor = step
 
     def lookup(self, identity: bytes) -> tuple[Role, int] | None:
         return self._roles.get(identity)
@@ -130,9 +134,12 @@ class Registry:
         old = self.trainers.get(info.rank)
         if old is not None and old.identity != info.identity:
             self._roles.pop(old.identity, None)
+        if old is not None:
+            self._count(old.consumed, -1)
         self.trainers[info.rank] = info
+        self._count(info.consumed, 1)
         self._roles[info.identity] = ("trainer", info.rank)
-        self._floor = self._present = None
+        self._present = None
 
     def add_host(self, info: HostInfo) -> None:
         """Register a host agent; an earlier registration of the same agent is replaced."""
@@ -160,9 +167,12 @@ class Registry:
             return None
         role, pid = entry
         table = {"worker": self.workers, "trainer": self.trainers, "host": self.hosts, "relay": self.relays}[role]
+        gone = table.pop(pid, None)
         if role == "trainer":
-            self._floor = self._present = None
-        return role, table.pop(pid, None)
+            self._present = None
+            if gone is not None:
+                self._count(gone.consumed, -1)
+        return role, gone
 
     def forget_workers(self) -> list[WorkerInfo]:
         """Forget every worker at once (the plan was rewound); returns them."""

@@ -19,7 +19,7 @@ from msd_common import protocol as P
 from msd_common import wire
 from msd_common.errors import ProtocolError
 
-from .events import PeerEvent, from_message
+from .events import PeerEvent, RelayReport, from_message
 
 log = logging.getLogger("msd.coordinator")
 
@@ -33,12 +33,12 @@ class RelayEnvelopes:
     def __init__(self) -> None:
         # relayed identity -> (relay identity, rank); kept for the job (a few per rank and relay incarnation)
         self._relay_of: dict[bytes, tuple[bytes, int]] = {}
-        self._out: dict[bytes, list] = {}  # relay identity -> [rank, header, array sizes] parts waiting
-        self._blobs: dict[bytes, list] = {}  # relay identity -> the parts' array frames
+        self._out: dict[bytes, list] = {}  # relay identity -> (rank, header, arrays) waiting
 
-    def unpack(self, relay: bytes, at: float, header: dict[str, Any]) -> list[PeerEvent]:
-        """The events of a `relay_up`: each message checked as the rank's own would be."""
-        out = []
+    def unpack(self, relay: bytes, at: float, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[PeerEvent]:
+        """The events of a `relay_up`: each message checked as the rank's own would be, then its
+        ranks' `consumed` as one event."""
+        out: list[PeerEvent] = []
         for inner in header["messages"]:
             try:
                 P.validate(inner, P.TRAINER_UP, 0)
@@ -48,6 +48,9 @@ class RelayEnvelopes:
             peer = relayed_identity(relay, inner["rank"])
             self._relay_of[peer] = (relay, inner["rank"])
             out.append(from_message(peer, at, inner, {}, via=relay))
+        out.append(RelayReport(peer=relay, at=at, relay_id=header["relay_id"], ranks=header["ranks"],
+                               bytes_in=header["bytes_in"], bytes_out=header["bytes_out"], queued=header["queued"],
+                               late_steps=header["late_steps"], consumed=arrays["consumed"], waited_s=arrays["waited_s"]))
         return out
 
     def relayed(self, peer: bytes) -> bool:
@@ -59,16 +62,24 @@ class RelayEnvelopes:
 
     def add(self, peer: bytes, header: dict[str, Any], arrays: tuple) -> None:
         relay, rank = self._relay_of[peer]
-        frames = wire.encode(header, *arrays)[1:] if arrays else []
-        self._out.setdefault(relay, []).append([rank, header, [len(memoryview(f).cast("B")) for f in frames]])
-        self._blobs.setdefault(relay, []).extend(frames)
+        self._out.setdefault(relay, []).append((rank, header, arrays))
 
     def take(self, relay: bytes | None = None) -> list[tuple[bytes, list]]:
         """(relay identity, frames of its relay_down) for every relay with messages waiting (or one)."""
         relays = [relay] if relay is not None else list(self._out)
-        out = []
-        for r in relays:
-            parts, blobs = self._out.pop(r), self._blobs.pop(r)
-            blob = np.frombuffer(b"".join(blobs), dtype=np.uint8) if blobs else np.zeros(0, np.uint8)
-            out.append((r, wire.encode(P.make(P.RELAY_DOWN, parts=parts), blob)))
-        return out
+        return [(r, wire.encode(*relay_down(self._out.pop(r)))) for r in relays]
+
+
+def relay_down(parts: list[tuple[int, dict[str, Any], tuple]]) -> tuple[dict[str, Any], np.ndarray]:
+    """A `relay_down` (header, blob) carrying messages (rank, header, arrays) to a relay's ranks;
+    the arrays as wire.encode would send them (the spec's dtype, C order)."""
+    entries, frames = [], []
+    for rank, header, arrays in parts:
+        sizes = []
+        for spec, a in zip(P.ALL_TYPES[header["type"]].arrays, arrays):
+            a = np.ascontiguousarray(a, dtype=spec.dtype or header["dtype"])
+            sizes.append(a.nbytes)
+            frames.append(memoryview(a).cast("B") if a.size else b"")
+        entries.append([rank, header, sizes])
+    blob = np.frombuffer(b"".join(frames), dtype=np.uint8) if frames else np.zeros(0, np.uint8)
+    return P.make(P.RELAY_DOWN, parts=entries), blob

@@ -30,7 +30,7 @@ from msd_common.spec import JobConfig
 from .balance import imbalance
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
-                     Prepared, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
+                     Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
                      TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
 from .calibration_book import CalibrationBook
@@ -54,7 +54,7 @@ _EVENTS_OF: dict[str, tuple[type, ...]] = {
     "worker": (WorkerHeartbeat, Prepared, TaskFailed, Delivered),
     "trainer": (Consumed, TrainerHeartbeat, TrainerBye, StateRequest, EvalRequest, EvalReport),
     "host": (HostHeartbeat, WorkerExited),
-    "relay": (RelayHeartbeat,),
+    "relay": (RelayHeartbeat, RelayReport),
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id", "relay": "relay_id"}
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
@@ -64,7 +64,7 @@ ALLOWED_DEATHS = 3
 HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, this) of silence
 
 
-_RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat)  # events that move nothing but a rank's consumed step
+_RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat, RelayReport)  # events that move nothing but a rank's consumed step
 
 
 class CoordinatorState:
@@ -144,7 +144,7 @@ class CoordinatorState:
             TrainerBye: self._on_trainer_bye, HostHeartbeat: self._on_host_heartbeat,
             WorkerExited: self._on_worker_exited, StateRequest: self._on_state_request,
             EvalRequest: self._on_eval_request, EvalReport: self._on_eval_report,
-            RelayHeartbeat: self._on_relay_heartbeat,
+            RelayHeartbeat: self._on_relay_heartbeat, RelayReport: self._on_relay_report,
         }
         self._unregistered: dict[type, Callable[[Any], None]] = {
             Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason, ev.failed),
@@ -311,7 +311,11 @@ class CoordinatorState:
                                    topology=self.topology._asdict()))
 
     def _on_relay_heartbeat(self, ev: RelayHeartbeat, relay: RelayInfo) -> None:
-        """One heartbeat for the relay and every rank behind it that it still hears."""
+        """One heartbeat for the relay and every rank behind it that it still hears (answered)."""
+        self._relay_counters(ev, relay)
+        self._alive(ev, relay)
+
+    def _relay_counters(self, ev: RelayHeartbeat, relay: RelayInfo) -> None:
         relay.ranks = [int(r) for r in ev.ranks]
         relay.bytes_in, relay.bytes_out, relay.queued, relay.late_steps = (ev.bytes_in, ev.bytes_out, ev.queued,
                                                                             ev.late_steps)
@@ -320,7 +324,6 @@ class CoordinatorState:
             t = trainers.get(r)
             if t is not None and t.via == relay.relay_id:
                 t.last_seen = ev.at
-        self._alive(ev, relay)
 
     def _on_trainer_hello(self, ev: TrainerHello) -> None:
         rank = ev.rank
@@ -445,10 +448,8 @@ class CoordinatorState:
             self.prep.assign_queued()
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
-        self.registry.set_consumed(trainer, max(trainer.consumed, min(ev.step, self.planner.state.next_step - 1)))
-        self.last_consumed_step = max(self.last_consumed_step, trainer.consumed)
+        self._consumed(trainer, ev.step, ev.waited_s)
         self.lead.consumed(ev.at, self.registry.slowest())
-        trainer.waited_s = max(trainer.waited_s, ev.waited_s)
         if self.job.calibrate and ev.compute_step >= 0 and ev.compute_s:
             adopted = self.calibration.timed(trainer.rank, ev.compute_step, ev.compute_s, self.planner.state.next_step)
             if adopted is not None and self.history.durable:
@@ -457,6 +458,24 @@ class CoordinatorState:
                 self._out.append(AppendCostChange(at, tuple(fit.coefficients),
                                                   (float(calibrator.current_error or 0.0), float(fit.error)),
                                                   tuple(tuple(r) for r in calibrator.evidence)))
+
+    def _consumed(self, trainer: TrainerInfo, step: int, waited_s: float) -> None:
+        self.registry.set_consumed(trainer, max(trainer.consumed, min(step, self.planner.state.next_step - 1)))
+        self.last_consumed_step = max(self.last_consumed_step, trainer.consumed)
+        trainer.waited_s = max(trainer.waited_s, waited_s)
+
+    def _on_relay_report(self, ev: RelayReport, relay: RelayInfo) -> None:
+        """A relay_up's report: the relay's counters, and the `consumed` of its ranks, each as its own
+        message would be (for the ranks registered through this relay only)."""
+        self._relay_counters(ev, relay)
+        trainers = self.registry.trainers
+        rows = ev.consumed
+        for rank, step, waited in zip(rows[:, 0].tolist(), rows[:, 1].tolist(), ev.waited_s.tolist()):
+            t = trainers.get(rank)
+            if t is None or t.via != relay.relay_id:
+                continue
+            self._consumed(t, step, waited)
+        self.lead.consumed(ev.at, self.registry.slowest())
 
     def _dp_rank(self, rank: int) -> int:
         """A global rank's data-parallel rank (its coordinates, computed once)."""
@@ -836,12 +855,21 @@ class CoordinatorState:
         # as Python floats: indexing a numpy array gives a numpy scalar per rank, slower to pack too
         rank_costs = np.asarray(plan.rank_costs, dtype=np.float64).tolist()
         naive_costs = np.asarray(plan.naive_rank_costs, dtype=np.float64).tolist()
+        relayed: dict[int, list] = {}  # relay -> [(rank, DP rank)]: one relay_step each
         for rank in ranks:
             d = self._dp_rank(rank)
             lo, hi = bounds[d], bounds[d + 1]
             summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
                        "naive_rank_cost": naive_costs[d]}
-            self._send(trainers[rank].identity, {**template, "rank": rank, "plan": summary}, refs[lo:hi], counts[d])
+            trainer = trainers[rank]
+            if trainer.via is None:
+                self._send(trainer.identity, {**template, "rank": rank, "plan": summary}, refs[lo:hi], counts[d])
+            else:
+                relayed.setdefault(trainer.via, []).append((rank, d))
+        costs = (np.asarray(rank_costs, dtype=np.float64), np.asarray(naive_costs, dtype=np.float64))
+        edges = np.asarray(bounds, dtype=np.int64)
+        for via, members in relayed.items():
+            self._send_relay_step(via, members, plan, refs, counts, edges, costs, (ours, naive))
         # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part, and
         # once per relay for all its ranks of one DP rank (it passes them on to each)
         ranks = self._delivery_ranks(ranks)
@@ -853,6 +881,22 @@ class CoordinatorState:
         items = np.column_stack([np.repeat(np.array(ranks, dtype=np.uint64), sizes), within.astype(np.uint64),
                                  refs[piece]])
         self._send_deliveries(plan.step, items, t[piece][:, [SOURCE, POSITION]], plan.finished)
+
+    def _send_relay_step(self, via: int, members: list[tuple[int, int]], plan: StepPlan, refs: np.ndarray,
+                         counts: np.ndarray, edges: np.ndarray, costs: tuple[np.ndarray, np.ndarray],
+                         balance: tuple[float, float]) -> None:
+        """The step's recipes of a relay's ranks, each DP rank's once (the relay writes their step_headers)."""
+        dps = sorted({d for _, d in members})
+        index = {d: i for i, d in enumerate(dps)}
+        at = np.asarray(dps, dtype=np.int64)
+        starts = edges[at]
+        sizes = edges[at + 1] - starts
+        rows = np.arange(int(sizes.sum())) + np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+        header = P.make(P.RELAY_STEP, step=plan.step, row_len=plan.row_capacity, dps=dps,
+                        ranks=[[r, index[d]] for r, d in members], piece_counts=sizes.tolist(),
+                        rank_costs=costs[0][at].tolist(), naive_costs=costs[1][at].tolist(), max_over_mean=balance[0],
+                        naive_max_over_mean=balance[1])
+        self._send(self.registry.relays[via].identity, header, refs[rows], counts[at])
 
     def _delivery_ranks(self, ranks: list[int]) -> list[int]:
         """The ranks pieces are addressed to: a direct rank itself; behind a relay, the lowest of

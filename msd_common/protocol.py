@@ -145,6 +145,7 @@ def columns(name: str, *names: str) -> Any:
 DELIVER_ITEM = columns("DeliverItem", "rank", "piece", "doc_key", "offset", "length")  # coordinator -> worker
 RECIPE_PIECE = columns("RecipePiece", "doc_key", "offset", "length")  # coordinator -> trainer (step recipe)
 PIECE_ITEM = columns("PieceItem", "piece", "doc_key", "offset", "length")  # worker -> trainer
+RELAY_CONSUMED = columns("RelayConsumed", "rank", "step")  # relay -> coordinator
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,21 @@ def _check_pieces(header: dict, arrays: dict) -> None:
         if int(counts.sum()) * header["patch_bytes"] != patches.size:
             raise ProtocolError(f"pieces: {int(counts.sum())} patches of {header['patch_bytes']} bytes, frame holds "
                                 f"{patches.size}")
+
+
+def _check_relay_step(header: dict, arrays: dict) -> None:
+    n = len(header["dps"])
+    if len(header["piece_counts"]) != n or len(header["rank_costs"]) != n or len(header["naive_costs"]) != n:
+        raise ProtocolError("relay_step: piece_counts and costs must have one entry per DP rank")
+    if sum(header["piece_counts"]) != len(arrays["pieces"]) or (n and len(arrays["counts"]) % n):
+        raise ProtocolError("relay_step: piece counts do not add up, or counts are not a row per DP rank")
+    if any(not 0 <= i < n for _, i in header["ranks"]):
+        raise ProtocolError("relay_step: a rank's DP index is out of range")
+
+
+def _check_relay_up(header: dict, arrays: dict) -> None:
+    if len(arrays["waited_s"]) != len(arrays["consumed"]):
+        raise ProtocolError("relay_up: one waited_s per consumed row")
 
 
 # worker -> coordinator
@@ -361,12 +377,23 @@ PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens
 RELAY_HELLO = _msg("relay_hello", version=integer(), host=text(), data_address=text(), local=text(),
                    incarnation=integer())
 # ranks: the ranks behind it that are alive (their heartbeats stop at the relay); the rest: its counters
-RELAY_HEARTBEAT = _msg("relay_heartbeat", relay_id=integer(), ranks=seq(integer(), 1 << 16), bytes_in=integer(),
-                       bytes_out=integer(), queued=integer(), late_steps=integer())
-# the messages of its ranks (TRAINER_UP messages, each checked as if the rank had sent it), gathered:
-# a host's `consumed` of one step go up together
-RELAY_UP = _msg("relay_up", relay_id=integer(), messages=seq(anything(), 1 << 16))
-# coordinator -> relay
+_RELAY_COUNTERS = dict(ranks=seq(integer(), 1 << 16), bytes_in=integer(), bytes_out=integer(), queued=integer(),
+                       late_steps=integer())
+RELAY_HEARTBEAT = _msg("relay_heartbeat", relay_id=integer(), **_RELAY_COUNTERS)
+# the messages of its ranks (TRAINER_UP messages, each checked as if the rank had sent it), gathered;
+# their plain `consumed` (no compute times) as table rows, a host's of one step together: one event for
+# all, where a message each cost the coordinator 15-20 us per rank and step
+# It counts as a heartbeat (its counters too): a relay that sends one a step sends no heartbeats.
+RELAY_UP = _msg("relay_up", ArraySpec("consumed", "<i8", RELAY_CONSUMED), ArraySpec("waited_s", "<f8"),
+                check=_check_relay_up, relay_id=integer(), messages=seq(anything(), 1 << 16), **_RELAY_COUNTERS)
+# coordinator -> relay: one step's recipes for its ranks (what a step_header says to each), per DP rank
+# once: `dps` the DP ranks (in order), `pieces` theirs concatenated (RECIPE_PIECE rows, piece_counts of
+# each), `counts` a row of pieces per sequence each, the plan's summary per DP rank; `ranks` [rank, index
+# into dps]. The relay writes each rank's step_header (the coordinator's work per step grows with hosts)
+RELAY_STEP = _msg("relay_step", ArraySpec("pieces", "<u8", RECIPE_PIECE), ArraySpec("counts", "<u4"),
+                  check=_check_relay_step, step=integer(), row_len=integer(1, MAX_PIECE_LEN), dps=seq(integer()),
+                  ranks=seq(tup(integer(), integer())), piece_counts=seq(integer()), rank_costs=seq(number()),
+                  naive_costs=seq(number()), max_over_mean=number(), naive_max_over_mean=number())
 RELAY_WELCOME = _msg("relay_welcome", relay_id=integer(), heartbeat_s=number(), topology=anything())
 # the coordinator's messages to the relay's ranks, gathered: parts [rank, header, byte size of each array
 # frame]; the array frames of every part, concatenated in part order, in `blob`
@@ -391,7 +418,7 @@ ALL_TYPES = {
         SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
         END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
         STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER, JOB_FAILED, RELAY_HELLO, RELAY_HEARTBEAT, RELAY_UP,
-        RELAY_WELCOME, RELAY_DOWN,
+        RELAY_WELCOME, RELAY_DOWN, RELAY_STEP,
     )
 }
 
@@ -415,7 +442,7 @@ TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER,
                                                     SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER,
                                                     JOB_FAILED))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
-RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN))
+RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, RELAY_STEP, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN))
 
 
 def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType:

@@ -199,8 +199,9 @@ class MsdCommands:
     """`msd coordinator` and `msd worker --procs N` (or `--procs auto`) as a user starts them, on
     a free port."""
 
-    def __init__(self, job: str, workers: int | str, in_coordinator: bool = False) -> None:
-        """in_coordinator: one command, `msd coordinator --worker-procs`, instead of two."""
+    def __init__(self, job: str, workers: int | str, in_coordinator: bool = False, relay: bool = False) -> None:
+        """in_coordinator: one command, `msd coordinator --worker-procs`, instead of two; relay: and
+        `msd relay` for the ranks (all on this host), at the job's default endpoint (MSD_RELAY=auto)."""
         msd = os.path.join(os.path.dirname(sys.executable), "msd")
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
@@ -220,6 +221,11 @@ class MsdCommands:
                     raise RuntimeError(f"the coordinator did not start; log in {self.logs}")
                 time.sleep(0.05)
         self.host = self.coordinator  # the process the worker host lives in
+        self.relay = None
+        if relay:
+            self._log_files.append(open(os.path.join(self.logs, "relay.log"), "wb"))
+            self.relay = subprocess.Popen([msd, "relay", "--coordinator", self.address, "--log-level", "WARNING"],
+                                          stderr=self._log_files[-1])
         if in_coordinator:
             return
         self.host = subprocess.Popen(
@@ -229,7 +235,8 @@ class MsdCommands:
     def pids(self) -> list[int]:
         """The coordinator, the host agent (if a process of its own) and everything under them
         (fork server, worker processes)."""
-        return sorted({self.coordinator.pid, self.host.pid, *e2e_ranks.descendants(self.host.pid)})
+        relay = [self.relay.pid] if self.relay is not None else []
+        return sorted({self.coordinator.pid, self.host.pid, *relay, *e2e_ranks.descendants(self.host.pid)})
 
     def worker_pids(self) -> list[int]:
         """The worker processes now running: the fork server's children."""
@@ -239,7 +246,8 @@ class MsdCommands:
 
     def close(self) -> None:
         """Stop both; their logs are removed unless they hold something (warnings, errors)."""
-        stop([self.host, self.coordinator] if self.host is not self.coordinator else [self.coordinator])
+        stop([*([self.relay] if self.relay is not None else []),
+              *([self.host, self.coordinator] if self.host is not self.coordinator else [self.coordinator])])
         for f in self._log_files:
             f.close()
         if any(os.path.getsize(f.name) for f in self._log_files):
@@ -256,8 +264,9 @@ def worker_count(point: dict, k: int, procs: int | str | None) -> int | str:
 
 def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root: str,
                timeout_s: float = 900, procs: int | str | None = None, worker_host: str = "separate",
-               job: str | None = None) -> dict:
-    """One design at one point. job: ours's job file (default: write_job's, over the JSONL files)."""
+               job: str | None = None, relay: bool = False) -> dict:
+    """One design at one point. job: ours's job file (default: write_job's, over the JSONL files);
+    relay: ours's ranks through one `msd relay` (MSD_RELAY=auto in their environment)."""
     ranks, workers = point["ranks"], point["workers"]
     jsonl, prefixes, means = data
     weights = [1.0 / len(prefixes)] * len(prefixes)  # one per source (JSONL file and Megatron pair alike)
@@ -266,7 +275,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     cluster = None
     if design == "ours":
         job = job or write_job(root, jsonl, ranks, point["seq_len"], params["a"], params["b"])
-        cluster = MsdCommands(job, workers=worker_count(point, k, procs), in_coordinator=worker_host == "coordinator")
+        cluster = MsdCommands(job, workers=worker_count(point, k, procs), in_coordinator=worker_host == "coordinator",
+                              relay=relay)
         targets = [(e2e_ranks.ours_rank, (cluster.address, r, params, barrier, out)) for r in range(ranks)]
     elif design == "torch":
         targets = [(e2e_ranks.torch_rank, (jsonl, weights, means, workers, r, params, barrier, out))
@@ -276,8 +286,13 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                    for r in range(ranks)]
     procs = [SPAWN.Process(target=f, args=a, daemon=False) for f, a in targets]
     started = time.perf_counter()
-    for p in procs:
-        p.start()
+    if relay:
+        os.environ["MSD_RELAY"] = "auto"  # what a launcher that cannot change the script does
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop("MSD_RELAY", None)
     steps: dict[int, dict[int, tuple]] = {}
     pss_ranks, pss_ours, done = {}, 0, 0  # kB: (before, now, children now) per rank; our loader's processes
     running = None  # our worker processes at that moment

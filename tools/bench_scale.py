@@ -56,17 +56,17 @@ GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 
 QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
 
 
-def write_job(root: str, dp: int, prefixes: list[str], records: int) -> str:
+def write_job(root: str, dp: int, prefixes: list[str], records: int, tokens: int = TOKENS_PER_RANK) -> str:
     job = {
         "seed": 3,
         "sources": {f"src{i:03d}": {"format": "megatron", "paths": [p]} for i, p in enumerate(prefixes)},
-        "batch": {"seq_len": TOKENS_PER_RANK, "micro_batch_size": 1, "global_batch_size": dp},
+        "batch": {"seq_len": tokens, "micro_batch_size": 1, "global_batch_size": dp},
         "topology": {"dp": dp},
         "mixture": {"weights": {f"src{i:03d}": 1.0 for i in range(len(prefixes))}},
         "balance": {"cost": {"quadratic": 1.0, "linear": 0.0}},
         "runtime": {"heartbeat_s": 2.0, "lookahead_steps": 2},
     }
-    path = os.path.join(root, f"job-{dp}-{len(prefixes)}-{records}.yaml")  # one per point, records included
+    path = os.path.join(root, f"job-{dp}-{len(prefixes)}-{records}-{tokens}.yaml")  # one per point
     with open(path, "w") as f:
         yaml.safe_dump(job, f, sort_keys=False)
     return path
@@ -138,9 +138,10 @@ finally:
 
 
 def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None,
-              step_s: float = 0.0) -> dict:
+              step_s: float = 0.0, per_relay: int = 0, tokens: int = TOKENS_PER_RANK) -> dict:
+    """per_relay: ranks behind each relay (tools/scale_ranks.py --per-relay), 0 for none."""
     prefixes = sources(root, count, records)
-    job = write_job(root, dp, prefixes, records)
+    job = write_job(root, dp, prefixes, records, tokens)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     port, metrics = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -166,7 +167,8 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     ranks = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "scale_ranks.py"),
                                "--coordinator", address, "--ranks",
                                f"{i * RANKS_PER_PROCESS}:{min(dp, (i + 1) * RANKS_PER_PROCESS)}",
-                               "--steps", str(steps), "--out", out, *(["--step-s", str(step_s)] if step_s else [])])
+                               "--steps", str(steps), "--out", out, *(["--step-s", str(step_s)] if step_s else []),
+                               "--per-relay", str(per_relay)])
              for i, out in enumerate(outs)]
     samples, peak_sockets = [], 0
     try:
@@ -193,7 +195,8 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     # the window: from the sample where the slowest rank passed a fifth of the steps to the last
     # before the ranks leave
     window = [s for s in samples if steps // 5 <= s[2] < steps - 2]
-    row = {"dp": dp, "sources": count, "records_per_source": records, "records": count * records,
+    row = {"dp": dp, "per_relay": per_relay, "relays": -(-dp // per_relay) if per_relay else 0,
+           "tokens_per_rank": tokens, "sources": count, "records_per_source": records, "records": count * records,
            "steps": done, "time_to_first_batch_s": round(first - started, 2) if first else None,
            "coordinator_peak_rss_mb": round(memory.get("VmHWM", 0) / 2**20, 1),  # file pages once per mapping
            "coordinator_heap_mb": round(memory.get("RssAnon", 0) / 2**20, 1),

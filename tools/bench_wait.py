@@ -11,6 +11,7 @@ and meets the others at a barrier after every step (tools/e2e_ranks.train). Desi
 within every repeat:
 - `msd-two`: `msd coordinator` and `msd worker --procs 2`, two commands;
 - `msd-one`: `msd coordinator --worker-procs auto`, one command;
+- `msd-relay`: as msd-two, the ranks behind one `msd relay` (MSD_RELAY=auto), as on a trainer host;
 - `megatron`: per-rank DataLoaders (2 workers each) over megatron-core's GPTDataset on the same
   files (tools/e2e_ranks.megatron_rank).
 Per design and compute time: the data wait (time inside `next()` over the run's wall time, mean
@@ -37,7 +38,9 @@ import bench_e2e  # noqa: E402
 from bench_output import emit  # noqa: E402
 from bench_remote import make_corpus  # noqa: E402
 
-DESIGNS = {"msd-two": ("ours", "separate", 2), "msd-one": ("ours", "coordinator", "auto"), "megatron": ("megatron", None, None)}
+DESIGNS = {"msd-two": ("ours", "separate", 2), "msd-one": ("ours", "coordinator", "auto"),
+           "msd-relay": ("ours", "separate", 2), "megatron": ("megatron", None, None)}
+DEFAULT_DESIGNS = "msd-two,msd-one,megatron"
 
 
 def write_job(root: str, corpus: str, ranks: int, seq_len: int) -> str:
@@ -66,7 +69,7 @@ def run_once(design: str, compute_ms: float, a: argparse.Namespace, corpus: str,
     data = ([], prefixes, [1.0] * len(prefixes))
     job = write_job(work, corpus, a.ranks, a.seq_len) if kind == "ours" else None
     r = bench_e2e.run_design(kind, point, data, params, k=1, root=work, procs=procs, worker_host=host or "separate",
-                             job=job)
+                             job=job, relay=design == "msd-relay")
     tokens_per_step = a.ranks * 2 * a.seq_len
     return {"design": design, "compute_ms": compute_ms, "steps": steps, "data_wait_share": r["data_wait_share"],
             "steps_per_s": r["steps_per_s"], "tokens_per_s": r["steps_per_s"] * tokens_per_step,
@@ -81,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--compute-ms", default="0,10,50,200", help="simulated compute per micro-batch, ms")
-    ap.add_argument("--designs", default=",".join(DESIGNS))
+    ap.add_argument("--designs", default=DEFAULT_DESIGNS, help=f"some of {', '.join(DESIGNS)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)

@@ -6,7 +6,13 @@ taken), so that 1,024 ranks fit on one small machine. One poller serves every ra
 With --step-s, a rank consumes step k no earlier than --step-s x k seconds after its process
 consumed its first step, as ranks of a synchronous job finish their steps together.
 
-    python tools/scale_ranks.py --coordinator ADDR --ranks A:B --steps N --out FILE.json [--step-s S]
+With --per-relay N, the ranks are behind simulated relays of N ranks each (a trainer host): each
+relay speaks the real relay protocol to the coordinator (relay_hello, one heartbeat, its ranks'
+messages gathered in relay_up, the coordinator's to them in relay_down) and has one data socket
+that workers push its ranks' pieces to; it hands them to its ranks in-process (what `msd relay`
+does over ipc), so that thousands of ranks fit on one small machine.
+
+    python tools/scale_ranks.py --coordinator ADDR --ranks A:B --steps N --out FILE.json [--step-s S] [--per-relay N]
 """
 
 from __future__ import annotations
@@ -22,18 +28,34 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+
 from msd_common import protocol as P  # noqa: E402
+from msd_common import wire  # noqa: E402
+from msd_common.topology import Topology  # noqa: E402
+from trainer_client.relay import step_headers  # noqa: E402
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed  # noqa: E402
 from msd_common.session import Registration  # noqa: E402
 from msd_common.sockets import make_socket, send_nowait  # noqa: E402
 
 
 class LightRank:
-    def __init__(self, ctx: zmq.Context, rank: int, coordinator: str, pace: "Pace") -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, coordinator: str, pace: "Pace",
+                 relay: "SimRelay | None" = None) -> None:
         self.rank = rank
         self.pace = pace
+        self.relay = relay
         self.ready: collections.deque[int] = collections.deque()  # finished steps not consumed yet
         self.state = ReceivingState(rank, 0, 0, None)
+        if relay is not None:  # its sockets are the relay's
+            self.control = self.data = None
+            self.registration = Registration(lambda: self._hello(relay.address), lambda: None)
+            self.registration.welcomed(1.0)  # the relay says hello for it, and beats for it
+            self.first_batch_at: float | None = None
+            self.steps_done = 0
+            self.ended = False
+            return
         self.control = make_socket(ctx, zmq.DEALER)
         self.data = make_socket(ctx, zmq.PULL, hwm=10_000)
         port = self.data.bind_to_random_port("tcp://127.0.0.1")
@@ -48,12 +70,25 @@ class LightRank:
         self.steps_done = 0
         self.ended = False
 
-    def on_control(self) -> None:
-        for out in self.state.on_control(self.control.recv_multipart(copy=False)):
+    def _hello(self, address: str) -> dict:
+        return P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=self.rank, data_address=address,
+                      resume_step=self.state.step, incarnation=self.rank, metadata_only=0, carried=None)
+
+    def _send(self, header: dict) -> None:
+        if self.relay is not None:
+            self.relay.up(header)
+        else:
+            send_nowait(self.control, header)
+
+    def on_control(self, frames: list | None = None) -> None:
+        for out in self.state.on_control(frames if frames is not None else self.control.recv_multipart(copy=False)):
             if isinstance(out, Welcomed):
                 self.registration.welcomed(out.heartbeat_s)
             elif isinstance(out, Forgotten):
-                self.registration.forgotten()
+                if self.relay is not None:
+                    self.relay.up(self._hello(self.relay.address))
+                else:
+                    self.registration.forgotten()
             elif isinstance(out, (End, Exception)):
                 self.ended = True
 
@@ -75,17 +110,105 @@ class LightRank:
             step = self.ready.popleft()
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
-            send_nowait(self.control, P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0, compute_step=-1,
-                                             compute_s=[]))
+            self._send(P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0, compute_step=-1, compute_s=[]))
             self.registration.spoke(now)
             self.steps_done = step + 1
+        if self.relay is None:
+            msg = self.registration.due(now)
+            if msg is not None:
+                send_nowait(self.control, msg)
+
+    def close(self) -> None:
+        if self.relay is not None:
+            return
+        if self.registration.registered:
+            send_nowait(self.control, P.make(P.TRAINER_BYE, rank=self.rank))
+        self.control.close(linger=200)
+        self.data.close(linger=0)
+
+
+class SimRelay:
+    """A trainer host's relay, simulated where it meets its ranks (in-process) and real where it
+    meets the coordinator and the workers (trainer_client/relay.py's protocol): one hello and one
+    heartbeat for the host, its ranks' `consumed` of a step gathered in one relay_up."""
+
+    def __init__(self, ctx: zmq.Context, coordinator: str, index: int) -> None:
+        self.control = make_socket(ctx, zmq.DEALER)
+        self.data = make_socket(ctx, zmq.PULL, hwm=10_000)
+        self.address = f"tcp://127.0.0.1:{self.data.bind_to_random_port('tcp://127.0.0.1')}"
+        self.ranks: dict[int, LightRank] = {}
+        self.by_dp: dict[int, list[LightRank]] = {}
+        self.topology: Topology | None = None
+        self.relay_id: int | None = None
+        self.queue: list[dict] = []
+        self.consumed: list[tuple[int, int]] = []  # (rank, step) rows of relay_up's table
+        self.held: dict[int, list[dict]] = {}
+        self.registration = Registration(
+            lambda: P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host=f"sim-{index}", data_address=self.address,
+                           local=f"ipc://sim-{index}", incarnation=index),
+            lambda: P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id or 0, ranks=sorted(self.ranks), bytes_in=0,
+                           bytes_out=0, queued=0, late_steps=0))
+        self.control.connect(coordinator)
+
+    def up(self, header: dict) -> None:
+        if header["type"] == "consumed":  # gathered: the host's ranks of a step go up together
+            held = self.held.setdefault(header["step"], [])
+            held.append(header)
+            if len(held) == len(self.ranks):
+                self.consumed.extend((m["rank"], m["step"]) for m in self.held.pop(header["step"]))
+        else:
+            self.queue.append(header)
+
+    def on_control(self) -> None:
+        msg, arrays = wire.decode(self.control.recv_multipart(copy=False), P.RELAY_INBOX)
+        if msg["type"] == "relay_welcome":
+            self.registration.welcomed(float(msg["heartbeat_s"]))
+            self.relay_id, self.topology = msg["relay_id"], Topology(**msg["topology"])
+            self.by_dp = {}
+            for lr in self.ranks.values():
+                self.by_dp.setdefault(self.topology.coords(lr.rank).dp, []).append(lr)
+            self.queue = [lr._hello(self.address) for lr in self.ranks.values()]
+        elif msg["type"] == "relay_down":
+            view, at = memoryview(arrays["blob"]).cast("B"), 0
+            for rank, header, sizes in msg["parts"]:
+                frames = [msgpack.packb(header)]
+                for n in sizes:
+                    frames.append(view[at:at + n])
+                    at += n
+                self.ranks[rank].on_control(frames)
+        elif msg["type"] == "relay_step":
+            for rank, frames in step_headers(msg, arrays):
+                self.ranks[rank].on_control(frames)
+        elif msg["type"] == "unknown_peer":
+            self.registration.forgotten()
+
+    def on_data(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self.data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            rank = wire.unpack_header(frames[0].buffer)["rank"]
+            for lr in self.by_dp.get(self.topology.coords(rank).dp, ()):
+                lr.state.on_pieces(frames)
+
+    def turn(self, now: float) -> None:
         msg = self.registration.due(now)
         if msg is not None:
             send_nowait(self.control, msg)
+        if (self.queue or self.consumed) and self.registration.registered:
+            self._up(self.queue, self.consumed)
+            self.queue, self.consumed = [], []
+
+    def _up(self, messages: list[dict], consumed: list[tuple[int, int]]) -> None:
+        send_nowait(self.control, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=messages, ranks=sorted(self.ranks),
+                                         bytes_in=0, bytes_out=0, queued=0, late_steps=0),
+                    np.array(consumed, dtype=np.int64).reshape(-1, 2), np.zeros(len(consumed)))
+        self.registration.spoke(time.monotonic())
 
     def close(self) -> None:
         if self.registration.registered:
-            send_nowait(self.control, P.make(P.TRAINER_BYE, rank=self.rank))
+            self._up([P.make(P.TRAINER_BYE, rank=r) for r in self.ranks], [])
         self.control.close(linger=200)
         self.data.close(linger=0)
 
@@ -106,17 +229,24 @@ class Pace:
         return now >= self.origin[1] + (step - self.origin[0]) * self.step_s
 
 
-def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float, step_s: float | None = None) -> dict:
+def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float, step_s: float | None = None,
+        per_relay: int = 0) -> dict:
     ctx = zmq.Context()
     pace = Pace(step_s)
-    ranks = [LightRank(ctx, r, coordinator, pace) for r in range(first, last)]
+    relays = [SimRelay(ctx, coordinator, i) for i in range(first // per_relay, -(-last // per_relay))] \
+        if per_relay else []
+    ranks = [LightRank(ctx, r, coordinator, pace, relays[(r - first) // per_relay] if per_relay else None)
+             for r in range(first, last)]
+    for lr in ranks:
+        if lr.relay is not None:
+            lr.relay.ranks[lr.rank] = lr
     poller = zmq.Poller()
     owner = {}
-    for lr in ranks:
-        poller.register(lr.control, zmq.POLLIN)
-        poller.register(lr.data, zmq.POLLIN)
-        owner[lr.control] = (lr, lr.on_control)
-        owner[lr.data] = (lr, lr.on_data)
+    for peer in relays or ranks:
+        poller.register(peer.control, zmq.POLLIN)
+        poller.register(peer.data, zmq.POLLIN)
+        owner[peer.control] = (peer, peer.on_control)
+        owner[peer.data] = (peer, peer.on_data)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -125,11 +255,13 @@ def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float, s
             now = time.monotonic()
             for lr in ranks:
                 lr.turn(now)
+            for relay in relays:
+                relay.turn(now)
             if all(lr.steps_done >= steps or lr.ended for lr in ranks):
                 break
     finally:
-        for lr in ranks:
-            lr.close()
+        for peer in (*relays, *ranks):
+            peer.close()
         ctx.term()
     return {"ranks": [first, last], "steps_done": min(lr.steps_done for lr in ranks),
             "first_batch_at": min((lr.first_batch_at for lr in ranks if lr.first_batch_at), default=None),
@@ -144,9 +276,10 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--out", required=True)
     ap.add_argument("--step-s", type=float, default=None, help="consume a step every S seconds at most")
+    ap.add_argument("--per-relay", type=int, default=0, help="ranks per simulated relay (0: ranks speak directly)")
     args = ap.parse_args()
     first, last = (int(x) for x in args.ranks.split(":"))
-    result = run(args.coordinator, first, last, args.steps, args.timeout_s, args.step_s)
+    result = run(args.coordinator, first, last, args.steps, args.timeout_s, args.step_s, args.per_relay)
     with open(args.out, "wb") as f:
         f.write(orjson.dumps(result))
 

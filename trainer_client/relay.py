@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from msd_common import protocol as P
@@ -90,6 +91,7 @@ class Relay:
         self.rank_of: dict[bytes, int] = {}  # control identity -> rank
         self._by_dp: dict[int, list[str]] | None = None  # dp -> data addresses of its local ranks
         self.up_queue: list[dict[str, Any]] = []  # ranks' messages waiting for the next relay_up
+        self.consumed: list[dict[str, Any]] = []  # and their plain `consumed` (its table)
         self.held: dict[int, dict[int, dict]] = {}  # step -> rank -> its `consumed`, until the host's are in
         self.held_since: dict[int, float] = {}
         self.bytes_in = self.bytes_out = 0  # pieces from workers, and to local ranks (fanned out)
@@ -160,22 +162,31 @@ class Relay:
         self.loop.on_writable(sock, self.outbox.flush if on else None)
 
     def _heartbeat(self) -> dict[str, Any]:
+        return P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id if self.relay_id is not None else 0,
+                      **self._counters())
+
+    def _counters(self) -> dict[str, Any]:
+        """What the relay says of itself in every heartbeat and relay_up: the ranks it still hears."""
         now = time.monotonic()
         alive = [r.rank for r in self.ranks.values()
                  if now - r.last_seen < RANK_LOST_BEATS * self.registration.heartbeat_s]
-        return P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id if self.relay_id is not None else 0, ranks=alive,
-                      bytes_in=self.bytes_in, bytes_out=self.bytes_out, queued=self.outbox.backlog(),
-                      late_steps=self.late_steps)
+        return dict(ranks=alive, bytes_in=self.bytes_in, bytes_out=self.bytes_out, queued=self.outbox.backlog(),
+                    late_steps=self.late_steps)
 
     def _turn(self, now: float) -> None:
         if self.stop_at is not None and now >= self.stop_at:
             self.running = False
         self._release_held(now)
-        if self.up_queue and self.registration.registered:
-            # (no Registration.spoke: the heartbeat carries the counters, one message a heartbeat per host)
-            if not send_nowait(self.up, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=self.up_queue)):
-                log.warning("relay: coordinator not reading; %d messages of the ranks dropped", len(self.up_queue))
-            self.up_queue = []
+        if (self.up_queue or self.consumed) and self.registration.registered:
+            rows = np.array([(m["rank"], m["step"]) for m in self.consumed], dtype=np.int64).reshape(-1, 2)
+            waits = np.array([m["waited_s"] for m in self.consumed], dtype=np.float64)
+            if send_nowait(self.up, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=self.up_queue,
+                                           **self._counters()), rows, waits):
+                self.registration.spoke(now)  # it says what a heartbeat says: one message a step per host
+            else:
+                log.warning("relay: coordinator not reading; %d messages of the ranks dropped",
+                            len(self.up_queue) + len(self.consumed))
+            self.up_queue, self.consumed = [], []
 
     # ------------------------------------------------------------------ the ranks' messages
 
@@ -246,7 +257,8 @@ class Relay:
             if complete or now - self.held_since[step] > self.hold_s:
                 if not complete:
                     self.late_steps += 1
-                self.up_queue.extend(held[r] for r in sorted(held))
+                for r in sorted(held):  # with compute times (balance.calibrate): a message of its own
+                    (self.consumed if held[r]["compute_step"] < 0 else self.up_queue).append(held[r])
                 del self.held[step], self.held_since[step]
 
     def _to_rank(self, identity: bytes, header: dict[str, Any]) -> None:
@@ -271,6 +283,14 @@ class Relay:
         kind = msg["type"]
         if kind == "relay_down":
             self._fan_out_control(msg["parts"], arrays["blob"])
+        elif kind == "relay_step":
+            for rank, frames in step_headers(msg, arrays):
+                r = self.ranks.get(rank)
+                if r is not None:
+                    try:
+                        send_frames_nowait(self.local_sock, [r.identity, *frames], copy=False)
+                    except zmq.ZMQError:
+                        pass
         elif kind == "relay_welcome":
             again = self.relay_id is not None
             self.registration.welcomed(float(msg["heartbeat_s"]))
@@ -286,6 +306,7 @@ class Relay:
             log.warning("relay: the coordinator does not know this relay (%s); registering again", msg["reason"])
             self.registration.forgotten()
             self.up_queue = [m for m in self.up_queue if m["type"] == "trainer_hello"]
+            self.consumed = []
             self.held.clear()
             self.held_since.clear()
         elif kind == "reject":
@@ -355,6 +376,22 @@ class Relay:
             for r in sorted(self.ranks.values(), key=lambda r: r.rank):
                 self._by_dp.setdefault(r.dp, []).append(r.data)
         return self._by_dp.get(self._dp(rank), [])
+
+
+def step_headers(msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[tuple[int, list]]:
+    """The step_header of each rank a relay_step names, as the coordinator would send it directly:
+    (rank, frames)."""
+    counts = arrays["counts"].reshape(len(msg["dps"]), -1)
+    ends = np.cumsum(msg["piece_counts"]).tolist()
+    starts = [0, *ends[:-1]]
+    costs, naive = msg["rank_costs"], msg["naive_costs"]
+    out = []
+    for rank, i in msg["ranks"]:
+        plan = {"max_over_mean": msg["max_over_mean"], "naive_max_over_mean": msg["naive_max_over_mean"],
+                "rank_cost": costs[i], "naive_rank_cost": naive[i]}
+        header = P.make(P.STEP_HEADER, step=msg["step"], rank=rank, row_len=msg["row_len"], plan=plan)
+        out.append((rank, wire.encode(header, arrays["pieces"][starts[i]:ends[i]], counts[i])))
+    return out
 
 
 def serve(coordinator: str, **kwargs: Any) -> None:

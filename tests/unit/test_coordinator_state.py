@@ -354,7 +354,7 @@ def test_a_second_hello_of_the_same_client_before_it_consumed_anything_rewinds_n
     assert planned > 0 and d.state.registry.trainers[0].consumed == -1
     rank0 = d.state.registry.trainers[0]
     again = TrainerHello(at=1.0, peer=rank0.identity, version=P.PROTOCOL_VERSION, rank=0,
-                         data_address=rank0.address, resume_step=0, incarnation=1, metadata_only=0)
+                         data_address=rank0.address, resume_step=0, incarnation=rank0.incarnation, metadata_only=0)
     out = d.handle(again)
     assert [i.peer for i in d.sends(out, "trainer_welcome")] == [rank0.identity]
     assert not d.sends(out, "unknown_peer") and d.state.planner.state.next_step >= planned  # no rewind
