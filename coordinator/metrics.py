@@ -20,6 +20,18 @@ RATIO_BUCKETS = (1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
 
 
+# the relays' series (one per trainer host with `msd relay`): status key, kind, name, help
+RELAY_SERIES = (
+    ("ranks", "gauge", "msd_relay_ranks", "Ranks a relay speaks for"),
+    ("bytes_in", "counter", "msd_relay_bytes_in", "Bytes of pieces a relay took from the workers"),
+    ("bytes_out", "counter", "msd_relay_bytes_out", "Bytes of pieces a relay passed to its ranks (a piece its "
+     "host's ranks share counts once in, once per rank out)"),
+    ("queued", "gauge", "msd_relay_queued", "Piece messages waiting for a local rank's socket"),
+    ("late_steps", "counter", "msd_relay_late_steps", "Steps whose consumed reports a relay sent up without every "
+     "local rank's (one was late)"),
+)
+
+
 class _Totals(Collector):
     """Counters and per-rank and per-source gauges whose values the state keeps, from the copy
     taken on the event loop (a plain dict per heartbeat: setting a Gauge child per rank and per
@@ -27,7 +39,8 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {}}
+                                     "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {},
+                                     "relays": []}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         c = self.copy  # replaced whole on the loop thread: a consistent snapshot
@@ -78,7 +91,13 @@ class _Totals(Collector):
             fit_error.add_metric(["fit"], c["cost"]["fit"]["error"])
         if c["cost"].get("model_error") is not None:
             fit_error.add_metric(["current"], c["cost"]["model_error"])
-        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs, coefficient, fit_error)
+        relay_families = {key: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            name, doc, labels=["host", "relay"]) for key, kind, name, doc in RELAY_SERIES}
+        for r in c["relays"]:
+            for key, family in relay_families.items():
+                family.add_metric([r["host"], str(r["relay_id"])], len(r["ranks"]) if key == "ranks" else r[key])
+        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs, coefficient, fit_error,
+                    *relay_families.values())
 
 
 class CoordinatorMetrics:
@@ -180,4 +199,5 @@ class CoordinatorMetrics:
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources
                                           for kind, n in state.prep.long_docs[src.index].items()},
-                            "cost": state.calibration.status(state.planner.state.next_step)}
+                            "cost": state.calibration.status(state.planner.state.next_step),
+                            "relays": state.relay_status()}

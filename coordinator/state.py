@@ -1035,6 +1035,16 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------ status
 
+    def relay_status(self) -> list[dict[str, Any]]:
+        """Each relay: its host, its data address, the ranks registered through it, its counters."""
+        ranks: dict[int, list[int]] = {}
+        for t in self.registry.trainers.values():
+            if t.via is not None:
+                ranks.setdefault(t.via, []).append(t.rank)
+        return [{"relay_id": r.relay_id, "host": r.host, "address": r.address, "ranks": sorted(ranks.get(r.relay_id, [])),
+                 "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "queued": r.queued, "late_steps": r.late_steps}
+                for r in self.registry.relays.values()]
+
     def status(self) -> dict[str, Any]:
         step = self.planner.state.next_step
         delivered = self.planner.state.delivered
@@ -1064,10 +1074,7 @@ class CoordinatorState:
             "messages_sent": self.messages_sent,
             "next_step": step,
             "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
-            "relays": [{"relay_id": r.relay_id, "host": r.host, "address": r.address,
-                        "ranks": sorted(t.rank for t in self.registry.trainers.values() if t.via == r.relay_id),
-                        "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "queued": r.queued,
-                        "late_steps": r.late_steps} for r in self.registry.relays.values()],
+            "relays": self.relay_status(),
             "last_consumed_step": self.last_consumed_step,
             "workers": len(self.registry.workers),
             "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),

@@ -32,6 +32,10 @@ def status_line(status: dict[str, Any]) -> str:
             f"{status.get('steps_per_s', 0):.2f} steps/s, {sum(len(p) for p in workers.values())} worker(s) on "
             f"{len(workers)} host(s), longest data wait {max(waits.values(), default=0.0):.2f}s, "
             f"{skipped} record(s) skipped")
+    relays = status.get("relays") or []
+    if relays:
+        line += (f", {len(relays)} relay(s) for {sum(len(r['ranks']) for r in relays)} rank(s), "
+                 f"{sum(r['late_steps'] for r in relays)} late step(s)")
     if status.get("state_dir_stalled_s"):
         line += f"; STATE DIR STALLED {status['state_dir_stalled_s']:.0f}s"
     if status.get("failed"):
@@ -94,6 +98,16 @@ def render(status: dict[str, Any]) -> Any:
         workers.add_row(host, str(len(procs)), " ".join(f"{s:.2f}" for s in shares))
 
     parts = [head, ranks, sources, workers]
+    relays = status.get("relays") or []
+    if relays:  # one per trainer host that has one (`msd relay`)
+        table = Table(title="relays", title_justify="left")
+        for col, just in (("host", "left"), ("ranks", "left"), ("MB in", "right"), ("MB out", "right"),
+                          ("queued", "right"), ("late steps", "right")):
+            table.add_column(col, justify=just)
+        for r in sorted(relays, key=lambda r: (r["host"], r["relay_id"])):
+            table.add_row(f"{r['host']} ({r['address']})", _ranges(r["ranks"]), f"{r['bytes_in'] / 1e6:.1f}",
+                          f"{r['bytes_out'] / 1e6:.1f}", str(r["queued"]), str(r["late_steps"]))
+        parts.append(table)
     evals = status.get("eval") or {}
     if evals:
         table = Table(title="eval sets", title_justify="left")
@@ -105,6 +119,17 @@ def render(status: dict[str, Any]) -> Any:
         parts.append(table)
     warnings = Text("\n".join(status.get("warnings") or ["(no warnings)"]), style="yellow")
     return Group(*parts, Text("last warnings:", style="bold"), warnings)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3, 8'."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in out) or "-"
 
 
 def last_status(state_dir: str) -> dict[str, Any] | None:

@@ -225,6 +225,16 @@ def write_report(data: dict[str, Any], out: str) -> None:
     else:
         cost_html = '<p id="cost-fit">The job file\'s cost model throughout (no balance.calibrate change).</p>'
 
+    relays = status.get("relays") or []
+    if relays:  # as the coordinator last saw them (status.json)
+        rows_r = "".join(f"<tr><td>{e(r['host'])} ({e(r['address'])})</td><td>{len(r['ranks'])}</td>"
+                         f"<td>{r['bytes_in'] / 1e6:.1f}</td><td>{r['bytes_out'] / 1e6:.1f}</td>"
+                         f"<td>{r['queued']}</td><td>{r['late_steps']}</td></tr>" for r in relays)
+        relays_html = (f'<table id="relays"><tr><th>host</th><th>ranks</th><th>MB in</th><th>MB out</th><th>queued</th>'
+                       f'<th>late steps</th></tr>{rows_r}</table>')
+    else:
+        relays_html = '<p id="relays">No relay (every rank spoke to the coordinator and the workers directly).</p>'
+
     balance = data["balance"]
     ours = np.mean([b[1] for b in balance]) if balance else float("nan")
     naive = np.mean([b[2] for b in balance]) if balance else float("nan")
@@ -246,6 +256,7 @@ steps {data['steps'][0] if data['steps'] else '-'} to {data['steps'][-1] if data
 <h2>Quarantined records</h2><ul id="quarantined">{quarantined}</ul>
 <h2>Evaluation</h2>{evals_html}
 <h2>Cost model</h2>{cost_html}
+<h2>Relays</h2>{relays_html}
 </body></html>
 """
     with open(out, "w", encoding="utf-8") as f:

@@ -74,6 +74,12 @@ def test_ranks_behind_relays_get_the_direct_stream(dataset_dir, direct, tmp_path
     assert sorted(sorted(r["ranks"]) for r in seen["relays"]) == [[0, 1], [2, 3]], (seen["relays"], seen["consumed"])
     # a DP rank's pieces come in once and go out to its two local ranks
     assert all(r["bytes_in"] > 0 and r["bytes_out"] == 2 * r["bytes_in"] for r in seen["relays"]), seen["relays"]
+    # what `msd status` shows of them: its log line and its view
+    from coordinator.status_view import _plain, render, status_line
+
+    assert "2 relay(s) for 4 rank(s)" in status_line(seen)
+    view = _plain(render(seen))
+    assert "relays" in view and "0-1" in view and "2-3" in view
 
 
 def test_a_relay_killed_and_started_again_loses_nothing(dataset_dir, direct, tmp_path):
