@@ -38,7 +38,7 @@ from msd_common.sockets import NOWAIT, has_message, raise_fd_limit, send_frames_
 from .balance import COMPILED
 from msd_common.spec import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
-from .events import Event, Shutdown, Tick, TrainerHello, from_message
+from .events import Event, PeerGone, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
 from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
@@ -111,6 +111,7 @@ class Coordinator:
         self.journaled_step = -1  # the last step whose planner state is durable in the journal
         self.relays = RelayEnvelopes()
         self._relay_flush_due = False
+        self._gone_peers: list[bytes] = []  # sends found their connection gone (EHOSTUNREACH)
         self.warnings = RecentWarnings()
         logging.getLogger("msd").addHandler(self.warnings)
 
@@ -443,6 +444,20 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.message(self.metrics.sent, ins.header["type"])
 
+    def _gone(self, peer: bytes) -> None:
+        """A peer's connection is gone: the state hears it as an event, once this pass is done."""
+        if not self._gone_peers:
+            try:
+                asyncio.get_running_loop().call_soon(self._handle_gone)
+            except RuntimeError:  # no loop: the coordinator is stopping
+                return
+        self._gone_peers.append(peer)
+
+    def _handle_gone(self) -> None:
+        peers, self._gone_peers = self._gone_peers, []
+        if not self.stopped.is_set():
+            self._handle([PeerGone(at=time.monotonic(), peer=p) for p in dict.fromkeys(peers)])
+
     def _flush_relays(self) -> None:
         self._relay_flush_due = False
         for relay, frames in self.relays.take():
@@ -457,6 +472,7 @@ class Coordinator:
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 log.info("send of %s to %s: peer has disconnected", kind, peer.hex())
+                self._gone(peer)
             else:
                 log.warning("send of %s to %s failed: %s", kind, peer.hex(), e)
         if self._readable is not None:

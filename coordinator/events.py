@@ -43,6 +43,13 @@ class Shutdown(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PeerGone(PeerEvent):
+    """A send to this peer found its connection gone (EHOSTUNREACH: the process died or its socket
+    closed; a peer that reconnects comes back with another identity): no need to wait for three
+    heartbeats of silence."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerHello(PeerEvent):
     version: int
     host: str
@@ -207,7 +214,7 @@ MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
     "state_request": StateRequest, "eval_request": EvalRequest, "eval_report": EvalReport,
     "relay_hello": RelayHello, "relay_heartbeat": RelayHeartbeat,
 }
-ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, RelayReport,
+ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, RelayReport, PeerGone,
                                                                      *MESSAGE_EVENTS.values())}
 
 

@@ -30,7 +30,7 @@ from msd_common.spec import JobConfig
 from .balance import imbalance
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
-                     Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
+                     PeerGone, Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
                      TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
 from .calibration_book import CalibrationBook
@@ -149,7 +149,7 @@ class CoordinatorState:
         self._unregistered: dict[type, Callable[[Any], None]] = {
             Tick: lambda ev: self._tick(ev.at), Shutdown: lambda ev: self._shutdown(ev.reason, ev.failed),
             WorkerHello: self._on_worker_hello, TrainerHello: self._on_trainer_hello, MixRequest: self._on_mix_request,
-            HostHello: self._on_host_hello, RelayHello: self._on_relay_hello,
+            HostHello: self._on_host_hello, RelayHello: self._on_relay_hello, PeerGone: self._on_peer_gone,
         }
         self._peers_of = {"worker": self.registry.workers, "trainer": self.registry.trainers,
                           "host": self.registry.hosts, "relay": self.registry.relays}
@@ -342,9 +342,12 @@ class CoordinatorState:
         old = self.registry.trainers.get(rank)
         if old is not None and old.identity != ev.peer and ev.at - old.last_seen < 3 * self.heartbeat_s:
             # Another client holds this rank and is alive: two trainers must never share a rank.
-            # The newcomer keeps asking; the rank is its once the holder leaves or goes silent.
+            # The newcomer keeps asking; the rank is its once the holder leaves or goes silent. The
+            # holder is asked if it is there: a rank's process started again alone (its old one
+            # killed) finds the old connection gone (PeerGone), and is welcomed at its next hello.
             log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
             self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
+            self._send(old.identity, P.make(P.ALIVE))
             return
         address = relay.address if relay is not None else ev.data_address
         if (old is not None and old.identity == ev.peer and old.address == address
@@ -496,6 +499,13 @@ class CoordinatorState:
         for r, t in self.registry.trainers.items():
             waits[r] = max(waits.get(r, 0.0), t.waited_s)
         return dict(sorted(waits.items()))
+
+    def _on_peer_gone(self, ev: PeerGone) -> None:
+        who = self.registry.lookup(ev.peer)
+        if who is None:
+            return
+        log.warning("%s %d: its connection is gone; forgotten", *who)
+        self._forget_peer(ev.peer, "disconnected")
 
     def _on_trainer_bye(self, ev: TrainerBye, trainer: TrainerInfo) -> None:
         log.info("rank %d left", trainer.rank)

@@ -124,3 +124,71 @@ def test_a_relay_that_does_not_come_back_is_named(dataset_dir, tmp_path):
             stop([relay])
     assert "PeerLostError" in str(failed.value) and local in str(failed.value)
     assert time.monotonic() - started[0] < 30
+
+
+def _run_with_a_rank_restarted(cluster: LocalJob, ranks: int, steps: int, relays: dict[int, str], rank: int,
+                               after: int, timeout_s: float = 120) -> tuple[dict, float]:
+    """Ranks 0..ranks-1 to `steps`; once `after` micro-batches are in, rank `rank`'s process is killed
+    and a new one started for it alone, from the start (no checkpoint), as torchrun's restart of one
+    rank would. Returns what each rank's last process received, and the seconds from the new
+    process's start to its first micro-batch."""
+    from .harness import SPAWN, collect
+
+    out = SPAWN.Queue()
+
+    def start(r: int):
+        p = SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, 0.05, None, "127.0.0.1",
+                                                relays.get(r)))
+        p.start()
+        return p
+
+    procs = {r: start(r) for r in range(ranks)}
+    received: dict[int, list] = {r: [] for r in range(ranks)}
+    done, n, restarted_at, first_after = set(), 0, None, None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < ranks:
+            assert time.monotonic() < deadline, f"not done in {timeout_s}s: {({r: len(b) for r, b in received.items()})}"
+            try:
+                kind, r, payload = out.get(timeout=0.5)
+            except Exception:
+                continue
+            assert kind != "error", f"rank {r}: {payload}"
+            if kind == "done":
+                done.add(r)
+                continue
+            if r == rank and restarted_at is not None and first_after is None and payload["received_at"] > restarted_at:
+                first_after = payload["received_at"] - restarted_at
+            n += 1
+            received[r].append(payload)
+            if n >= after and restarted_at is None:
+                procs[rank].kill()
+                procs[rank].join()
+                received[rank] = []  # the new process receives its stream from the start
+                restarted_at = time.time()
+                procs[rank] = start(rank)
+    finally:
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return received, first_after
+
+
+@pytest.mark.parametrize("through_relay", [False, True], ids=["direct", "relay"])
+def test_a_rank_restarted_alone_rejoins_without_waiting_for_a_timeout(dataset_dir, tmp_path, through_relay):
+    # heartbeats 5 s apart: the old process would be taken for dead after 15 s of silence
+    job = job_dict(topology=TOPOLOGY, runtime={"heartbeat_s": 5.0, "prepare_batch": 16, "lookahead_steps": 3})
+    path = write_job(dataset_dir, job, "restart-alone.yaml")
+    with LocalJob(path, workers=1) as cluster:
+        reference, _ = run_ranks(cluster, ranks=4, steps=STEPS, timeout_s=120)
+    local = _relays(tmp_path, 2)
+    with LocalJob(path, workers=1) as cluster:
+        relays = [start_relay(cluster.address, e, str(tmp_path / f"relay-{i}.log")) for i, e in enumerate(local)]
+        try:
+            routes = {0: local[0], 1: local[0], 2: local[1], 3: local[1]} if through_relay else {}
+            received, first_after = _run_with_a_rank_restarted(cluster, 4, STEPS, routes, rank=1, after=12)
+        finally:
+            stop(relays)
+    assert signature(received) == signature(reference)  # the restarted rank's stream from step 0, the rest's too
+    assert first_after is not None and first_after < 8.0, first_after  # its spawn, a hello or two, a rewind
