@@ -98,6 +98,7 @@ class Relay:
         self.late_steps = 0  # steps whose `consumed` went up without every local rank's (one was late)
         self.dropped = 0  # pieces for a rank that is not here
         self.running = True
+        self.refused: str | None = None  # why the coordinator refused our connection (CURVE keys)
         self.stop_at: float | None = None  # the job has ended: serve until then, then stop
         self.data_address: str | None = None
 
@@ -136,6 +137,8 @@ class Relay:
         loop.on(up, self._on_up)
         loop.on(local, self._on_local)
         loop.on(data_in, self._on_data)
+        handshakes = security.HandshakeWatch(up)
+        loop.on(handshakes.socket, lambda _: self._on_handshake(handshakes))
         log.info("relay: ranks at %s, workers at %s, coordinator %s", self.local, self.data_address,
                  self.coordinator)
         if ready is not None:
@@ -143,6 +146,7 @@ class Relay:
         try:
             loop.run(lambda: self.running, self._turn)
         finally:
+            handshakes.close()
             self.outbox.close()
             for s in (up, local, data_in):
                 s.close(linger=500)
@@ -152,6 +156,15 @@ class Relay:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+    def _on_handshake(self, handshakes: security.HandshakeWatch) -> None:
+        reason = handshakes.refused()
+        if reason is not None:  # the coordinator will never talk to this relay: its ranks are told why
+            why = (f"the coordinator at {self.loop.address} refused the relay's connection ({reason}); the job sets "
+                   f"security.curve? {'check' if self.keys_dir else 'give the relay'} --keys, the job's key directory")
+            log.error("relay: %s", why)
+            self._to_all_ranks(P.make(P.REJECT, reason=why))
+            self.refused = why
 
     def _push(self, ctx: zmq.Context, address: str) -> zmq.Socket:
         sock = make_socket(ctx, zmq.PUSH, hwm=10_000)
@@ -222,6 +235,9 @@ class Relay:
 
     def _on_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> None:
         rank = msg["rank"]
+        if self.refused is not None:  # a rank that comes after the refusal hears it too
+            self._to_rank(identity, P.make(P.REJECT, reason=self.refused))
+            return
         old = self.ranks.get(rank)
         if old is not None and old.identity != identity:  # the rank's process started again on this host
             log.info("relay: rank %d said hello again from a new process", rank)

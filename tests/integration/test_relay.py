@@ -192,3 +192,63 @@ def test_a_rank_restarted_alone_rejoins_without_waiting_for_a_timeout(dataset_di
             stop(relays)
     assert signature(received) == signature(reference)  # the restarted rank's stream from step 0, the rest's too
     assert first_after is not None and first_after < 8.0, first_after  # its spawn, a hello or two, a rewind
+
+
+@pytest.mark.parametrize("how", ["restart", "standby"])
+def test_relays_follow_a_restarted_coordinator_or_its_standby(dataset_dir, tmp_path, how):
+    """The coordinator SIGKILLed and started again on its state dir, or its standby taking over:
+    the relays register again (with the standby: they were given both addresses), their ranks
+    say hello again through them, and the stream is the one without the fault."""
+    job = job_dict(topology=TOPOLOGY, runtime={"heartbeat_s": 0.3, "prepare_batch": 16, "lookahead_steps": 3})
+    path = write_job(dataset_dir, job, f"relay-{how}.yaml")
+    steps = 20
+    with LocalJob(path, workers=1) as cluster:
+        reference, _ = run_ranks(cluster, ranks=4, steps=steps, timeout_s=120)
+    local = _relays(tmp_path, 2)
+    faults = []
+
+    def fault(c, n):
+        if n >= 24 and not faults:
+            if how == "restart":
+                c.restart_coordinator()
+            else:
+                c.coordinator.kill()
+            faults.append(n)
+
+    with LocalJob(path, workers=1, state_dir=str(tmp_path / "state"), standby=how == "standby") as cluster:
+        relays = [start_relay(cluster.address, e, str(tmp_path / f"relay-{i}.log")) for i, e in enumerate(local)]
+        try:
+            received, _ = run_ranks(cluster, ranks=4, steps=steps, timeout_s=120, during=fault, compute_s=0.02,
+                                    relays={0: local[0], 1: local[0], 2: local[1], 3: local[1]})
+        finally:
+            stop(relays)
+    assert faults
+    assert signature(received) == signature(reference)
+    logs = "".join(open(tmp_path / f"relay-{i}.log").read() for i in range(2))
+    assert logs.count("welcomed by the coordinator") >= 4  # each relay twice: before and after
+
+
+def test_an_elastic_resume_on_another_number_of_hosts(dataset_dir, direct, tmp_path):
+    """Four ranks on two hosts (two relays) to step 4, checkpointed; then the same ranks on one host
+    (one relay), resumed from their checkpoints by a new coordinator: the stream goes on unchanged."""
+    path = _job(dataset_dir)
+    half = STEPS // 2
+    local = _relays(tmp_path, 2)
+    with LocalJob(path, workers=1, state_dir=str(tmp_path / "state")) as cluster:
+        relays = [start_relay(cluster.address, e, str(tmp_path / f"relay-{i}.log")) for i, e in enumerate(local)]
+        try:
+            first, states = run_ranks(cluster, ranks=4, steps=half, timeout_s=120,
+                                      relays={0: local[0], 1: local[0], 2: local[1], 3: local[1]})
+        finally:
+            stop(relays)
+    assert all(s["next_step"] == half for s in states.values())
+    one = f"ipc://{tmp_path}/one-host.sock"
+    with LocalJob(path, workers=2, state_dir=str(tmp_path / "state")) as cluster:
+        relay = start_relay(cluster.address, one, str(tmp_path / "one-host.log"))
+        try:
+            second, _ = run_ranks(cluster, ranks=4, steps=STEPS, timeout_s=120, resume=states,
+                                  relays={r: one for r in range(4)})
+        finally:
+            stop([relay])
+    both = {r: first[r] + second[r] for r in range(4)}
+    assert signature(both) == signature(direct)

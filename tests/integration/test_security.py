@@ -161,3 +161,36 @@ def test_workers_in_the_coordinators_process_use_the_jobs_keys(dataset_dir, keys
         coordinator.send_signal(signal.SIGTERM)
         coordinator.wait(60)
     assert "refuses this host" not in (tmp_path / "coordinator.log").read_text()
+
+
+def test_a_relay_speaks_for_its_ranks_with_the_trainer_key(dataset_dir, keys, tmp_path):
+    """On a CURVE job the relay authenticates with the trainer key and accepts data only from
+    authorised workers; its ranks speak ipc to it, on their own host. A relay with another key
+    gets nothing, and its ranks are told why."""
+    import subprocess
+    import sys
+
+    from msd.testing.processes import stop
+
+    good, other = keys
+    path = _job(dataset_dir, good)
+    with LocalJob(path, workers=1, worker_keys=good) as job:
+        endpoint = f"ipc://{tmp_path}/relay.sock"
+        relay = subprocess.Popen([sys.executable, "-m", "msd.cli", "relay", "--coordinator", job.address, "--local",
+                                  endpoint, "--keys", good])
+        try:
+            with DataClient(job.address, rank=0, as_torch=False, timeout_s=30, relay=endpoint) as client:
+                received = {0: [next(client) for _ in range(6)]}
+        finally:
+            stop([relay])
+        assert check_content(path, received) > 5
+        wrong = f"ipc://{tmp_path}/wrong.sock"
+        relay = subprocess.Popen([sys.executable, "-m", "msd.cli", "relay", "--coordinator", job.address, "--local",
+                                  wrong, "--keys", other])
+        try:
+            with DataClient(job.address, rank=0, as_torch=False, timeout_s=6, relay=wrong) as client:
+                with pytest.raises(Exception) as refused:
+                    next(client)
+        finally:
+            stop([relay])
+    assert refused.type is RejectedError and "refused the relay's connection" in str(refused.value)
