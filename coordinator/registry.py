@@ -53,6 +53,7 @@ class RelayInfo:
     bytes_out: int = 0
     queued: int = 0
     late_steps: int = 0
+    incarnation: int = 0  # of its process (one started again says hello with another)
 
 
 @dataclass

@@ -67,6 +67,15 @@ HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, th
 _RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat, RelayReport)  # events that move nothing but a rank's consumed step
 
 
+def _rows_of(edges: np.ndarray, dps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's piece rows of each DP rank in `dps`, one after another (edges: where each DP rank's
+    rows start), and each row's index within its DP rank's recipe."""
+    starts = edges[dps]
+    sizes = edges[dps + 1] - starts
+    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return within + np.repeat(starts, sizes), within
+
+
 class CoordinatorState:
     def __init__(self, job: JobConfig, sources: OpenedSources, history: StepHistory,
                  mixture_changes: list[tuple[int, list[float]]] = (),
@@ -300,12 +309,20 @@ class CoordinatorState:
         if refusal is not None:
             self._send(ev.peer, refusal)
             return
+        known = self.registry.relay_at(ev.peer)
+        if known is not None and (known.incarnation, known.address) == (ev.incarnation, ev.data_address):
+            # the same relay saying hello again before our welcome reached it: its ranks stay
+            known.last_seen = ev.at
+            self._send(ev.peer, P.make(P.RELAY_WELCOME, relay_id=known.relay_id, heartbeat_s=self.heartbeat_s,
+                                       topology=self.topology._asdict()))
+            return
         if ev.peer in self.registry:
             self._forget_peer(ev.peer, "re-registered")
         for old in [r for r in self.registry.relays.values() if (r.host, r.local) == (ev.host, ev.local)]:
             # the host's relay started again (its ranks come back through the new one at once)
             self._forget_peer(old.identity, "replaced by a new relay on its host")
         relay = self.registry.add_relay(ev.peer, ev.host, ev.data_address, ev.local, ev.at)
+        relay.incarnation = ev.incarnation
         log.info("relay %d registered on %s, data address %s", relay.relay_id, ev.host, ev.data_address)
         self._send(ev.peer, P.make(P.RELAY_WELCOME, relay_id=relay.relay_id, heartbeat_s=self.heartbeat_s,
                                    topology=self.topology._asdict()))
@@ -866,28 +883,26 @@ class CoordinatorState:
         rank_costs = np.asarray(plan.rank_costs, dtype=np.float64).tolist()
         naive_costs = np.asarray(plan.naive_rank_costs, dtype=np.float64).tolist()
         relayed: dict[int, list] = {}  # relay -> [(rank, DP rank)]: one relay_step each
+        edges = np.asarray(bounds, dtype=np.int64)
         for rank in ranks:
             d = self._dp_rank(rank)
-            lo, hi = bounds[d], bounds[d + 1]
+            trainer = trainers[rank]
+            if trainer.via is not None:
+                relayed.setdefault(trainer.via, []).append((rank, d))
+                continue
             summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
                        "naive_rank_cost": naive_costs[d]}
-            trainer = trainers[rank]
-            if trainer.via is None:
-                self._send(trainer.identity, {**template, "rank": rank, "plan": summary}, refs[lo:hi], counts[d])
-            else:
-                relayed.setdefault(trainer.via, []).append((rank, d))
+            self._send(trainer.identity, {**template, "rank": rank, "plan": summary}, refs[bounds[d]:bounds[d + 1]],
+                       counts[d])
         costs = (np.asarray(rank_costs, dtype=np.float64), np.asarray(naive_costs, dtype=np.float64))
-        edges = np.asarray(bounds, dtype=np.int64)
         for via, members in relayed.items():
             self._send_relay_step(via, members, plan, refs, counts, edges, costs, (ours, naive))
         # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part, and
         # once per relay for all its ranks of one DP rank (it passes them on to each)
         ranks = self._delivery_ranks(ranks)
         dps = np.array([self._dp_of[r] for r in ranks], dtype=np.int64)
-        sizes = np.diff(bounds)[dps]
-        piece = np.concatenate([np.arange(bounds[d], bounds[d + 1]) for d in dps.tolist()]) if len(dps) else \
-            np.zeros(0, dtype=np.int64)
-        within = piece - np.repeat(np.array(bounds)[dps], sizes)
+        piece, within = _rows_of(edges, dps)
+        sizes = edges[dps + 1] - edges[dps]
         items = np.column_stack([np.repeat(np.array(ranks, dtype=np.uint64), sizes), within.astype(np.uint64),
                                  refs[piece]])
         self._send_deliveries(plan.step, items, t[piece][:, [SOURCE, POSITION]], plan.finished)
@@ -899,14 +914,15 @@ class CoordinatorState:
         dps = sorted({d for _, d in members})
         index = {d: i for i, d in enumerate(dps)}
         at = np.asarray(dps, dtype=np.int64)
-        starts = edges[at]
-        sizes = edges[at + 1] - starts
-        rows = np.arange(int(sizes.sum())) + np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+        sizes = edges[at + 1] - edges[at]
+        rows = _rows_of(edges, at)[0] if dps[-1] - dps[0] + 1 != len(dps) else slice(edges[dps[0]], edges[dps[-1] + 1])
         header = P.make(P.RELAY_STEP, step=plan.step, row_len=plan.row_capacity, dps=dps,
                         ranks=[[r, index[d]] for r, d in members], piece_counts=sizes.tolist(),
                         rank_costs=costs[0][at].tolist(), naive_costs=costs[1][at].tolist(), max_over_mean=balance[0],
                         naive_max_over_mean=balance[1])
-        self._send(self.registry.relays[via].identity, header, refs[rows], counts[at])
+        contiguous = dps[-1] - dps[0] + 1 == len(dps)  # a host of consecutive DP ranks: slices, no gather
+        self._send(self.registry.relays[via].identity, header, refs[rows],
+                   counts[dps[0]:dps[-1] + 1] if contiguous else counts[at])
 
     def _delivery_ranks(self, ranks: list[int]) -> list[int]:
         """The ranks pieces are addressed to: a direct rank itself; behind a relay, the lowest of

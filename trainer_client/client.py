@@ -188,7 +188,9 @@ class DataClient:
         """The error of a rank the coordinator never welcomed: what it answered, if it did."""
         refused = self._receiver.state.not_welcomed if self._receiver is not None else None
         why = f"it answered: {refused}" if refused else WAITING_HINT
-        return PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator} within "
+        via = (f" through the relay at {self.relay} (is `msd relay --coordinator {self.coordinator}` running on "
+               "this host?)") if self.relay else ""
+        return PeerLostError(f"rank {self.rank}: no welcome from the coordinator at {self.coordinator}{via} within "
                              f"{self.timeout_s:.0f}s ({why})")
 
     @property
@@ -552,7 +554,9 @@ class _Receiver:
             self.state.on_pieces(frames)
 
     def _hand_over(self, now: float) -> None:
-        if self.c.relay and now - max(self.registration.last_heard, self.registration.since) > self.c.relay_timeout_s:
+        heard = self.registration.last_heard
+        # (a relay not heard from yet may start after its ranks: the welcome's timeout_s covers that)
+        if self.c.relay and heard > float("-inf") and now - heard > self.c.relay_timeout_s:
             self.c._queue.put(PeerLostError(f"rank {self.c.rank}: the relay at {self.c.relay} has been silent for "
                                             f"{self.c.relay_timeout_s:.0f}s (is `msd relay` running on this host, and "
                                             "restarted when it dies?)"))

@@ -248,6 +248,8 @@ class Relay:
             self._by_dp = None
         self.ranks[rank].last_seen = now
         self._to_rank(identity, P.make(P.ALIVE))  # the relay is here (the coordinator's welcome comes later)
+        # a rank says hello every 2 s until welcomed: while no coordinator answers, only its last one waits
+        self.up_queue = [m for m in self.up_queue if not (m["type"] == "trainer_hello" and m["rank"] == rank)]
         self.up_queue.append({**msg, "data_address": self.data_address})  # workers reach it through us
 
     def _forget_rank(self, rank: int) -> None:

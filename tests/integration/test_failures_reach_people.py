@@ -31,13 +31,20 @@ def _failing_job(dataset_dir: str, tmp_path) -> str:
     return write_job(str(tmp_path), job)
 
 
-def test_a_job_the_coordinator_stops_raises_its_reason_in_every_rank_within_seconds(dataset_dir, tmp_path):
+@pytest.mark.parametrize("through_relay", [False, True], ids=["direct", "relay"])
+def test_a_job_the_coordinator_stops_raises_its_reason_in_every_rank_within_seconds(dataset_dir, tmp_path,
+                                                                                   through_relay):
+    import subprocess
+
+    from msd.testing.processes import stop
+
     path = _failing_job(dataset_dir, tmp_path)
     sys.path.insert(0, str(tmp_path))
     outcome: dict[int, tuple[float, BaseException | None]] = {}
+    endpoint = f"ipc://{tmp_path}/relay.sock" if through_relay else None
 
     def rank(r: int, address: str, started: float) -> None:
-        client = DataClient(address, rank=r, timeout_s=300)
+        client = DataClient(address, rank=r, timeout_s=300, relay=endpoint)
         try:
             for _ in client:
                 pass
@@ -49,6 +56,8 @@ def test_a_job_the_coordinator_stops_raises_its_reason_in_every_rank_within_seco
 
     try:
         with LocalJob(path, workers=1, state_dir=str(tmp_path / "state")) as cluster:
+            relay = subprocess.Popen([sys.executable, "-m", "msd.cli", "relay", "--coordinator", cluster.address,
+                                      "--local", endpoint]) if endpoint else None
             started = time.monotonic()
             threads = [threading.Thread(target=rank, args=(r, cluster.address, started)) for r in (0, 1)]
             for t in threads:
@@ -58,6 +67,9 @@ def test_a_job_the_coordinator_stops_raises_its_reason_in_every_rank_within_seco
             stopped = time.monotonic()
             while cluster.coordinator.is_alive() and time.monotonic() - stopped < 30:
                 time.sleep(0.1)
+            if relay is not None:
+                relay.wait(10)  # the relay stops with the job
+                stop([relay])
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("failing_slowly", None)
