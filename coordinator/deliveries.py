@@ -23,6 +23,14 @@ from typing import Callable
 import numpy as np
 
 
+def address_table(ranks: list[int], trainers: dict) -> tuple[list[str], np.ndarray]:
+    """A `deliver`'s addresses (each once) and its targets table (protocol.DELIVER_TARGET rows:
+    each registered rank and the index of its data address)."""
+    index: dict[str, int] = {}
+    rows = [(r, index.setdefault(trainers[r].address, len(index))) for r in ranks if r in trainers]
+    return list(index), np.array(rows, dtype=np.uint64).reshape(-1, 2)
+
+
 class DeliveryState(enum.Enum):
     SENT = "sent"
     ACKED = "acknowledged"

@@ -252,9 +252,9 @@ class EvalBook:
             e.delivered_by.setdefault(wid, {}).setdefault(rank, set()).update(rec_idx[mine].tolist())
             items = np.column_stack([np.full(len(mine), rank, np.uint64), mine.astype(np.uint64), refs[mine]])
             self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
-                                          addresses=[[rank, trainer.address]]),
+                                          addresses=[trainer.address]),
                        items, np.zeros(0, np.uint64), np.full(len(mine), P.EVAL_EPOCH, np.uint32),
-                       np.zeros(0, np.uint32))
+                       np.zeros(0, np.uint32), np.array([[rank, 0]], np.uint64))
 
     def _maybe_release(self, e: EvalSet) -> None:
         """Once every registered rank has had the pass, the copies go (unless prepare_ahead)."""
@@ -275,7 +275,7 @@ class EvalBook:
                 self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
                                               addresses=[]),
                            np.zeros((0, 5), np.uint64), keys, np.zeros(0, np.uint32),
-                           np.full(len(mine), P.EVAL_EPOCH, np.uint32))
+                           np.full(len(mine), P.EVAL_EPOCH, np.uint32), np.zeros((0, 2), np.uint64))
             e.holder[mine] = -1
 
     # ------------------------------------------------------------------ preparing

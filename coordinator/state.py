@@ -28,7 +28,7 @@ from msd_common.protocol import DELIVER_ITEM
 from msd_common.spec import JobConfig
 
 from .balance import imbalance
-from .deliveries import DeliveryBook
+from .deliveries import DeliveryBook, address_table
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      PeerGone, Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
                      TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
@@ -960,11 +960,11 @@ class CoordinatorState:
             rel = release[release_owners == wid]
             ranks = np.unique(mine[:, DELIVER_ITEM.rank]).tolist()
             d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
-            header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step,
-                            addresses=[[r, trainers[r].address] for r in ranks if r in trainers])
+            addresses, targets = address_table(ranks, trainers)
+            header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step, addresses=addresses)
             release_keys = doc_key(rel[:, 0], self.tables.records(rel))
             self._send(workers[wid].identity, header, mine, release_keys, self._epochs_of(positions[mask]),
-                       self._epochs_of(rel))
+                       self._epochs_of(rel), targets)
 
     def _epochs(self, s: int, positions: np.ndarray) -> np.ndarray:
         """The pass over source s that each stream position falls in (a transform's ctx.epoch)."""

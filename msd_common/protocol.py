@@ -143,6 +143,7 @@ def columns(name: str, *names: str) -> Any:
 
 # The layouts of the table frames (one row per item), named once here.
 DELIVER_ITEM = columns("DeliverItem", "rank", "piece", "doc_key", "offset", "length")  # coordinator -> worker
+DELIVER_TARGET = columns("DeliverTarget", "rank", "address")  # coordinator -> worker: index into `addresses`
 RECIPE_PIECE = columns("RecipePiece", "doc_key", "offset", "length")  # coordinator -> trainer (step recipe)
 PIECE_ITEM = columns("PieceItem", "piece", "doc_key", "offset", "length")  # worker -> trainer
 RELAY_CONSUMED = columns("RelayConsumed", "rank", "step")  # relay -> coordinator
@@ -202,6 +203,9 @@ def _check_deliver(header: dict, arrays: dict) -> None:
     _lengths_ok(arrays["items"][:, DELIVER_ITEM.length], "deliver")
     if len(arrays["epochs"]) != len(arrays["items"]) or len(arrays["release_epochs"]) != len(arrays["release"]):
         raise ProtocolError("deliver: one epoch per item and per released copy")
+    targets = arrays["targets"]
+    if targets.size and int(targets[:, DELIVER_TARGET.address].max()) >= len(header["addresses"]):
+        raise ProtocolError("deliver: a rank's address index is beyond the addresses")
 
 
 def _check_step_header(header: dict, arrays: dict) -> None:
@@ -292,10 +296,13 @@ DELIVER = _msg(
     ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
     ArraySpec("epochs", "<u4"),  # the epoch of each item's record (the prepared copy it is cut from)
     ArraySpec("release_epochs", "<u4"),  # and of each released copy
+    # where each rank's pieces go: its data address, an index into `addresses` (each address once: many
+    # ranks share their relay's; a [rank, address] list of strings was 83 KB a step at DP 4,096)
+    ArraySpec("targets", "<u8", DELIVER_TARGET),
     check=_check_deliver,
     delivery_id=integer(),
     step=integer(),
-    addresses=seq(tup(integer(), text())),
+    addresses=seq(text()),
 )
 # the rank at this data address has gone (its heartbeats stopped, or it said bye): drop what
 # waits to be sent to it

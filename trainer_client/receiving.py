@@ -179,7 +179,9 @@ class ReceivingState:
     def on_pieces(self, frames: list) -> None:
         try:
             msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
-            if msg["rank"] != self.rank and not self._same_dp(msg["rank"]):
+            # (before the welcome the topology is not known: such pieces are held, and checked against
+            # the recipe's references like any piece when it comes)
+            if msg["rank"] != self.rank and self.batch_info is not None and not self._same_dp(msg["rank"]):
                 raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.rank}")
         except ProtocolError as e:
             log.warning("rank %d: dropped data message: %s", self.rank, e)

@@ -206,7 +206,7 @@ class WorkerCore:
             return self._on_prepare(msg, arrays["records"], arrays.get("epochs"))
         if kind == "deliver":
             return self._on_deliver(msg, arrays["items"], arrays["release"], arrays.get("epochs"),
-                                    arrays.get("release_epochs"))
+                                    arrays.get("release_epochs"), arrays.get("targets"))
         if kind == "release_rank":
             return [ReleaseRank(msg["address"])]
         return []
@@ -344,8 +344,10 @@ class WorkerCore:
     # ------------------------------------------------------------------ deliver
 
     def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: np.ndarray,
-                    epochs: np.ndarray | None = None, release_epochs: np.ndarray | None = None) -> list[Action]:
-        addresses = dict((r, a) for r, a in msg["addresses"])
+                    epochs: np.ndarray | None = None, release_epochs: np.ndarray | None = None,
+                    targets: np.ndarray | None = None) -> list[Action]:
+        names = msg["addresses"]
+        addresses = {r: names[i] for r, i in (targets.tolist() if targets is not None else [])}
         step = msg["step"]
         out: list[Action] = []
         # Every piece of the delivery is checked and located once, source by source, then each

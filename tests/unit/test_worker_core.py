@@ -39,8 +39,9 @@ def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(datas
     key, n = doc_key(0, 5), core.cache[doc_key(0, 5)].length
     mapped = doc_key(1, 2)
     items = np.array([[0, 0, key, 0, 4], [1, 3, mapped, 1, 5], [0, 1, key, 4, n - 4]], dtype=np.uint64)
-    deliver = P.make(P.DELIVER, delivery_id=7, step=2, addresses=[[0, "tcp://a"], [1, "tcp://b"]])
-    actions = core.handle(deliver, {"items": items, "release": np.array([key], dtype=np.uint64)})
+    deliver = P.make(P.DELIVER, delivery_id=7, step=2, addresses=["tcp://a", "tcp://b"])
+    actions = core.handle(deliver, {"items": items, "release": np.array([key], dtype=np.uint64),
+                                    "targets": np.array([[0, 0], [1, 1]], dtype=np.uint64)})
     to_ranks = [a for a in actions if isinstance(a, ToRank)]
     assert [(a.address, a.header["rank"]) for a in to_ranks] == [("tcp://a", 0), ("tcp://b", 1)]
     web = open_source(job.worker_job().sources[0]).read(5)
@@ -66,8 +67,9 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
                       [0, 2, doc_key(0, 5), 0, 1],            # rank 0, cached
                       [1, 2, doc_key(1, 2), len(c2), 1],      # rank 1, beyond its document
                       [0, 3, doc_key(1, 3), 0, 1]], dtype=np.uint64)
-    deliver = P.make(P.DELIVER, delivery_id=4, step=0, addresses=[[0, "tcp://a"], [1, "tcp://b"]])
-    actions = core.handle(deliver, {"items": items, "release": np.zeros(0, dtype=np.uint64)})
+    deliver = P.make(P.DELIVER, delivery_id=4, step=0, addresses=["tcp://a", "tcp://b"])
+    actions = core.handle(deliver, {"items": items, "release": np.zeros(0, dtype=np.uint64),
+                                    "targets": np.array([[0, 0], [1, 1]], dtype=np.uint64)})
     to_ranks = {a.header["rank"]: a for a in actions if isinstance(a, ToRank)}
     assert to_ranks[0].arrays[0][:, 0].tolist() == [0, 2, 1, 3]  # source 0's rows, then source 1's
     assert to_ranks[0].arrays[1].tolist() == [*w7[:2], *w5[:1], *c2[:4], *c3[:1]]
@@ -79,8 +81,9 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
 def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(dataset_dir):
     core, _ = _welcomed(dataset_dir)
     items = np.array([[0, 0, doc_key(0, 9), 0, 4]], dtype=np.uint64)  # never prepared here
-    actions = core.handle(P.make(P.DELIVER, delivery_id=1, step=0, addresses=[[0, "tcp://a"]]),
-                          {"items": items, "release": np.zeros(0, dtype=np.uint64)})
+    actions = core.handle(P.make(P.DELIVER, delivery_id=1, step=0, addresses=["tcp://a"]),
+                          {"items": items, "release": np.zeros(0, dtype=np.uint64),
+                           "targets": np.array([[0, 0]], dtype=np.uint64)})
     assert not [a for a in actions if isinstance(a, ToRank)] and actions[-1].header["type"] == "delivered"
     core.handle(P.make(P.PREPARE, task_id=2, source=0), {"records": np.array([1], dtype=np.uint64)})
     assert core.handle(P.make(P.UNKNOWN_PEER, reason="restarted"), {}) == [Forgotten()]
