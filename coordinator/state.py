@@ -518,8 +518,11 @@ class CoordinatorState:
         return dict(sorted(waits.items()))
 
     def _on_peer_gone(self, ev: PeerGone) -> None:
+        """A rank or relay whose connection is gone is forgotten now. Not a worker: its host agent
+        reports its exit with the task it died on (what narrows a poison record down), and a worker
+        forgotten first would have its task handed on whole."""
         who = self.registry.lookup(ev.peer)
-        if who is None:
+        if who is None or who[0] not in ("trainer", "relay"):
             return
         log.warning("%s %d: its connection is gone; forgotten", *who)
         self._forget_peer(ev.peer, "disconnected")

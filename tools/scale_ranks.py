@@ -40,6 +40,15 @@ from msd_common.session import Registration  # noqa: E402
 from msd_common.sockets import make_socket, send_nowait  # noqa: E402
 
 
+def _waiting(sock: zmq.Socket, most: int = 1000):
+    """The messages waiting on a data socket (at most `most` a turn)."""
+    for _ in range(most):
+        try:
+            yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
 class LightRank:
     def __init__(self, ctx: zmq.Context, rank: int, coordinator: str, pace: "Pace",
                  relay: "SimRelay | None" = None) -> None:
@@ -93,11 +102,7 @@ class LightRank:
                 self.ended = True
 
     def on_data(self) -> None:
-        for _ in range(1000):
-            try:
-                frames = self.data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+        for frames in _waiting(self.data):
             self.state.on_pieces(frames)
 
     def turn(self, now: float) -> None:
@@ -183,11 +188,7 @@ class SimRelay:
             self.registration.forgotten()
 
     def on_data(self) -> None:
-        for _ in range(1000):
-            try:
-                frames = self.data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+        for frames in _waiting(self.data):
             rank = wire.unpack_header(frames[0].buffer)["rank"]
             for lr in self.by_dp.get(self.topology.coords(rank).dp, ()):
                 lr.state.on_pieces(frames)

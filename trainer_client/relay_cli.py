@@ -19,7 +19,7 @@ import click
 @click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="The job's key directory when it sets security.curve: the relay speaks with the trainer key.")
 @click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False), help="Log lines of this level and above.")
 def relay(address: str, host: str, local: str | None, bind_host: str | None, port: int, keys_dir: str | None,
           log_level: str) -> None:
     """Serve this host's trainer ranks: one data connection from each worker process for all of

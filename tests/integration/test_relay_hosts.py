@@ -24,6 +24,7 @@ from msd.testing.processes import stop
 from tests.conftest import job_dict, write_job
 
 from .harness import check_content, run_job, run_ranks, signature
+from .test_two_hosts import _ip
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -33,10 +34,6 @@ TRAINER_HOSTS, RANKS_PER_HOST, WORKER_HOSTS = 4, 4, 2
 # dp=8 x tp=2, every rank receiving: a host's 4 ranks are 2 DP ranks of 2 TP ranks each, so a relay
 # takes each DP rank's pieces once and passes them to 2 ranks
 TOPOLOGY = {"dp": 8, "tp": 2, "delivery": "all"}
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
 @pytest.fixture
