@@ -3,6 +3,8 @@ and a maximum message size (a hostile peer cannot make us buffer without bound).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import zmq
 
 from . import protocol, wire
@@ -50,6 +52,18 @@ def has_message(sock: zmq.Socket) -> bool:
     """Whether a message waits on the socket now (ZMQ_EVENTS): cheaper than a receive that raises
     zmq.Again, and true even where a send took the edge of its descriptor."""
     return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def waiting(sock: zmq.Socket, most: int = 1000, copy: bool = False) -> Iterator[list]:
+    """The messages waiting on a socket now, at most `most` (a turn of a loop that serves others too):
+    many small messages may queue up behind one poll."""
+    for _ in range(most):
+        if not has_message(sock):
+            return
+        try:
+            yield sock.recv_multipart(NOWAIT, copy=copy)
+        except zmq.Again:
+            return
 
 
 def send_frames_nowait(sock: zmq.Socket, frames: list, copy: bool = True) -> None:

@@ -37,16 +37,7 @@ from msd_common.topology import Topology  # noqa: E402
 from trainer_client.relay import step_headers  # noqa: E402
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed  # noqa: E402
 from msd_common.session import Registration  # noqa: E402
-from msd_common.sockets import make_socket, send_nowait  # noqa: E402
-
-
-def _waiting(sock: zmq.Socket, most: int = 1000):
-    """The messages waiting on a data socket (at most `most` a turn)."""
-    for _ in range(most):
-        try:
-            yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
+from msd_common.sockets import make_socket, send_nowait, waiting  # noqa: E402
 
 
 class LightRank:
@@ -102,7 +93,7 @@ class LightRank:
                 self.ended = True
 
     def on_data(self) -> None:
-        for frames in _waiting(self.data):
+        for frames in waiting(self.data):
             self.state.on_pieces(frames)
 
     def turn(self, now: float) -> None:
@@ -188,7 +179,7 @@ class SimRelay:
             self.registration.forgotten()
 
     def on_data(self) -> None:
-        for frames in _waiting(self.data):
+        for frames in waiting(self.data):
             rank = wire.unpack_header(frames[0].buffer)["rank"]
             for lr in self.by_dp.get(self.topology.coords(rank).dp, ()):
                 lr.state.on_pieces(frames)

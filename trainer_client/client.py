@@ -33,7 +33,7 @@ from .prebuild import Prebuilder
 from .relay import default_endpoint, rank_endpoint
 from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
 from msd_common.session import WAITING_HINT, PeerLoop, Registration
-from msd_common.sockets import NOWAIT, has_message, make_socket, send_nowait
+from msd_common.sockets import NOWAIT, make_socket, send_nowait, waiting
 
 log = logging.getLogger("msd.client")
 
@@ -543,14 +543,7 @@ class _Receiver:
             self.closing = True
 
     def _on_data(self, data: zmq.Socket) -> None:
-        # Drain what is there: many small piece messages may queue up behind one poll.
-        for _ in range(1000):
-            if not has_message(data):
-                break
-            try:
-                frames = data.recv_multipart(NOWAIT, copy=False)
-            except zmq.Again:
-                break
+        for frames in waiting(data):
             self.state.on_pieces(frames)
 
     def _hand_over(self, now: float) -> None:

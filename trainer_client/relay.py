@@ -40,7 +40,7 @@ from msd_common import security, wire
 from msd_common.errors import ProtocolError
 from msd_common.outbox import RankOutbox
 from msd_common.session import PeerLoop, Registration
-from msd_common.sockets import NOWAIT, has_message, make_socket, send_frames_nowait, send_nowait
+from msd_common.sockets import make_socket, send_frames_nowait, send_nowait, waiting
 from msd_common.topology import Topology
 
 log = logging.getLogger("msd.relay")
@@ -204,10 +204,7 @@ class Relay:
     # ------------------------------------------------------------------ the ranks' messages
 
     def _on_local(self, sock: zmq.Socket) -> None:
-        for _ in range(1000):
-            if not has_message(sock):
-                return
-            frames = sock.recv_multipart(NOWAIT)
+        for frames in waiting(sock, copy=True):
             identity, now = frames[0], time.monotonic()
             try:
                 msg, _ = wire.decode(frames[1:], P.TRAINER_UP)
@@ -360,13 +357,7 @@ class Relay:
         return self.topology.coords(rank).dp if self.topology is not None else -1
 
     def _on_data(self, sock: zmq.Socket) -> None:
-        for _ in range(1000):
-            if not has_message(sock):
-                return
-            try:
-                frames = sock.recv_multipart(NOWAIT, copy=False)
-            except zmq.Again:
-                return
+        for frames in waiting(sock):
             size = sum(len(f) for f in frames)
             self.bytes_in += size
             try:
