@@ -8,13 +8,11 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean
+.PHONY: install demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean image k8s-manifests
 
-$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[test,torch,torchtitan,plots,docs]'
+# tools/install.sh is the one install script: the container image (Dockerfile) runs it too.
+$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
+	PYTHON=$(PYTHON) tools/install.sh --editable $(VENV) 'test,torch,torchtitan,plots,docs' $(TORCH)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +35,16 @@ test-docs: $(STAMP)
 # the documentation site, into site/ (--strict: a broken link or a page left out of the nav fails)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The container image of the coordinator, workers and relays (deploy/helm/msd runs it), where Docker runs.
+IMAGE ?= megascale-data/msd:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	@command -v docker >/dev/null || { echo "make image: no docker here; the Dockerfile installs with tools/install.sh, as CI does" >&2; exit 1; }
+	docker build -t $(IMAGE) .
+
+# deploy/kubernetes/: the Helm chart rendered with its default values (tests/deploy checks it is current)
+k8s-manifests: $(STAMP)
+	$(PY) tools/render_chart.py --out deploy/kubernetes
 
 bench: $(STAMP)
 	$(PY) tools/bench_dataplane.py --json bench-dataplane.json

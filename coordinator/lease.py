@@ -101,11 +101,16 @@ class Lease:
         os.makedirs(self.state_dir, exist_ok=True)
         record = read_lease(self.state_dir)
         if record is None or record.holder == RELEASED:
-            return self._take(record)
-        if standby:
+            if not standby:
+                return self._take(record)
+            if self._try_take(record):  # two standbys started together: one takes it, the other waits
+                return True
+            record = read_lease(self.state_dir)
+        if standby and record is not None:
             log.info("standby: the lease of %s is held by %s (token %d, serving %s); taking over when it is not "
                      "renewed for %d heartbeats", self.state_dir, record.holder, record.token, record.address,
                      STALE_BEATS)
+        if standby:
             return self.wait_until_free(stopping)
         first, deadline = (record.token, record.beat), time.monotonic() + STALE_BEATS * self.heartbeat_s
         while time.monotonic() < deadline:

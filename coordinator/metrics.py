@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from msd_common import health
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -121,6 +123,12 @@ class CoordinatorMetrics:
                                   buckets=SECONDS_BUCKETS, registry=r)
         self.journal = Histogram("msd_journal_write_seconds", "Time of one state dir write", ["kind"],
                                  buckets=SECONDS_BUCKETS, registry=r)
+        self.workers_wanted = Gauge(
+            "msd_workers_wanted", "Worker processes the job wants: those the hosts run now (less those being "
+            "retired) plus the shortfall while every host is at its limit and trainers wait. An autoscaler of "
+            "worker hosts divides it by the processes one host runs (deploy/helm/msd: a HorizontalPodAutoscaler)",
+            registry=r)
+        self.health = health.Health()
         self.totals = _Totals()
         r.register(self.totals)
         self._pending: dict[int, dict[str, int]] = {}  # step -> tokens per source, until every rank consumed it
@@ -129,8 +137,8 @@ class CoordinatorMetrics:
         self._children: dict[tuple[Any, str], Any] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Serve /metrics over HTTP (a thread of prometheus-client's)."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics, /healthz and /readyz over HTTP (msd_common.health, a thread)."""
+        health.serve(port, host, self.health, self.registry)
 
     def planned(self, steps: list[tuple[int, float, float, list[int]]], names: list[str], seconds: float) -> None:
         """The steps one handle() call planned ((step, max/mean, arrival-order max/mean, tokens per
@@ -179,8 +187,11 @@ class CoordinatorMetrics:
             for step in [s for s in self._pending if s <= floor]:
                 for source, tokens in self._pending.pop(step).items():
                     self._delivered[source] = self._delivered.get(source, 0) + tokens
+        self.health.beat()
+        self.health.set("active", True)
         self.workers.set(len(reg.workers))
         self.hosts.set(len(reg.hosts))
+        self.workers_wanted.set(sum(h.procs - len(h.retiring) for h in reg.hosts.values()) + state.workforce.needed)
         weights = state.planner.weights_at(state.planner.state.next_step)
         delivered = state.planner.state.delivered
         total = sum(delivered) or 1

@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Callable
 
+from msd_common import health
 from msd_common.spec import JobConfig
 from .lease import Lease, LeaseHeld
 from .router import Router
@@ -32,14 +33,19 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
         uvloop.install()
     except ImportError:  # uvloop is a core dependency; tolerate its absence on exotic platforms
         pass
-    lease = take_lease(job, bind, state_dir, standby)
     metrics = None
-    if metrics_port is not None:
+    if metrics_port is not None:  # before the lease: a standby answers its probes while it waits
         from .metrics import CoordinatorMetrics
 
         metrics = CoordinatorMetrics()
+        metrics.health.stall_s = max(health.STALL_S, 10 * job.runtime.heartbeat_s)
         metrics.serve(metrics_port, metrics_host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+        log.info("Prometheus metrics on http://%s:%d/metrics (and /healthz, /readyz)", metrics_host, metrics_port)
+        if standby:
+            metrics.health.set("standby", True)
+    lease = take_lease(job, bind, state_dir, standby)
+    if metrics is not None:
+        metrics.health.set("starting", False)  # until the loop's first heartbeat
     # From the counting on until the loop takes them, a stop signal is caught, not left to its
     # default action: SIGTERM would end the process outright, between the counting and the loop,
     # its worker host's processes left behind and its copies unsynced.

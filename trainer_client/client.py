@@ -58,13 +58,32 @@ def _can_pin() -> bool:
     return False
 
 
+def _from_environment(coordinator: str | None, rank: int | None) -> tuple[str, int]:
+    """The coordinator's address and this rank, from the arguments or else the environment
+    (MSD_COORDINATOR, and RANK as torchrun and the Kubernetes training operators set it)."""
+    coordinator = coordinator or os.environ.get("MSD_COORDINATOR") or None
+    if coordinator is None:
+        raise ValueError("DataClient: no coordinator address: pass DataClient('tcp://HOST:5555', ...) or set "
+                         "MSD_COORDINATOR")
+    if rank is None:
+        value = os.environ.get("RANK")
+        if value is None:
+            raise ValueError("DataClient: no rank: pass rank= or set RANK (torchrun sets it)")
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ValueError(f"DataClient: RANK={value!r} is not an integer") from None
+    return coordinator, rank
+
+
 class DataClient:
     """Receives the packed micro-batches of one trainer rank, in training order.
 
     Args:
         coordinator: the coordinator's address, e.g. "tcp://10.0.0.1:5555", or a primary's and its
             standbys', comma-separated ("tcp://a:5555,tcp://b:5555"): the client moves to the one that serves.
-        rank: this process's global trainer rank.
+            Default: the environment variable MSD_COORDINATOR (the Helm chart's trainer pods set it).
+        rank: this process's global trainer rank. Default: the environment variable RANK (torchrun's).
         host: the address workers use to reach this process (advertised to them); the data
             socket binds on `bind_host` (default: the same) at a free port.
         bind_host: the interface the data socket binds on, where it differs from `host` (a
@@ -81,7 +100,8 @@ class DataClient:
             setting it up left free).
         metadata_only: for a middle pipeline stage, which gets no data otherwise: receive the
             packing metadata of its DP rank's micro-batches (cu_seqlens, doc_keys, ...).
-        keys_dir: the job's key directory (msd keys generate) when it sets security.curve: the
+        keys_dir: the job's key directory (msd keys generate) when it sets security.curve (default:
+            the environment variable MSD_KEYS, if set): the
             client then speaks CURVE to the coordinator and accepts data only from workers whose
             public key is authorised (behind a relay, the relay does; its ranks speak ipc to it).
         relay: the endpoint of this host's relay (`msd relay`, one per trainer host), or "auto" for
@@ -93,10 +113,12 @@ class DataClient:
             been silent this long (a relay that is not restarted).
     """
 
-    def __init__(self, coordinator: str, rank: int, *, host: str = "127.0.0.1", bind_host: str | None = None,
-                 timeout_s: float = 300.0, as_torch: bool | None = None, keep_freed_memory: bool = True,
-                 keys_dir: str | None = None, metadata_only: bool = False, pin_memory: bool = False,
-                 relay: str | None = None, relay_timeout_s: float = 30.0) -> None:
+    def __init__(self, coordinator: str | None = None, rank: int | None = None, *, host: str = "127.0.0.1",
+                 bind_host: str | None = None, timeout_s: float = 300.0, as_torch: bool | None = None,
+                 keep_freed_memory: bool = True, keys_dir: str | None = None, metadata_only: bool = False,
+                 pin_memory: bool = False, relay: str | None = None, relay_timeout_s: float = 30.0) -> None:
+        coordinator, rank = _from_environment(coordinator, rank)
+        keys_dir = keys_dir if keys_dir is not None else (os.environ.get("MSD_KEYS") or None)
         self.coordinator = coordinator
         relay = relay if relay is not None else (os.environ.get("MSD_RELAY") or None)
         self.relay = default_endpoint(coordinator) if relay == "auto" else relay

@@ -97,6 +97,10 @@ class HostAgent:
         return sum(1 for s in self.slots if s.process is not None and s.process.is_alive())
 
     def _keep_alive(self, now: float) -> None:
+        if self.metrics is not None:
+            registered = self.registration.registered
+            self.metrics.health.beat()
+            self.metrics.health.set("registered" if registered else "connecting", registered)
         self.forks.poll()  # a server that lingered out is waited for
         while len(self.slots) < self.target:
             self.slots.append(_Slot())

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from msd_common import health
+
 ENABLED_ENV = "MSD_WORKER_METRICS"
 
 
@@ -86,17 +88,19 @@ class HostMetricsServer:
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.port, self.host = port, host
+        self.health = health.Health()  # /healthz, /readyz: the agent's loop turning, registered
+        self.server = None
         self.directory = tempfile.mkdtemp(prefix="msd-worker-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.directory
         os.environ[ENABLED_ENV] = "1"
 
     def serve(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.directory)
-        start_http_server(self.port, addr=self.host, registry=registry)
+        self.server = health.serve(self.port, self.host, self.health, registry)
 
     def process_gone(self, pid: int) -> None:
         from prometheus_client import multiprocess
@@ -104,6 +108,8 @@ class HostMetricsServer:
         multiprocess.mark_process_dead(pid, self.directory)
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -1,0 +1,277 @@
+{{/* Names: the release's, unless it already says msd. */}}
+{{- define "msd.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "msd.labels" -}}
+app.kubernetes.io/name: {{ default .Chart.Name .Values.nameOverride }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (list $ "coordinator"). */}}
+{{- define "msd.selector" -}}
+{{- $top := index . 0 -}}
+app.kubernetes.io/name: {{ default $top.Chart.Name $top.Values.nameOverride }}
+app.kubernetes.io/instance: {{ $top.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "msd.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "msd.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "msd.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The coordinators, as every other pod reaches them: each pod of the StatefulSet by its stable
+name under the headless Service (the namespace's search domain completes it), comma-separated
+when there is a standby (workers, relays and ranks move to the one that serves). */}}
+{{- define "msd.coordinatorAddress" -}}
+{{- $name := printf "%s-coordinator" (include "msd.fullname" .) -}}
+{{- $addresses := list -}}
+{{- range $i := until (ternary 2 1 .Values.coordinator.standby) -}}
+{{- $addresses = append $addresses (printf "tcp://%s-%d.%s:%d" $name $i $name (int $.Values.coordinator.port)) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* The job file: the values' job, with security.curve pointing at the mounted keys. */}}
+{{- define "msd.jobFile" -}}
+{{- $job := deepCopy .Values.job -}}
+{{- if .Values.security.curve.secretName -}}
+{{- $security := default dict (get $job "security") -}}
+{{- $_ := set $security "curve" "/etc/msd/keys" -}}
+{{- $_ := set $job "security" $security -}}
+{{- end -}}
+{{- toYaml $job -}}
+{{- end -}}
+
+{{/* Environment of every msd container: nothing is written outside the mounted volumes. */}}
+{{- define "msd.env" -}}
+- name: HOME
+  value: /tmp
+- name: TMPDIR
+  value: /tmp
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: MSD_CACHE_DIR
+  value: /var/cache/msd
+{{- end -}}
+
+{{/* The Secret's files a role mounts at /etc/msd/keys: its own key pair, the public keys of the
+servers it speaks to, and (for servers) the authorised clients' public keys. Call with
+(list $ "worker"). */}}
+{{- define "msd.keysVolume" -}}
+{{- $top := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if $top.Values.security.curve.secretName }}
+- name: keys
+  secret:
+    secretName: {{ $top.Values.security.curve.secretName }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $role }}.key, path: {{ $role }}.key}
+      - {key: {{ $role }}.key_secret, path: {{ $role }}.key_secret}
+      {{- if eq $role "coordinator" }}
+      - {key: worker.key, path: authorized/worker.key}
+      - {key: trainer.key, path: authorized/trainer.key}
+      - {key: operator.key, path: authorized/operator.key}
+      {{- else if eq $role "worker" }}
+      - {key: coordinator.key, path: coordinator.key}
+      - {key: trainer.key, path: trainer.key}
+      {{- else if eq $role "trainer" }}
+      - {key: coordinator.key, path: coordinator.key}
+      - {key: worker.key, path: authorized/worker.key}
+      {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "msd.keysMount" -}}
+{{- if .Values.security.curve.secretName }}
+- name: keys
+  mountPath: /etc/msd/keys
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "msd.dataVolume" -}}
+{{- if .Values.data.volume }}
+- name: data
+  {{- toYaml .Values.data.volume | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "msd.dataMount" -}}
+{{- if .Values.data.volume }}
+- name: data
+  mountPath: {{ .Values.data.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* A worker host agent's container: the Deployment's pods and the trainer pods' sidecar. Call
+with (list $ maxProcs resources sidecar?). */}}
+{{- define "msd.workerContainer" -}}
+{{- $top := index . 0 -}}
+{{- $sidecar := index . 3 -}}
+- name: msd-worker
+  image: {{ include "msd.image" $top }}
+  imagePullPolicy: {{ $top.Values.image.pullPolicy }}
+  {{- if $sidecar }}
+  restartPolicy: Always
+  {{- end }}
+  command: ["msd"]
+  args:
+    - worker
+    - --coordinator={{ include "msd.coordinatorAddress" $top }}
+    - --procs={{ ternary "auto" $top.Values.workers.procs $sidecar }}
+    - --max-procs={{ index . 1 }}
+    - --metrics-port={{ $top.Values.workers.metricsPort }}
+    - --metrics-host=0.0.0.0
+    - --log-format={{ $top.Values.logFormat }}
+    {{- if $top.Values.security.curve.secretName }}
+    - --keys=/etc/msd/keys
+    {{- end }}
+    {{- range $top.Values.workers.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    {{- include "msd.env" $top | nindent 4 }}
+  ports:
+    - {name: worker-metrics, containerPort: {{ $top.Values.workers.metricsPort }}}
+  livenessProbe:
+    httpGet: {path: /healthz, port: worker-metrics}
+    periodSeconds: 10
+    timeoutSeconds: 5
+    failureThreshold: 6
+  readinessProbe:
+    httpGet: {path: /readyz, port: worker-metrics}
+    periodSeconds: 5
+    timeoutSeconds: 5
+  resources:
+    {{- toYaml (index . 2) | nindent 4 }}
+  securityContext:
+    {{- toYaml $top.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp}
+    - {name: cache, mountPath: /var/cache/msd}
+    {{- include "msd.dataMount" $top | nindent 4 }}
+    {{- include "msd.keysMount" $top | nindent 4 }}
+{{- end -}}
+
+{{/* The relay sidecar of a trainer pod (a native sidecar: an init container that keeps running,
+started before the trainer and stopped after it). Its ranks reach it at /run/msd/relay.sock. */}}
+{{- define "msd.relayContainer" -}}
+- name: msd-relay
+  image: {{ include "msd.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  restartPolicy: Always
+  command: ["msd"]
+  args:
+    - relay
+    - --coordinator=$(MSD_COORDINATOR)
+    - --host=$(POD_IP)
+    - --bind-host=0.0.0.0
+    - --port={{ .Values.relay.port }}
+    - --local=ipc:///run/msd/relay.sock
+    {{- if .Values.security.curve.secretName }}
+    - --keys=/etc/msd/keys
+    {{- end }}
+  env:
+    {{- include "msd.env" . | nindent 4 }}
+    - name: MSD_COORDINATOR
+      value: {{ include "msd.coordinatorAddress" . | quote }}
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+  ports:
+    - {name: relay, containerPort: {{ .Values.relay.port }}}
+  startupProbe:
+    tcpSocket: {port: relay}
+    periodSeconds: 2
+    failureThreshold: 30
+  livenessProbe:
+    tcpSocket: {port: relay}
+    periodSeconds: 10
+  resources:
+    {{- toYaml .Values.relay.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp}
+    - {name: msd-run, mountPath: /run/msd}
+    {{- include "msd.keysMount" . | nindent 4 }}
+{{- end -}}
+
+{{/* A trainer pod's sidecars, volumes and the trainer container's environment and mounts. */}}
+{{- define "msd.trainerSidecars" -}}
+{{ include "msd.relayContainer" . }}
+{{- if .Values.workers.sidecar.enabled }}
+{{ include "msd.workerContainer" (list . .Values.workers.sidecar.maxProcs .Values.workers.sidecar.resources true) }}
+{{- end }}
+{{- end -}}
+
+{{- define "msd.trainerVolumes" -}}
+- {name: tmp, emptyDir: {}}
+- {name: msd-run, emptyDir: {medium: Memory, sizeLimit: 64Mi}}
+{{- if .Values.workers.sidecar.enabled }}
+- {name: cache, emptyDir: {sizeLimit: {{ .Values.cache.sizeLimit }}}}
+{{- include "msd.dataVolume" . }}
+{{- end }}
+{{- include "msd.keysVolume" (list . "trainer") }}
+{{- with .Values.trainer.volumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "msd.trainerEnv" -}}
+- name: MSD_COORDINATOR
+  value: {{ include "msd.coordinatorAddress" . | quote }}
+- name: MSD_RELAY
+  value: ipc:///run/msd/relay.sock
+- name: NNODES
+  value: {{ .Values.trainer.nodes | quote }}
+- name: NPROC_PER_NODE
+  value: {{ .Values.trainer.procsPerNode | quote }}
+{{- with .Values.trainer.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The trainer container: call with (list $ name extra-env-YAML). */}}
+{{- define "msd.trainerContainer" -}}
+- name: {{ index . 1 }}
+  image: {{ required "trainer.image: the training image (with megascale-data's trainer client)" (index . 0).Values.trainer.image }}
+  command: {{ toJson (index . 0).Values.trainer.command }}
+  args: {{ toJson (index . 0).Values.trainer.args }}
+  env:
+    {{- include "msd.trainerEnv" (index . 0) | nindent 4 }}
+    {{- with index . 2 }}
+    {{- . | nindent 4 }}
+    {{- end }}
+  resources:
+    {{- toYaml (index . 0).Values.trainer.resources | nindent 4 }}
+  volumeMounts:
+    - {name: msd-run, mountPath: /run/msd}
+    {{- with (index . 0).Values.trainer.volumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
