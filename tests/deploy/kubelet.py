@@ -5,7 +5,8 @@ and the cluster's DNS would do, as far as msd can tell.
   Service's `POD.SERVICE`, as the namespace's search domain lets pods write them) resolve to the
   pods' addresses through the namespace's /etc/hosts (`ip netns exec` mounts /etc/netns/NS/hosts
   there), rewritten in place as pods come and go, as DNS would answer.
-- A container is a process in that namespace and a mount namespace of its own: each volume
+- A container is a process in that namespace, with the pod's name as its hostname (a UTS
+  namespace), and a mount namespace of its own: each volume
   bind-mounted at its mountPath (ConfigMaps and Secrets written to folders, emptyDirs shared by
   the pod's containers, claims and hostPaths folders of the test), read-only where the manifest
   says so, then the root file system remounted read-only when its securityContext asks; it runs
@@ -66,11 +67,12 @@ class Pod:
 class Cluster:
     """Pods on one bridge. `objects`: the rendered manifests (for ConfigMaps, Services);
     `secrets`: name -> {key: bytes}; `claims`: PersistentVolumeClaim name -> folder; `image_path`:
-    the image's PATH (its venv's bin first)."""
+    the image's PATH (its venv's bin first); volumes go under `work` (which the pods' user must
+    be able to enter, outside /tmp), each container's output to `logs`."""
 
-    def __init__(self, objects: list[dict[str, Any]], work: str, image_path: str,
+    def __init__(self, objects: list[dict[str, Any]], work: str, image_path: str, logs: str,
                  secrets: dict[str, dict[str, bytes]] | None = None, claims: dict[str, str] | None = None) -> None:
-        self.objects, self.work, self.image_path = objects, work, image_path
+        self.objects, self.work, self.image_path, self.logs = objects, work, image_path, logs
         self.secrets, self.claims = secrets or {}, dict(claims or {})
         self.pods: dict[str, Pod] = {}
         tag = f"{os.getpid() % 10000}"
@@ -197,7 +199,7 @@ class Cluster:
             time.sleep(0.3)
 
     def log(self, pod_name: str, container: str) -> str:
-        path = os.path.join(self.work, f"{pod_name}.{container}.log")
+        path = os.path.join(self.logs, f"{pod_name}.{container}.log")
         return open(path, errors="replace").read() if os.path.exists(path) else ""
 
     # ------------------------------------------------------------------ inside
@@ -304,7 +306,7 @@ class Cluster:
         groups = [g for g in [pod_security.get("fsGroup")] if g is not None]
         if security.get("runAsNonRoot") and uid == 0:
             raise AssertionError(f"{pod.name}/{c['name']}: runAsNonRoot with user 0")
-        steps = ["set -e"]
+        steps = ["set -e", f"hostname {shlex.quote(pod.name)}"]  # a pod's hostname is its name
         mounts = sorted(c.get("volumeMounts", []), key=lambda m: m["mountPath"].count("/"))
         for m in mounts:
             source = pod.volumes[m["name"]]
@@ -320,8 +322,8 @@ class Cluster:
         steps.append(f"exec setpriv --reuid={uid} --regid={gid} {group_flag} {drop} {nnp} -- "
                      + " ".join(shlex.quote(a) for a in argv))
         script = "\n".join(steps)
-        log = open(os.path.join(self.work, f"{pod.name}.{c['name']}.log"), "ab")
-        command = ["ip", "netns", "exec", pod.namespace, "unshare", "--mount", "--propagation", "private",
+        log = open(os.path.join(self.logs, f"{pod.name}.{c['name']}.log"), "ab")
+        command = ["ip", "netns", "exec", pod.namespace, "unshare", "--mount", "--uts", "--propagation", "private",
                    "sh", "-c", script]
         return subprocess.Popen(command, env={**env, "PATH": f"{self.image_path}:/usr/sbin:/usr/bin:/sbin:/bin"},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

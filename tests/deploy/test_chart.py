@@ -34,7 +34,7 @@ VALUE_SETS = {
         "workers": {"sidecar": {"enabled": True}, "deployment": {"replicas": 0}}, **KEYS},
     "PyTorchJob, existing claim, S3 data": {
         "trainer": {"kind": "pytorchjob", "image": "registry.example/train:1", "nodes": 3},
-        "coordinator": {"standby": True, "persistence": {"existingClaim": "msd-state"}}, "data": {"volume": None}},
+        "coordinator": {"standby": True, "persistence": {"existingClaim": "msd-state"}}, "data": {"claimName": ""}},
     "one trainer node, fixed worker processes": {
         "trainer": {"kind": "pytorchjob", "image": "t:1", "nodes": 1}, "workers": {"procs": 3, "maxProcs": 3}},
 }
@@ -169,8 +169,10 @@ def test_pytorchjob_has_a_master_and_workers_each_with_the_relay():
     assert {"name": "state", "persistentVolumeClaim": {"claimName": "msd-state"}} in pod["volumes"]
     assert not _by_kind(objects, "PersistentVolumeClaim")
     assert not any(v["name"] == "data" for v in pod["volumes"])
-    single = _by_kind(_render(VALUE_SETS["one trainer node, fixed worker processes"]), "PyTorchJob")[0]
-    assert list(single["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    fixed = _render(VALUE_SETS["one trainer node, fixed worker processes"])
+    assert list(_by_kind(fixed, "PyTorchJob")[0]["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    args = _by_kind(fixed, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--procs=3" in args and not any(a.startswith("--max-procs") for a in args)  # msd worker refuses both
 
 
 def test_monitors_select_what_serves_metrics():
@@ -196,11 +198,13 @@ def test_monitors_select_what_serves_metrics():
     ({"trainer": {"kind": "slurm"}}, "/trainer/kind"),
     ({"trainer": {"kind": "jobset"}}, "/trainer/image"),  # a training job needs its image
     ({"coordinator": {"standbys": 2}}, "standbys"),  # a misspelt key is refused, not ignored
-    ({"job": {"sources": "web"}}, "/job/sources"),
+    ({"job": {"sources": {"web": {}}}}, "/job"),  # text, as written: a mapping would lose the sources' order
+    ({"job": "seed: 1"}, "no sources"),
+    ({"job": "sources: [web"}, "not a YAML mapping"),
     ({"data": {"mountPath": "data"}}, "/data/mountPath"),
 ])
 def test_wrong_values_are_refused_naming_the_key(values, where):
-    with pytest.raises(helm_python.HelmValuesError) as e:
+    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmRenderError)) as e:
         render_chart.render(values)
     assert where in str(e.value)
 
@@ -242,6 +246,19 @@ def test_values_table_in_the_docs_is_generated_from_the_schema():
     assert set(values) <= set(schema["properties"])
     for key in ("coordinator.standby", "workers.autoscaling.enabled", "security.curve.secretName"):
         assert f"`{key}`" in page
+
+
+def test_the_job_text_is_passed_as_written():
+    """Sources keep their order (it is their index; a mapping through Helm would sort them)."""
+    mine = "sources:\n  web: {format: jsonl, paths: [/d/w.jsonl]}\n  code: {format: megatron, paths: [/d/c]}\n"
+    objects = _render({"job": mine})
+    assert next(o for o in objects if o["kind"] == "ConfigMap")["data"]["job.yaml"] == mine
+    objects = _render({"job": mine, **KEYS})
+    text = next(o for o in objects if o["kind"] == "ConfigMap")["data"]["job.yaml"]
+    assert text == mine + "security:\n  curve: /etc/msd/keys\n"
+    assert list(yaml.safe_load(text)["sources"]) == ["web", "code"]
+    with pytest.raises(helm_python.HelmRenderError, match="leave security out"):
+        render_chart.render({"job": mine + "security: {curve: /k}\n", **KEYS})
 
 
 def test_a_values_file_wins_over_the_defaults(tmp_path):

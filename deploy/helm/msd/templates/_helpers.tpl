@@ -28,6 +28,17 @@ app.kubernetes.io/instance: {{ $top.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* A container's security context: the values' one, and the pod security context's user, so that
+a sidecar in a pod whose security context is not ours (a trainer's) runs as that user too. */}}
+{{- define "msd.containerSecurity" -}}
+{{- $pod := .Values.podSecurityContext -}}
+{{- $runAs := dict -}}
+{{- range $k := list "runAsNonRoot" "runAsUser" "runAsGroup" -}}
+{{- if hasKey $pod $k -}}{{- $_ := set $runAs $k (get $pod $k) -}}{{- end -}}
+{{- end -}}
+{{- toYaml (merge $runAs .Values.securityContext) -}}
+{{- end -}}
+
 {{- define "msd.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
@@ -52,15 +63,25 @@ when there is a standby (workers, relays and ranks move to the one that serves).
 {{- join "," $addresses -}}
 {{- end -}}
 
-{{/* The job file: the values' job, with security.curve pointing at the mounted keys. */}}
+{{/* The job file: the values' job text, as given (the order of its sources is their index, which a
+mapping would lose), and security.curve pointing at the mounted keys when the keys come from a
+Secret. */}}
 {{- define "msd.jobFile" -}}
-{{- $job := deepCopy .Values.job -}}
-{{- if .Values.security.curve.secretName -}}
-{{- $security := default dict (get $job "security") -}}
-{{- $_ := set $security "curve" "/etc/msd/keys" -}}
-{{- $_ := set $job "security" $security -}}
+{{- $job := fromYaml .Values.job -}}
+{{- if hasKey $job "Error" -}}
+{{- fail (printf "job: not a YAML mapping: %s" (get $job "Error")) -}}
 {{- end -}}
-{{- toYaml $job -}}
+{{- if not (get $job "sources") -}}
+{{- fail "job: the job file has no sources (docs/reference/job-file.md)" -}}
+{{- end -}}
+{{- .Values.job | trim -}}
+{{- if .Values.security.curve.secretName -}}
+{{- if hasKey $job "security" -}}
+{{- fail "job: leave security out of the job file: with security.curve.secretName the chart sets security.curve to the mounted keys" -}}
+{{- end }}
+security:
+  curve: /etc/msd/keys
+{{- end -}}
 {{- end -}}
 
 {{/* Environment of every msd container: nothing is written outside the mounted volumes. */}}
@@ -117,11 +138,16 @@ servers it speaks to, and (for servers) the authorised clients' public keys. Cal
 {{- if .Values.data.volume }}
 - name: data
   {{- toYaml .Values.data.volume | nindent 2 }}
+{{- else if .Values.data.claimName }}
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ .Values.data.claimName }}
+    readOnly: true
 {{- end }}
 {{- end -}}
 
 {{- define "msd.dataMount" -}}
-{{- if .Values.data.volume }}
+{{- if or .Values.data.volume .Values.data.claimName }}
 - name: data
   mountPath: {{ .Values.data.mountPath }}
   readOnly: true
@@ -143,8 +169,11 @@ with (list $ maxProcs resources sidecar?). */}}
   args:
     - worker
     - --coordinator={{ include "msd.coordinatorAddress" $top }}
-    - --procs={{ ternary "auto" $top.Values.workers.procs $sidecar }}
+    {{- $procs := ternary "auto" $top.Values.workers.procs $sidecar }}
+    - --procs={{ $procs }}
+    {{- if eq (toString $procs) "auto" }}
     - --max-procs={{ index . 1 }}
+    {{- end }}
     - --metrics-port={{ $top.Values.workers.metricsPort }}
     - --metrics-host=0.0.0.0
     - --log-format={{ $top.Values.logFormat }}
@@ -170,7 +199,7 @@ with (list $ maxProcs resources sidecar?). */}}
   resources:
     {{- toYaml (index . 2) | nindent 4 }}
   securityContext:
-    {{- toYaml $top.Values.securityContext | nindent 4 }}
+    {{- include "msd.containerSecurity" $top | nindent 4 }}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: cache, mountPath: /var/cache/msd}
@@ -214,7 +243,7 @@ started before the trainer and stopped after it). Its ranks reach it at /run/msd
   resources:
     {{- toYaml .Values.relay.resources | nindent 4 }}
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- include "msd.containerSecurity" . | nindent 4 }}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: msd-run, mountPath: /run/msd}
