@@ -203,8 +203,8 @@ with (list $ maxProcs resources sidecar?). */}}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: cache, mountPath: /var/cache/msd}
-    {{- include "msd.dataMount" $top | nindent 4 }}
-    {{- include "msd.keysMount" $top | nindent 4 }}
+    {{- with include "msd.dataMount" $top }}{{ . | trim | nindent 4 }}{{- end }}
+    {{- with include "msd.keysMount" $top }}{{ . | trim | nindent 4 }}{{- end }}
 {{- end -}}
 
 {{/* The relay sidecar of a trainer pod (a native sidecar: an init container that keeps running,
@@ -247,7 +247,7 @@ started before the trainer and stopped after it). Its ranks reach it at /run/msd
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: msd-run, mountPath: /run/msd}
-    {{- include "msd.keysMount" . | nindent 4 }}
+    {{- with include "msd.keysMount" . }}{{ . | trim | nindent 4 }}{{- end }}
 {{- end -}}
 
 {{/* A trainer pod's sidecars, volumes and the trainer container's environment and mounts. */}}
