@@ -1,6 +1,7 @@
 """The Helm chart (deploy/helm/msd), rendered offline by Helm's own code (helm-python-sdk) for
 several value sets, every object checked against the Kubernetes schemas of 1.30 to 1.34
-(kubernetes-validate, strict: an unknown field fails too); values the schema refuses are refused;
+(kubernetes-validate, strict: an unknown field fails too), the operators' kinds (JobSet, PyTorchJob,
+ServiceMonitor, PodMonitor) against their CRDs' schemas; values the schema refuses are refused;
 deploy/kubernetes/ is the chart's default rendering; the image installs as CI does."""
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def _render(values):
     return render_chart.objects(render_chart.render(values))
 
 
+CRDS = {name[:-5]: os.path.join(os.path.dirname(__file__), "crds", name)
+        for name in os.listdir(os.path.join(os.path.dirname(__file__), "crds")) if name.endswith(".json")}
+
+
+def _check_custom(obj):
+    """An object of an operator's kind against its CRD's schema (tests/deploy/crds/, trimmed from
+    the operators' own CRDs; unknown fields refused)."""
+    import jsonschema
+
+    schema = json.load(open(CRDS[obj["kind"]]))
+    group_version = schema["$comment"].split()[0]
+    assert obj["apiVersion"] == group_version, (obj["apiVersion"], group_version)
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
+    assert not errors, [f"{obj['kind']}: {'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]]
+
+
 def _pod_checks(obj):
     """The objects of kinds the Kubernetes schemas do not cover, as the core objects they embed:
     a JobSet's Jobs, a PyTorchJob's pods (their templates are what the chart writes)."""
@@ -62,9 +79,11 @@ def test_every_object_validates_against_kubernetes_1_30_to_1_34(name):
     kinds = {o["kind"] for o in objects}
     assert {"StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
     for obj in objects:
-        if obj["kind"] in ("ServiceMonitor", "PodMonitor"):  # the Prometheus Operator's: checked below
-            continue
+        if obj["kind"] in CRDS:  # an operator's kind: its CRD's schema, and the pods inside against Kubernetes'
+            _check_custom(obj)
         for checked in _pod_checks(obj):
+            if checked["kind"] in CRDS:
+                continue
             for version in VERSIONS:
                 try:
                     kubernetes_validate.validate(checked, version, strict=True)
