@@ -150,8 +150,8 @@ def test_each_pod_mounts_only_its_own_roles_secret_key():
     job = yaml.safe_load(_by_kind(objects, "ConfigMap")[0]["data"]["job.yaml"])
     assert job["security"] == {"curve": "/etc/msd/keys"}
 
-    def secret_files(spec):
-        (keys,) = [v for v in spec["volumes"] if v["name"] == "keys"]
+    def secret_files(spec, volume="keys"):
+        (keys,) = [v for v in spec["volumes"] if v["name"] == volume]
         return {i["path"] for i in keys["secret"]["items"]}
 
     (sts,) = _by_kind(objects, "StatefulSet")
@@ -161,8 +161,12 @@ def test_each_pod_mounts_only_its_own_roles_secret_key():
     assert {f for f in coordinator if f.endswith("key_secret")} == {"coordinator.key_secret"}
     assert {"authorized/worker.key", "authorized/trainer.key", "authorized/operator.key"} <= coordinator
     assert {f for f in secret_files(trainer_pod) if f.endswith("key_secret")} == {"trainer.key_secret"}
-    # the worker sidecar of a trainer pod shares the pod's volume: the trainer role's keys only
     sidecars = {c["name"]: c for c in trainer_pod["initContainers"]}
+    # the worker sidecar of a trainer pod has a volume of its own: the worker role's keys
+    (mount,) = [m for m in sidecars["msd-worker"]["volumeMounts"] if m["mountPath"] == "/etc/msd/keys"]
+    assert {f for f in secret_files(trainer_pod, mount["name"]) if f.endswith("key_secret")} == {"worker.key_secret"}
+    (mount,) = [m for m in sidecars["msd-relay"]["volumeMounts"] if m["mountPath"] == "/etc/msd/keys"]
+    assert mount["name"] == "keys"
     assert set(sidecars) == {"msd-relay", "msd-worker"}
     assert all(c["restartPolicy"] == "Always" for c in sidecars.values())  # native sidecars
     (trainer,) = trainer_pod["containers"]

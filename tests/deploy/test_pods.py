@@ -1,6 +1,6 @@
 """The rendered chart run as pods, without a cluster (tests/deploy/kubelet.py): the coordinator
 StatefulSet with its standby, the worker Deployment, a JobSet of two trainer pods with their relay
-sidecars, CURVE keys from a Secret, each pod in its own network namespace with Service names
+and worker sidecars, CURVE keys from a Secret, each pod in its own network namespace with Service names
 resolving, each container as the pod's non-root user on a read-only root file system, from a
 venv installed by tools/install.sh as the image is. A worker pod is killed and replaced as its
 Deployment would; the serving coordinator is killed, the standby takes over, and the killed pod,
@@ -142,7 +142,8 @@ def test_rendered_pods_run_the_job_through_a_worker_and_a_coordinator_lost(image
         "job": yaml.safe_dump(job, sort_keys=False),
         "data": {"mountPath": data, "volume": {"hostPath": {"path": data, "type": "Directory"}}},
         "coordinator": {"standby": True},
-        "workers": {"deployment": {"replicas": 2}, "procs": 1, "maxProcs": 1},
+        # one CPU pod, and a worker sidecar in each trainer pod (the paper's deployment)
+        "workers": {"deployment": {"replicas": 1}, "procs": 1, "maxProcs": 1, "sidecar": {"enabled": True, "maxProcs": 1}},
         "trainer": {"kind": "jobset", "image": "msd:test", "command": [os.path.join(image, "bin", "python"), trainer_script], "args": [],
                     "nodes": NODES, "procsPerNode": PER_NODE, "resources": {},
                     "env": [{"name": "MSD_TEST_STEPS", "value": str(STEPS)},
@@ -174,7 +175,7 @@ def test_rendered_pods_run_the_job_through_a_worker_and_a_coordinator_lost(image
         assert '"standby"' in roles[1 - active]
 
         workers = cluster.template("Deployment", "msd-workers")
-        worker_pods = [f"msd-workers-7d9f-{s}" for s in ("a1b2c", "d3e4f")]
+        worker_pods = ["msd-workers-7d9f-a1b2c"]
         for name in worker_pods:
             cluster.start(name, workers)
         for name in worker_pods:
@@ -186,6 +187,7 @@ def test_rendered_pods_run_the_job_through_a_worker_and_a_coordinator_lost(image
             cluster.start(name, trainers, annotations={"batch.kubernetes.io/job-completion-index": str(i)})
         for name in trainer_pods:
             cluster.wait_ready(name, "msd-relay", timeout_s=60, kind="startupProbe")
+            cluster.wait_ready(name, "msd-worker", timeout_s=90)  # the sidecar, with the worker role's keys
 
         deadline = time.monotonic() + 300
         while any(cluster.pods[n].processes["trainer"].poll() is None for n in trainer_pods):
@@ -213,10 +215,10 @@ def test_rendered_pods_run_the_job_through_a_worker_and_a_coordinator_lost(image
         restarted = cluster.wait_ready(f"msd-coordinator-{active}", "coordinator", timeout_s=60)
         assert '"standby"' in restarted
         assert '"active"' in cluster.probe(f"msd-coordinator-{1 - active}", "coordinator")[1]
-        # 2 worker pods of 1 process each (the lost one forgotten), none short: the autoscaler's
-        # metric, from the coordinator that took over, asks for what runs
+        # 3 worker hosts of 1 process each (a CPU pod, the lost one forgotten, and 2 sidecars), none
+        # short: the autoscaler's metric, from the coordinator that took over, asks for what runs
         deadline = time.monotonic() + 15
-        while _metric(cluster, f"msd-coordinator-{1 - active}", "msd_workers_wanted") != 2.0:
+        while _metric(cluster, f"msd-coordinator-{1 - active}", "msd_workers_wanted") != 1.0 + NODES:
             assert time.monotonic() < deadline, _metric(cluster, f"msd-coordinator-{1 - active}", "msd_workers_wanted")
             time.sleep(0.5)
         # nothing written outside the volumes: the root file system stayed read-only, and the

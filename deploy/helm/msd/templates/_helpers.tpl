@@ -100,12 +100,13 @@ security:
 
 {{/* The Secret's files a role mounts at /etc/msd/keys: its own key pair, the public keys of the
 servers it speaks to, and (for servers) the authorised clients' public keys. Call with
-(list $ "worker"). */}}
+(list $ role volume-name): a trainer pod holds two, its relay's (trainer) and its worker
+sidecar's (worker). */}}
 {{- define "msd.keysVolume" -}}
 {{- $top := index . 0 -}}
 {{- $role := index . 1 -}}
 {{- if $top.Values.security.curve.secretName }}
-- name: keys
+- name: {{ index . 2 }}
   secret:
     secretName: {{ $top.Values.security.curve.secretName }}
     defaultMode: 0440
@@ -126,9 +127,10 @@ servers it speaks to, and (for servers) the authorised clients' public keys. Cal
 {{- end }}
 {{- end -}}
 
+{{/* Call with (list $ volume-name). */}}
 {{- define "msd.keysMount" -}}
-{{- if .Values.security.curve.secretName }}
-- name: keys
+{{- if (index . 0).Values.security.curve.secretName }}
+- name: {{ index . 1 }}
   mountPath: /etc/msd/keys
   readOnly: true
 {{- end }}
@@ -204,7 +206,7 @@ with (list $ maxProcs resources sidecar?). */}}
     - {name: tmp, mountPath: /tmp}
     - {name: cache, mountPath: /var/cache/msd}
     {{- with include "msd.dataMount" $top }}{{ . | trim | nindent 4 }}{{- end }}
-    {{- with include "msd.keysMount" $top }}{{ . | trim | nindent 4 }}{{- end }}
+    {{- with include "msd.keysMount" (list $top (ternary "worker-keys" "keys" $sidecar)) }}{{ . | trim | nindent 4 }}{{- end }}
 {{- end -}}
 
 {{/* The relay sidecar of a trainer pod (a native sidecar: an init container that keeps running,
@@ -247,7 +249,7 @@ started before the trainer and stopped after it). Its ranks reach it at /run/msd
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: msd-run, mountPath: /run/msd}
-    {{- with include "msd.keysMount" . }}{{ . | trim | nindent 4 }}{{- end }}
+    {{- with include "msd.keysMount" (list . "keys") }}{{ . | trim | nindent 4 }}{{- end }}
 {{- end -}}
 
 {{/* A trainer pod's sidecars, volumes and the trainer container's environment and mounts. */}}
@@ -265,7 +267,10 @@ started before the trainer and stopped after it). Its ranks reach it at /run/msd
 - {name: cache, emptyDir: {sizeLimit: {{ .Values.cache.sizeLimit }}}}
 {{- include "msd.dataVolume" . }}
 {{- end }}
-{{- include "msd.keysVolume" (list . "trainer") }}
+{{- include "msd.keysVolume" (list . "trainer" "keys") }}
+{{- if .Values.workers.sidecar.enabled }}
+{{- include "msd.keysVolume" (list . "worker" "worker-keys") }}
+{{- end }}
 {{- with .Values.trainer.volumes }}
 {{ toYaml . }}
 {{- end }}
