@@ -290,3 +290,11 @@ def test_a_values_file_wins_over_the_defaults(tmp_path):
     rendered = render_chart.render(render_chart._merge({}, yaml.safe_load(path.read_text())))
     (sts,) = _by_kind(render_chart.objects(rendered), "StatefulSet")
     assert sts["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_helm_lint_strict_finds_nothing_to_warn_about(name):
+    for kube in ("v1.30.0", "v1.34.0"):
+        report = helm_python.lint(render_chart.CHART, VALUE_SETS[name], strict=True, kube_version=kube)
+        assert not report["errors"], report
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
