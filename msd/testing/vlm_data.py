@@ -1,0 +1,101 @@
+"""Vision-language data for tests, made here (no download): a Qwen2.5-VL processor directory that
+transformers' AutoProcessor loads as the published model's (where torchvision is installed; the
+image processor alone loads anywhere), and conversations whose turns hold images.
+
+The processor directory: a byte-level BPE tokenizer trained here with the Qwen special tokens (as
+added special tokens, so that `<|image_pad|>` stays one id), the published Qwen2.5-VL image
+processor configuration, and TRL's training chat template (its `{% generation %}` marks give the
+assistant mask).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from importlib import resources
+from typing import Any
+
+import orjson
+
+from .chat_data import WORDS
+
+QWEN_VL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                   "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen/Qwen2.5-VL-7B-Instruct's preprocessor_config.json
+QWEN2_5_VL_PREPROCESSOR: dict[str, Any] = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+}
+
+
+def trl_template(name: str) -> str:
+    """A chat template that TRL ships (trl/chat_templates/NAME.jinja)."""
+    return resources.files("trl").joinpath("chat_templates", f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def write_qwen2_5_vl_processor(path: str, vocab_size: int = 600, max_pixels: int | None = None) -> str:
+    """A Qwen2.5-VL processor directory at `path` (see the module's docstring). `max_pixels`
+    lowers the image budget (tests keep images small); the rest is the published configuration."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [" ".join(random.Random(i).choices(WORDS, k=40)) for i in range(200)]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_VL_SPECIAL,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(QWEN_VL_SPECIAL)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "model_max_length": 1 << 20}
+    preprocessor = dict(QWEN2_5_VL_PREPROCESSOR)
+    if max_pixels is not None:
+        preprocessor["max_pixels"] = max_pixels
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(trl_template("qwen2_5_vl_training"))
+    return path
+
+
+def write_image_conversations(folder: str, n: int, seed: int = 0, sizes: tuple[int, int] = (40, 400),
+                              max_images: int = 3) -> list[dict[str, Any]]:
+    """n records {"messages": [...]} in folder/conversations.jsonl whose user turns hold 0 to
+    max_images PNG images (content parts {"type": "image", "image": PATH}, PATH relative to the
+    file), sides drawn from `sizes`; returns the records."""
+    import numpy as np
+    from PIL import Image
+
+    rng = random.Random(seed)
+    pixels = np.random.default_rng(seed)
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    records = []
+    for i in range(n):
+        messages: list[dict[str, Any]] = []
+        for turn in range(rng.randint(1, 3)):
+            content: list[dict[str, Any]] = []
+            for j in range(rng.randint(0 if turn else 1, max_images)):
+                name = f"images/{i:05d}-{turn}-{j}.png"
+                height, width = rng.randint(*sizes), rng.randint(*sizes)
+                Image.fromarray(pixels.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(
+                    os.path.join(folder, name))
+                content.append({"type": "image", "image": name})
+            content.append({"type": "text", "text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))})
+            messages.append({"role": "user", "content": content})
+            messages.append({"role": "assistant",
+                             "content": [{"type": "text", "text": " ".join(rng.choices(WORDS, k=rng.randint(3, 40)))}]})
+        records.append({"messages": messages})
+    with open(os.path.join(folder, "conversations.jsonl"), "wb") as f:
+        for r in records:
+            f.write(orjson.dumps(r) + b"\n")
+    return records
