@@ -32,21 +32,29 @@ CHATML_TRAINING = (
 )
 
 
+def train_bpe(special: list[str], vocab_size: int, added: bool = False) -> Any:
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained here on WORDS, with `special`
+    tokens in its vocabulary (and, with `added`, as added special tokens: matched whole in text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [" ".join(random.Random(i).choices(WORDS, k=40)) for i in range(200)]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if added:
+        tok.add_special_tokens(special)
+    return tok
+
+
 def write_tokenizer_dir(path: str, template: str | None = CHATML_TRAINING, vocab_size: int = 600,
                         template_file: bool = False) -> str:
     """A tokenizer directory (tokenizer.json, tokenizer_config.json with eos/bos and the chat
     template, or chat_template.jinja beside them when template_file) that transformers'
     AutoTokenizer loads too."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     os.makedirs(path, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [" ".join(random.Random(i).choices(WORDS, k=40)) for i in range(200)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(os.path.join(path, "tokenizer.json"))
+    train_bpe(SPECIAL, vocab_size).save(os.path.join(path, "tokenizer.json"))
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
                               "bos_token": "<|begin_of_text|>", "pad_token": "<|endoftext|>",
                               "model_max_length": 1 << 20}

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from .chat_data import WORDS
+from .chat_data import WORDS, train_bpe
 
 QWEN_VL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                    "<|image_pad|>", "<|video_pad|>"]
@@ -44,17 +44,8 @@ def trl_template(name: str) -> str:
 def write_qwen2_5_vl_processor(path: str, vocab_size: int = 600, max_pixels: int | None = None) -> str:
     """A Qwen2.5-VL processor directory at `path` (see the module's docstring). `max_pixels`
     lowers the image budget (tests keep images small); the rest is the published configuration."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     os.makedirs(path, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [" ".join(random.Random(i).choices(WORDS, k=40)) for i in range(200)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_VL_SPECIAL,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(QWEN_VL_SPECIAL)
-    tok.save(os.path.join(path, "tokenizer.json"))
+    train_bpe(QWEN_VL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "model_max_length": 1 << 20}
     preprocessor = dict(QWEN2_5_VL_PREPROCESSOR)
