@@ -7,8 +7,15 @@ PIP := $(PY) -m pip
 # spec may pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+# The reference environment of the vision-language checks (tests/vlm): transformers with torch and
+# torchvision, where AutoProcessor builds the Qwen-VL processors whole. These wheels (a CUDA build,
+# ~5.5 GB) install from this machine's own package store in about a minute and a half.
+VLM_VENV := .venv-vlm
+VLM_STAMP := $(VLM_VENV)/.installed
+VLM_TORCH := torch==2.14.1 torchvision==0.29.1
+VLM_TRANSFORMERS := transformers==5.24.0
 
-.PHONY: install demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean image k8s-manifests
+.PHONY: install .venv-vlm demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean image k8s-manifests
 
 # tools/install.sh is the one install script: the container image (Dockerfile) runs it too.
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
@@ -17,10 +24,18 @@ $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c m
 
 install: $(STAMP)
 
+$(VLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLM_VENV)
+	$(VLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLM_TORCH)
+	$(VLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLM_TRANSFORMERS)
+	touch $(VLM_STAMP)
+
+.venv-vlm: $(VLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/msd demo --steps 50 --ranks 2 --workers 2 --json demo-summary.json
 
-test: $(STAMP)
+test: $(STAMP) $(VLM_STAMP)
 	$(PY) -m pytest -q
 
 test-unit: $(STAMP)
@@ -56,7 +71,7 @@ bench-packing-env:
 	.venv-torchtune/bin/pip install --quiet torchtune==0.6.1 torchao==0.10.0
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache demo-summary.json site
+	rm -rf $(VENV) $(VLM_VENV) *.egg-info .pytest_cache demo-summary.json site
 
 # tools/bench_remote.py's two outside parts, kept out of the project's venv: npm's s3rver (the
 # S3-compatible server the benchmark serves from) and Mosaic Streaming in a venv of its own

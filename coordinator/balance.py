@@ -68,9 +68,10 @@ class Cost(NamedTuple):
 
 
 def patch_ratio(patches: np.ndarray, doc_lengths: np.ndarray) -> np.ndarray:
-    """Patches per token of image-text records (at most 1: placeholders are tokens): a piece of
-    `n` tokens of such a record is charged n x its ratio patches (Cost.patch_ratio)."""
-    return np.minimum(1.0, np.asarray(patches, dtype=np.float64) / np.maximum(doc_lengths, 1))
+    """Patches per token of image records: a piece of `n` tokens of such a record is charged n x
+    its ratio patches (Cost.patch_ratio). Built-in patches have a placeholder token each (ratio at
+    most 1); a processor's image token stands for several patches (Qwen-VL: merge_size^2)."""
+    return np.asarray(patches, dtype=np.float64) / np.maximum(doc_lengths, 1)
 
 
 class Layout(NamedTuple):

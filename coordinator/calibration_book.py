@@ -66,7 +66,7 @@ class CalibrationBook:
         features[:, 0] = np.bincount(cell, weights=lengths * lengths, minlength=len(features))
         features[:, 1] = np.bincount(cell, weights=lengths, minlength=len(features))
         features[:, 2] = 1.0
-        image_sources = [s.index for s in self.job.sources if s.has_images]
+        image_sources = [s.index for s in self.job.sources if s.has_encoder_cost]
         if image_sources:
             patches = np.zeros(len(plan.pieces))
             for s in image_sources:

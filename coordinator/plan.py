@@ -515,7 +515,7 @@ class Planner:
         pieces = drawn.pieces
         model = self.cost_at(step)
         cost = Cost(model.quadratic, model.linear)
-        image_sources = [s.index for s in job.sources if s.has_images]
+        image_sources = [s.index for s in job.sources if s.has_encoder_cost]
         if image_sources and (model.patch_quadratic or model.patch_linear):
             ratio = np.zeros(len(pieces))
             for s in image_sources:

@@ -99,6 +99,7 @@ class CoordinatorState:
         self._dp_of: dict[int, int] = {}  # global rank -> its data-parallel rank (coords, computed once)
         self.planned: list[tuple[int, float, float, list[int]]] = []  # see handle()
         self.digest = job.digest()
+        self.rope = job.rope  # read once: the processor directory's JSON
         self.heartbeat_s = job.runtime.heartbeat_s
         self.registry = Registry()
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
@@ -397,6 +398,7 @@ class CoordinatorState:
             "topology": self.topology._asdict(),
             "sources": [s.name for s in self.job.sources],
             "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
+            "rope": self.rope,  # "mrope": position_ids [3, B, L] (a Qwen-VL processor's sources)
             "calibrate": self.job.calibrate,  # clients time each micro-batch's compute and report it
         }
         self._send(peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,

@@ -82,8 +82,8 @@ KEYS: tuple[Key, ...] = (
         "for every image source of a job."),
     Key(f"{SRC}.max_record_bytes", "integer", str(DEFAULT_MAX_RECORD_BYTES), "A record with more stored bytes is skipped as poison "
         "(checked before it is decoded)."),
-    Key(f"{SRC}.max_image_pixels", "integer", str(DEFAULT_MAX_IMAGE_PIXELS), "An image whose header declares more pixels is skipped as "
-        "poison."),
+    Key(f"{SRC}.max_image_pixels", "integer", str(DEFAULT_MAX_IMAGE_PIXELS), "WebDataset and processor sources: an "
+        "image whose header declares more pixels skips its record as poison."),
     Key(f"{SRC}.storage", "mapping", "none", "Object storage: the file system's options (`endpoint_url`, "
         "`region`, `profile`, ...; never secrets) and msd's (`max_retries`, `share_indexes`, `whole_objects`)."),
     Key(f"{SRC}.shuffle_block", "integer >= 1", "1", "Records are shuffled in runs of this many consecutive ones "
@@ -99,8 +99,14 @@ KEYS: tuple[Key, ...] = (
     Key(f"{SRC}.chat.train_on", "assistant | all | last", "assistant", "Which tokens are trained on: every "
         "assistant turn, every token, or the last assistant turn."),
     Key(f"{SRC}.chat.tools_key", "string", "tools", "The record's tool definitions, passed to the template."),
-    Key(f"{SRC}.packing", "concat | whole", "concat", "`concat`: documents are cut where a row or a step ends "
-        "(pretraining); `whole`: a sample is never cut, rows are padded."),
+    Key(f"{SRC}.packing", "concat | whole", "concat (with a processor: whole)", "`concat`: documents are cut where a "
+        "row or a step ends (pretraining); `whole`: a sample is never cut, rows are padded."),
+    Key(f"{SRC}.processor", "string", "none", "Conversations with images: the path of a Hugging Face processor "
+        "directory (tokenizer, image processor configuration, chat template); workers make each record what the "
+        "processor's `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)` returns. Needs "
+        "`msd[vision]` on worker hosts."),
+    Key(f"{SRC}.image_backend", "pil | torchvision", "pil", "With a processor: the image processor's backend, the "
+        "same on every host (`torchvision` needs torch and torchvision on worker hosts)."),
     # batch
     Key("batch.seq_len", "integer >= 2", "required", "Tokens per row (packed sequence)."),
     Key("batch.micro_batch_size", "integer >= 1", "required", "Rows per micro-batch."),

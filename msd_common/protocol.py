@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 9  # 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 10  # 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -195,8 +195,8 @@ def _check_prepared(header: dict, arrays: dict) -> None:
     lengths, patches = arrays["lengths"], arrays["patches"]
     if lengths.size and (int(lengths.min()) < 0 or int(lengths.max()) >= MAX_PIECE_LEN):
         raise ProtocolError("prepared: lengths must lie in [0, 2^31)")
-    if patches.size and (len(patches) != len(lengths) or int(patches.min()) < 0 or (patches > lengths).any()):
-        raise ProtocolError("prepared: patches must be empty, or one count per record within its length")
+    if patches.size and (len(patches) != len(lengths) or int(patches.min()) < 0 or int(patches.max()) >= 1 << 40):
+        raise ProtocolError("prepared: patches must be empty, or one count per record in [0, 2^40)")
 
 
 def _check_deliver(header: dict, arrays: dict) -> None:
@@ -229,6 +229,47 @@ def _check_pieces(header: dict, arrays: dict) -> None:
         if int(counts.sum()) * header["patch_bytes"] != patches.size:
             raise ProtocolError(f"pieces: {int(counts.sum())} patches of {header['patch_bytes']} bytes, frame holds "
                                 f"{patches.size}")
+    _check_extras(header, arrays, lengths.astype("<i8"))
+
+
+# what a piece's extra arrays may hold (a processor's outputs: pixel values, grids, token types, positions)
+EXTRA_DTYPES = ("|u1", "|i1", "|b1", "<u2", "<i2", "<f2", "<u4", "<i4", "<f4", "<i8", "<u8", "<f8")
+MAX_EXTRAS = 16
+
+
+def extra_row_bytes(spec: list) -> int:
+    """Bytes of one row of an extra array [name, dtype, row shape, per_token]."""
+    import numpy as np
+
+    return int(np.dtype(spec[1]).itemsize * np.prod(spec[2], dtype=np.int64))
+
+
+def _check_extras(header: dict, arrays: dict, lengths: Any) -> None:
+    import numpy as np
+
+    extras, rows, blob = header["extras"], arrays["extra_rows"], arrays["extras"]
+    if not extras:
+        if rows.size or blob.size:
+            raise ProtocolError("pieces: extra arrays without their declaration")
+        return
+    names = [e[0] for e in extras]
+    if len(set(names)) != len(names):
+        raise ProtocolError("pieces: an extra array named twice")
+    for name, dtype, shape, _ in extras:
+        if dtype not in EXTRA_DTYPES:
+            raise ProtocolError(f"pieces: extra {name!r} of dtype {dtype!r}, not one of {EXTRA_DTYPES}")
+        if any(d < 1 or d > 1 << 24 for d in shape):
+            raise ProtocolError(f"pieces: extra {name!r} has a row shape {shape} out of range")
+    if len(rows) != len(lengths) * len(extras):
+        raise ProtocolError(f"pieces: extra_rows holds {len(rows)} counts for {len(lengths)} items x {len(extras)} "
+                            "extras")
+    rows = rows.reshape(len(lengths), len(extras)).astype(np.int64)
+    for j, (name, _, _, per_token) in enumerate(extras):
+        if per_token and ((rows[:, j] != 0) & (rows[:, j] != lengths)).any():
+            raise ProtocolError(f"pieces: per-token extra {name!r} must have 0 rows or one per token of its item")
+    size = int((rows * np.array([extra_row_bytes(e) for e in extras], np.int64)).sum())
+    if size != blob.size:
+        raise ProtocolError(f"pieces: extras of {size} bytes declared, frame holds {blob.size}")
 
 
 def _check_relay_step(header: dict, arrays: dict) -> None:
@@ -374,9 +415,13 @@ JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 # recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
 # (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
 # loss_mask: empty, or one uint8 per token (1: trained on) where a piece comes from a source with masks
+# extras: a processor's arrays ([name, dtype, row shape, per_token]); extra_rows: [items x extras] rows of each,
+# 0 or the item's length for a per-token one; the extras frame: their bytes, item after item, extra after extra
 PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
-              ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
-              patch_bytes=integer(0, 1 << 24))
+              ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), ArraySpec("extra_rows", "<u4"),
+              ArraySpec("extras", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
+              patch_bytes=integer(0, 1 << 24),
+              extras=seq(tup(text(64), text(8), seq(integer(1, 1 << 24), 4), integer(0, 1)), MAX_EXTRAS))
 
 # relay (one per trainer host, `msd relay`) -> coordinator. data_address: where workers push the pieces of
 # its ranks (one connection per worker process and relay, whatever the number of its ranks)

@@ -82,10 +82,21 @@ class SourceConfig:
     chat: dict[str, Any] | None = None
     # "concat": documents cut where a row or a step ends (pretraining); "whole": never cut (rows padded)
     packing: str = "concat"
+    # a Hugging Face processor directory (conversations with images, worker/processor.py), the image
+    # processor's backend, and a hash of the directory's deciding files (the job's identity)
+    processor: str | None = None
+    image_backend: str = "pil"
+    processor_hash: str | None = None
 
     @property
     def has_images(self) -> bool:
+        """Images as the built-in patches (uint8, one placeholder per patch)."""
         return self.format == "webdataset" or (self.transform is not None and self.image_token_id is not None)
+
+    @property
+    def has_encoder_cost(self) -> bool:
+        """Samples whose images cost the vision encoder: their patches are reported and planned."""
+        return self.has_images or self.processor is not None
 
     @property
     def whole(self) -> bool:
@@ -239,6 +250,15 @@ class JobConfig:
         """Bytes of one image patch (every image source has the same patch_size); 0 without images."""
         return next((s.patch_size * s.patch_size * 3 for s in self.sources if s.has_images), 0)
 
+    @property
+    def rope(self) -> str:
+        """"mrope" when the job's processor sources are of a Qwen-VL model (position ids of three
+        rows in every batch), else "plain"."""
+        from .processor_dir import read_processor_dir
+
+        ropes = {read_processor_dir(s.processor).rope for s in self.sources if s.processor is not None}
+        return "mrope" if "mrope" in ropes else "plain"
+
     def source(self, name: str) -> SourceConfig:
         return next(s for s in self.sources if s.name == name)
 
@@ -252,7 +272,8 @@ class JobConfig:
                        max_image_pixels=s.max_image_pixels, cache_dir=self.runtime.cache_dir,
                        cache_bytes=self.runtime.cache_bytes, copies=self.runtime.copies, storage=s.storage,
                        seed=self.seed, transform=s.transform, transform_args=s.transform_args,
-                       transform_hash=s.transform_hash, chat=s.chat)
+                       transform_hash=s.transform_hash, chat=s.chat, processor=s.processor,
+                       image_backend=s.image_backend, processor_hash=s.processor_hash)
             for s in self.sources))
 
     def stream_definition(self) -> dict[str, Any]:
@@ -283,9 +304,11 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     (and state dir)."""
     out = asdict(source)
     del out["storage"]  # how the shards are reached, not which tokens they hold
+    del out["processor"]  # where the processor directory is: its content is processor_hash
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
                          ("shuffle_block", 1), ("transform", None), ("transform_args", None), ("transform_hash", None),
-                         ("max_transform_errors", 100), ("chat", None), ("packing", "concat")):
+                         ("max_transform_errors", 100), ("chat", None), ("packing", "concat"),
+                         ("image_backend", "pil"), ("processor_hash", None)):
         if out[key] == default:
             del out[key]
     return out
@@ -382,6 +405,7 @@ def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
 LONG_DOCS = ("split", "truncate", "drop")
 PACKING = ("concat", "whole")
 CHAT_FORMATS = ("jsonl", "parquet", "arrow")
+IMAGE_BACKENDS = ("pil", "torchvision")  # sources.<name>.image_backend: transformers' image processor backends
 ON_EXHAUSTED = ("renormalize", "stop")
 
 
@@ -488,19 +512,33 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         ok = False
     max_record_bytes = c.integer(raw.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), f"{key}.max_record_bytes", 1)
     max_image_pixels = raw.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
-    if fmt != "webdataset" and "max_image_pixels" in raw:
-        c.bad(f"{key}.max_image_pixels", "applies to webdataset sources only")
+    if fmt != "webdataset" and "max_image_pixels" in raw and "processor" not in raw:
+        c.bad(f"{key}.max_image_pixels", "applies to webdataset sources and sources with a processor only")
         ok = False
     else:
         max_image_pixels = c.integer(max_image_pixels, f"{key}.max_image_pixels", 1)
     if max_record_bytes is None or max_image_pixels is None:
         ok = False
-    packing = raw.get("packing", "concat")
+    processor = _processor(c, key, raw, fmt, base, user_code)
+    if processor is None:
+        ok = False
+    elif processor:
+        user_code = {**(user_code or {}), "chat": processor.pop("chat")}
+    images_whole = bool(processor)  # an image conversation is never cut
+    packing = raw.get("packing", "whole" if images_whole else "concat")
     ok = _choice(c, packing, f"{key}.packing", PACKING) and ok
-    long_docs = raw.get("long_docs", defaults.get("long_docs", "truncate" if packing == "whole" else "split"))
+    if images_whole and packing != "whole":
+        c.bad(f"{key}.packing", "a source with a processor is packed whole: an image conversation is never cut")
+        ok = False
+    long_docs = raw.get("long_docs", "drop" if images_whole else
+                        defaults.get("long_docs", "truncate" if packing == "whole" else "split"))
     ok = _choice(c, long_docs, f"{key}.long_docs", LONG_DOCS) and ok
     if packing == "whole" and long_docs == "split":
         c.bad(f"{key}.long_docs", "a whole-sample source is never cut: truncate or drop what is longer than seq_len")
+        ok = False
+    elif images_whole and long_docs != "drop":
+        c.bad(f"{key}.long_docs", "a source with a processor drops what is longer than a row (its images would be "
+                                  "cut from their tokens)")
         ok = False
     on_exhausted = raw.get("on_exhausted", defaults.get("on_exhausted", "renormalize"))
     ok = _choice(c, on_exhausted, f"{key}.on_exhausted", ON_EXHAUSTED) and ok
@@ -518,7 +556,47 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
                         tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels,
-                        storage, shuffle_block, **user_code, packing=packing)
+                        storage, shuffle_block, **user_code, packing=packing, **(processor or {}))
+
+
+def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code: dict | None) -> dict[str, Any] | None:
+    """A source's `processor` directory (checked from its JSON files, hashed) and its chat block:
+    {} without one, None on a problem (named)."""
+    from .processor_dir import ProcessorDirError, read_processor_dir
+
+    path = raw.get("processor")
+    if path is None:
+        if "image_backend" in raw:
+            c.bad(f"{key}.image_backend", "applies to a source with a processor only")
+            return None
+        return {}
+    ok = True
+    if not isinstance(path, str) or not path:
+        c.bad(f"{key}.processor", f"expected the path of a processor directory, got {path!r}")
+        return None
+    if fmt not in CHAT_FORMATS:
+        c.bad(f"{key}.processor", f"for {', '.join(CHAT_FORMATS)} sources, not {fmt}")
+        ok = False
+    for k in ("tokenizer", "transform", "eod_id"):
+        if k in raw:
+            c.bad(f"{key}.{k}", "does not go with processor (the processor's tokenizer and chat template make the "
+                                "sample)")
+            ok = False
+    backend = raw.get("image_backend", "pil")
+    ok = _choice(c, backend, f"{key}.image_backend", IMAGE_BACKENDS) and ok
+    chat = (user_code or {}).get("chat") or {"messages_key": "messages", "train_on": "assistant", "tools_key": "tools"}
+    if chat.get("train_on") == "last":
+        c.bad(f"{key}.chat.train_on", "a source with a processor trains on assistant or all (the processor's mask)")
+        ok = False
+    path = os.path.join(base, os.path.expanduser(path))
+    try:
+        info = read_processor_dir(path)
+    except ProcessorDirError as e:
+        c.bad(f"{key}.processor", str(e))
+        return None
+    if not ok:
+        return None
+    return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": chat}
 
 
 def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None) -> dict[str, Any] | None:
@@ -570,10 +648,12 @@ def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None
             if k in chat and (not isinstance(chat[k], str) or not chat[k]):
                 c.bad(f"{key}.chat.{k}", "expected a non-empty field name")
                 ok = False
-        if raw.get("tokenizer", "byte") == "byte":
+        if raw.get("processor") is not None:  # the processor's template (checked in _processor)
+            pass
+        elif raw.get("tokenizer", "byte") == "byte":
             c.bad(f"{key}.tokenizer", "chat needs a Hugging Face tokenizer directory with a chat template")
             return None
-        if tokenizer is not None:
+        elif tokenizer is not None:
             try:
                 compile_template(tokenizer)
             except (ChatError, OSError, ValueError) as e:
@@ -710,7 +790,16 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     image_sources = [s for s in sources if s.has_images]
     if len({s.patch_size for s in image_sources}) > 1:
         c.bad("sources", "every webdataset source must have the same patch_size (one pixel_patches array per batch)")
-    if image_sources and cp > 1:
+    processors = [s for s in sources if s.processor is not None]
+    if len({s.processor_hash for s in processors}) > 1:
+        c.bad("sources", "sources with a processor must share one processor directory (one model: "
+                         f"{', '.join(s.name for s in processors)} name different ones)")
+    if (processors or image_sources) and cp > 1:
+        c.bad("topology.cp", "context parallelism with image sources is not supported yet")
+    if image_sources and processors:
+        c.bad("sources", "built-in image patches (webdataset, image_token_id) and a processor's images do not mix "
+                         "in one job")
+    if image_sources and cp > 1 and not processors:
         c.bad("topology.cp", "context parallelism with image-text sources is not supported yet")
     if c.problems:
         raise ConfigError(path, c.problems)

@@ -43,6 +43,9 @@ class SourceSpec:
     transform_args: dict[str, Any] | None = None
     transform_hash: str | None = None
     chat: dict[str, Any] | None = None
+    processor: str | None = None  # a Hugging Face processor directory (worker/processor.py)
+    image_backend: str = "pil"
+    processor_hash: str | None = None
 
     @property
     def whole_records(self) -> bool:
@@ -92,7 +95,7 @@ _SOURCE_SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "max_pixels": (int,), "patch_size": (int,), "max_record_bytes": (int,), "max_image_pixels": (int,),
     "cache_dir": (str, _NONE), "cache_bytes": (int, _NONE), "copies": (str,), "storage": (dict, _NONE),
     "seed": (int,), "transform": (str, _NONE), "transform_args": (dict, _NONE), "transform_hash": (str, _NONE),
-    "chat": (dict, _NONE),
+    "chat": (dict, _NONE), "processor": (str, _NONE), "image_backend": (str,), "processor_hash": (str, _NONE),
 }
 
 

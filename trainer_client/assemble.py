@@ -58,12 +58,17 @@ def fill_ramps(out: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None
 
 class StepAssembler:
     def __init__(self, refs: np.ndarray, counts: np.ndarray, row_len: int, pad_id: int, micro_batch_size: int,
-                 patch_bytes: int = 0) -> None:
+                 patch_bytes: int = 0, rope: str = "plain") -> None:
         """refs: [doc_key, offset, length] per piece in packing order; counts: pieces per row,
         micro-batch major (consecutive groups of micro_batch_size rows form the micro-batches).
-        patch_bytes > 0: the job has image-text sources, and batches carry their patches."""
+        patch_bytes > 0: the job has image-text sources, and batches carry their patches.
+        rope "mrope": position_ids have three rows (the Qwen-VL models), [3, B, L]."""
         self.patch_bytes = patch_bytes
         self.patches: dict[int, np.ndarray] = {}  # piece -> its image patches (the placeholders it starts with)
+        self.rope = rope
+        # piece -> a processor's arrays of it, by name; name -> (dtype, row shape, per_token)
+        self.extras: dict[int, dict[str, np.ndarray]] = {}
+        self.extra_specs: dict[str, tuple[np.dtype, tuple, bool]] = {}
         self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, len(RECIPE_PIECE))
         self.counts = np.asarray(counts, dtype=np.int64)
         self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
@@ -91,7 +96,8 @@ class StepAssembler:
         self.missing = len(lengths)
 
     def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
-            patches: np.ndarray | None = None, loss_mask: np.ndarray | None = None) -> int:
+            patches: np.ndarray | None = None, loss_mask: np.ndarray | None = None, extras: list | None = None,
+            extra_rows: np.ndarray | None = None, extra_bytes: np.ndarray | None = None) -> int:
         """Copy in the pieces of one message: items [piece, doc_key, offset, length] rows (piece:
         the index of the piece in this step's recipe) whose tokens are concatenated in `tokens`,
         and (image-text pieces) the patches of each item's image placeholders, concatenated in
@@ -134,7 +140,31 @@ class StepAssembler:
             for k, i in zip(take.tolist(), piece.tolist()):
                 if counts[k]:
                     self.patches[i] = patches[patch_at[k]: patch_at[k] + counts[k]]
+        if extras:
+            self._add_extras(take, piece, len(items), extras, extra_rows, extra_bytes)
         return len(items) - len(take)
+
+    def _add_extras(self, take: np.ndarray, piece: np.ndarray, n_items: int, extras: list,
+                    extra_rows: np.ndarray, blob: np.ndarray) -> None:
+        """Keep the processor's arrays of the taken items (views of the message's bytes)."""
+        specs = []
+        for name, dtype, shape, per_token in extras:
+            spec = (np.dtype(dtype), tuple(shape), bool(per_token))
+            self.extra_specs.setdefault(name, spec)
+            specs.append((name, *spec))
+        row_bytes = np.array([dt.itemsize * int(np.prod(shape, dtype=np.int64)) for _, dt, shape, _ in specs],
+                             np.int64)
+        nbytes = np.asarray(extra_rows, np.int64).reshape(n_items, len(specs)) * row_bytes
+        at = np.concatenate([[0], np.cumsum(nbytes.reshape(-1))]).reshape(-1)
+        for k, i in zip(take.tolist(), piece.tolist()):
+            mine = {}
+            for j, (name, dtype, shape, _) in enumerate(specs):
+                start = int(at[k * len(specs) + j])
+                size = int(nbytes[k, j])
+                if size:
+                    mine[name] = blob[start: start + size].view(dtype).reshape(-1, *shape)
+            if mine:
+                self.extras[i] = mine
 
     def _buffer_for(self, dtype: np.dtype) -> np.ndarray:
         """The step's token buffer, able to hold tokens of `dtype` (widened if a message needs it)."""
@@ -244,6 +274,43 @@ class StepAssembler:
         }
         if self.patch_bytes:
             out.update(self._images(range(p0, p1), self.dst, first_row))
+        if self.rope == "mrope" or self.extras:
+            out.update(self._processor_arrays(range(p0, p1), base, out["position_ids"]))
+        return out
+
+    def _processor_arrays(self, pieces: range, base: int, position_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """A processor's arrays of a micro-batch's pieces: per-token ones laid out as the tokens
+        ([B, L], 0 elsewhere), image ones concatenated in packing order, the images of each piece,
+        and for mrope jobs position_ids [3, B, L]: a piece's own three rows where it has them (a
+        conversation with images), its plain positions on all three rows elsewhere."""
+        shape = position_ids.shape
+        out: dict[str, np.ndarray] = {}
+        with_extras = [i for i in pieces if i in self.extras]
+        if self.rope == "mrope":
+            rows3 = np.broadcast_to(position_ids, (3, *shape)).copy()
+            flat = rows3.reshape(3, -1)
+            for i in with_extras:
+                three = self.extras[i].get("position_ids")
+                if three is not None:
+                    d = int(self.dst[i]) - base
+                    flat[:, d: d + len(three)] = three.T
+            out["position_ids"] = rows3
+        for name, (dtype, row_shape, per_token) in sorted(self.extra_specs.items()):
+            if name == "position_ids" or not any(name in self.extras[i] for i in with_extras):
+                continue
+            if per_token:
+                laid = np.zeros((shape[0] * shape[1], *row_shape), dtype=np.int64 if dtype.kind in "iub" else dtype)
+                for i in with_extras:
+                    a = self.extras[i].get(name)
+                    if a is not None:
+                        d = int(self.dst[i]) - base
+                        laid[d: d + len(a)] = a
+                out[name] = laid.reshape(*shape, *row_shape)
+            else:
+                out[name] = np.concatenate([self.extras[i][name] for i in with_extras if name in self.extras[i]])
+        images_key = "image_grid_thw" if "image_grid_thw" in self.extra_specs else "pixel_values"
+        out["images_per_sample"] = np.array([len(self.extras.get(i, {}).get(images_key, ())) for i in pieces],
+                                            np.int64)
         return out
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:

@@ -139,7 +139,7 @@ class ReceivingState:
         self.eval_done.discard(step)  # the same pass asked for again (a rank that restarted its evaluation)
         try:
             assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"],
-                                      info["micro_batch_size"], info.get("patch_bytes", 0))
+                                      info["micro_batch_size"], info.get("patch_bytes", 0), info.get("rope", "plain"))
         except ValueError as e:
             return [EvalReady(msg["set"], msg["pass_no"], None, f"eval header unusable: {e}")]
         self.eval_steps[step] = (msg["set"], msg["pass_no"], assembler)
@@ -165,7 +165,7 @@ class ReceivingState:
             return  # a repeated header: the plan of a step never changes
         try:
             assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs,
-                                      info.get("patch_bytes", 0))
+                                      info.get("patch_bytes", 0), info.get("rope", "plain"))
         except ValueError as e:
             log.warning("rank %d: step %d header dropped: %s", self.rank, step, e)
             return
@@ -188,7 +188,8 @@ class ReceivingState:
             return
         step = msg["step"]
         items = arrays["items"]  # PIECE_ITEM rows
-        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"])
+        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"], msg["extras"],
+                   arrays["extra_rows"], arrays["extras"])
         if step >= P.EVAL_STEP_BASE:  # a piece of an eval pass
             if step in self.eval_done:
                 self.duplicates += len(items)

@@ -29,6 +29,7 @@ from msd_common.session import Forgotten
 from msd_common.usercode import TransformImportError, code_hash
 from msd_common.worker_job import SourceSpec, WorkerJob
 
+from .processor import ProcessedSample
 from .samples import SourceReader, open_source
 
 log = logging.getLogger("msd.worker")
@@ -43,6 +44,7 @@ class CacheEntry:
     copies: int
     images: np.ndarray | None = None  # patches of its image placeholders (its first tokens)
     loss_mask: np.ndarray | None = None  # uint8 per token, from a transform or chat rendering
+    processed: ProcessedSample | None = None  # a processor's arrays (sources with `processor`)
 
     @property
     def length(self) -> int:
@@ -129,6 +131,27 @@ def _epochs(epochs: np.ndarray | None, n: int) -> np.ndarray:
     return np.zeros(n, np.int64) if epochs is None or not len(epochs) else np.asarray(epochs, dtype=np.int64)
 
 
+def _processor_problem(spec: SourceSpec) -> str:
+    """Why this host cannot make a processor source's samples ("" when it can)."""
+    from msd_common.processor_dir import ProcessorDirError, processor_digest, read_processor_dir
+
+    try:
+        read_processor_dir(spec.processor)
+    except ProcessorDirError as e:
+        return str(e)
+    if spec.processor_hash and processor_digest(spec.processor) != spec.processor_hash:
+        return f"processor directory {spec.processor} differs from the coordinator's (files hash differently)"
+    try:
+        from .processor import load_processor
+
+        load_processor(spec.processor, spec.image_backend)
+    except ImportError as e:
+        return f"cannot load the processor ({e}); install msd[vision] on worker hosts"
+    except Exception as e:  # noqa: BLE001 - transformers' own errors for a directory it cannot load
+        return f"cannot load the processor of {spec.processor}: {type(e).__name__}: {e}"
+    return ""
+
+
 def _die_as_a_native_crash_would(where: str) -> None:
     log.error("%s: %s names this record; the process kills itself", where, KILL_RECORDS_ENV)
     logging.shutdown()
@@ -146,6 +169,43 @@ class DeliveryPieces:
         self.masks: list[Any] = [0] * n  # a piece's loss mask, or its length where it has none (all 1)
         self.images: list[Any] = [None] * n
         self.patch_counts = np.zeros(n, dtype=np.uint32)
+        # a processor's arrays of each piece: {name: array}, per-token ones sliced to the piece;
+        # the image ones go with the piece that starts the sample
+        self.extras: list[dict[str, np.ndarray] | None] = [None] * n
+        self.extra_specs: dict[str, list] = {}  # name -> [name, dtype, row shape, per_token]
+
+    def add_extras(self, i: int, processed: ProcessedSample, offset: int, n: int) -> None:
+        extras = {}
+        for name, a in processed.token_arrays.items():
+            extras[name] = a[offset: offset + n]
+            self._declare(name, a, True)
+        if offset == 0:
+            for name, a in processed.image_arrays.items():
+                extras[name] = a
+                self._declare(name, a, False)
+        self.extras[i] = extras
+
+    def _declare(self, name: str, a: np.ndarray, per_token: bool) -> None:
+        if name not in self.extra_specs:
+            self.extra_specs[name] = [name, a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str,
+                                      list(a.shape[1:]), int(per_token)]
+
+    def join_extras(self, order: list[int]) -> tuple[list, np.ndarray, np.ndarray]:
+        """The extras of these pieces (in order): their declarations, rows [items x extras], bytes."""
+        names = sorted({name for i in order if self.extras[i] for name in self.extras[i]})
+        if not names:
+            return [], np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+        specs = [self.extra_specs[name] for name in names]
+        rows = np.zeros((len(order), len(names)), np.uint32)
+        blobs = []
+        for k, i in enumerate(order):
+            for j, name in enumerate(names):
+                a = (self.extras[i] or {}).get(name)
+                if a is not None and len(a):
+                    rows[k, j] = len(a)
+                    blobs.append(np.ascontiguousarray(a, dtype=specs[j][1]).reshape(-1).view(np.uint8))
+        blob = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+        return specs, rows.reshape(-1), blob
 
     def join(self, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """One rank's message from the rows `mine` selects: its servable rows grouped by source
@@ -166,7 +226,7 @@ class DeliveryPieces:
         masks = [self.masks[i] for i in order]
         mask = np.concatenate([m if isinstance(m, np.ndarray) else np.ones(m, np.uint8) for m in masks]) \
             if any(isinstance(m, np.ndarray) for m in masks) else np.zeros(0, np.uint8)
-        return self.items[at], tokens, patch_counts, patches, mask
+        return self.items[at], tokens, patch_counts, patches, mask, *self.join_extras(order)
 
 
 class WorkerCore:
@@ -243,6 +303,15 @@ class WorkerCore:
                               "this worker cannot serve the job, stopping", spec.name, spec.transform, mine,
                               spec.transform_hash)
                     return [Quit(f"transform {spec.transform} differs from the coordinator's")]
+        # A processor directory decides samples as a transform does, and a host without transformers
+        # (msd[vision]) or with another copy of it would skip or change every record: it does not serve.
+        for s, spec in enumerate(self.specs):
+            if spec.processor:
+                self.keep_alive()
+                problem = _processor_problem(spec)
+                if problem:
+                    log.error("source %s: %s; this worker cannot serve the job, stopping", spec.name, problem)
+                    return [Quit(f"source {spec.name}: {problem}")]
         # The coordinator hands out records of memory-mapped sources without asking first, so a
         # worker that cannot open one must not serve: it stops, and its deliveries go elsewhere.
         for s, spec in enumerate(self.specs):
@@ -296,7 +365,7 @@ class WorkerCore:
         # (The coordinator prepares memory-mapped sources itself, from their index; their tokens
         # are read straight from the map at delivery.)
         skipped: list[list] = []
-        patches = np.zeros(len(records) if reader.has_images else 0, dtype=np.int64)
+        patches = np.zeros(len(records) if reader.has_encoder_cost else 0, dtype=np.int64)
         lengths = np.zeros(len(records), dtype=np.int64)
         try:  # remote shards: the task's bytes in a few concurrent requests, not one per record
             reader.prefetch(np.array([r for r, e in zip(records.tolist(), _epochs(epochs, len(records)).tolist())
@@ -317,7 +386,7 @@ class WorkerCore:
                 try:
                     # an eval copy (EVAL_EPOCH) is the record as in epoch 0, cached apart
                     epoch = 0 if epochs[i] == P.EVAL_EPOCH else int(epochs[i])
-                    tokens, images, mask = reader.read_full(record, epoch)
+                    tokens, images, mask, processed = reader.read_prepared(record, epoch)
                 except RecordError as e:
                     log.warning("source %s: skipped record: %s", reader.name, e,
                                 extra={"source": reader.name, "record": record})
@@ -332,11 +401,13 @@ class WorkerCore:
                                 extra={"source": reader.name, "record": record})
                     skipped.append([i, reason, "error"])
                     continue
-                entry = self.cache[key] = CacheEntry(tokens, 0, images, mask)
+                entry = self.cache[key] = CacheEntry(tokens, 0, images, mask, processed)
             entry.copies += 1
             lengths[i] = entry.length
             if entry.images is not None:
                 patches[i] = len(entry.images)
+            elif entry.processed is not None:
+                patches[i] = entry.processed.patches
         skipped.sort()
         return [ToCoordinator(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
                                      busy_s=0.0), (lengths, patches))]
@@ -364,11 +435,11 @@ class WorkerCore:
             message = pieces.join(ranks == rank)
             if message is None:
                 continue
-            rows, tokens, patch_counts, patches, mask = message
+            rows, tokens, patch_counts, patches, mask, extras, extra_rows, blob = message
             header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
-                            patch_bytes=patches.shape[1] if patches.size else 0)
+                            patch_bytes=patches.shape[1] if patches.size else 0, extras=extras)
             out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
-                                                patches.reshape(-1), mask)))
+                                                patches.reshape(-1), mask, extra_rows, blob)))
         if self.cache:  # only records that are not memory-mapped are cached
             for key, epoch in zip(release.tolist(), _epochs(release_epochs, len(release)).tolist()):
                 key = _cache_key(key, epoch)
@@ -428,6 +499,8 @@ class WorkerCore:
                     pieces.masks[i] = entry.loss_mask[off: off + n]
                 else:
                     pieces.masks[i] = n
+                if entry.processed is not None:
+                    pieces.add_extras(i, entry.processed, off, n)
                 if entry.images is not None and off < len(entry.images):
                     images = entry.images[off: min(off + n, len(entry.images))]
                     pieces.patch_counts[i] = len(images)

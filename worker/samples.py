@@ -10,7 +10,8 @@ exceptions become skips of their record.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from msd_common.worker_job import SourceSpec
 from msd_common.tokenizer import make_tokenizer
 
 from .vision import ImageError, to_patches
+
+if TYPE_CHECKING:
+    from .processor import ProcessedSample
 
 
 class SourceReader:
@@ -35,6 +39,7 @@ class SourceReader:
         self.whole_records = spec.whole_records
         self._transform = None
         self._chat = None
+        self._processor = None  # worker/processor.py's ProcessorChat, made on first use
         # the tokenizer: for text, and the ctx.tokenizer of a transform; stored token ids need none
         self.tokenizer = None
         if self.records.stored_dtype is None or self.whole_records:
@@ -87,6 +92,11 @@ class SourceReader:
         return self.format == "webdataset" or self.image_token_id is not None
 
     @property
+    def has_encoder_cost(self) -> bool:
+        """Its samples' image patches are reported with their lengths (the vision encoder's cost)."""
+        return self.has_images or self.spec.processor is not None
+
+    @property
     def patch_bytes(self) -> int:
         return self.spec.patch_size * self.spec.patch_size * 3 if self.has_images else 0
 
@@ -104,10 +114,41 @@ class SourceReader:
         """(tokens, image patches or None, loss mask or None): what a worker prepares. A source
         with a transform or chat rendering returns what they make of the record; the loss mask
         (uint8, 1 where a token is trained on) comes only from them."""
+        return self.read_prepared(record_index, epoch)[:3]
+
+    def read_prepared(self, record_index: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray | None,
+                                                                       np.ndarray | None, ProcessedSample | None]:
+        """read_full's three, and for a source with a processor the whole ProcessedSample (its
+        per-token and image arrays), else None."""
+        if self.spec.processor is not None:
+            sample = self._processed(record_index)
+            return sample.tokens, None, sample.loss_mask, sample
         if self.whole_records:
-            return self._transformed(record_index, epoch)
+            return (*self._transformed(record_index, epoch), None)
         tokens, patches = self._read_plain(record_index)
-        return tokens, patches, None
+        return tokens, patches, None, None
+
+    def _processed(self, record_index: int) -> ProcessedSample:
+        from .processor import ImageRecordError, ProcessorChat, ProcessorRecordError
+
+        where = self.where(record_index)
+        if self._processor is None:
+            chat = self.spec.chat or {}
+            self._processor = ProcessorChat(self.spec.processor, self.spec.image_backend,
+                                            chat.get("train_on", "assistant"), chat.get("messages_key", "messages"),
+                                            chat.get("tools_key", "tools"), self.spec.max_image_pixels)
+        record = self.record(record_index)
+        shard = self.shards[self.locate(record_index)[0]]
+        base = os.path.dirname(str(getattr(shard, "shard", shard)))
+        try:
+            sample = self._processor.render(record, base)
+        except ImageRecordError as e:
+            raise RecordError(f"{where}: {e}", e.kind) from None
+        except ProcessorRecordError as e:
+            raise RecordError(f"{where}: {e}", "corrupt") from None
+        if not sample.loss_mask.any():
+            raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
+        return sample
 
     def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         from .transforms import Context, Skip, as_sample, load, record_rng

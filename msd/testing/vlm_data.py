@@ -90,3 +90,28 @@ def write_image_conversations(folder: str, n: int, seed: int = 0, sizes: tuple[i
         for r in records:
             f.write(orjson.dumps(r) + b"\n")
     return records
+
+
+def spoil_images(folder: str, records: list[dict[str, Any]], spoiled: dict[int, str]) -> None:
+    """Spoil the first image of each record named in `spoiled` (record index -> how): "corrupt"
+    (bytes that are no image), "truncated" (the file cut in half), "oversized" (replaced by a
+    2000 x 2000 image, over a max_image_pixels below 4 million), "missing" (deleted)."""
+    import numpy as np
+    from PIL import Image
+
+    for i, how in spoiled.items():
+        path = next(os.path.join(folder, part["image"]) for m in records[i]["messages"]
+                    if isinstance(m["content"], list) for part in m["content"] if part.get("type") == "image")
+        if how == "corrupt":
+            with open(path, "wb") as f:
+                f.write(b"this is not an image" * 10)
+        elif how == "truncated":
+            data = open(path, "rb").read()
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+        elif how == "oversized":
+            Image.fromarray(np.zeros((2000, 2000, 3), np.uint8)).save(path)
+        elif how == "missing":
+            os.remove(path)
+        else:
+            raise ValueError(f"unknown spoil {how!r}")

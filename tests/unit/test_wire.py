@@ -14,17 +14,17 @@ def _frames(header, *arrays):
 
 
 def _pieces(items, tokens, **header):
-    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0)
+    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0, extras=[])
     h.update(header)
     return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"),
-                   np.zeros(0, "|u1"))
+                   np.zeros(0, "|u1"), np.zeros(0, "<u4"), np.zeros(0, "|u1"))
 
 
 def test_pieces_round_trip_keeps_arrays_exact():
     tokens = np.arange(10, dtype="<u2")
     items = [[0, (2 << 48) | 7, 5, 4], [1, 9, 0, 6]]
     got, arrays = wire.decode(_pieces(items, tokens), P.TRAINER_DATA_INBOX)
-    assert got == {"type": "pieces", "step": 3, "rank": 1, "dtype": "<u2", "patch_bytes": 0}
+    assert got == {"type": "pieces", "step": 3, "rank": 1, "dtype": "<u2", "patch_bytes": 0, "extras": []}
     assert arrays["items"].tolist() == items
     np.testing.assert_array_equal(arrays["tokens"], tokens)
 
@@ -71,12 +71,13 @@ def test_array_frames_are_checked():
 
 
 def test_missing_field_and_frame_count():
-    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0)
+    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
         wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2"), np.zeros(0, "<u4"),
-                            np.zeros(0, "|u1"), np.zeros(0, "|u1")), P.TRAINER_DATA_INBOX)
-    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0)
+                            np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4"), np.zeros(0, "|u1")),
+                    P.TRAINER_DATA_INBOX)
+    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     with pytest.raises(ProtocolError, match="data frames"):
         wire.decode(_frames(ok), P.TRAINER_DATA_INBOX)
 
@@ -100,14 +101,36 @@ def test_pieces_with_image_patches_must_add_up():
     patches = np.arange(3 * 12, dtype=np.uint8)
 
     def frames(counts, patch_bytes=12, data=patches):
-        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes)
-        return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"))
+        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes, extras=[])
+        return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"), np.zeros(0, "<u4"),
+                       np.zeros(0, "|u1"))
 
     _, arrays = wire.decode(frames([3, 0]), P.TRAINER_DATA_INBOX)
     assert arrays["patch_counts"].tolist() == [3, 0] and arrays["patches"].size == 36
     for bad, why in [(frames([2, 0]), "patches of 12 bytes"), (frames([3]), "one count per item"),
-                     (frames([5, 0], data=np.zeros(60, np.uint8)), "within its length"),
                      (frames([3, 0], patch_bytes=0), "one count per item")]:
+        with pytest.raises(ProtocolError, match=why):
+            wire.decode(bad, P.TRAINER_DATA_INBOX)
+
+
+def test_pieces_with_a_processors_arrays_must_add_up():
+    items = np.array([[0, 7, 0, 4], [1, 9, 0, 2]], dtype="<u8")
+    tokens = np.zeros(6, "<u2")
+    extras = [["mm_token_type_ids", "<i8", [], 1], ["pixel_values", "<f4", [6], 0]]
+    pixels = np.arange(3 * 6, dtype="<f4")  # 3 rows of the first item, none of the second
+
+    def frames(rows, data=pixels, declared=extras):
+        blob = np.concatenate([np.zeros(4, "<i8").view(np.uint8), data.view(np.uint8)])
+        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=declared)
+        return _frames(h, items, tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"),
+                       np.array(rows, "<u4"), blob)
+
+    _, arrays = wire.decode(frames([4, 3, 0, 0]), P.TRAINER_DATA_INBOX)
+    assert arrays["extra_rows"].tolist() == [4, 3, 0, 0] and arrays["extras"].size == 32 + 72
+    for bad, why in [(frames([4, 2, 0, 0]), "frame holds"), (frames([3, 3, 0, 0]), "one per token"),
+                     (frames([4, 3, 0]), "counts for 2 items"),
+                     (frames([4, 3, 0, 0], declared=[extras[0], ["pixel_values", "object", [6], 0]]), "dtype"),
+                     (frames([4, 3, 0, 0], declared=[extras[0], extras[0]]), "named twice")]:
         with pytest.raises(ProtocolError, match=why):
             wire.decode(bad, P.TRAINER_DATA_INBOX)
 

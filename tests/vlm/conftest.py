@@ -1,0 +1,29 @@
+"""The reference environment for vision-language checks: transformers with torch and torchvision
+(.venv-vlm, made by `make .venv-vlm`, which `make test` depends on), where AutoProcessor builds the
+Qwen-VL processors whole, as their users load them. The project's own environment has no
+torchvision: its workers build the processor without a video processor (worker/processor.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFERENCE_PYTHON = os.environ.get("MSD_VLM_PYTHON", os.path.join(ROOT, ".venv-vlm", "bin", "python"))
+
+
+def reference(processor_dir: str, conversations: str, out: str, backend: str = "pil") -> dict[int, dict]:
+    """tests/vlm/reference.py's answer, by record: {name: array}."""
+    if not os.path.exists(REFERENCE_PYTHON):
+        pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm` (or set MSD_VLM_PYTHON)")
+    subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "vlm", "reference.py"), processor_dir,
+                    conversations, out, backend], check=True, timeout=600)
+    by_record: dict[int, dict] = {}
+    with np.load(out) as z:
+        for key in z.files:
+            i, name = key.split("/")
+            by_record.setdefault(int(i), {})[name] = z[key]
+    return by_record

@@ -1,0 +1,281 @@
+"""Conversations with images, made into samples by the model's own Hugging Face processor
+(`sources.<name>.processor: DIR`): the same token ids (each image expanded into as many image tokens
+as the processor says), the same assistant mask and the same pixel values as
+
+    AutoProcessor.from_pretrained(DIR).apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                           return_assistant_tokens_mask=True)
+
+because that is the call made here, on transformers' own processor classes. Needs transformers and
+Pillow (`msd[vision]`), not torch: the image processor runs on its PIL backend unless the source
+asks for `image_backend: torchvision`. One backend for every host of a job, named in the job file:
+the two differ by about one intensity step, so a job whose hosts picked their own would not give
+the same stream everywhere.
+
+The Qwen-VL processors also hold a video processor, which transformers builds only where
+torchvision is installed; images need none, so without torchvision the processor is built from
+its parts with no video processor (`_processor_class`), everything else being transformers' code.
+
+Images in a record, in the order of their turns:
+- content parts `{"type": "image", "image": VALUE}` (also under "path" or "url"), VALUE a path
+  relative to the record's file, an absolute path, bytes, or `{"bytes": ..., "path": ...}` (a
+  Parquet struct); a part without a value takes the record's `images` field's next entry;
+- the LLaVA form: `conversations` of `{"from", "value"}` with `<image>` in the text, and the
+  record's `image` (one, or a list).
+Every image's size is read from its header and checked against `max_image_pixels` before its
+pixels are decoded; a corrupt, truncated or oversized image skips its record (ImageRecordError).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from msd_common.mrope import mrope_position_ids
+from msd_common.processor_dir import ProcessorInfo, read_processor_dir
+
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+LLAVA_IMAGE = "<image>"
+IMAGE_KEYS = ("image", "path", "url")
+SAMPLE_KEYS = ("input_ids", "attention_mask", "assistant_masks")  # taken apart: the rest is passed on
+
+
+class ProcessorRecordError(ValueError):
+    """The record cannot be made into a sample; the message says why."""
+
+
+@dataclass
+class ProcessedSample:
+    """One conversation as the processor made it."""
+
+    tokens: np.ndarray  # int32 [n], image tokens expanded
+    loss_mask: np.ndarray  # uint8 [n], 1 on the assistant's tokens, never on an image token
+    token_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # per token: first axis n
+    image_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # the processor's image outputs
+    images: int = 0
+    patches: int = 0  # what the vision encoder's cost counts: rows of a 2-D pixel_values, else image tokens
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(path: str, backend: str = "pil") -> Any:
+    """transformers' processor of `path`, its image processor on `backend` ("pil" or "torchvision")."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(path, backend=backend)
+    try:
+        return AutoProcessor.from_pretrained(path, image_processor=image_processor)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        # a video processor that needs torchvision: build the processor without one
+        return _processor_without_video(path, image_processor, read_processor_dir(path))
+
+
+def _processor_without_video(path: str, image_processor: Any, info: ProcessorInfo) -> Any:
+    import transformers
+    from transformers import AutoTokenizer
+
+    from msd_common.usercode import find_template
+
+    cls = getattr(transformers, info.processor_class, None)
+    if cls is None:
+        raise ValueError(f"{path}: transformers has no processor class {info.processor_class}")
+    attributes = cls.get_attributes()
+    if set(attributes) - {"image_processor", "tokenizer", "video_processor"}:
+        raise ValueError(f"{path}: {info.processor_class} needs {', '.join(attributes)}; only its video processor "
+                         "can be left out here")
+    extra = {}
+    config = os.path.join(path, "processor_config.json")
+    if os.path.isfile(config):  # the processor's own arguments (image_seq_length and the like)
+        import orjson
+
+        with open(config, "rb") as f:
+            extra = {k: v for k, v in orjson.loads(f.read()).items()
+                     if k not in ("processor_class", *attributes) and not isinstance(v, dict)}
+    template, _ = find_template(path)
+    return _processor_class(cls)(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(path),
+                                 video_processor=None, chat_template=template, **extra)
+
+
+def _processor_class(cls: type) -> type:
+    """`cls` accepting no video processor (its check looks up a class that exists only with torchvision)."""
+
+    def check_argument_for_proper_class(self: Any, argument_name: str, argument: Any) -> Any:
+        if argument is None and argument_name == "video_processor":
+            return None
+        return cls.check_argument_for_proper_class(self, argument_name, argument)
+
+    return type(cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+
+
+class ProcessorChat:
+    """A source's processor, ready to make records into samples."""
+
+    def __init__(self, path: str, backend: str = "pil", train_on: str = "assistant",
+                 messages_key: str = "messages", tools_key: str = "tools", max_image_pixels: int | None = None) -> None:
+        self.info = read_processor_dir(path)
+        self.processor = load_processor(path, backend)
+        self.train_on, self.messages_key, self.tools_key = train_on, messages_key, tools_key
+        self.max_image_pixels = max_image_pixels
+        tokenizer = self.processor.tokenizer
+        token = getattr(self.processor, "image_token", None)
+        self.image_token_id = getattr(self.processor, "image_token_id", None)
+        if self.image_token_id is None and token is not None:
+            self.image_token_id = tokenizer.convert_tokens_to_ids(token)
+        if self.image_token_id is None:
+            raise ValueError(f"{path}: the processor names no image token")
+
+    def render(self, record: dict[str, Any], base_dir: str) -> ProcessedSample:
+        """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong."""
+        messages, images = self._messages(record, base_dir)
+        tools = record.get(self.tools_key)
+        try:
+            out = self.processor.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True, return_tensors="np")
+        except ImageRecordError:
+            raise
+        except Exception as e:  # the template's raise_exception, a count the processor refuses, ...
+            first = (str(e).splitlines() or [""])[0]
+            raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
+        tokens = np.asarray(out["input_ids"]).reshape(-1).astype(np.int32)
+        n = len(tokens)
+        is_image = tokens == self.image_token_id
+        if self.train_on == "all":
+            mask = (~is_image).astype(np.uint8)
+        else:
+            mask = np.asarray(out["assistant_masks"]).reshape(-1).astype(np.uint8)
+            mask[is_image] = 0
+        token_arrays: dict[str, np.ndarray] = {}
+        image_arrays: dict[str, np.ndarray] = {}
+        for name, value in out.items():
+            if name in SAMPLE_KEYS:
+                continue
+            value = np.asarray(value)
+            if value.ndim == 2 and value.shape == (1, n) and name.endswith("_ids"):
+                token_arrays[name] = np.ascontiguousarray(value.reshape(n))
+            else:
+                image_arrays[name] = np.ascontiguousarray(value)
+        if self.info.rope == "mrope":
+            grids = image_arrays.get("image_grid_thw", np.zeros((0, 3), np.int64))
+            try:
+                positions = mrope_position_ids(is_image.astype(np.int8), grids, self.info.merge_size)
+            except ValueError as e:
+                raise ProcessorRecordError(f"image tokens and grids disagree: {e}") from None
+            token_arrays["position_ids"] = np.ascontiguousarray(positions.T.astype(np.int32))  # [n, 3]
+        pixels = image_arrays.get("pixel_values")
+        patches = int(pixels.shape[0]) if pixels is not None and pixels.ndim == 2 else int(is_image.sum())
+        return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches if images else 0)
+
+    def _messages(self, record: dict[str, Any], base_dir: str) -> tuple[list[dict[str, Any]], int]:
+        """The record's messages, each image part's value opened (checked, not yet decoded), and
+        the number of images."""
+        spare = _as_list(record.get("images"))
+        if self.messages_key in record:
+            messages = record[self.messages_key]
+        elif "conversations" in record:
+            messages, spare = _llava_messages(record["conversations"], record.get("image")), []
+        else:
+            raise ProcessorRecordError(f"no {self.messages_key!r} field (nor LLaVA-style 'conversations')")
+        if not isinstance(messages, list) or not messages:
+            raise ProcessorRecordError(f"{self.messages_key}: expected a non-empty list of messages")
+        out, images = [], 0
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ProcessorRecordError(f"{self.messages_key}[{i}]: expected a mapping with a string 'role'")
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if isinstance(part, dict) and part.get("type") == "image":
+                        where = f"{self.messages_key}[{i}].content[{j}]"
+                        value = next((part[k] for k in IMAGE_KEYS if part.get(k) is not None), None)
+                        if value is None:
+                            if not spare:
+                                raise ProcessorRecordError(f"{where}: an image part without a value, and no "
+                                                           "'images' entry left for it")
+                            value = spare.pop(0)
+                        part = {"type": "image", "image": self._open(value, base_dir, where)}
+                        images += 1
+                    parts.append(part)
+                message = {**message, "content": parts}
+            out.append({k: v for k, v in message.items() if v is not None})
+        return out, images
+
+    def _open(self, value: Any, base_dir: str, where: str) -> Any:
+        """A PIL image (its header read, its size checked) of an image part's value."""
+        return open_image(value, base_dir, where, self.max_image_pixels)
+
+
+class ImageRecordError(ProcessorRecordError):
+    """An image of the record is missing, corrupt, truncated (kind "corrupt") or over the size limit
+    ("over_limit")."""
+
+    def __init__(self, message: str, kind: str = "corrupt") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def open_image(value: Any, base_dir: str, where: str, max_pixels: int | None) -> Any:
+    """Open an image (path, bytes or {"bytes", "path"}), check the size its header declares, and
+    decode it, so that a truncated file is found here, as this record's problem."""
+    from PIL import Image, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = None  # the limit is ours, per source: Pillow's would raise before we see the size
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        source: Any = io.BytesIO(bytes(value))
+        name = f"{where} (bytes)"
+    elif isinstance(value, str) and value:
+        if "://" in value:
+            raise ImageRecordError(f"{where}: {value!r}: URLs are not fetched by workers; store the image with the data")
+        source = name = value if os.path.isabs(value) else os.path.join(base_dir, value)
+        if not os.path.isfile(source):
+            raise ImageRecordError(f"{where}: {source}: no such image file")
+    else:
+        raise ImageRecordError(f"{where}: expected an image path or bytes, got {type(value).__name__}")
+    try:
+        image = Image.open(source)
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageRecordError(f"{where}: {name}: image of {width}x{height} pixels is over max_image_pixels "
+                                   f"({max_pixels})", "over_limit")
+        image.load()
+    except ImageRecordError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
+        raise ImageRecordError(f"{where}: {name}: image does not decode ({e})") from None
+    return image
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _llava_messages(conversations: Any, images: Any) -> list[dict[str, Any]]:
+    """LLaVA's `conversations` ({"from", "value"}, `<image>` in the text) as messages with content parts."""
+    if not isinstance(conversations, list) or not conversations:
+        raise ProcessorRecordError("conversations: expected a non-empty list of {from, value} turns")
+    images = _as_list(images)
+    out = []
+    for i, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or turn.get("from") not in LLAVA_ROLES or not isinstance(turn.get("value"), str):
+            raise ProcessorRecordError(f"conversations[{i}]: expected {{from: human|gpt|system, value: text}}")
+        pieces = turn["value"].split(LLAVA_IMAGE)
+        parts: list[dict[str, Any]] = []
+        for k, text in enumerate(pieces):
+            if k:
+                if not images:
+                    raise ProcessorRecordError(f"conversations[{i}]: more {LLAVA_IMAGE} than images in 'image'")
+                parts.append({"type": "image", "image": images.pop(0)})
+            text = text.strip("\n") if len(pieces) > 1 else text
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({"role": LLAVA_ROLES[turn["from"]], "content": parts})
+    if images:
+        raise ProcessorRecordError(f"'image' holds {len(images)} more image(s) than the {LLAVA_IMAGE} marks")
+    return out
