@@ -24,8 +24,10 @@ class BatchKey(NamedTuple):
 BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("tokens", "int64", "[B, L]", "first pipeline stage", "Token ids, documents packed into rows; padding "
              "is `batch.pad_id`."),
-    BatchKey("position_ids", "int64", "[B, L]", "first pipeline stage", "Positions, restarting at 0 with each "
-             "document piece."),
+    BatchKey("position_ids", "int64", "[B, L]; [3, B, L] for mrope", "first pipeline stage", "Positions, restarting "
+             "at 0 with each document piece. For a job whose processor uses multimodal rotary positions (Qwen2-VL, "
+             "Qwen2.5-VL, Qwen3-VL: `client.batch_shape[\"rope\"] == \"mrope\"`): the model's temporal, height and width rows, as its "
+             "`get_rope_index` gives them for each conversation; a text piece has its plain positions on all three."),
     BatchKey("labels", "int64", "[B, L]", "last pipeline stage", "The next token within the same document; "
              "`pad_id` elsewhere."),
     BatchKey("loss_mask", "float32", "[B, L]", "last pipeline stage", "1 where `labels` is trained on: 0 on "
@@ -49,6 +51,16 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("patches_per_image", "int64", "[images]", "jobs with images, first stage", "Patches of each image."),
     BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
              "patch's placeholder token."),
+    BatchKey("pixel_values", "float32", "the processor's, e.g. [patches, 1176]", "jobs with a processor source, "
+             "micro-batches with images", "The processor's pixel values, image after image in packing order "
+             "(concatenated along the first axis, as the model's forward takes them)."),
+    BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
+             "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),
+    BatchKey("mm_token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",
+             "The processor's per-token modality ids (1 on image tokens), laid out as `tokens`, 0 elsewhere. Any "
+             "other per-token array a processor returns (`token_type_ids`) is laid out the same way."),
+    BatchKey("images_per_sample", "int64", "[P]", "jobs with a processor source", "Images of each piece, in "
+             "`doc_keys` order (0 for text)."),
     BatchKey("cu_seqlens_padded", "int32", "[S + 1]", "cp > 1", "Segment boundaries with each segment padded to a "
              "multiple of 2 x cp (rows are flattened to `[1, n]`)."),
     BatchKey("cp_cu_seqlens", "int32", "[S + 1]", "cp > 1", "This context-parallel rank's share of each segment."),

@@ -108,9 +108,13 @@ def test_samples_equal_transformers_processor_token_mask_pixel_and_position(vlm_
 
 
 def test_micro_batch_arrays_are_whole_and_in_packing_order(vlm_run):
+    from trainer_client.batch import BATCH_KEYS
+
+    schema = {k.key for k in BATCH_KEYS}
     received, _, _ = vlm_run
     for batches in received.values():
         for b in batches:
+            assert set(b) - {"received_at"} <= schema, set(b) - schema  # (received_at: the harness's own)
             grids = b.get("image_grid_thw", np.zeros((0, 3), np.int64))
             assert int(b["images_per_sample"].sum()) == len(grids)
             if len(grids):
@@ -119,6 +123,8 @@ def test_micro_batch_arrays_are_whole_and_in_packing_order(vlm_run):
                 # each image's tokens: grid / merge^2 of them, every one masked out of the loss
                 image_tokens = b["mm_token_type_ids"] == 1
                 assert int(image_tokens.sum()) == int(grids.prod(axis=1).sum()) // 4
+                # no label is an image token (loss_mask[i] masks token i + 1)
+                assert not (b["loss_mask"][:, :-1] * image_tokens[:, 1:]).any()
             assert int(b["piece_lengths"].sum()) == b["num_tokens"] <= b["tokens"].size
 
 

@@ -1,0 +1,152 @@
+"""worker.processor: the forms a conversation with images comes in (content parts with paths,
+bytes or Parquet structs, the record's `images` list, LLaVA's `conversations`) give the same
+sample; what is wrong with a record is named; and the job file's checks of `processor:`. The
+processor is transformers' own (its PIL backend, and no torchvision in this environment: the
+Qwen-VL processor is built here without its video processor)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_processor
+from msd_common.spec import ConfigError, parse_job
+
+pytest.importorskip("transformers")
+
+from worker.processor import ImageRecordError, ProcessorChat, ProcessorRecordError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proc")
+    proc = write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=60_000)
+    records = write_image_conversations(str(root / "data"), 4, seed=5, sizes=(40, 120), max_images=2)
+    return proc, str(root / "data"), records
+
+
+def _first_image_record(records):
+    """A conversation of one image and a question, and an answer, with the first image made."""
+    image = next(p["image"] for p in records[0]["messages"][0]["content"] if p["type"] == "image")
+    return {"messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                      {"type": "text", "text": "what is in the picture?"}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "noise, in colour"}]}]}
+
+
+def _same(a, b) -> None:
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    assert a.image_arrays.keys() == b.image_arrays.keys()
+    for k in a.image_arrays:
+        np.testing.assert_array_equal(a.image_arrays[k], b.image_arrays[k])
+    for k in a.token_arrays:
+        np.testing.assert_array_equal(a.token_arrays[k], b.token_arrays[k])
+
+
+def test_a_sample_holds_the_processor_arrays_and_masks_image_tokens(made):
+    proc, data, records = made
+    chat = ProcessorChat(proc)
+    sample = chat.render(records[0], data)
+    images = sum(p["type"] == "image" for m in records[0]["messages"] for p in m["content"])
+    grids = sample.image_arrays["image_grid_thw"]
+    assert sample.images == images == len(grids)
+    assert sample.patches == int(grids.prod(axis=1).sum()) == len(sample.image_arrays["pixel_values"])
+    is_image = sample.tokens == chat.image_token_id
+    assert int(is_image.sum()) == sample.patches // 4  # merge 2 x 2
+    assert not sample.loss_mask[is_image].any() and sample.loss_mask.any()
+    assert sample.token_arrays["position_ids"].shape == (len(sample.tokens), 3)
+    np.testing.assert_array_equal(sample.token_arrays["mm_token_type_ids"], is_image)
+    everything = ProcessorChat(proc, train_on="all").render(records[0], data)
+    np.testing.assert_array_equal(everything.loss_mask, ~is_image)  # all but the image tokens
+
+
+def test_bytes_structs_the_images_list_and_llava_form_give_the_same_sample(made):
+    proc, data, records = made
+    chat = ProcessorChat(proc)
+    record = _first_image_record(records)
+    expected = chat.render(record, data)
+    user = record["messages"][0]
+    image_part = next(p for p in user["content"] if p["type"] == "image")
+    path = os.path.join(data, image_part["image"])
+    raw = open(path, "rb").read()
+
+    def with_part(part, **extra):
+        content = [part if p["type"] == "image" else p for p in user["content"]]
+        return {**extra, "messages": [{**user, "content": content}, *record["messages"][1:]]}
+
+    as_bytes = chat.render(with_part({"type": "image", "image": raw}), "/nowhere")
+    as_struct = chat.render(with_part({"type": "image", "image": {"bytes": raw, "path": "x.png"}}), "/nowhere")
+    as_listed = chat.render(with_part({"type": "image"}, images=[{"bytes": raw, "path": None}]), "/nowhere")
+    absolute = chat.render(with_part({"type": "image", "path": path}), "/nowhere")
+    for other in (as_bytes, as_struct, as_listed, absolute):
+        _same(other, expected)
+
+    # LLaVA: {"from", "value"} turns, <image> in the text, the record's `image`
+    turns = [{"from": "human", "value": "<image>\nwhat is in the picture?"}, {"from": "gpt", "value": "noise, in colour"}]
+    _same(chat.render({"conversations": turns, "image": image_part["image"]}, data), expected)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"text": "no messages"}, "no 'messages' field"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"content": "x"}]}, "messages[0]: expected a mapping with a string 'role'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "no 'images' entry left"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x.org/a.png"}]}]},
+     "URLs are not fetched"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "nope.png"}]}]}, "no such image file"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}]}, "does not decode"),
+    ({"conversations": [{"from": "human", "value": "<image> and <image>"}], "image": "a.png"},
+     "more <image> than images"),
+    ({"conversations": [{"from": "human", "value": "hi"}], "image": "a.png"}, "more image(s) than"),
+    ({"conversations": [{"from": "robot", "value": "hi"}]}, "conversations[0]: expected"),
+])
+def test_a_bad_record_is_named(made, record, message):
+    proc, data, _ = made
+    with pytest.raises(ProcessorRecordError) as e:
+        ProcessorChat(proc).render(record, data)
+    assert message in str(e.value)
+
+
+def test_an_image_over_the_limit_is_refused_before_decoding(made):
+    proc, data, records = made
+    record = _first_image_record(records)
+    with pytest.raises(ImageRecordError) as e:
+        ProcessorChat(proc, max_image_pixels=100).render(record, data)
+    assert e.value.kind == "over_limit" and "over max_image_pixels (100)" in str(e.value)
+
+
+def _job(tmp_path, proc, **source):
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    return {"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": [str(data)], "processor": proc, **source}},
+            "batch": {"seq_len": 256, "micro_batch_size": 1, "global_batch_size": 2}, "topology": {"dp": 2},
+            "mixture": {"weights": {"vqa": 1.0}}}
+
+
+def test_the_job_file_checks_a_processor_source(made, tmp_path):
+    proc, _, _ = made
+    job = parse_job(_job(tmp_path, proc), str(tmp_path / "job.yaml"))
+    (source,) = job.sources
+    assert source.packing == "whole" and source.image_backend == "pil" and len(source.processor_hash) >= 16
+    assert job.rope == "mrope" and source.has_encoder_cost
+    for extra, where, says in [
+        ({"tokenizer": "gpt2"}, "sources.vqa.tokenizer", "does not go with processor"),
+        ({"packing": "concat"}, "sources.vqa.packing", ""),
+        ({"image_backend": "opencv"}, "sources.vqa.image_backend", ""),
+        ({"chat": {"train_on": "last"}}, "sources.vqa.chat.train_on", "assistant or all"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse_job(_job(tmp_path, proc, **extra), str(tmp_path / "job.yaml"))
+        assert any(p.startswith(where) and says in p for p in e.value.problems), e.value.problems
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as e:
+        parse_job(_job(tmp_path, str(empty)), str(tmp_path / "job.yaml"))
+    assert any(p.startswith("sources.vqa.processor") and str(empty) in p for p in e.value.problems), e.value.problems
+    context = _job(tmp_path, proc)
+    context["topology"]["cp"] = 2
+    with pytest.raises(ConfigError) as e:
+        parse_job(context, str(tmp_path / "job.yaml"))
+    assert any("cp" in p for p in e.value.problems), e.value.problems
