@@ -99,6 +99,11 @@ KEYS: tuple[Key, ...] = (
     Key(f"{SRC}.chat.train_on", "assistant | all | last", "assistant", "Which tokens are trained on: every "
         "assistant turn, every token, or the last assistant turn."),
     Key(f"{SRC}.chat.tools_key", "string", "tools", "The record's tool definitions, passed to the template."),
+    Key(f"{SRC}.chat.template", "path", "the tokenizer's (or processor's) own", "A jinja chat template file used "
+        "instead of the tokenizer's or processor's own, e.g. a training template with `{% generation %}` tags (TRL "
+        "ships one per model family). Relative to the job file; every worker host reads the same path. Its content "
+        "is part of the stream's identity. A processor source training on `assistant` needs a template with these "
+        "tags: transformers' assistant mask comes from them alone."),
     Key(f"{SRC}.packing", "concat | whole", "concat (with a processor: whole)", "`concat`: documents are cut where a "
         "row or a step ends (pretraining); `whole`: a sample is never cut, rows are padded."),
     Key(f"{SRC}.processor", "string", "none", "Conversations with images: the path of a Hugging Face processor "

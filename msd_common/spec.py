@@ -27,7 +27,7 @@ from .formats.storage import SECRET_KEYS, is_url, store_for
 from .job_keys import EVAL, METHODS, SRC, allowed, required
 from .topology import AXES, DEFAULT_ORDER, DELIVERY, Topology
 from .worker_job import SourceSpec, WorkerJob
-from .usercode import TRAIN_ON, ChatError, TransformImportError, code_hash, compile_template
+from .usercode import TRAIN_ON, ChatError, TransformImportError, code_hash, compile_template, find_template
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SUFFIXES = {"jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",), "webdataset": (".tar",)}
@@ -305,6 +305,8 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     out = asdict(source)
     del out["storage"]  # how the shards are reached, not which tokens they hold
     del out["processor"]  # where the processor directory is: its content is processor_hash
+    if out["chat"] and "template" in out["chat"]:  # where the template file is: its content is template_hash
+        out["chat"] = {k: v for k, v in out["chat"].items() if k != "template"}
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
                          ("shuffle_block", 1), ("transform", None), ("transform_args", None), ("transform_hash", None),
                          ("max_transform_errors", 100), ("chat", None), ("packing", "concat"),
@@ -486,7 +488,7 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     image_token_id = raw.get("image_token_id")
     max_pixels = raw.get("max_pixels", DEFAULT_MAX_PIXELS)
     patch_size = raw.get("patch_size", DEFAULT_PATCH_SIZE)
-    user_code = _user_code(c, key, raw, fmt, tokenizer if ok else None)
+    user_code = _user_code(c, key, raw, fmt, tokenizer if ok else None, base)
     if user_code is None:
         ok = False
     if fmt == "webdataset" or ("transform" in raw and image_token_id is not None):
@@ -596,10 +598,21 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
         return None
     if not ok:
         return None
+    try:
+        template, origin = find_template(chat.get("template") or path)
+    except (ChatError, OSError, ValueError) as e:
+        c.bad(f"{key}.processor", str(e))
+        return None
+    if chat.get("train_on", "assistant") == "assistant" and "endgeneration" not in template:
+        # transformers' assistant mask comes from these tags only: without them it is all zeros
+        c.bad(f"{key}.chat.template", f"the chat template ({origin}) has no {{% generation %}} tags, so the "
+              "processor's assistant mask would be empty: name a training template that has them (TRL ships one "
+              "per model family, e.g. qwen2_5_vl_training.jinja), or set chat.train_on: all")
+        return None
     return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": chat}
 
 
-def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None) -> dict[str, Any] | None:
+def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None, base: str) -> dict[str, Any] | None:
     """A source's transform (imported here, so a missing module or function is named now, and
     hashed: the job's identity) or chat block (its template found and compiled). None: a problem."""
     out: dict[str, Any] = {}
@@ -648,14 +661,17 @@ def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None
             if k in chat and (not isinstance(chat[k], str) or not chat[k]):
                 c.bad(f"{key}.chat.{k}", "expected a non-empty field name")
                 ok = False
+        template = _template_file(c, f"{key}.chat.template", chat.get("template"), base)
+        if template is False:
+            ok = False
         if raw.get("processor") is not None:  # the processor's template (checked in _processor)
             pass
         elif raw.get("tokenizer", "byte") == "byte":
             c.bad(f"{key}.tokenizer", "chat needs a Hugging Face tokenizer directory with a chat template")
             return None
-        elif tokenizer is not None:
+        elif tokenizer is not None and template is not False:
             try:
-                compile_template(tokenizer)
+                compile_template(template[0] if template else tokenizer)
             except (ChatError, OSError, ValueError) as e:
                 c.bad(f"{key}.chat", str(e))
                 ok = False
@@ -663,7 +679,28 @@ def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None
             return None
         out["chat"] = {"messages_key": chat.get("messages_key", "messages"), "train_on": train_on,
                        "tools_key": chat.get("tools_key", "tools")}
+        if template:  # its path (for the workers) and its content's hash (the stream's identity)
+            out["chat"].update(template=template[0], template_hash=template[1])
     return out if ok else None
+
+
+def _template_file(c: _Checker, where: str, value: Any, base: str) -> tuple[str, str] | None | bool:
+    """`chat.template`: (absolute path, content hash) of a readable jinja file; None when not
+    given; False on a problem (named)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        c.bad(where, f"expected the path of a jinja chat template file, got {value!r}")
+        return False
+    path = os.path.join(base, os.path.expanduser(value))
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+        text.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        c.bad(where, f"{path}: cannot read the template ({e})")
+        return False
+    return path, hashlib.sha256(text).hexdigest()[:16]
 
 
 def _check_hf_tokenizer(c: _Checker, key: str, path: str, eod_id: Any) -> bool:

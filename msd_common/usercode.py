@@ -65,16 +65,23 @@ class ChatError(ValueError):
 
 
 def find_template(tokenizer_path: str) -> tuple[str, str]:
-    """(the chat template, where it came from) of a tokenizer directory (or of the directory of a
-    tokenizer.json): `chat_template.jinja` beside it, else `chat_template` in tokenizer_config.json
-    (a string, or a list of named templates: the one named "default")."""
+    """(the chat template, where it came from) of a tokenizer or processor directory (or of the
+    directory of a tokenizer.json), or of a template file: `chat_template.jinja` in the directory,
+    else `chat_template` in chat_template.json, processor_config.json or tokenizer_config.json (a
+    string, or a list of named templates: the one named "default")."""
+    if os.path.isfile(tokenizer_path) and not tokenizer_path.endswith(".json"):  # a template file itself
+        with open(tokenizer_path, encoding="utf-8") as f:
+            return f.read(), tokenizer_path
     base = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
     file = os.path.join(base, TEMPLATE_FILE)
     if os.path.isfile(file):
         with open(file, encoding="utf-8") as f:
             return f.read(), file
-    config = os.path.join(base, "tokenizer_config.json")
-    if os.path.isfile(config):
+    # then where transformers also looks: a processor's chat_template.json, the tokenizer's config
+    for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+        config = os.path.join(base, name)
+        if not os.path.isfile(config):
+            continue
         with open(config, "rb") as f:
             template = orjson.loads(f.read()).get("chat_template")
         if isinstance(template, list):
@@ -82,7 +89,8 @@ def find_template(tokenizer_path: str) -> tuple[str, str]:
                             None)
         if isinstance(template, str) and template:
             return template, config
-    raise ChatError(f"{base}: no chat template ({TEMPLATE_FILE}, or chat_template in tokenizer_config.json)")
+    raise ChatError(f"{base}: no chat template ({TEMPLATE_FILE}, or chat_template in chat_template.json or "
+                    "tokenizer_config.json)")
 
 
 def environment() -> Any:

@@ -59,10 +59,11 @@ class Rendered:
 class ChatTemplate:
     """A tokenizer directory's chat template, ready to render conversations into (tokens, mask)."""
 
-    def __init__(self, tokenizer_path: str, hf_tokenizer: Any, train_on: str = "assistant") -> None:
+    def __init__(self, tokenizer_path: str, hf_tokenizer: Any, train_on: str = "assistant",
+                 template_path: str | None = None) -> None:
         if train_on not in TRAIN_ON:
             raise ChatError(f"train_on: expected one of {', '.join(TRAIN_ON)}, got {train_on!r}")
-        self.source_text, self.origin = find_template(tokenizer_path)
+        self.source_text, self.origin = find_template(template_path or tokenizer_path)
         self.env = environment()
         try:
             self.template = self.env.from_string(self.source_text)

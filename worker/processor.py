@@ -114,9 +114,14 @@ class ProcessorChat:
     """A source's processor, ready to make records into samples."""
 
     def __init__(self, path: str, backend: str = "pil", train_on: str = "assistant",
-                 messages_key: str = "messages", tools_key: str = "tools", max_image_pixels: int | None = None) -> None:
+                 messages_key: str = "messages", tools_key: str = "tools", max_image_pixels: int | None = None,
+                 template: str | None = None) -> None:
         self.info = read_processor_dir(path)
         self.processor = load_processor(path, backend)
+        self.template = None  # the processor's own, unless the job names a template file (chat.template)
+        if template is not None:
+            with open(template, encoding="utf-8") as f:
+                self.template = f.read()
         self.train_on, self.messages_key, self.tools_key = train_on, messages_key, tools_key
         self.max_image_pixels = max_image_pixels
         tokenizer = self.processor.tokenizer
@@ -132,8 +137,9 @@ class ProcessorChat:
         messages, images = self._messages(record, base_dir)
         tools = record.get(self.tools_key)
         try:
-            out = self.processor.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True, return_tensors="np")
+            out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools, tokenize=True,
+                                                     return_dict=True, return_assistant_tokens_mask=True,
+                                                     return_tensors="np")
         except ImageRecordError:
             raise
         except Exception as e:  # the template's raise_exception, a count the processor refuses, ...

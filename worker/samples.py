@@ -136,7 +136,8 @@ class SourceReader:
             chat = self.spec.chat or {}
             self._processor = ProcessorChat(self.spec.processor, self.spec.image_backend,
                                             chat.get("train_on", "assistant"), chat.get("messages_key", "messages"),
-                                            chat.get("tools_key", "tools"), self.spec.max_image_pixels)
+                                            chat.get("tools_key", "tools"), self.spec.max_image_pixels,
+                                            chat.get("template"))
         record = self.record(record_index)
         shard = self.shards[self.locate(record_index)[0]]
         base = os.path.dirname(str(getattr(shard, "shard", shard)))
@@ -193,7 +194,7 @@ class SourceReader:
 
         if self._chat is None:
             self._chat = ChatTemplate(self.tokenizer.path, self.tokenizer.raw,
-                                      self.spec.chat.get("train_on", "assistant"))
+                                      self.spec.chat.get("train_on", "assistant"), self.spec.chat.get("template"))
         key = self.spec.chat.get("messages_key", "messages")
         if key not in record:
             raise RecordError(f"{where}: no {key!r} field")

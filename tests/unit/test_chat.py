@@ -93,3 +93,35 @@ def test_the_sandbox_refuses_what_templates_must_not_do(tmp_path):
     ours, _ = _pair(tmp_path, "evil", "{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatError):
         ours.render([{"role": "user", "content": "x"}])
+
+
+def test_a_named_template_file_replaces_the_tokenizers(tmp_path):
+    """chat.template: the tokenizer carries the plain llama3 template, the job names the tagged
+    twin; the job check reads and hashes it, and the samples are transformers' with that template."""
+    from msd_common.spec import parse_job
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(TEMPLATES, "llama3.jinja")) as f:
+        plain = f.read()
+    path = write_tokenizer_dir(str(tmp_path / "tok"), template=plain)
+    tagged = os.path.join(TEMPLATES, "llama3_training.jinja")
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    raw = {"seed": 1, "sources": {"chat": {"format": "jsonl", "paths": [str(data)], "tokenizer": path,
+                                           "chat": {"template": tagged}}},
+           "batch": {"seq_len": 256, "micro_batch_size": 1, "global_batch_size": 1}, "topology": {"dp": 1},
+           "mixture": {"weights": {"chat": 1.0}}}
+    (source,) = parse_job(raw, str(tmp_path / "job.yaml")).sources
+    assert source.chat["template"] == tagged
+    ours = ChatTemplate(path, Tokenizer.from_file(os.path.join(path, "tokenizer.json")), "assistant",
+                        source.chat["template"])
+    assert ours.tagged and ours.origin == tagged
+    hf = AutoTokenizer.from_pretrained(path)
+    rng = random.Random(2)
+    for _ in range(10):
+        messages = conversation(rng)
+        ref = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                     chat_template=open(tagged).read())
+        got = ours.render(messages)
+        assert got.tokens.tolist() == list(ref["input_ids"]) and got.loss_mask.tolist() == list(ref["assistant_masks"])

@@ -7,6 +7,7 @@ Qwen-VL processor is built here without its video processor)."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -150,3 +151,33 @@ def test_the_job_file_checks_a_processor_source(made, tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_job(context, str(tmp_path / "job.yaml"))
     assert any("cp" in p for p in e.value.problems), e.value.problems
+
+
+def test_a_template_without_generation_tags_is_refused_unless_a_training_template_is_named(made, tmp_path):
+    """Qwen's published processors carry a template without {% generation %} tags: transformers'
+    assistant mask would be all zeros. The job check says so; chat.template names TRL's instead."""
+    import shutil
+
+    proc, data, records = made
+    published = tmp_path / "published"
+    shutil.copytree(proc, published)
+    tagged = (published / "chat_template.jinja").read_text()
+    untagged = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", tagged)
+    assert untagged != tagged and "endgeneration" not in untagged
+    (published / "chat_template.jinja").write_text(untagged)
+    (tmp_path / "training.jinja").write_text(tagged)
+    with pytest.raises(ConfigError) as e:
+        parse_job(_job(tmp_path, str(published)), str(tmp_path / "job.yaml"))
+    assert any(p.startswith("sources.vqa.chat.template") and "no {% generation %} tags" in p
+               for p in e.value.problems), e.value.problems
+    parse_job(_job(tmp_path, str(published), chat={"train_on": "all"}), str(tmp_path / "job.yaml"))
+    job = parse_job(_job(tmp_path, str(published), chat={"template": "training.jinja"}), str(tmp_path / "job.yaml"))
+    (source,) = job.sources
+    assert source.chat["template"] == str(tmp_path / "training.jinja") and source.chat["template_hash"]
+    with pytest.raises(ConfigError) as e:
+        parse_job(_job(tmp_path, str(published), chat={"template": "nope.jinja"}), str(tmp_path / "job.yaml"))
+    assert any(p.startswith("sources.vqa.chat.template") and "nope.jinja" in p for p in e.value.problems)
+    # rendered with the named template: the sample of the processor whose own template has the tags
+    np.testing.assert_array_equal(
+        ProcessorChat(str(published), template=source.chat["template"]).render(records[1], data).loss_mask,
+        ProcessorChat(proc).render(records[1], data).loss_mask)
