@@ -51,16 +51,21 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("patches_per_image", "int64", "[images]", "jobs with images, first stage", "Patches of each image."),
     BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
              "patch's placeholder token."),
-    BatchKey("pixel_values", "float32", "the processor's, e.g. [patches, 1176]", "jobs with a processor source, "
+    BatchKey("pixel_values", "float32", "the processor's: [patches, 1176] (Qwen2.5-VL), [images, 3, 896, 896] "
+             "(Gemma 3)", "jobs with a processor source, "
              "micro-batches with images", "The processor's pixel values, image after image in packing order "
              "(concatenated along the first axis, as the model's forward takes them)."),
     BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
              "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),
     BatchKey("mm_token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",
-             "The processor's per-token modality ids (1 on image tokens), laid out as `tokens`, 0 elsewhere. Any "
-             "other per-token array a processor returns (`token_type_ids`) is laid out the same way."),
+             "The processor's per-token modality ids (1 on image tokens; Qwen-VL), laid out as `tokens`, 0 "
+             "elsewhere."),
+    BatchKey("token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",
+             "The same for processors that name it so (Gemma 3: 1 on image tokens, which its attention lets see "
+             "each other both ways)."),
     BatchKey("images_per_sample", "int64", "[P]", "jobs with a processor source", "Images of each piece, in "
-             "`doc_keys` order (0 for text)."),
+             "`doc_keys` order (0 for text): its rows of `image_grid_thw`, or for processors without one its rows "
+             "of `pixel_values` (Gemma 3: one per image, and one per crop with pan-and-scan)."),
     BatchKey("cu_seqlens_padded", "int32", "[S + 1]", "cp > 1", "Segment boundaries with each segment padded to a "
              "multiple of 2 x cp (rows are flattened to `[1, n]`)."),
     BatchKey("cp_cu_seqlens", "int32", "[S + 1]", "cp > 1", "This context-parallel rank's share of each segment."),

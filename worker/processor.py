@@ -124,13 +124,15 @@ class ProcessorChat:
                 self.template = f.read()
         self.train_on, self.messages_key, self.tools_key = train_on, messages_key, tools_key
         self.max_image_pixels = max_image_pixels
-        tokenizer = self.processor.tokenizer
+        # the tokens that stand for image features: Qwen's <|image_pad|>, Gemma 3's <image_soft_token>
+        # (not its image_token_id, which is the <start_of_image> marker the template writes)
+        ids = [i for i in getattr(self.processor, "image_token_ids", None) or () if i is not None]
         token = getattr(self.processor, "image_token", None)
-        self.image_token_id = getattr(self.processor, "image_token_id", None)
-        if self.image_token_id is None and token is not None:
-            self.image_token_id = tokenizer.convert_tokens_to_ids(token)
-        if self.image_token_id is None:
+        if not ids and token is not None:
+            ids = [self.processor.tokenizer.convert_tokens_to_ids(token)]
+        if not ids:
             raise ValueError(f"{path}: the processor names no image token")
+        self.image_token_ids = np.array(sorted(set(ids)), np.int32)
 
     def render(self, record: dict[str, Any], base_dir: str) -> ProcessedSample:
         """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong."""
@@ -147,7 +149,7 @@ class ProcessorChat:
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
         tokens = np.asarray(out["input_ids"]).reshape(-1).astype(np.int32)
         n = len(tokens)
-        is_image = tokens == self.image_token_id
+        is_image = np.isin(tokens, self.image_token_ids)
         if self.train_on == "all":
             mask = (~is_image).astype(np.uint8)
         else:

@@ -36,6 +36,32 @@ QWEN2_5_VL_PREPROCESSOR: dict[str, Any] = {
 }
 
 
+GEMMA3_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>"]
+
+# google/gemma-3-4b-it's preprocessor_config.json and processor_config.json: every image is
+# resized to 896 x 896 and becomes 256 image tokens (a fixed count, no grid)
+GEMMA3_PREPROCESSOR: dict[str, Any] = {
+    "do_convert_rgb": None,
+    "do_normalize": True,
+    "do_pan_and_scan": None,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Gemma3ImageProcessor",
+    "image_seq_length": 256,
+    "image_std": [0.5, 0.5, 0.5],
+    "pan_and_scan_max_num_crops": None,
+    "pan_and_scan_min_crop_size": None,
+    "pan_and_scan_min_ratio_to_activate": None,
+    "processor_class": "Gemma3Processor",
+    "resample": 2,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 896, "width": 896},
+}
+GEMMA3_PROCESSOR = {"image_seq_length": 256, "processor_class": "Gemma3Processor"}
+
+
 def trl_template(name: str) -> str:
     """A chat template that TRL ships (trl/chat_templates/NAME.jinja)."""
     return resources.files("trl").joinpath("chat_templates", f"{name}.jinja").read_text(encoding="utf-8")
@@ -115,3 +141,26 @@ def spoil_images(folder: str, records: list[dict[str, Any]], spoiled: dict[int, 
             os.remove(path)
         else:
             raise ValueError(f"unknown spoil {how!r}")
+
+
+def write_gemma3_processor(path: str, vocab_size: int = 600, pan_and_scan: bool = False) -> str:
+    """A Gemma 3 processor directory at `path`: the published image processor and processor
+    configuration (896 x 896, 256 tokens an image; with `pan_and_scan`, an image of a wide enough
+    aspect also gives crops, each another 256 tokens), a BPE tokenizer trained here with Gemma's
+    special tokens, and TRL's gemma3 training template."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(GEMMA3_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+              "add_bos_token": False, "model_max_length": 1 << 20,
+              "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                       "image_token": "<image_soft_token>"}}
+    preprocessor = dict(GEMMA3_PREPROCESSOR)
+    if pan_and_scan:
+        preprocessor["do_pan_and_scan"] = True
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor),
+                        ("processor_config.json", GEMMA3_PROCESSOR)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(trl_template("gemma3_training"))
+    return path

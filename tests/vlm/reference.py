@@ -4,9 +4,10 @@ the Qwen-VL processors whole). Not imported by the tests: run as a script by tes
 
     .venv-vlm/bin/python tests/vlm/reference.py PROCESSOR_DIR CONVERSATIONS.jsonl OUT.npz [BACKEND]
 
-For each record i: i/input_ids, i/assistant_masks, i/pixel_values, i/image_grid_thw (when it has
-images), i/position_ids (the model's own get_rope_index, [3, n]), or i/error (why the processor
-refused it). BACKEND ("pil" by default) is the image processor's, as `image_backend` in a job.
+For each record i: every array the processor returns (i/input_ids, i/assistant_masks, and the
+per-token ones such as token_type_ids, as [n]; i/pixel_values, i/image_grid_thw as they come),
+for the Qwen-VL processors i/position_ids (the model's own get_rope_index, [3, n]); or i/error (why
+the processor refused it). BACKEND ("pil" by default) is the image processor's, as `image_backend` in a job.
 """
 
 import functools
@@ -24,8 +25,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 def main(processor_dir: str, conversations: str, out: str, backend: str = "pil") -> None:
     image_processor = AutoImageProcessor.from_pretrained(processor_dir, backend=backend)
     processor = AutoProcessor.from_pretrained(processor_dir, image_processor=image_processor)
+    mrope = type(processor).__name__.startswith("Qwen")
     model = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(
-        spatial_merge_size=image_processor.merge_size, tokens_per_second=2)))
+        spatial_merge_size=getattr(image_processor, "merge_size", 2), tokens_per_second=2)))
     model.get_vision_position_ids = functools.partial(Qwen2_5_VLModel.get_vision_position_ids, model)
     base = os.path.dirname(os.path.abspath(conversations))
     arrays = {}
@@ -42,15 +44,16 @@ def main(processor_dir: str, conversations: str, out: str, backend: str = "pil")
             arrays[f"{i}/error"] = np.array(f"{type(e).__name__}: {e}")
             continue
         ids = out_["input_ids"]
-        grids = out_.get("image_grid_thw")
-        positions, _ = Qwen2_5_VLModel.get_rope_index(model, ids, out_["mm_token_type_ids"].int(),
-                                                      image_grid_thw=grids)
-        arrays[f"{i}/input_ids"] = ids[0].numpy()
-        arrays[f"{i}/assistant_masks"] = np.asarray(out_["assistant_masks"][0])
-        arrays[f"{i}/position_ids"] = positions[:, 0].numpy()
-        if grids is not None:
-            arrays[f"{i}/pixel_values"] = out_["pixel_values"].numpy()
-            arrays[f"{i}/image_grid_thw"] = grids.numpy()
+        if mrope:
+            positions, _ = Qwen2_5_VLModel.get_rope_index(model, ids, out_["mm_token_type_ids"].int(),
+                                                          image_grid_thw=out_.get("image_grid_thw"))
+            arrays[f"{i}/position_ids"] = positions[:, 0].numpy()
+        for name, value in out_.items():
+            if name == "attention_mask":
+                continue
+            value = np.asarray(value)
+            per_token = value.ndim == 2 and value.shape == tuple(ids.shape)
+            arrays[f"{i}/{name}"] = value[0] if per_token else value
     np.savez(out, **arrays)
 
 

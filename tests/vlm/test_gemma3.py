@@ -1,0 +1,98 @@
+"""A second family, with another image scheme: Gemma 3 resizes every image to 896 x 896 and gives
+it a fixed 256 image tokens (between <start_of_image> and <end_of_image>), with token_type_ids
+marking them, and plain (1-D) positions. Through real workers and ranks, checked against
+transformers' AutoProcessor in the reference environment: token, mask, token type and pixel."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import orjson
+import pytest
+
+from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations
+from msd_common.doc_keys import split_doc_key
+from tests.conftest import write_job
+from tests.integration.harness import run_job
+from tests.vlm.conftest import reference
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
+
+RECORDS = 10
+IMAGE_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def gemma_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    processor = write_gemma3_processor(str(root / "gemma"))
+    write_image_conversations(str(root / "data"), RECORDS, seed=8, sizes=(40, 300), max_images=1)
+    os.makedirs(root / "text")
+    with open(root / "text" / "notes.jsonl", "wb") as f:
+        for i in range(20):
+            f.write(orjson.dumps({"text": f"note {i}: " + "plain text " * (5 + i)}) + b"\n")
+    from tokenizers import Tokenizer
+
+    pad_id = Tokenizer.from_file(os.path.join(processor, "tokenizer.json")).token_to_id("<pad>")
+    job = {
+        "seed": 4,
+        "sources": {
+            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "gemma"},
+            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
+        },
+        "batch": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
+        "topology": {"dp": 2},
+        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
+    }
+    path = write_job(str(root), job)
+    log = str(root / "job.log")
+    received = run_job(path, workers=2, ranks=2, steps=4, log_path=log, timeout_s=300)
+    ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
+    return received, ref, open(log).read()
+
+
+def test_samples_equal_transformers_gemma3_processor(gemma_run):
+    from trainer_client.batch import BATCH_KEYS
+
+    received, ref, log = gemma_run
+    schema = {k.key for k in BATCH_KEYS}
+    checked = images_checked = texts = 0
+    for batches in received.values():
+        for b in batches:
+            assert set(b) - {"received_at"} <= schema, set(b) - schema
+            assert b["position_ids"].shape == b["tokens"].shape  # plain positions: no mrope
+            keys, lengths = b["doc_keys"].tolist(), b["piece_lengths"].tolist()
+            k = image = 0
+            for row, count in enumerate(b["pieces_per_row"].tolist()):
+                start = 0
+                for _ in range(count):
+                    source, record = split_doc_key(keys[k])
+                    n, images = lengths[k], int(b["images_per_sample"][k])
+                    span = slice(start, start + n)
+                    np.testing.assert_array_equal(b["position_ids"][row, span], np.arange(n))
+                    if source == 1:
+                        assert images == 0
+                        texts += 1
+                    else:
+                        expected = ref[record]
+                        np.testing.assert_array_equal(b["tokens"][row, span], expected["input_ids"])
+                        mask = b["loss_mask"][row, span]
+                        np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
+                        assert mask.sum() > 0
+                        np.testing.assert_array_equal(b["token_type_ids"][row, span], expected["token_type_ids"])
+                        assert int(expected["token_type_ids"].sum()) == IMAGE_TOKENS * images
+                        assert images == len(expected["pixel_values"]) > 0
+                        np.testing.assert_array_equal(b["pixel_values"][image:image + images],
+                                                      expected["pixel_values"])  # [images, 3, 896, 896]
+                        images_checked += images
+                        checked += 1
+                    image += images
+                    start += n
+                    k += 1
+            assert image == len(b.get("pixel_values", ()))
+            # no label is an image token
+            assert not (b["loss_mask"][:, :-1] * (b.get("token_type_ids", 0 * b["tokens"]) == 1)[:, 1:]).any()
+    assert checked >= 8 and images_checked >= 8 and texts > 0
+    assert "exited with" not in log
