@@ -15,7 +15,7 @@ VLM_STAMP := $(VLM_VENV)/.installed
 VLM_TORCH := torch==2.14.1 torchvision==0.29.1
 VLM_TRANSFORMERS := transformers==5.24.0
 
-.PHONY: install .venv-vlm demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env clean image k8s-manifests
+.PHONY: install .venv-vlm demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
 
 # tools/install.sh is the one install script: the container image (Dockerfile) runs it too.
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
@@ -65,6 +65,10 @@ bench: $(STAMP)
 	$(PY) tools/bench_dataplane.py --json bench-dataplane.json
 
 # tools/bench_packing.py's torchtune baseline, kept out of the project's venv (torchtune pins torchao)
+# Megatron-Energon in the vision-language reference environment, for tools/bench_vlm.py
+bench-vlm-env: $(VLM_STAMP)
+	$(VLM_VENV)/bin/pip install --quiet megatron-energon==7.4.1
+
 bench-packing-env:
 	$(PYTHON) -m venv .venv-torchtune
 	.venv-torchtune/bin/pip install --quiet $(TORCH)

@@ -152,7 +152,8 @@ class Worker:
             if self.metrics is not None:
                 self.metrics.pieces.inc(len(action.arrays[0]))
             frames = wire.encode(action.header, *action.arrays)
-            self.outbox.send(action.address, frames, copy=action.arrays[1].nbytes < ZERO_COPY_BYTES)
+            # large messages go without a copy into zmq (a processor's pixel values are megabytes)
+            self.outbox.send(action.address, frames, copy=sum(a.nbytes for a in action.arrays) < ZERO_COPY_BYTES)
         elif isinstance(action, ReleaseRank):
             dropped = self.outbox.release(action.address)
             if dropped:
