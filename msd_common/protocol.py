@@ -173,10 +173,13 @@ class MessageType:
     fields: dict[str, Check]
     arrays: tuple[ArraySpec, ...] = ()
     check: ArrayCheck | None = None  # consistency of the arrays (ranges, totals), after decoding
+    # up to this many more raw byte frames after the arrays (decoded as the list arrays["tail"]):
+    # a processor's arrays, each its own frame, sent without being copied into one
+    tail: int = 0
 
 
-def _msg(name: str, *arrays: ArraySpec, check: ArrayCheck | None = None, **fields: Check) -> MessageType:
-    return MessageType(name, fields, arrays, check)
+def _msg(name: str, *arrays: ArraySpec, check: ArrayCheck | None = None, tail: int = 0, **fields: Check) -> MessageType:
+    return MessageType(name, fields, arrays, check, tail)
 
 
 def _lengths_ok(lengths: Any, what: str) -> None:
@@ -235,6 +238,7 @@ def _check_pieces(header: dict, arrays: dict) -> None:
 # what a piece's extra arrays may hold (a processor's outputs: pixel values, grids, token types, positions)
 EXTRA_DTYPES = ("|u1", "|i1", "|b1", "<u2", "<i2", "<f2", "<u4", "<i4", "<f4", "<i8", "<u8", "<f8")
 MAX_EXTRAS = 16
+MAX_EXTRA_FRAMES = 8192  # a pieces message's extras frames (one per item and array that has rows)
 
 
 def extra_row_bytes(spec: list) -> int:
@@ -247,9 +251,9 @@ def extra_row_bytes(spec: list) -> int:
 def _check_extras(header: dict, arrays: dict, lengths: Any) -> None:
     import numpy as np
 
-    extras, rows, blob = header["extras"], arrays["extra_rows"], arrays["extras"]
+    extras, rows, frames = header["extras"], arrays["extra_rows"], arrays["tail"]
     if not extras:
-        if rows.size or blob.size:
+        if rows.size or frames:
             raise ProtocolError("pieces: extra arrays without their declaration")
         return
     names = [e[0] for e in extras]
@@ -267,9 +271,13 @@ def _check_extras(header: dict, arrays: dict, lengths: Any) -> None:
     for j, (name, _, _, per_token) in enumerate(extras):
         if per_token and ((rows[:, j] != 0) & (rows[:, j] != lengths)).any():
             raise ProtocolError(f"pieces: per-token extra {name!r} must have 0 rows or one per token of its item")
-    size = int((rows * np.array([extra_row_bytes(e) for e in extras], np.int64)).sum())
-    if size != blob.size:
-        raise ProtocolError(f"pieces: extras of {size} bytes declared, frame holds {blob.size}")
+    sizes = (rows * np.array([extra_row_bytes(e) for e in extras], np.int64)).reshape(-1)
+    sizes = sizes[sizes > 0]  # one frame per item and array with rows, item by item, in declaration order
+    if len(sizes) != len(frames):
+        raise ProtocolError(f"pieces: {len(sizes)} extras frames declared, {len(frames)} sent")
+    for size, frame in zip(sizes.tolist(), frames):
+        if frame.size != size:
+            raise ProtocolError(f"pieces: an extras frame of {size} bytes declared holds {frame.size}")
 
 
 def _check_relay_step(header: dict, arrays: dict) -> None:
@@ -419,7 +427,7 @@ JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 # 0 or the item's length for a per-token one; the extras frame: their bytes, item after item, extra after extra
 PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
               ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), ArraySpec("extra_rows", "<u4"),
-              ArraySpec("extras", "|u1"), check=_check_pieces, step=integer(), rank=integer(), dtype=text(8),
+              check=_check_pieces, tail=MAX_EXTRA_FRAMES, step=integer(), rank=integer(), dtype=text(8),
               patch_bytes=integer(0, 1 << 24),
               extras=seq(tup(text(64), text(8), seq(integer(1, 1 << 24), 4), integer(0, 1)), MAX_EXTRAS))
 
@@ -506,8 +514,9 @@ def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType
         raise ProtocolError(f"message type {name!r} not accepted on this socket")
     kind = ALL_TYPES[name]
     _check_fields(header, kind.fields, "")
-    if n_frames != len(kind.arrays):
-        raise ProtocolError(f"{name}: expected {len(kind.arrays)} data frames, got {n_frames}")
+    if not len(kind.arrays) <= n_frames <= len(kind.arrays) + kind.tail:
+        more = f" (and up to {kind.tail} more)" if kind.tail else ""
+        raise ProtocolError(f"{name}: expected {len(kind.arrays)} data frames{more}, got {n_frames}")
     if any(spec.dtype is None for spec in kind.arrays) and header["dtype"] not in TOKEN_DTYPES:
         raise ProtocolError(f"{name}: dtype {header['dtype']!r} not one of {TOKEN_DTYPES}")
     return kind

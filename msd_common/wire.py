@@ -18,11 +18,17 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def encode(header: dict[str, Any], *arrays: "np.ndarray") -> list[Any]:
+def encode(header: dict[str, Any], *arrays: "np.ndarray", tail: Sequence["np.ndarray"] = ()) -> list[Any]:
     """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs,
-    each as the spec's little-endian dtype (converted only where it differs) and C-contiguous.
+    each as the spec's little-endian dtype (converted only where it differs) and C-contiguous,
+    then the `tail` arrays' bytes, a frame each (a type that takes them: PIECES' extras).
     Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
+    if tail:
+        import numpy as np
+
+        arrays_frames = encode(header, *arrays)[1:]
+        return [*frames, *arrays_frames, *(memoryview(np.ascontiguousarray(t)).cast("B") for t in tail)]
     if not arrays:
         return frames
     import numpy as np  # here, not at the top: the host agent's messages carry no arrays
@@ -63,8 +69,8 @@ def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, An
     ProtocolError for anything malformed: frame count or size, header schema, array consistency."""
     if not frames:
         raise ProtocolError("empty message")
-    if len(frames) > protocol.MAX_FRAMES:
-        raise ProtocolError(f"{len(frames)} frames exceeds {protocol.MAX_FRAMES}")
+    if len(frames) > protocol.MAX_FRAMES + protocol.MAX_EXTRA_FRAMES:
+        raise ProtocolError(f"{len(frames)} frames exceeds {protocol.MAX_FRAMES + protocol.MAX_EXTRA_FRAMES}")
     views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
     for v in views[1:]:
         if v.nbytes > protocol.MAX_FRAME_BYTES:
@@ -82,6 +88,11 @@ def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, An
                                 f"{spec.cols} x {dtype.str} rows")
         a = np.frombuffer(view, dtype=dtype) if view.nbytes else np.zeros(0, dtype)
         arrays[spec.name] = a.reshape(-1, spec.cols) if spec.cols > 1 else a
+    if kind.tail:
+        import numpy as np
+
+        arrays["tail"] = [np.frombuffer(v, dtype=np.uint8) if v.nbytes else np.zeros(0, np.uint8)
+                          for v in views[1 + len(kind.arrays):]]
     if kind.check is not None:
         kind.check(header, arrays)
     return header, arrays

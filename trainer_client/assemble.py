@@ -97,7 +97,7 @@ class StepAssembler:
 
     def add(self, items: np.ndarray, tokens: np.ndarray, patch_counts: np.ndarray | None = None,
             patches: np.ndarray | None = None, loss_mask: np.ndarray | None = None, extras: list | None = None,
-            extra_rows: np.ndarray | None = None, extra_bytes: np.ndarray | None = None) -> int:
+            extra_rows: np.ndarray | None = None, extra_frames: list[np.ndarray] | None = None) -> int:
         """Copy in the pieces of one message: items [piece, doc_key, offset, length] rows (piece:
         the index of the piece in this step's recipe) whose tokens are concatenated in `tokens`,
         and (image-text pieces) the patches of each item's image placeholders, concatenated in
@@ -141,28 +141,26 @@ class StepAssembler:
                 if counts[k]:
                     self.patches[i] = patches[patch_at[k]: patch_at[k] + counts[k]]
         if extras:
-            self._add_extras(take, piece, len(items), extras, extra_rows, extra_bytes)
+            self._add_extras(take, piece, len(items), extras, extra_rows, extra_frames or [])
         return len(items) - len(take)
 
     def _add_extras(self, take: np.ndarray, piece: np.ndarray, n_items: int, extras: list,
-                    extra_rows: np.ndarray, blob: np.ndarray) -> None:
-        """Keep the processor's arrays of the taken items (views of the message's bytes)."""
+                    extra_rows: np.ndarray, frames: list[np.ndarray]) -> None:
+        """Keep the processor's arrays of the taken items (views of the message's frames: one per
+        item and array with rows, item by item in declaration order)."""
         specs = []
         for name, dtype, shape, per_token in extras:
             spec = (np.dtype(dtype), tuple(shape), bool(per_token))
             self.extra_specs.setdefault(name, spec)
             specs.append((name, *spec))
-        row_bytes = np.array([dt.itemsize * int(np.prod(shape, dtype=np.int64)) for _, dt, shape, _ in specs],
-                             np.int64)
-        nbytes = np.asarray(extra_rows, np.int64).reshape(n_items, len(specs)) * row_bytes
-        at = np.concatenate([[0], np.cumsum(nbytes.reshape(-1))]).reshape(-1)
+        rows = np.asarray(extra_rows, np.int64).reshape(n_items, len(specs))
+        first = np.concatenate([[0], np.cumsum((rows > 0).sum(axis=1))])  # each item's first frame
         for k, i in zip(take.tolist(), piece.tolist()):
-            mine = {}
+            mine, f = {}, int(first[k])
             for j, (name, dtype, shape, _) in enumerate(specs):
-                start = int(at[k * len(specs) + j])
-                size = int(nbytes[k, j])
-                if size:
-                    mine[name] = blob[start: start + size].view(dtype).reshape(-1, *shape)
+                if rows[k, j]:
+                    mine[name] = frames[f].view(dtype).reshape(-1, *shape)
+                    f += 1
             if mine:
                 self.extras[i] = mine
 

@@ -189,7 +189,7 @@ class ReceivingState:
         step = msg["step"]
         items = arrays["items"]  # PIECE_ITEM rows
         payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"], msg["extras"],
-                   arrays["extra_rows"], arrays["extras"])
+                   arrays["extra_rows"], arrays["tail"])
         if step >= P.EVAL_STEP_BASE:  # a piece of an eval pass
             if step in self.eval_done:
                 self.duplicates += len(items)

@@ -63,6 +63,7 @@ class ToRank:
     address: str  # the rank's data socket
     header: dict[str, Any]  # a `pieces` message
     arrays: tuple[np.ndarray, ...]
+    tail: tuple[np.ndarray, ...] = ()  # its extras: a processor's arrays, a frame each, never copied into one
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,22 +191,23 @@ class DeliveryPieces:
             self.extra_specs[name] = [name, a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str,
                                       list(a.shape[1:]), int(per_token)]
 
-    def join_extras(self, order: list[int]) -> tuple[list, np.ndarray, np.ndarray]:
-        """The extras of these pieces (in order): their declarations, rows [items x extras], bytes."""
+    def join_extras(self, order: list[int]) -> tuple[list, np.ndarray, list[np.ndarray]]:
+        """The extras of these pieces (in order): their declarations, rows [items x extras], and
+        the arrays that have rows, item by item in declaration order (each its own frame: the
+        pixel values, megabytes a sample, go to zmq as they are, never concatenated)."""
         names = sorted({name for i in order if self.extras[i] for name in self.extras[i]})
         if not names:
-            return [], np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+            return [], np.zeros(0, np.uint32), []
         specs = [self.extra_specs[name] for name in names]
         rows = np.zeros((len(order), len(names)), np.uint32)
-        blobs = []
+        frames = []
         for k, i in enumerate(order):
             for j, name in enumerate(names):
                 a = (self.extras[i] or {}).get(name)
                 if a is not None and len(a):
                     rows[k, j] = len(a)
-                    blobs.append(np.ascontiguousarray(a, dtype=specs[j][1]).reshape(-1).view(np.uint8))
-        blob = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
-        return specs, rows.reshape(-1), blob
+                    frames.append(np.ascontiguousarray(a, dtype=specs[j][1]).reshape(-1).view(np.uint8))
+        return specs, rows.reshape(-1), frames
 
     def join(self, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """One rank's message from the rows `mine` selects: its servable rows grouped by source
@@ -435,11 +437,11 @@ class WorkerCore:
             message = pieces.join(ranks == rank)
             if message is None:
                 continue
-            rows, tokens, patch_counts, patches, mask, extras, extra_rows, blob = message
+            rows, tokens, patch_counts, patches, mask, extras, extra_rows, frames = message
             header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
                             patch_bytes=patches.shape[1] if patches.size else 0, extras=extras)
             out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
-                                                patches.reshape(-1), mask, extra_rows, blob)))
+                                                patches.reshape(-1), mask, extra_rows), tuple(frames)))
         if self.cache:  # only records that are not memory-mapped are cached
             for key, epoch in zip(release.tolist(), _epochs(release_epochs, len(release)).tolist()):
                 key = _cache_key(key, epoch)

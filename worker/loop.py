@@ -151,9 +151,10 @@ class Worker:
         elif isinstance(action, ToRank):
             if self.metrics is not None:
                 self.metrics.pieces.inc(len(action.arrays[0]))
-            frames = wire.encode(action.header, *action.arrays)
+            frames = wire.encode(action.header, *action.arrays, tail=action.tail)
             # large messages go without a copy into zmq (a processor's pixel values are megabytes)
-            self.outbox.send(action.address, frames, copy=sum(a.nbytes for a in action.arrays) < ZERO_COPY_BYTES)
+            size = sum(a.nbytes for a in action.arrays) + sum(a.nbytes for a in action.tail)
+            self.outbox.send(action.address, frames, copy=size < ZERO_COPY_BYTES)
         elif isinstance(action, ReleaseRank):
             dropped = self.outbox.release(action.address)
             if dropped:

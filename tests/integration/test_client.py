@@ -96,7 +96,7 @@ def test_data_socket_drops_malformed_messages_and_keeps_serving(job_path):
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(client.data_address)
         no_patches = (np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"),  # no patches, no mask, no extras
-                      np.zeros(0, "<u4"), np.zeros(0, "|u1"))
+                      np.zeros(0, "<u4"))
         good_header = P.make(P.PIECES, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[])
         bad = [
             [b"garbage"],

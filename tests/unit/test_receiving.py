@@ -30,7 +30,7 @@ def _pieces(step, indices, recipe):
     tokens = np.concatenate([np.arange(int(recipe[i][2]), dtype=np.uint16) + 10 * i for i in indices])
     header = P.make(P.PIECES, step=step, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     return wire.encode(header, items, tokens, np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint8),
-                       np.zeros(0, np.uint32), np.zeros(0, np.uint8))
+                       np.zeros(0, np.uint32))
 
 
 def test_a_step_is_finished_once_its_recipe_and_every_piece_are_in_whatever_the_order():

@@ -9,15 +9,15 @@ from msd_common import wire
 from msd_common.errors import ProtocolError
 
 
-def _frames(header, *arrays):
-    return [bytes(f) for f in wire.encode(header, *arrays)]
+def _frames(header, *arrays, tail=()):
+    return [bytes(f) for f in wire.encode(header, *arrays, tail=tail)]
 
 
 def _pieces(items, tokens, **header):
     h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0, extras=[])
     h.update(header)
     return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"),
-                   np.zeros(0, "|u1"), np.zeros(0, "<u4"), np.zeros(0, "|u1"))
+                   np.zeros(0, "|u1"), np.zeros(0, "<u4"))
 
 
 def test_pieces_round_trip_keeps_arrays_exact():
@@ -75,7 +75,7 @@ def test_missing_field_and_frame_count():
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
         wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2"), np.zeros(0, "<u4"),
-                            np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4"), np.zeros(0, "|u1")),
+                            np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4")),
                     P.TRAINER_DATA_INBOX)
     ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     with pytest.raises(ProtocolError, match="data frames"):
@@ -88,7 +88,12 @@ def test_oversized_and_undecodable_headers():
     with pytest.raises(ProtocolError, match="undecodable"):
         wire.decode([b"\xc1"], P.COORDINATOR_INBOX)
     with pytest.raises(ProtocolError, match="frames"):
-        wire.decode([b"x"] * (P.MAX_FRAMES + 1), P.COORDINATOR_INBOX)
+        wire.decode([b"x"] * (P.MAX_FRAMES + P.MAX_EXTRA_FRAMES + 1), P.COORDINATOR_INBOX)
+    # only a type that takes trailing frames (pieces' extras) may have more than its arrays
+    with pytest.raises(ProtocolError, match="expected 2 data frames, got 3"):
+        wire.decode(_frames(P.make(P.RELAY_UP, relay_id=1, messages=[], ranks=[], bytes_in=0, bytes_out=0, queued=0,
+                                   late_steps=0), np.zeros((0, len(P.RELAY_CONSUMED)), "<i8"), np.zeros(0, "<f8"))
+                    + [b"x"], P.COORDINATOR_INBOX)
     # binary blobs are never accepted in headers (nothing may smuggle payloads or objects there)
     with pytest.raises(ProtocolError):
         wire.decode([msgpack.packb({"type": "consumed", "rank": 0, "step": b"\x00"}, use_bin_type=True)],
@@ -102,8 +107,7 @@ def test_pieces_with_image_patches_must_add_up():
 
     def frames(counts, patch_bytes=12, data=patches):
         h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes, extras=[])
-        return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"), np.zeros(0, "<u4"),
-                       np.zeros(0, "|u1"))
+        return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"), np.zeros(0, "<u4"))
 
     _, arrays = wire.decode(frames([3, 0]), P.TRAINER_DATA_INBOX)
     assert arrays["patch_counts"].tolist() == [3, 0] and arrays["patches"].size == 36
@@ -119,16 +123,19 @@ def test_pieces_with_a_processors_arrays_must_add_up():
     extras = [["mm_token_type_ids", "<i8", [], 1], ["pixel_values", "<f4", [6], 0]]
     pixels = np.arange(3 * 6, dtype="<f4")  # 3 rows of the first item, none of the second
 
-    def frames(rows, data=pixels, declared=extras):
-        blob = np.concatenate([np.zeros(4, "<i8").view(np.uint8), data.view(np.uint8)])
+    def frames(rows, data=pixels, declared=extras, tail=None):
         h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=declared)
+        tail = [np.zeros(4, "<i8").view(np.uint8), data.view(np.uint8)] if tail is None else tail
         return _frames(h, items, tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"),
-                       np.array(rows, "<u4"), blob)
+                       np.array(rows, "<u4"), tail=tail)
 
     _, arrays = wire.decode(frames([4, 3, 0, 0]), P.TRAINER_DATA_INBOX)
-    assert arrays["extra_rows"].tolist() == [4, 3, 0, 0] and arrays["extras"].size == 32 + 72
-    for bad, why in [(frames([4, 2, 0, 0]), "frame holds"), (frames([3, 3, 0, 0]), "one per token"),
+    assert arrays["extra_rows"].tolist() == [4, 3, 0, 0] and [f.size for f in arrays["tail"]] == [32, 72]
+    np.testing.assert_array_equal(arrays["tail"][1].view("<f4"), pixels)
+    for bad, why in [(frames([4, 2, 0, 0]), "72 bytes declared holds|48 bytes declared holds 72"),
+                     (frames([3, 3, 0, 0]), "one per token"),
                      (frames([4, 3, 0]), "counts for 2 items"),
+                     (frames([4, 3, 0, 0], tail=[np.zeros(32, np.uint8)]), "2 extras frames declared, 1 sent"),
                      (frames([4, 3, 0, 0], declared=[extras[0], ["pixel_values", "object", [6], 0]]), "dtype"),
                      (frames([4, 3, 0, 0], declared=[extras[0], extras[0]]), "named twice")]:
         with pytest.raises(ProtocolError, match=why):
