@@ -139,6 +139,8 @@ def protocol_md() -> str:
     for name, m in sorted(p.ALL_TYPES.items()):
         to = ", ".join(role for role, inbox in inboxes.items() if name in inbox)
         arrays = ", ".join(f"`{a.name}`" + (f" ({', '.join(a.columns._fields)})" if a.columns else "") for a in m.arrays)
+        if m.tail:
+            arrays += f", then up to {m.tail} more frames (a processor's arrays, one per item and array)"
         out.append(f"| {_name(name)} | {to} | {', '.join(f'`{f}`' for f in m.fields)} | {arrays} |")
     return "\n".join(out) + "\n"
 
