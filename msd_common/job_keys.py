@@ -154,7 +154,9 @@ KEYS: tuple[Key, ...] = (
     Key("runtime.lookahead_steps", "integer >= 1", "4", "Steps planned and prepared ahead of the slowest rank."),
     Key("runtime.heartbeat_s", "number > 0", "1.0", "Heartbeat period of workers and clients; a peer silent for "
         "several periods is presumed dead."),
-    Key("runtime.prepare_batch", "integer >= 1", "64", "Documents per prepare request to a worker."),
+    Key("runtime.prepare_batch", "integer >= 1", "64; 8 with a processor source", "Documents per prepare request "
+        "to a worker. A worker holds what it prepared until it is delivered: a processor's sample carries "
+        "megabytes of pixel values, hence the smaller default there."),
     Key("runtime.status_every_s", "number", "30.0", "How often `STATE/status.json` is written."),
     Key("runtime.allocation", "adaptive | fixed", "adaptive", "Workers assigned to sources by measured cost "
         "(adaptive) or evenly (fixed)."),

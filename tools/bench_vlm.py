@@ -9,9 +9,8 @@ the environment `make bench-vlm-env` makes).
 
 Throughput: samples per second of one rank with one worker process, after its first batch, the
 loaders alternated over --rounds rounds (medians, with min and max). msd: `msd coordinator
---worker-procs 1` and a DataClient in this process, with the default `runtime.lookahead_steps: 4`
-and again with 1 (`msd_lookahead_1`: what is prepared ahead is held in memory, and a processor's
-pixel values are megabytes a sample); Energon: get_loader with num_workers=1.
+--worker-procs 1` and a DataClient in this process, the job's runtime settings left at their
+defaults; Energon: get_loader with num_workers=1.
 Memory: proportional set size (PSS) of every loader process (msd: the coordinator with its
 worker host, fork server and worker; Energon: its worker process) plus the trainer process's PSS
 growth since before its loader existed (torch imported in both), read at the end of a round.
@@ -165,7 +164,7 @@ def pss_kb(pid: int) -> int:
     return pss(pid)
 
 
-def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int, lookahead: int = 4) -> dict:
+def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int) -> dict:
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
 
     from bench_e2e import MsdCommands
@@ -178,8 +177,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         json.dump({"seed": 3, "sources": {"vqa": {"format": "jsonl", "paths": [jsonl], "processor": processor}},
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
-                   "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}},
-                   "runtime": {"lookahead_steps": lookahead}}, f)
+                   "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}}}, f)
     before = pss_kb(os.getpid())
     cluster = MsdCommands(job, 1, in_coordinator=True)
     client = DataClient(cluster.address, rank=0, as_torch=False)
@@ -305,15 +303,14 @@ def main() -> None:
                         "tokens_per_sample": {"mean": float(tokens.mean()), "max": int(tokens.max())},
                         "patches_per_sample": {"mean": float(patches.mean()), "max": int(patches.max())},
                         "data_s": time.perf_counter() - t0}
-        rounds: dict[str, list[dict]] = {"msd": [], "energon": [], "msd_lookahead_1": []}
+        rounds: dict[str, list[dict]] = {"msd": [], "energon": []}
         for r in range(args.rounds):
             order = list(rounds) if r % 2 == 0 else list(rounds)[::-1]
             for design in order:
                 if design == "energon":
                     rounds[design].append(energon_throughput(dataset, processor, args.samples))
                 else:
-                    rounds[design].append(msd_throughput(root, processor, jsonl, args.samples, pad_id,
-                                                         1 if design == "msd_lookahead_1" else 4))
+                    rounds[design].append(msd_throughput(root, processor, jsonl, args.samples, pad_id))
                 print(f"# round {r} {design}: {rounds[design][-1]['samples_per_s_per_worker']:.1f} samples/s",
                       file=sys.stderr)
         for design, runs in rounds.items():

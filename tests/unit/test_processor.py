@@ -181,3 +181,14 @@ def test_a_template_without_generation_tags_is_refused_unless_a_training_templat
     np.testing.assert_array_equal(
         ProcessorChat(str(published), template=source.chat["template"]).render(records[1], data).loss_mask,
         ProcessorChat(proc).render(records[1], data).loss_mask)
+
+
+def test_a_job_with_a_processor_source_prepares_fewer_records_a_task(made, tmp_path):
+    """A prepared sample is held until delivered, and a processor's carries megabytes of pixels."""
+    from msd_common.spec import PROCESSOR_PREPARE_BATCH
+
+    proc, _, _ = made
+    assert parse_job(_job(tmp_path, proc), str(tmp_path / "job.yaml")).runtime.prepare_batch == PROCESSOR_PREPARE_BATCH
+    given = _job(tmp_path, proc)
+    given["runtime"] = {"prepare_batch": 32}
+    assert parse_job(given, str(tmp_path / "job.yaml")).runtime.prepare_batch == 32
