@@ -192,3 +192,39 @@ def test_a_job_with_a_processor_source_prepares_fewer_records_a_task(made, tmp_p
     given = _job(tmp_path, proc)
     given["runtime"] = {"prepare_batch": 32}
     assert parse_job(given, str(tmp_path / "job.yaml")).runtime.prepare_batch == 32
+
+
+def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
+    """The Hugging Face datasets layout: an `images` column of {bytes, path} structs and messages
+    whose image parts hold no value (Parquet gives every struct field, None where absent); read
+    through the worker's own SourceReader, the sample is the one the same conversation gives with
+    paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from worker.samples import SourceReader
+
+    proc, data, records = made
+    record = _first_image_record(records)
+    image = next(p["image"] for p in record["messages"][0]["content"] if p["type"] == "image")
+    raw = open(os.path.join(data, image), "rb").read()
+    messages = [{"role": m["role"], "content": [{"type": p["type"], "text": p.get("text")} for p in m["content"]]}
+                for m in record["messages"]]
+    pq.write_table(pa.table({"messages": [messages, messages],
+                             "images": [[{"bytes": raw, "path": "a.png"}], [{"bytes": b"not an image", "path": None}]]}),
+                   tmp_path / "vqa.parquet")
+    job = {"seed": 1, "sources": {"vqa": {"format": "parquet", "paths": [str(tmp_path / "vqa.parquet")],
+                                          "processor": proc}},
+           "batch": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 1}, "topology": {"dp": 1},
+           "mixture": {"weights": {"vqa": 1.0}}}
+    (spec,) = parse_job(job, str(tmp_path / "job.yaml")).worker_job().sources
+    reader = SourceReader(spec)
+    tokens, patches, mask, processed = reader.read_prepared(0, 0)
+    expected = ProcessorChat(proc).render(record, data)
+    np.testing.assert_array_equal(tokens, expected.tokens)
+    np.testing.assert_array_equal(mask, expected.loss_mask)
+    np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
+    from msd_common.formats.errors import RecordError
+
+    with pytest.raises(RecordError, match="does not decode"):  # the bad image skips its record only
+        reader.read_prepared(1, 0)

@@ -117,10 +117,10 @@ class _FailsOn:
     def __init__(self, reader, record: int, error: BaseException) -> None:
         self._reader, self._record, self._error = reader, record, error
 
-    def read_full(self, record: int, epoch: int = 0):
+    def read_prepared(self, record: int, epoch: int = 0):  # what the core calls to prepare a record
         if record == self._record:
             raise self._error
-        return self._reader.read_full(record, epoch)
+        return self._reader.read_prepared(record, epoch)
 
     def __getattr__(self, name):
         return getattr(self._reader, name)

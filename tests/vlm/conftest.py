@@ -27,3 +27,20 @@ def reference(processor_dir: str, conversations: str, out: str, backend: str = "
             i, name = key.split("/")
             by_record.setdefault(int(i), {})[name] = z[key]
     return by_record
+
+
+def write_notes(root: str, n: int) -> str:
+    """A text source beside the images: n JSONL notes of growing length in ROOT/text/notes.jsonl."""
+    import orjson
+
+    os.makedirs(os.path.join(root, "text"), exist_ok=True)
+    with open(os.path.join(root, "text", "notes.jsonl"), "wb") as f:
+        for i in range(n):
+            f.write(orjson.dumps({"text": f"note {i}: " + "plain text " * (5 + i)}) + b"\n")
+    return "text/notes.jsonl"
+
+
+def token_id(processor_dir: str, token: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(processor_dir, "tokenizer.json")).token_to_id(token)

@@ -5,17 +5,15 @@ transformers' AutoProcessor in the reference environment: token, mask, token typ
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
-import orjson
 import pytest
 
 from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations
 from msd_common.doc_keys import split_doc_key
 from tests.conftest import write_job
 from tests.integration.harness import run_job
-from tests.vlm.conftest import reference
+from tests.vlm.conftest import reference, token_id, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -28,13 +26,8 @@ def gemma_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
     processor = write_gemma3_processor(str(root / "gemma"))
     write_image_conversations(str(root / "data"), RECORDS, seed=8, sizes=(40, 300), max_images=1)
-    os.makedirs(root / "text")
-    with open(root / "text" / "notes.jsonl", "wb") as f:
-        for i in range(20):
-            f.write(orjson.dumps({"text": f"note {i}: " + "plain text " * (5 + i)}) + b"\n")
-    from tokenizers import Tokenizer
-
-    pad_id = Tokenizer.from_file(os.path.join(processor, "tokenizer.json")).token_to_id("<pad>")
+    write_notes(str(root), 20)
+    pad_id = token_id(processor, "<pad>")
     job = {
         "seed": 4,
         "sources": {

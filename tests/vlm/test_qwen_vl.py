@@ -6,17 +6,15 @@ source beside them gets plain positions on all three rows."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
-import orjson
 import pytest
 
 from msd.testing.vlm_data import spoil_images, write_image_conversations, write_qwen2_5_vl_processor
 from msd_common.doc_keys import split_doc_key
 from tests.conftest import write_job
 from tests.integration.harness import run_job
-from tests.vlm.conftest import reference
+from tests.vlm.conftest import reference, token_id, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -31,13 +29,8 @@ def vlm_run(tmp_path_factory):
     processor = write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=100_000)
     records = write_image_conversations(str(root / "data"), RECORDS, seed=3, sizes=(40, 240), max_images=2)
     spoil_images(str(root / "data"), records, SPOILED)
-    os.makedirs(root / "text")
-    with open(root / "text" / "notes.jsonl", "wb") as f:
-        for i in range(30):
-            f.write(orjson.dumps({"text": f"note {i}: " + "plain text " * (5 + i)}) + b"\n")
-    from tokenizers import Tokenizer
-
-    pad_id = Tokenizer.from_file(os.path.join(processor, "tokenizer.json")).token_to_id("<|endoftext|>")
+    write_notes(str(root), 30)
+    pad_id = token_id(processor, "<|endoftext|>")
     job = {
         "seed": 11,
         "sources": {
