@@ -108,8 +108,9 @@ KEYS: tuple[Key, ...] = (
         "row or a step ends (pretraining); `whole`: a sample is never cut, rows are padded."),
     Key(f"{SRC}.processor", "string", "none", "Conversations with images: the path of a Hugging Face processor "
         "directory (tokenizer, image processor configuration, chat template); workers make each record what the "
-        "processor's `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)` returns. Needs "
-        "`msd[vision]` on worker hosts."),
+        "processor's `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)` returns. For "
+        "jsonl, parquet and arrow records, and webdataset samples (a `.json` conversation whose image parts name "
+        "the sample's image entries, e.g. `0.jpg`). Needs `msd[vision]` on worker hosts."),
     Key(f"{SRC}.image_backend", "pil | torchvision", "pil", "With a processor: the image processor's backend, the "
         "same on every host (`torchvision` needs torch and torchvision on worker hosts)."),
     # batch

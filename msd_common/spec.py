@@ -92,7 +92,8 @@ class SourceConfig:
     @property
     def has_images(self) -> bool:
         """Images as the built-in patches (uint8, one placeholder per patch)."""
-        return self.format == "webdataset" or (self.transform is not None and self.image_token_id is not None)
+        return ((self.format == "webdataset" and self.processor is None)
+                or (self.transform is not None and self.image_token_id is not None))
 
     @property
     def has_encoder_cost(self) -> bool:
@@ -408,6 +409,9 @@ def _storage(c: _Checker, raw: Any, key: str) -> dict[str, Any] | None:
 LONG_DOCS = ("split", "truncate", "drop")
 PACKING = ("concat", "whole")
 CHAT_FORMATS = ("jsonl", "parquet", "arrow")
+# a processor's conversations: records of these, or WebDataset samples (a JSON conversation whose
+# image parts name the sample's image entries)
+PROCESSOR_FORMATS = (*CHAT_FORMATS, "webdataset")
 IMAGE_BACKENDS = ("pil", "torchvision")  # sources.<name>.image_backend: transformers' image processor backends
 ON_EXHAUSTED = ("renormalize", "stop")
 
@@ -492,7 +496,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     user_code = _user_code(c, key, raw, fmt, tokenizer if ok else None, base)
     if user_code is None:
         ok = False
-    if fmt == "webdataset" or ("transform" in raw and image_token_id is not None):
+    builtin_images = fmt == "webdataset" and "processor" not in raw  # with a processor, the processor's images
+    if builtin_images or ("transform" in raw and image_token_id is not None):
         if image_token_id is None:
             c.bad(f"{key}.image_token_id", "required for webdataset sources (the id of one patch placeholder)")
             ok = False
@@ -508,7 +513,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     else:
         for k in ("image_token_id", "max_pixels", "patch_size"):
             if k in raw:
-                c.bad(f"{key}.{k}", "applies to webdataset sources and sources with a transform only")
+                c.bad(f"{key}.{k}", "applies to webdataset sources without a processor and sources with a "
+                                    "transform only")
                 ok = False
     eod_id = raw.get("eod_id")
     if eod_id is not None and c.integer(eod_id, f"{key}.eod_id", 0) is None:
@@ -577,8 +583,8 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
     if not isinstance(path, str) or not path:
         c.bad(f"{key}.processor", f"expected the path of a processor directory, got {path!r}")
         return None
-    if fmt not in CHAT_FORMATS:
-        c.bad(f"{key}.processor", f"for {', '.join(CHAT_FORMATS)} sources, not {fmt}")
+    if fmt not in PROCESSOR_FORMATS:
+        c.bad(f"{key}.processor", f"for {', '.join(PROCESSOR_FORMATS)} sources, not {fmt}")
         ok = False
     for k in ("tokenizer", "transform", "eod_id"):
         if k in raw:
@@ -652,7 +658,7 @@ def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None
                    max_transform_errors=errors)
     if chat is not None:
         chat = c.mapping(chat, f"{key}.chat", allowed(f"{SRC}.chat"))
-        if fmt not in CHAT_FORMATS:
+        if fmt not in (PROCESSOR_FORMATS if raw.get("processor") is not None else CHAT_FORMATS):
             c.bad(f"{key}.chat", f"for {', '.join(CHAT_FORMATS)} sources, not {fmt}")
             return None
         train_on = chat.get("train_on", "assistant")

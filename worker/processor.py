@@ -20,7 +20,10 @@ Images in a record, in the order of their turns:
   relative to the record's file, an absolute path, bytes, or `{"bytes": ..., "path": ...}` (a
   Parquet struct); a part without a value takes the record's `images` field's next entry;
 - the LLaVA form: `conversations` of `{"from", "value"}` with `<image>` in the text, and the
-  record's `image` (one, or a list).
+  record's `image` (one, or a list);
+- a WebDataset sample: its `.json` entry is the record, and an image value names one of the
+  sample's image entries by suffix (`"0.jpg"`), or a part without a value takes the sample's
+  image entries in suffix order (the layout Megatron-Energon's crude datasets use).
 Every image's size is read from its header and checked against `max_image_pixels` before its
 pixels are decoded; a corrupt, truncated or oversized image skips its record (ImageRecordError).
 """
@@ -136,7 +139,10 @@ class ProcessorChat:
 
     def render(self, record: dict[str, Any], base_dir: str) -> ProcessedSample:
         """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong."""
-        messages, images = self._messages(record, base_dir)
+        entries: dict[str, bytes] = {}
+        if "__key__" in record:  # a WebDataset sample: its JSON entry is the record, its images entries
+            record, entries = _webdataset_record(record)
+        messages, images = self._messages(record, base_dir, entries)
         tools = record.get(self.tools_key)
         try:
             out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools, tokenize=True,
@@ -176,10 +182,13 @@ class ProcessorChat:
         patches = int(pixels.shape[0]) if pixels is not None and pixels.ndim == 2 else int(is_image.sum())
         return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches if images else 0)
 
-    def _messages(self, record: dict[str, Any], base_dir: str) -> tuple[list[dict[str, Any]], int]:
+    def _messages(self, record: dict[str, Any], base_dir: str,
+                  entries: dict[str, bytes] | None = None) -> tuple[list[dict[str, Any]], int]:
         """The record's messages, each image part's value opened (checked, not yet decoded), and
-        the number of images."""
-        spare = _as_list(record.get("images"))
+        the number of images. `entries`: a WebDataset sample's image entries (suffix -> bytes),
+        which an image value may name; they are also the spare images of parts without one."""
+        entries = entries or {}
+        spare = _as_list(record.get("images")) or [entries[k] for k in sorted(entries)]
         if self.messages_key in record:
             messages = record[self.messages_key]
         elif "conversations" in record:
@@ -204,6 +213,8 @@ class ProcessorChat:
                                 raise ProcessorRecordError(f"{where}: an image part without a value, and no "
                                                            "'images' entry left for it")
                             value = spare.pop(0)
+                        if isinstance(value, str) and value in entries:
+                            value = entries[value]
                         part = {"type": "image", "image": self._open(value, base_dir, where)}
                         images += 1
                     parts.append(part)
@@ -256,6 +267,23 @@ def open_image(value: Any, base_dir: str, where: str, max_pixels: int | None) ->
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
         raise ImageRecordError(f"{where}: {name}: image does not decode ({e})") from None
     return image
+
+
+def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the conversation, the image entries) of a WebDataset sample: a `json` entry holding the
+    record, and image entries (`jpg`, `0.png`, ...) that its image parts name by suffix."""
+    import orjson
+
+    if "json" not in sample:
+        raise ProcessorRecordError(f"sample {sample['__key__']!r}: no .json entry (the conversation)")
+    try:
+        record = orjson.loads(sample["json"])
+    except orjson.JSONDecodeError as e:
+        raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not an object")
+    images = {k: v for k, v in sample.items() if k.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp")}
+    return record, images
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -89,7 +89,7 @@ class SourceReader:
 
     @property
     def has_images(self) -> bool:
-        return self.format == "webdataset" or self.image_token_id is not None
+        return (self.format == "webdataset" and self.spec.processor is None) or self.image_token_id is not None
 
     @property
     def has_encoder_cost(self) -> bool:

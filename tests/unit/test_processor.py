@@ -228,3 +228,59 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
 
     with pytest.raises(RecordError, match="does not decode"):  # the bad image skips its record only
         reader.read_prepared(1, 0)
+
+
+def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
+    """WebDataset shards as Megatron-Energon's crude datasets hold them: per sample a `.json`
+    conversation whose image parts name the sample's image entries (`0.jpg`), or name none and
+    take them in order. The sample equals the JSONL one; a missing entry skips its sample."""
+    import io
+    import tarfile
+
+    import orjson
+
+    from msd_common.formats.errors import RecordError
+    from worker.samples import SourceReader
+
+    proc, data, records = made
+    record = records[0]
+    named, unnamed, files = [], [], {}
+    for m in record["messages"]:
+        parts, bare = [], []
+        for p in m["content"]:
+            if p["type"] == "image":
+                name = f"{len(files)}.png"
+                files[name] = open(os.path.join(data, p["image"]), "rb").read()
+                parts.append({"type": "image", "image": name})
+                bare.append({"type": "image"})
+            else:
+                parts.append(p)
+                bare.append(p)
+        named.append({**m, "content": parts})
+        unnamed.append({**m, "content": bare})
+    with tarfile.open(tmp_path / "shard-0.tar", "w") as tar:
+        for key, messages, entries in (("a", named, files), ("b", unnamed, files), ("c", named, {})):
+            for suffix, payload in [("json", orjson.dumps({"messages": messages})), *entries.items()]:
+                info = tarfile.TarInfo(f"{key}.{suffix}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    job = {"seed": 1, "sources": {"vqa": {"format": "webdataset", "paths": [str(tmp_path / "shard-0.tar")],
+                                          "processor": proc}},
+           "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1}, "topology": {"dp": 1},
+           "mixture": {"weights": {"vqa": 1.0}}}
+    parsed = parse_job(job, str(tmp_path / "job.yaml"))
+    (spec,) = parsed.worker_job().sources
+    assert not parsed.sources[0].has_images and parsed.sources[0].has_encoder_cost  # the processor's, not patches
+    reader = SourceReader(spec)
+    expected = ProcessorChat(proc).render(record, data)
+    for i in (0, 1):
+        tokens, patches, mask, processed = reader.read_prepared(i, 0)
+        assert patches is None
+        np.testing.assert_array_equal(tokens, expected.tokens)
+        np.testing.assert_array_equal(mask, expected.loss_mask)
+        np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
+    with pytest.raises(RecordError, match="no such image file"):  # "0.png" names no entry of sample c
+        reader.read_prepared(2, 0)
+    with pytest.raises(ConfigError) as e:  # the built-in patchifier's keys do not apply
+        parse_job({**job, "sources": {"vqa": {**job["sources"]["vqa"], "image_token_id": 5}}}, str(tmp_path / "j.yaml"))
+    assert any(p.startswith("sources.vqa.image_token_id") for p in e.value.problems), e.value.problems
