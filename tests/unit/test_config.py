@@ -57,7 +57,7 @@ def test_valid_job_parses_with_sorted_files_and_normalised_weights(dataset_dir):
     (lambda j: j.update(on_exhausted="panic"), "on_exhausted: expected one of renormalize, stop"),
     (lambda j: j["sources"]["web"].update(format="parquet"), "sources.web.paths: "),  # .jsonl files are not .parquet
     (lambda j: j["sources"]["web"].update(format="webdataset"), "sources.web.image_token_id: required"),
-    (lambda j: j["sources"]["web"].update(patch_size=14), "sources.web.patch_size: applies to webdataset sources and sources with a transform only"),
+    (lambda j: j["sources"]["web"].update(patch_size=14), "sources.web.patch_size: applies to webdataset sources without a processor and sources with a transform only"),
     (lambda j: j["sources"]["web"].update(tokens_key="ids"), "sources.web.tokens_key: a non-empty column name"),
     (lambda j: j.update(balance={"cost": {"patch_quadratic": -1}}), "balance.cost.patch_quadratic: must not be"),
     (lambda j: j.update(runtime={"allocation": "greedy"}), "runtime.allocation: expected one of adaptive, fixed"),
