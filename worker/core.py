@@ -35,6 +35,12 @@ from .samples import SourceReader, open_source
 log = logging.getLogger("msd.worker")
 
 
+# A pieces message carries at most this many bytes of a processor's arrays: a rank's step of
+# images is split over several (each one frame of a few MB a sample: the frame limit stays far off,
+# and neither side holds one huge message)
+MESSAGE_EXTRA_BYTES = 256 << 20
+
+
 @dataclass(slots=True)
 class CacheEntry:
     """A prepared record: its tokens (and image patches), and how many prepared copies of it the
@@ -185,6 +191,32 @@ class DeliveryPieces:
                 extras[name] = a
                 self._declare(name, a, False)
         self.extras[i] = extras
+
+    def message_rows(self, mine: np.ndarray) -> list[np.ndarray]:
+        """The rows `mine` selects, as one message's or, where a processor's arrays would make it
+        more frames than a message may carry or more than MESSAGE_EXTRA_BYTES, several messages'
+        (a rank takes a step's pieces from any number of messages)."""
+        rows = np.flatnonzero(mine)
+        if not self.extra_specs or not len(rows):
+            return [mine]
+        frames = np.array([len(self.extras[i] or ()) for i in rows.tolist()], np.int64)
+        sizes = np.array([sum(a.nbytes for a in (self.extras[i] or {}).values()) for i in rows.tolist()], np.int64)
+        out, start, count, size = [], 0, 0, 0
+        for k in range(len(rows)):
+            if k > start and (count + frames[k] > P.MAX_EXTRA_FRAMES or size + sizes[k] > MESSAGE_EXTRA_BYTES):
+                out.append(rows[start:k])
+                start, count, size = k, 0, 0
+            count += int(frames[k])
+            size += int(sizes[k])
+        out.append(rows[start:])
+        if len(out) == 1:
+            return [mine]
+        masks = []
+        for chunk in out:
+            m = np.zeros(len(mine), dtype=bool)
+            m[chunk] = True
+            masks.append(m)
+        return masks
 
     def _declare(self, name: str, a: np.ndarray, per_token: bool) -> None:
         if name not in self.extra_specs:
@@ -434,14 +466,15 @@ class WorkerCore:
             if address is None:
                 log.warning("step %d: no address for rank %d; its pieces were not sent", step, rank)
                 continue
-            message = pieces.join(ranks == rank)
-            if message is None:
-                continue
-            rows, tokens, patch_counts, patches, mask, extras, extra_rows, frames = message
-            header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
-                            patch_bytes=patches.shape[1] if patches.size else 0, extras=extras)
-            out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
-                                                patches.reshape(-1), mask, extra_rows), tuple(frames)))
+            for selected in pieces.message_rows(ranks == rank):
+                message = pieces.join(selected)
+                if message is None:
+                    continue
+                rows, tokens, patch_counts, patches, mask, extras, extra_rows, frames = message
+                header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
+                                patch_bytes=patches.shape[1] if patches.size else 0, extras=extras)
+                out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
+                                                    patches.reshape(-1), mask, extra_rows), tuple(frames)))
         if self.cache:  # only records that are not memory-mapped are cached
             for key, epoch in zip(release.tolist(), _epochs(release_epochs, len(release)).tolist()):
                 key = _cache_key(key, epoch)

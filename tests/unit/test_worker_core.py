@@ -137,3 +137,42 @@ def test_any_error_while_reading_one_record_is_a_skip_naming_the_record(dataset_
         assert (i, kind) == (1, "error")
         assert "web-0.jsonl:8" in reason and type(error).__name__ in reason
         assert reply.arrays[0].tolist() == [len(real.read(6)), 0, len(real.read(8))]
+
+
+def test_a_ranks_pieces_with_a_processors_arrays_are_split_into_messages_of_bounded_size(monkeypatch):
+    """Pixel values are megabytes a sample: a rank's step of them goes as several messages, each
+    valid on its own, together holding every piece once, in order."""
+    import worker.core as core_module
+    from msd_common import wire
+    from worker.core import DeliveryPieces
+    from worker.processor import ProcessedSample
+
+    n = 7
+    items = np.zeros((n, len(P.DELIVER_ITEM)), np.uint64)
+    items[:, P.DELIVER_ITEM.piece] = np.arange(n)
+    items[:, P.DELIVER_ITEM.doc_key] = np.arange(n) + 100
+    items[:, P.DELIVER_ITEM.length] = 5
+    pieces = DeliveryPieces(items, np.zeros(n, np.int64))
+    pieces.servable[:] = True
+    for i in range(n):
+        pieces.tokens[i] = np.arange(5, dtype=np.uint16)
+        pieces.masks[i] = 5
+        sample = ProcessedSample(np.arange(5, dtype=np.int32), np.ones(5, np.uint8),
+                                 {"mm_token_type_ids": np.zeros(5, np.int64)},
+                                 {"pixel_values": np.full((4, 6), i, np.float32),
+                                  "image_grid_thw": np.array([[1, 2, 2]], np.int64)}, 1, 4)
+        pieces.add_extras(i, sample, 0, 5)
+    monkeypatch.setattr(core_module, "MESSAGE_EXTRA_BYTES", 3 * (4 * 6 * 4 + 24 + 40))  # three samples a message
+    chunks = pieces.message_rows(np.ones(n, dtype=bool))
+    assert [int(c.sum()) for c in chunks] == [3, 3, 1]
+    seen = []
+    for selected in chunks:
+        rows, tokens, counts, patches, mask, extras, extra_rows, frames = pieces.join(selected)
+        header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=extras)
+        _, arrays = wire.decode([bytes(f) for f in wire.encode(header, rows[:, P.DELIVER_ITEM.piece:], tokens, counts,
+                                                               patches.reshape(-1), mask, extra_rows, tail=frames)],
+                                P.TRAINER_DATA_INBOX)
+        seen += arrays["items"][:, P.PIECE_ITEM.piece].tolist()
+    assert seen == list(range(n))
+    monkeypatch.setattr(core_module, "MESSAGE_EXTRA_BYTES", 1 << 30)
+    assert len(pieces.message_rows(np.ones(n, dtype=bool))) == 1
