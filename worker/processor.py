@@ -69,6 +69,10 @@ def load_processor(path: str, backend: str = "pil") -> Any:
     from transformers import AutoImageProcessor, AutoProcessor
 
     image_processor = AutoImageProcessor.from_pretrained(path, backend=backend)
+    got = getattr(image_processor, "backend", backend)
+    if got != backend:  # transformers falls back to PIL where torchvision is missing: not the job's pixels
+        raise ImportError(f"image_backend {backend} is not available on this host (transformers gave the {got} "
+                          f"image processor); install {backend} here, or use the same backend on every host")
     try:
         return AutoProcessor.from_pretrained(path, image_processor=image_processor)
     except (ImportError, AttributeError, ValueError, TypeError):

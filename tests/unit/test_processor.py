@@ -284,3 +284,25 @@ def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
     with pytest.raises(ConfigError) as e:  # the built-in patchifier's keys do not apply
         parse_job({**job, "sources": {"vqa": {**job["sources"]["vqa"], "image_token_id": 5}}}, str(tmp_path / "j.yaml"))
     assert any(p.startswith("sources.vqa.image_token_id") for p in e.value.problems), e.value.problems
+
+
+def test_a_host_without_torchvision_refuses_the_torchvision_backend(made):
+    """transformers falls back to its PIL image processor where torchvision is missing, and the
+    two backends' pixels differ: the job's one backend for every host would be broken silently."""
+    pytest.importorskip("PIL")
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torchvision is installed here: the backend is available")
+    from worker.core import _processor_problem
+    from worker.processor import load_processor
+
+    proc, _, _ = made
+    with pytest.raises(ImportError, match="image_backend torchvision is not available on this host"):
+        load_processor(proc, "torchvision")
+    from msd_common.worker_job import SourceSpec
+
+    spec = SourceSpec(name="vqa", index=0, format="jsonl", files=(), processor=proc, image_backend="torchvision")
+    assert "image_backend torchvision is not available" in _processor_problem(spec)
