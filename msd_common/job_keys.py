@@ -110,7 +110,8 @@ KEYS: tuple[Key, ...] = (
         "directory (tokenizer, image processor configuration, chat template); workers make each record what the "
         "processor's `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)` returns. For "
         "jsonl, parquet and arrow records, and webdataset samples (a `.json` conversation whose image parts name "
-        "the sample's image entries, e.g. `0.jpg`). Needs `msd[vision]` on worker hosts."),
+        "the sample's image entries, e.g. `0.jpg`); with a `transform`, records of any format, made into "
+        "samples by the transform with the processor (`ctx.processor`). Needs `msd[vision]` on worker hosts."),
     Key(f"{SRC}.image_backend", "pil | torchvision", "pil", "With a processor: the image processor's backend, the "
         "same on every host (`torchvision` needs torch and torchvision on worker hosts)."),
     # batch

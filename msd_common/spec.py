@@ -583,10 +583,11 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
     if not isinstance(path, str) or not path:
         c.bad(f"{key}.processor", f"expected the path of a processor directory, got {path!r}")
         return None
-    if fmt not in PROCESSOR_FORMATS:
-        c.bad(f"{key}.processor", f"for {', '.join(PROCESSOR_FORMATS)} sources, not {fmt}")
+    transform = "transform" in raw  # the user's code makes the sample with the processor (ctx.processor)
+    if fmt not in PROCESSOR_FORMATS and not transform:
+        c.bad(f"{key}.processor", f"for {', '.join(PROCESSOR_FORMATS)} sources (or any, with a transform), not {fmt}")
         ok = False
-    for k in ("tokenizer", "transform", "eod_id"):
+    for k in ("tokenizer", "eod_id"):
         if k in raw:
             c.bad(f"{key}.{k}", "does not go with processor (the processor's tokenizer and chat template make the "
                                 "sample)")
@@ -605,6 +606,8 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
         return None
     if not ok:
         return None
+    if transform:  # the transform's tokens and mask: no template of ours to check
+        return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": None}
     try:
         template, origin = find_template(chat.get("template") or path)
     except (ChatError, OSError, ValueError) as e:

@@ -157,21 +157,31 @@ class ProcessorChat:
         except Exception as e:  # the template's raise_exception, a count the processor refuses, ...
             first = (str(e).splitlines() or [""])[0]
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
+        return self.sample_of(out, images)
+
+    def sample_of(self, out: Any, images: int, mask: np.ndarray | None = None) -> ProcessedSample:
+        """The sample of what the processor returned (`input_ids`, `assistant_masks` and its other
+        arrays, batch of one), or of a transform's Sample made with it (`mask`: its loss mask, or
+        None for every token but the image tokens)."""
         tokens = np.asarray(out["input_ids"]).reshape(-1).astype(np.int32)
         n = len(tokens)
         is_image = np.isin(tokens, self.image_token_ids)
-        if self.train_on == "all":
+        if mask is not None:
+            mask = np.asarray(mask).reshape(-1).astype(np.uint8)
+        elif self.train_on == "all" or "assistant_masks" not in out:
             mask = (~is_image).astype(np.uint8)
         else:
             mask = np.asarray(out["assistant_masks"]).reshape(-1).astype(np.uint8)
-            mask[is_image] = 0
+        mask[is_image] = 0
         token_arrays: dict[str, np.ndarray] = {}
         image_arrays: dict[str, np.ndarray] = {}
         for name, value in out.items():
             if name in SAMPLE_KEYS:
                 continue
             value = np.asarray(value)
-            if value.ndim == 2 and value.shape == (1, n) and name.endswith("_ids"):
+            if value.dtype == object:
+                raise ProcessorRecordError(f"{name}: not an array of numbers")
+            if value.ndim in (1, 2) and value.shape in ((n,), (1, n)) and name.endswith("_ids"):
                 token_arrays[name] = np.ascontiguousarray(value.reshape(n))
             else:
                 image_arrays[name] = np.ascontiguousarray(value)

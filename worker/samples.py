@@ -121,23 +121,30 @@ class SourceReader:
         """read_full's three, and for a source with a processor the whole ProcessedSample (its
         per-token and image arrays), else None."""
         if self.spec.processor is not None:
-            sample = self._processed(record_index)
+            sample = self._transformed_processed(record_index, epoch) if self.spec.transform else \
+                self._processed(record_index)
             return sample.tokens, None, sample.loss_mask, sample
         if self.whole_records:
             return (*self._transformed(record_index, epoch), None)
         tokens, patches = self._read_plain(record_index)
         return tokens, patches, None, None
 
-    def _processed(self, record_index: int) -> ProcessedSample:
-        from .processor import ImageRecordError, ProcessorChat, ProcessorRecordError
+    def _processor_chat(self) -> Any:
+        from .processor import ProcessorChat
 
-        where = self.where(record_index)
         if self._processor is None:
             chat = self.spec.chat or {}
             self._processor = ProcessorChat(self.spec.processor, self.spec.image_backend,
                                             chat.get("train_on", "assistant"), chat.get("messages_key", "messages"),
                                             chat.get("tools_key", "tools"), self.spec.max_image_pixels,
                                             chat.get("template"))
+        return self._processor
+
+    def _processed(self, record_index: int) -> ProcessedSample:
+        from .processor import ImageRecordError, ProcessorRecordError
+
+        where = self.where(record_index)
+        self._processor_chat()
         record = self.record(record_index)
         shard = self.shards[self.locate(record_index)[0]]
         base = os.path.dirname(str(getattr(shard, "shard", shard)))
@@ -152,33 +159,15 @@ class SourceReader:
         return sample
 
     def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        from .transforms import Context, Skip, as_sample, load, record_rng
-
         record = self.record(record_index)
         where = self.where(record_index)
         if self.spec.chat is not None:
             sample = self._chat_sample(record, where)
         else:
-            if self._transform is None:
-                self._transform = load(self.spec.transform)
-            ctx = Context(record_rng(self.seed, self.index, record_index, epoch), self.tokenizer, self.name,
-                          record_index, epoch)
-            try:
-                result = self._transform(record, ctx, **(self.spec.transform_args or {}))
-            except Skip as e:
-                raise RecordError(f"{where}: skipped by the transform: {e.reason}", "skipped") from None
-            except Exception as e:  # noqa: BLE001 - the user's code: the record is skipped, the job goes on
-                first = (str(e).splitlines() or [""])[0]
-                err = RecordError(f"{where}: transform {self.spec.transform} raised {type(e).__name__}: {first}",
-                                  "transform_error")
-                err.traceback = _traceback(e)
-                raise err from None
-            try:
-                sample = as_sample(result, where)
-            except ValueError as e:
-                raise RecordError(str(e), "transform_error") from None
-            if sample is None:
-                raise RecordError(f"{where}: skipped by the transform (it returned None)", "skipped")
+            sample = self._user_sample(record, where, record_index, epoch)
+        if sample.processed is not None:
+            raise RecordError(f"{where}: the transform returned processor outputs, but the source has no "
+                              "processor", "transform_error")
         tokens, mask, patches = sample.tokens, sample.loss_mask, None
         if sample.images:
             tokens, mask, patches = self._with_images(sample, where)
@@ -187,6 +176,52 @@ class SourceReader:
         if mask is not None and not mask.any():
             raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
         return tokens.astype(self.dtype, copy=False), patches, mask
+
+    def _user_sample(self, record: Any, where: str, record_index: int, epoch: int, processor: Any = None) -> Any:
+        """The transform's checked Sample of a record; RecordError (skipped, or its error) otherwise."""
+        from .transforms import Context, Skip, as_sample, load, record_rng
+
+        if self._transform is None:
+            self._transform = load(self.spec.transform)
+        ctx = Context(record_rng(self.seed, self.index, record_index, epoch), self.tokenizer, self.name,
+                      record_index, epoch, processor=processor)
+        try:
+            result = self._transform(record, ctx, **(self.spec.transform_args or {}))
+        except Skip as e:
+            raise RecordError(f"{where}: skipped by the transform: {e.reason}", "skipped") from None
+        except Exception as e:  # noqa: BLE001 - the user's code: the record is skipped, the job goes on
+            first = (str(e).splitlines() or [""])[0]
+            err = RecordError(f"{where}: transform {self.spec.transform} raised {type(e).__name__}: {first}",
+                              "transform_error")
+            err.traceback = _traceback(e)
+            raise err from None
+        try:
+            sample = as_sample(result, where)
+        except ValueError as e:
+            raise RecordError(str(e), "transform_error") from None
+        if sample is None:
+            raise RecordError(f"{where}: skipped by the transform (it returned None)", "skipped")
+        return sample
+
+    def _transformed_processed(self, record_index: int, epoch: int) -> ProcessedSample:
+        """A transform's sample made with the source's processor (ctx.processor): its tokens,
+        mask and the processor's outputs it returned, laid out as a processor source's."""
+        from .processor import ProcessorRecordError
+
+        where = self.where(record_index)
+        chat = self._processor_chat()
+        sample = self._user_sample(self.record(record_index), where, record_index, epoch, chat.processor)
+        arrays = sample.processed or {}
+        grids, pixels = arrays.get("image_grid_thw"), arrays.get("pixel_values")
+        images = len(grids) if grids is not None else (len(pixels) if pixels is not None and pixels.ndim == 4 else
+                                                       int(pixels is not None))
+        try:
+            processed = chat.sample_of({"input_ids": sample.tokens, **arrays}, images, sample.loss_mask)
+        except ProcessorRecordError as e:
+            raise RecordError(f"{where}: the transform's processor outputs: {e}", "transform_error") from None
+        if not processed.loss_mask.any():
+            raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
+        return processed
 
     def _chat_sample(self, record: dict[str, Any], where: str) -> Any:
         from .chat import ChatError, ChatTemplate

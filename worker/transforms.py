@@ -37,11 +37,15 @@ class Sample:
     """What a transform returns. tokens: 1-D integer ids (msd adds nothing to them); loss_mask:
     optional, same length, 1 where that token is predicted (trained on); images: optional list
     of HxWx3 uint8 arrays, whose patches take the first tokens' places as for image-text sources
-    (one `image_token_id` placeholder per patch is put before the tokens)."""
+    (one `image_token_id` placeholder per patch is put before the tokens). processed: for a
+    source with a `processor` (the transform gets it as `ctx.processor`), the processor's other
+    outputs for these tokens, as it returns them (`pixel_values`, `image_grid_thw`,
+    `mm_token_type_ids`, ...); without loss_mask every token but the image tokens is trained on."""
 
     tokens: Any
     loss_mask: Any = None
     images: list | None = None
+    processed: dict | None = None
 
 
 class Skip(Exception):
@@ -62,6 +66,7 @@ class Context:
     record: int  # the record's index in its source
     epoch: int  # passes over the source before this one
     extra: dict[str, Any] = field(default_factory=dict)
+    processor: Any = None  # the source's Hugging Face processor (sources with `processor`), else None
 
 
 def record_rng(seed: int, source_index: int, record: int, epoch: int) -> np.random.Generator:
@@ -98,4 +103,11 @@ def as_sample(result: Any, where: str) -> Sample | None:
                 raise ValueError(f"{where}: Sample.images[{i}] must be an HxWx3 uint8 array, got {image.dtype} "
                                  f"{image.shape}")
             images.append(image)
-    return Sample(tokens.astype(np.int32, copy=False), mask, images)
+    processed = None
+    if result.processed is not None:
+        if not isinstance(result.processed, dict) or not all(isinstance(k, str) for k in result.processed):
+            raise ValueError(f"{where}: Sample.processed must be a dict of the processor's outputs by name")
+        if images:
+            raise ValueError(f"{where}: Sample.images (built-in patches) and Sample.processed do not go together")
+        processed = {k: np.asarray(v) for k, v in result.processed.items() if k not in ("input_ids", "attention_mask")}
+    return Sample(tokens.astype(np.int32, copy=False), mask, images, processed)

@@ -306,3 +306,44 @@ def test_a_host_without_torchvision_refuses_the_torchvision_backend(made):
 
     spec = SourceSpec(name="vqa", index=0, format="jsonl", files=(), processor=proc, image_backend="torchvision")
     assert "image_backend torchvision is not available" in _processor_problem(spec)
+
+
+def test_a_transform_makes_samples_with_the_sources_processor(made, tmp_path, monkeypatch):
+    """A record form msd does not know, made into a conversation by the user's transform, which
+    calls the source's processor (ctx.processor) and returns its outputs: the sample equals the
+    one msd makes of the same conversation."""
+    import sys
+
+    import orjson
+
+    from worker.samples import SourceReader
+
+    proc, data, records = made
+    (tmp_path / "vqa_mod.py").write_text(
+        "from PIL import Image\nfrom worker.transforms import Sample\n"
+        "def f(record, ctx):\n"
+        "    messages = [{'role': 'user', 'content': [{'type': 'image', 'image': Image.open(record['img'])},\n"
+        "                                             {'type': 'text', 'text': record['q']}]},\n"
+        "                {'role': 'assistant', 'content': [{'type': 'text', 'text': record['a']}]}]\n"
+        "    out = ctx.processor.apply_chat_template(messages, tokenize=True, return_dict=True,\n"
+        "                                            return_assistant_tokens_mask=True, return_tensors='np')\n"
+        "    return Sample(out['input_ids'][0], processed=dict(out))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record = _first_image_record(records)
+    image = os.path.join(data, record["messages"][0]["content"][0]["image"])
+    (tmp_path / "vqa.jsonl").write_bytes(orjson.dumps({"img": image, "q": "what is in the picture?",
+                                                       "a": "noise, in colour"}) + b"\n")
+    job = {"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": [str(tmp_path / "vqa.jsonl")],
+                                          "processor": proc, "transform": "vqa_mod:f"}},
+           "batch": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 1}, "topology": {"dp": 1},
+           "mixture": {"weights": {"vqa": 1.0}}}
+    parsed = parse_job(job, str(tmp_path / "job.yaml"))
+    assert parsed.rope == "mrope" and parsed.sources[0].has_encoder_cost
+    (spec,) = parsed.worker_job().sources
+    tokens, patches, mask, processed = SourceReader(spec).read_prepared(0, 0)
+    expected = ProcessorChat(proc).render(record, data)
+    np.testing.assert_array_equal(tokens, expected.tokens)
+    np.testing.assert_array_equal(mask, expected.loss_mask)  # the processor's assistant mask, passed on
+    assert processed.patches == expected.patches and processed.images == 1
+    _same(processed, expected)
+    sys.modules.pop("vqa_mod", None)
