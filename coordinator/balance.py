@@ -43,22 +43,27 @@ class Grid(NamedTuple):
 
 class Cost(NamedTuple):
     """cost(piece) = quadratic*len^2 + linear*len, plus for image-text pieces
-    patch_quadratic*patches^2 + patch_linear*patches. A piece's patches are taken as
-    patch_ratio[piece] x its length (exact for a whole document; a fragment of a split one is
-    charged its share), so every piece has its own quadratic and linear coefficient."""
+    patch_quadratic*(its images' patches squared, summed) + patch_linear*patches. A piece's
+    patches are taken as patch_ratio[piece] x its length and its squares as
+    patch_square_ratio[piece] x its length squared (exact for a whole document; a fragment of a
+    split one is charged its share), so every piece has its own quadratic and linear coefficient."""
 
     quadratic: float
     linear: float
     patch_ratio: "np.ndarray | None" = None  # per piece of the step: patches per token; None: text only
     patch_quadratic: float = 0.0
     patch_linear: float = 0.0
+    # per piece: its images' patches squared, summed, per token squared; None: patch_ratio squared
+    # (one image a piece). The vision encoder attends within each image, not across a sample's.
+    patch_square_ratio: "np.ndarray | None" = None
 
     def coefficients(self, pieces: np.ndarray) -> tuple:
         """(quadratic, linear) of the given pieces: floats for a text-only step, else arrays."""
         if self.patch_ratio is None:
             return self.quadratic, self.linear
         r = self.patch_ratio[pieces]
-        return self.quadratic + self.patch_quadratic * r * r, self.linear + self.patch_linear * r
+        r2 = r * r if self.patch_square_ratio is None else self.patch_square_ratio[pieces]
+        return self.quadratic + self.patch_quadratic * r2, self.linear + self.patch_linear * r
 
     def of(self, lengths: np.ndarray, pieces: "np.ndarray | None" = None) -> np.ndarray:
         """Cost of fragments of the given lengths, of the given pieces (default: piece i is fragment i)."""
@@ -72,6 +77,12 @@ def patch_ratio(patches: np.ndarray, doc_lengths: np.ndarray) -> np.ndarray:
     its ratio patches (Cost.patch_ratio). Built-in patches have a placeholder token each (ratio at
     most 1); a processor's image token stands for several patches (Qwen-VL: merge_size^2)."""
     return np.asarray(patches, dtype=np.float64) / np.maximum(doc_lengths, 1)
+
+
+def patch_square_ratio(squares: np.ndarray, doc_lengths: np.ndarray) -> np.ndarray:
+    """Images' patches squared, summed, per token squared (Cost.patch_square_ratio)."""
+    n = np.maximum(np.asarray(doc_lengths, dtype=np.float64), 1.0)
+    return np.asarray(squares, dtype=np.float64) / (n * n)
 
 
 class Layout(NamedTuple):

@@ -17,7 +17,7 @@ import numpy as np
 
 from msd_common.spec import CostConfig, JobConfig
 
-from .balance import patch_ratio
+from .balance import patch_ratio, patch_square_ratio
 from .calibrate import TERMS, Calibrator, Fit
 from .plan import LENGTH, POSITION, SOURCE, Planner, StepPlan
 
@@ -54,11 +54,13 @@ class CalibrationBook:
         self.changes.append((at_step, [float(c) for c in coefficients]))
         return True
 
-    def planned(self, plan: StepPlan, patches_of: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+    def planned(self, plan: StepPlan,
+                patches_of: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         """What each (dp rank, micro-batch) of a step holds, as TERMS, for the times its ranks will
         report. An image-text piece's patches are its record's patches, a fragment charged its
         share (as balance.Cost does), whatever the job's model says of patches: a fit may find a
-        patch cost the job file left out. patches_of(source, positions): (patches, lengths)."""
+        patch cost the job file left out. patches_of(source, positions): (patches, lengths, each
+        record's images' patches squared, summed: the quadratic term is per image)."""
         lengths = plan.pieces[:, LENGTH].astype(np.float64)
         mbs = self.job.micro_batches_per_rank
         cell = plan.rank * mbs + plan.micro_batch
@@ -68,13 +70,14 @@ class CalibrationBook:
         features[:, 2] = 1.0
         image_sources = [s.index for s in self.job.sources if s.has_encoder_cost]
         if image_sources:
-            patches = np.zeros(len(plan.pieces))
+            patches, squares = np.zeros(len(plan.pieces)), np.zeros(len(plan.pieces))
             for s in image_sources:
                 mine = np.flatnonzero(plan.pieces[:, SOURCE] == s)
                 if len(mine):
-                    record_patches, record_lengths = patches_of(s, plan.pieces[mine, POSITION])
+                    record_patches, record_lengths, record_squares = patches_of(s, plan.pieces[mine, POSITION])
                     patches[mine] = patch_ratio(record_patches, record_lengths) * lengths[mine]
-            features[:, 3] = np.bincount(cell, weights=patches * patches, minlength=len(features))
+                    squares[mine] = patch_square_ratio(record_squares, record_lengths) * lengths[mine] ** 2
+            features[:, 3] = np.bincount(cell, weights=squares, minlength=len(features))
             features[:, 4] = np.bincount(cell, weights=patches, minlength=len(features))
         self.features[plan.step] = features.reshape(self.job.dp, mbs, len(TERMS))
         for old in [s for s in self.features if s < plan.step - FEATURE_STEPS]:

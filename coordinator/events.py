@@ -75,6 +75,9 @@ class Prepared(PeerEvent):
     busy_s: float
     lengths: np.ndarray
     patches: np.ndarray
+    # per record, its images' patches squared, summed (the encoder's attention is per image);
+    # absent in stimulus logs written before it existed
+    patch_squares: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -50,6 +50,9 @@ class Known(Protocol):
     def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
         """Image patches of the records at these (prepared) positions of an image-text source."""
 
+    def patch_squares(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Per record at these positions, its images' patches squared, summed."""
+
 
 class NeedLength(Exception):
     def __init__(self, source: int, position: int) -> None:
@@ -517,13 +520,14 @@ class Planner:
         cost = Cost(model.quadratic, model.linear)
         image_sources = [s.index for s in job.sources if s.has_encoder_cost]
         if image_sources and (model.patch_quadratic or model.patch_linear):
-            ratio = np.zeros(len(pieces))
+            ratio, square_ratio = np.zeros(len(pieces)), np.zeros(len(pieces))
             for s in image_sources:
                 mine = pieces[:, SOURCE] == s
                 if mine.any():
-                    ratio[mine] = balance.patch_ratio(known.patches(s, pieces[mine, POSITION]),
-                                                      drawn.doc_lengths[mine])
-            cost = Cost(model.quadratic, model.linear, ratio, model.patch_quadratic, model.patch_linear)
+                    positions, doc_lengths = pieces[mine, POSITION], drawn.doc_lengths[mine]
+                    ratio[mine] = balance.patch_ratio(known.patches(s, positions), doc_lengths)
+                    square_ratio[mine] = balance.patch_square_ratio(known.patch_squares(s, positions), doc_lengths)
+            cost = Cost(model.quadratic, model.linear, ratio, model.patch_quadratic, model.patch_linear, square_ratio)
         whole = self.whole[pieces[:, SOURCE]]
         left_out = np.zeros(0, dtype=np.int64)
         source_tokens, finished = drawn.source_tokens, drawn.finished

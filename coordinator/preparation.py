@@ -249,11 +249,11 @@ class PreparationBook:
         return lengths
 
     def set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,
-                      patches: np.ndarray | None = None) -> None:
+                      patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None) -> None:
         """The records at these positions of source s are prepared, held by the worker (or by
         each position's worker, an array)."""
         self.prepared_stamp += 1
-        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches)
+        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches, patch_squares)
         changed = (before >= 0) & (before != lengths)
         for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
             log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
@@ -280,3 +280,7 @@ class PreparationBook:
     def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
         """Image patches of prepared records (plan.Known)."""
         return self.tables[source].patches(positions)
+
+    def patch_squares(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Per prepared record, its images' patches squared, summed (plan.Known)."""
+        return self.tables[source].patch_squares(positions)

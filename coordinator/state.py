@@ -572,7 +572,7 @@ class CoordinatorState:
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self.lead.task_done(s, ev.at - task.assigned_at)
-        self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches)
+        self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches, ev.patch_squares)
 
     def _transform_failing(self, s: int, skipped: list, n_records: int) -> bool:
         """Count a source's consecutive transform errors (in task order); at max_transform_errors
@@ -866,7 +866,8 @@ class CoordinatorState:
     def _dispatch(self, plan: StepPlan) -> None:
         if self.job.calibrate:
             self.calibration.planned(plan, lambda s, positions: (self.tables[s].patches(positions),
-                                                                 self.tables[s].lengths(positions)))
+                                                                 self.tables[s].lengths(positions),
+                                                                 self.tables[s].patch_squares(positions)))
         ours, naive = imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)
         self.planned.append((plan.step, ours, naive, plan.source_tokens))
         if plan.step % 100 == 0:

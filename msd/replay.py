@@ -43,8 +43,8 @@ class LocalLengths:
         self.quarantined = quarantined or {}
         self.specs = job.worker_job().sources
         self._readers: dict[int, SourceReader] = {}
-        # (record, epoch) -> (length, patches); the epoch matters only to a transform (else 0)
-        self._known: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in job.sources]
+        # (record, epoch) -> (length, patches, patch squares); the epoch matters only to a transform (else 0)
+        self._known: list[dict[tuple[int, int], tuple[int, int, int]]] = [{} for _ in job.sources]
         self.skipped: list[dict[int, str]] = [{} for _ in job.sources]  # record -> why (the worker's log line)
 
     def reader(self, source: int) -> SourceReader:
@@ -65,9 +65,15 @@ class LocalLengths:
         return (np.asarray(positions, dtype=np.int64) // max(1, self.planner.num_records[source])).tolist()
 
     def patches(self, source: int, positions: np.ndarray) -> np.ndarray:
+        return self._field(source, positions, 1)
+
+    def patch_squares(self, source: int, positions: np.ndarray) -> np.ndarray:
+        return self._field(source, positions, 2)
+
+    def _field(self, source: int, positions: np.ndarray, k: int) -> np.ndarray:
         stream = self.planner.streams[source]
         epochs = self._epochs(source, positions)
-        return np.array([self._read(source, stream.record_at(int(p)), e)[1] for p, e in zip(positions.tolist(), epochs)],
+        return np.array([self._read(source, stream.record_at(int(p)), e)[k] for p, e in zip(positions.tolist(), epochs)],
                         dtype=np.int64)
 
     def lengths(self, source: int, records: np.ndarray, epochs: list[int] | None = None) -> np.ndarray:
@@ -81,16 +87,21 @@ class LocalLengths:
             lengths = np.where(np.isin(records, np.fromiter(bad, dtype=np.int64)), 0, lengths)
         return lengths
 
-    def _read(self, source: int, record: int, epoch: int = 0) -> tuple[int, int]:
+    def _read(self, source: int, record: int, epoch: int = 0) -> tuple[int, int, int]:
+        """(length, patches, its images' patches squared, summed) of a record, as a worker reports them."""
         known = self._known[source].get((record, epoch))
         if known is None:
             reader = self.reader(source)
             try:
-                tokens, images = reader.read_sample(record, epoch)
-                known = (len(tokens), len(images) if images is not None else 0)
+                tokens, images, _, processed = reader.read_prepared(record, epoch)
+                if processed is not None:
+                    known = (len(tokens), processed.patches, processed.patch_squares)
+                else:
+                    patches = len(images) if images is not None else 0
+                    known = (len(tokens), patches, patches * patches)
             except Exception as e:  # noqa: BLE001 - skipped as a worker skips it
                 self.skipped[source][record] = f"{reader.where(record)}: {e}"
-                known = (0, 0)
+                known = (0, 0, 0)
             self._known[source][(record, epoch)] = known
         return known
 

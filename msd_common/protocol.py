@@ -200,6 +200,9 @@ def _check_prepared(header: dict, arrays: dict) -> None:
         raise ProtocolError("prepared: lengths must lie in [0, 2^31)")
     if patches.size and (len(patches) != len(lengths) or int(patches.min()) < 0 or int(patches.max()) >= 1 << 40):
         raise ProtocolError("prepared: patches must be empty, or one count per record in [0, 2^40)")
+    squares = arrays["patch_squares"]
+    if squares.size and (len(squares) != len(patches) or int(squares.min()) < 0):
+        raise ProtocolError("prepared: patch_squares must be empty, or one non-negative sum per record with patches")
 
 
 def _check_deliver(header: dict, arrays: dict) -> None:
@@ -306,6 +309,8 @@ PREPARED = _msg(
     "prepared",
     ArraySpec("lengths", "<i8"),  # tokens per record, in task order; 0 for a skipped record
     ArraySpec("patches", "<i8"),  # image patches per record (empty for a source without images)
+    # the sum over each record's images of their patches squared (empty: the patches squared, one image)
+    ArraySpec("patch_squares", "<i8"),
     check=_check_prepared,
     worker_id=integer(),
     task_id=integer(),

@@ -244,6 +244,9 @@ def msd_balance(tokens: np.ndarray, patches: np.ndarray, ranks: int, steps: int)
         def patches(self, s: int, positions: np.ndarray) -> np.ndarray:
             return patches[records[positions]]
 
+        def patch_squares(self, s: int, positions: np.ndarray) -> np.ndarray:  # (the cost here has no such term)
+            return patches[records[positions]] ** 2
+
     known = Known()
     ratios, used = [], 0
     for _ in range(steps):

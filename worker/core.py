@@ -400,6 +400,7 @@ class WorkerCore:
         # are read straight from the map at delivery.)
         skipped: list[list] = []
         patches = np.zeros(len(records) if reader.has_encoder_cost else 0, dtype=np.int64)
+        squares = np.zeros(len(patches), dtype=np.int64)  # per record: its images' patches squared, summed
         lengths = np.zeros(len(records), dtype=np.int64)
         try:  # remote shards: the task's bytes in a few concurrent requests, not one per record
             reader.prefetch(np.array([r for r, e in zip(records.tolist(), _epochs(epochs, len(records)).tolist())
@@ -440,11 +441,13 @@ class WorkerCore:
             lengths[i] = entry.length
             if entry.images is not None:
                 patches[i] = len(entry.images)
+                squares[i] = patches[i] * patches[i]  # (a transform's several images are counted as one)
             elif entry.processed is not None:
                 patches[i] = entry.processed.patches
+                squares[i] = entry.processed.patch_squares
         skipped.sort()
         return [ToCoordinator(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
-                                     busy_s=0.0), (lengths, patches))]
+                                     busy_s=0.0), (lengths, patches, squares))]
 
     # ------------------------------------------------------------------ deliver
 

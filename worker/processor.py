@@ -61,6 +61,7 @@ class ProcessedSample:
     image_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # the processor's image outputs
     images: int = 0
     patches: int = 0  # what the vision encoder's cost counts: rows of a 2-D pixel_values, else image tokens
+    patch_squares: int = 0  # each image's patches squared, summed (the encoder attends within an image)
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,7 +195,15 @@ class ProcessorChat:
             token_arrays["position_ids"] = np.ascontiguousarray(positions.T.astype(np.int32))  # [n, 3]
         pixels = image_arrays.get("pixel_values")
         patches = int(pixels.shape[0]) if pixels is not None and pixels.ndim == 2 else int(is_image.sum())
-        return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches if images else 0)
+        if not images:
+            return ProcessedSample(tokens, mask, token_arrays, image_arrays)
+        grids = image_arrays.get("image_grid_thw")
+        if grids is not None and grids.ndim == 2 and len(grids) == images:  # each image's own patches
+            per_image = grids.astype(np.int64).prod(axis=1)
+        else:  # images of one size (Gemma 3: 256 tokens each)
+            per_image = np.full(images, patches / images)
+        return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches,
+                               int(round(float((per_image.astype(np.float64) ** 2).sum()))))
 
     def _messages(self, record: dict[str, Any], base_dir: str,
                   entries: dict[str, bytes] | None = None) -> tuple[list[dict[str, Any]], int]:

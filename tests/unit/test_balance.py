@@ -277,3 +277,16 @@ def test_dense_pieces_are_halved_when_the_tokens_do_not_fit_beside_them():
     assert alone.rank_costs(grid, SQUARE).max() / bound > 1.03
     assert lay.rank_costs(grid, SQUARE).max() / bound <= 1.03
     assert halved  # some full pieces were cut in two, at their middle
+
+
+def test_the_encoders_quadratic_term_is_per_image():
+    """Two images of 100 patches in one 50-token piece attend within each image: 2 x 100^2, not
+    200^2 as one image of 200 would; without per-image squares a piece counts as one image."""
+    from coordinator.balance import patch_ratio, patch_square_ratio
+
+    lengths = np.array([50.0, 50.0])
+    ratio = patch_ratio(np.array([200, 200]), lengths)
+    squares = patch_square_ratio(np.array([2 * 100 ** 2, 200 ** 2]), lengths)
+    per_image = Cost(0.0, 0.0, ratio, 1.0, 0.0, squares)
+    assert per_image.of(lengths).tolist() == [20000.0, 40000.0]
+    assert Cost(0.0, 0.0, ratio, 1.0, 0.0).of(lengths).tolist() == [40000.0, 40000.0]

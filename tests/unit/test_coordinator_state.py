@@ -238,6 +238,9 @@ def test_the_planner_alone_gives_the_recipes_the_ranks_received(job, reference, 
         def patches(self, source, positions):
             return np.zeros(len(positions), dtype=np.int64)
 
+        def patch_squares(self, source, positions):
+            return np.zeros(len(positions), dtype=np.int64)
+
     for step in range(STEPS):
         plan = planner.plan_step(Known())
         for rank in (0, 1):

@@ -30,6 +30,9 @@ class TrueLengths:
     def patches(self, source, positions):
         return np.zeros(len(positions), dtype=np.int64)
 
+    def patch_squares(self, source, positions):
+        return np.zeros(len(positions), dtype=np.int64)
+
 
 def test_planner_resumes_from_any_step_and_twice(dataset_dir):
     job = parse_job(job_dict(mixture=[{"weights": {"web": 0.6, "code": 0.4}, "until_step": 8},

@@ -54,6 +54,7 @@ def test_a_sample_holds_the_processor_arrays_and_masks_image_tokens(made):
     grids = sample.image_arrays["image_grid_thw"]
     assert sample.images == images == len(grids)
     assert sample.patches == int(grids.prod(axis=1).sum()) == len(sample.image_arrays["pixel_values"])
+    assert sample.patch_squares == int((grids.prod(axis=1) ** 2).sum())  # the encoder attends within each image
     is_image = np.isin(sample.tokens, chat.image_token_ids)
     assert int(is_image.sum()) == sample.patches // 4  # merge 2 x 2
     assert not sample.loss_mask[is_image].any() and sample.loss_mask.any()
