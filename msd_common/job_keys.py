@@ -144,7 +144,8 @@ KEYS: tuple[Key, ...] = (
         "quadratic x len^2 + linear x len + patch_quadratic x patches^2 + patch_linear x patches."),
     Key("balance.cost.quadratic", "number", "1.0", "Weight of len^2 (attention)."),
     Key("balance.cost.linear", "number", "0.0", "Weight of len (MLPs, embeddings)."),
-    Key("balance.cost.patch_quadratic", "number", "0.0", "Weight of patches^2."),
+    Key("balance.cost.patch_quadratic", "number", "0.0", "Weight of patches^2, image by image (a sample of "
+        "several images costs the sum of each one's patches squared: the vision encoder attends within an image)."),
     Key("balance.cost.patch_linear", "number", "0.0", "Weight of patches."),
     Key("balance.method", " | ".join(METHODS), "greedy", "How a step's rows are assigned to "
         "data-parallel ranks."),
