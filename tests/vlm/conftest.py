@@ -44,3 +44,17 @@ def token_id(processor_dir: str, token: str) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(os.path.join(processor_dir, "tokenizer.json")).token_to_id(token)
+
+
+def pieces_of(batch: dict):
+    """Every piece of a micro-batch, in packing order: (row, start, doc_key, length, piece index,
+    index of its first entry in the image arrays, by images_per_sample)."""
+    keys, lengths = batch["doc_keys"].tolist(), batch["piece_lengths"].tolist()
+    k = image = 0
+    for row, count in enumerate(batch["pieces_per_row"].tolist()):
+        start = 0
+        for _ in range(count):
+            yield row, start, keys[k], lengths[k], k, image
+            image += int(batch["images_per_sample"][k])
+            start += lengths[k]
+            k += 1

@@ -13,7 +13,7 @@ from msd.testing.vlm_data import write_gemma3_processor, write_image_conversatio
 from msd_common.doc_keys import split_doc_key
 from tests.conftest import write_job
 from tests.integration.harness import run_job
-from tests.vlm.conftest import reference, token_id, write_notes
+from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -56,35 +56,30 @@ def test_samples_equal_transformers_gemma3_processor(gemma_run):
         for b in batches:
             assert set(b) - {"received_at"} <= schema, set(b) - schema
             assert b["position_ids"].shape == b["tokens"].shape  # plain positions: no mrope
-            keys, lengths = b["doc_keys"].tolist(), b["piece_lengths"].tolist()
-            k = image = 0
-            for row, count in enumerate(b["pieces_per_row"].tolist()):
-                start = 0
-                for _ in range(count):
-                    source, record = split_doc_key(keys[k])
-                    n, images = lengths[k], int(b["images_per_sample"][k])
-                    span = slice(start, start + n)
-                    np.testing.assert_array_equal(b["position_ids"][row, span], np.arange(n))
-                    if source == 1:
-                        assert images == 0
-                        texts += 1
-                    else:
-                        expected = ref[record]
-                        np.testing.assert_array_equal(b["tokens"][row, span], expected["input_ids"])
-                        mask = b["loss_mask"][row, span]
-                        np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
-                        assert mask.sum() > 0
-                        np.testing.assert_array_equal(b["token_type_ids"][row, span], expected["token_type_ids"])
-                        assert int(expected["token_type_ids"].sum()) == IMAGE_TOKENS * images
-                        assert images == len(expected["pixel_values"]) > 0
-                        np.testing.assert_array_equal(b["pixel_values"][image:image + images],
-                                                      expected["pixel_values"])  # [images, 3, 896, 896]
-                        images_checked += images
-                        checked += 1
-                    image += images
-                    start += n
-                    k += 1
-            assert image == len(b.get("pixel_values", ()))
+            images_seen = 0
+            for row, start, key, n, k, image in pieces_of(b):
+                source, record = split_doc_key(key)
+                images = int(b["images_per_sample"][k])
+                images_seen += images
+                span = slice(start, start + n)
+                np.testing.assert_array_equal(b["position_ids"][row, span], np.arange(n))
+                if source == 1:
+                    assert images == 0
+                    texts += 1
+                    continue
+                expected = ref[record]
+                np.testing.assert_array_equal(b["tokens"][row, span], expected["input_ids"])
+                mask = b["loss_mask"][row, span]
+                np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
+                assert mask.sum() > 0
+                np.testing.assert_array_equal(b["token_type_ids"][row, span], expected["token_type_ids"])
+                assert int(expected["token_type_ids"].sum()) == IMAGE_TOKENS * images
+                assert images == len(expected["pixel_values"]) > 0
+                np.testing.assert_array_equal(b["pixel_values"][image:image + images],
+                                              expected["pixel_values"])  # [images, 3, 896, 896]
+                images_checked += images
+                checked += 1
+            assert images_seen == len(b.get("pixel_values", ()))
             # no label is an image token
             assert not (b["loss_mask"][:, :-1] * (b.get("token_type_ids", 0 * b["tokens"]) == 1)[:, 1:]).any()
     assert checked >= 8 and images_checked >= 8 and texts > 0

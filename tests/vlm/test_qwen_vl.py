@@ -14,7 +14,7 @@ from msd.testing.vlm_data import spoil_images, write_image_conversations, write_
 from msd_common.doc_keys import split_doc_key
 from tests.conftest import write_job
 from tests.integration.harness import run_job
-from tests.vlm.conftest import reference, token_id, write_notes
+from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -52,18 +52,11 @@ def vlm_run(tmp_path_factory):
 
 
 def _samples(received):
-    """Every piece of every micro-batch: (batch, row, start, doc_key, length, image index of its first image)."""
+    """Every piece of every micro-batch: (batch, row, start, doc_key, length, piece, index of its first image)."""
     for batches in received.values():
         for b in batches:
-            keys, lengths = b["doc_keys"].tolist(), b["piece_lengths"].tolist()
-            k, image = 0, 0
-            for row, count in enumerate(b["pieces_per_row"].tolist()):
-                start = 0
-                for _ in range(count):
-                    yield b, row, start, keys[k], lengths[k], k, image
-                    image += int(b["images_per_sample"][k])
-                    start += lengths[k]
-                    k += 1
+            for piece in pieces_of(b):
+                yield (b, *piece)
 
 
 def test_samples_equal_transformers_processor_token_mask_pixel_and_position(vlm_run):

@@ -16,7 +16,7 @@ from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_pro
 from msd_common.doc_keys import split_doc_key
 from tests.conftest import write_job
 from tests.integration.harness import run_job
-from tests.vlm.conftest import token_id
+from tests.vlm.conftest import pieces_of, token_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -69,18 +69,13 @@ def test_webdataset_conversations_through_a_job(tmp_path):
     for batches in received.values():
         for b in batches:
             assert b["position_ids"].shape == (3, *b["tokens"].shape)
-            keys, lengths = b["doc_keys"].tolist(), b["piece_lengths"].tolist()
-            k = patches = 0
-            for row, count in enumerate(b["pieces_per_row"].tolist()):
-                start = 0
-                for _ in range(count):
-                    _, record = split_doc_key(keys[k])
-                    want = chat.render(records[record], str(tmp_path / "data"))
-                    np.testing.assert_array_equal(b["tokens"][row, start:start + lengths[k]], want.tokens)
-                    pixels = want.image_arrays["pixel_values"]
-                    np.testing.assert_array_equal(b["pixel_values"][patches:patches + len(pixels)], pixels)
-                    patches += len(pixels)
-                    start += lengths[k]
-                    k += 1
-                    checked.add(record)
+            patches = 0
+            for row, start, key, n, _, _ in pieces_of(b):
+                _, record = split_doc_key(key)
+                want = chat.render(records[record], str(tmp_path / "data"))
+                np.testing.assert_array_equal(b["tokens"][row, start:start + n], want.tokens)
+                pixels = want.image_arrays["pixel_values"]
+                np.testing.assert_array_equal(b["pixel_values"][patches:patches + len(pixels)], pixels)
+                patches += len(pixels)
+                checked.add(record)
     assert len(checked) >= 8
