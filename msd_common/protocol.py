@@ -429,7 +429,8 @@ JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 # (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
 # loss_mask: empty, or one uint8 per token (1: trained on) where a piece comes from a source with masks
 # extras: a processor's arrays ([name, dtype, row shape, per_token]); extra_rows: [items x extras] rows of each,
-# 0 or the item's length for a per-token one; the extras frame: their bytes, item after item, extra after extra
+# 0 or the item's length for a per-token one; then a trailing frame per item and extra with rows (its bytes),
+# item after item, extra after extra
 PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
               ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), ArraySpec("extra_rows", "<u4"),
               check=_check_pieces, tail=MAX_EXTRA_FRAMES, step=integer(), rank=integer(), dtype=text(8),

@@ -24,12 +24,7 @@ def encode(header: dict[str, Any], *arrays: "np.ndarray", tail: Sequence["np.nda
     then the `tail` arrays' bytes, a frame each (a type that takes them: PIECES' extras).
     Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
-    if tail:
-        import numpy as np
-
-        arrays_frames = encode(header, *arrays)[1:]
-        return [*frames, *arrays_frames, *(memoryview(np.ascontiguousarray(t)).cast("B") for t in tail)]
-    if not arrays:
+    if not arrays and not tail:
         return frames
     import numpy as np  # here, not at the top: the host agent's messages carry no arrays
 
@@ -41,6 +36,7 @@ def encode(header: dict[str, Any], *arrays: "np.ndarray", tail: Sequence["np.nda
         if spec.cols > 1 and a.size and (a.ndim != 2 or a.shape[1] != spec.cols):
             raise ValueError(f"{header['type']}.{spec.name}: expected {spec.cols} columns, got shape {a.shape}")
         frames.append(memoryview(a).cast("B") if a.size else b"")
+    frames += [memoryview(np.ascontiguousarray(t)).cast("B") for t in tail]
     return frames
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
@@ -305,7 +306,7 @@ def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not JSON ({e})") from None
     if not isinstance(record, dict):
         raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not an object")
-    images = {k: v for k, v in sample.items() if k.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp")}
+    images = {k: v for k, v in sample.items() if k.rsplit(".", 1)[-1] in IMAGE_EXTS}
     return record, images
 
 

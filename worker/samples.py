@@ -123,6 +123,9 @@ class SourceReader:
         if self.spec.processor is not None:
             sample = self._transformed_processed(record_index, epoch) if self.spec.transform else \
                 self._processed(record_index)
+            if not sample.loss_mask.any():
+                raise RecordError(f"{self.where(record_index)}: nothing to train on (every loss_mask entry is 0)",
+                                  "no_trainable_tokens")
             return sample.tokens, None, sample.loss_mask, sample
         if self.whole_records:
             return (*self._transformed(record_index, epoch), None)
@@ -144,19 +147,16 @@ class SourceReader:
         from .processor import ImageRecordError, ProcessorRecordError
 
         where = self.where(record_index)
-        self._processor_chat()
+        chat = self._processor_chat()
         record = self.record(record_index)
         shard = self.shards[self.locate(record_index)[0]]
         base = os.path.dirname(str(getattr(shard, "shard", shard)))
         try:
-            sample = self._processor.render(record, base)
+            return chat.render(record, base)
         except ImageRecordError as e:
             raise RecordError(f"{where}: {e}", e.kind) from None
         except ProcessorRecordError as e:
             raise RecordError(f"{where}: {e}", "corrupt") from None
-        if not sample.loss_mask.any():
-            raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
-        return sample
 
     def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         record = self.record(record_index)
@@ -216,12 +216,9 @@ class SourceReader:
         images = len(grids) if grids is not None else (len(pixels) if pixels is not None and pixels.ndim == 4 else
                                                        int(pixels is not None))
         try:
-            processed = chat.sample_of({"input_ids": sample.tokens, **arrays}, images, sample.loss_mask)
+            return chat.sample_of({"input_ids": sample.tokens, **arrays}, images, sample.loss_mask)
         except ProcessorRecordError as e:
             raise RecordError(f"{where}: the transform's processor outputs: {e}", "transform_error") from None
-        if not processed.loss_mask.any():
-            raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
-        return processed
 
     def _chat_sample(self, record: dict[str, Any], where: str) -> Any:
         from .chat import ChatError, ChatTemplate
