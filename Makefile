@@ -18,7 +18,7 @@ VLM_TRANSFORMERS := transformers==5.24.0
 .PHONY: install .venv-vlm demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
 
 # tools/install.sh is the one install script: the container image (Dockerfile) runs it too.
-$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
+$(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_whole.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
 	PYTHON=$(PYTHON) tools/install.sh --editable $(VENV) 'test,torch,torchtitan,plots,docs' $(TORCH)
 	touch $(STAMP)
 

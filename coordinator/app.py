@@ -134,7 +134,7 @@ class Coordinator:
             self.address = router.address
             log.info("coordinator for %s (digest %s) listening on %s", self.job.path, self.state.digest, self.address)
             if not (COMPILED and PERMUTATION_COMPILED):
-                log.warning("coordinator._greedy or _feistel is not built (no C compiler at install?): the planner "
+                log.warning("coordinator._greedy, _whole or _feistel is not built (no C compiler at install?): the planner "
                             "runs in Python, several times slower; reinstall with a compiler to fix")
             if self.state_dir:  # where tools (msd status, manifest, ...) find this coordinator and its job
                 try:

@@ -118,7 +118,11 @@ try:  # the inner loop, compiled (setup.py); the same rule as _greedy_loop_py, w
     from . import _greedy as _compiled
 except ImportError:  # pragma: no cover - a build without a C compiler
     _compiled = None
-COMPILED = _compiled is not None
+try:  # whole samples' placing and exchanges, compiled (setup.py); _place_whole and _exchange_rounds stand in
+    from . import _whole as _compiled_whole
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _compiled_whole = None
+COMPILED = _compiled is not None and _compiled_whole is not None
 
 
 class _State:
@@ -564,26 +568,16 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
     first = np.zeros(len(lengths), bool) if first is None else np.asarray(first, dtype=bool)
     order = np.lexsort((np.arange(len(lengths)), -piece_cost, ~first))  # left out before, then costliest first
     budget = int(lengths.sum()) if budget is None else int(budget)
-    placed = 0
-    row_of: dict[int, int] = {}  # whole piece -> its row (rank * per_rank + row)
-    for i in order[whole[order]].tolist():
-        n = int(lengths[i])
-        if placed + n > budget:
+    placing = np.ascontiguousarray(order[whole[order]], dtype=np.int64)
+    rows_of = _place_whole(lengths, piece_cost, placing, budget, free, rank_cost)
+    row_of: dict[int, int] = {}  # whole piece -> its row (rank * per_rank + row), in the order placed
+    for i, at in zip(placing.tolist(), rows_of.tolist()):
+        if at < 0:
             deferred.append(i)
-            continue
-        room = free >= n
-        fits = room.any(axis=1)
-        if not fits.any():
-            deferred.append(i)
-            continue
-        r = int(np.argmin(np.where(fits, rank_cost, np.inf)))
-        row = int(np.argmin(np.where(room[r], free[r], np.iinfo(np.int64).max)))
-        row_of[i] = r * per_rank + row
-        free[r, row] -= n
-        placed += n
-        rank_cost[r] += piece_cost[i]
+        else:
+            row_of[i] = at
     if row_of:
-        _exchange_whole(row_of, lengths, piece_cost, free, rank_cost, per_rank)
+        _exchange_whole(row_of, lengths, piece_cost, free, rank_cost, cap)
     for i, at in row_of.items():  # a row's samples back to back, in the order they were placed
         frag_piece.append(i)
         frag_off.append(0)
@@ -628,37 +622,124 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
 
 
 
-SWAP_ROUNDS = 64  # exchanges made per step at most
+def _place_whole(lengths: np.ndarray, piece_cost: np.ndarray, order: np.ndarray, budget: int, free: np.ndarray,
+                 rank_cost: np.ndarray, compiled: bool = True) -> np.ndarray:
+    """Whole samples in the given order, each unless it would take the step past `budget` tokens,
+    to the cheapest rank (lowest index on ties) with a row that has room for it, into the
+    tightest such row: the row of each (rank * rows_per_rank + row), -1 for one left out. In place
+    on free [ranks, rows_per_rank] and rank_cost. Runs compiled where built (coordinator/_whole.c;
+    compiled=False: this Python reference, the same result)."""
+    per_rank = free.shape[1]
+    if _compiled_whole is not None and compiled:
+        out = np.empty(len(order), dtype=np.int64)
+        flat_free = np.ascontiguousarray(free.reshape(-1), dtype=np.int64)
+        cost = np.ascontiguousarray(rank_cost, dtype=np.float64)
+        _compiled_whole.place(np.ascontiguousarray(lengths, dtype=np.int64),
+                              np.ascontiguousarray(piece_cost, dtype=np.float64), order, int(budget), flat_free, cost,
+                              per_rank, out)
+        free[:] = flat_free.reshape(free.shape)
+        rank_cost[:] = cost
+        return out
+    out = np.full(len(order), -1, dtype=np.int64)
+    placed = 0
+    for k, i in enumerate(order.tolist()):
+        n = int(lengths[i])
+        if placed + n > budget:
+            continue
+        room = free >= n
+        fits = room.any(axis=1)
+        if not fits.any():
+            continue
+        r = int(np.argmin(np.where(fits, rank_cost, np.inf)))
+        row = int(np.argmin(np.where(room[r], free[r], np.iinfo(np.int64).max)))
+        out[k] = r * per_rank + row
+        free[r, row] -= n
+        placed += n
+        rank_cost[r] += piece_cost[i]
+    return out
+
+
+
+def busiest_rank_bound(lengths: np.ndarray, costs: np.ndarray, rank_tokens: int, padding: int, ranks: int) -> float:
+    """A lower bound of the busiest rank's cost for any layout of these whole samples on `ranks`
+    ranks of `rank_tokens` each, with `padding` tokens of padding in all (the rest full). For each
+    k: either the k costliest samples are on k different ranks, which between them then hold
+    k x rank_tokens - padding tokens at least, the rest at best the cheapest per token of the
+    other samples (taken fractionally: a relaxation), so the busiest holds at least their mean;
+    or two of them share a rank, which then costs at least the two cheapest of them. The larger
+    of that and the mean rank cost."""
+    n = np.asarray(lengths, dtype=np.float64)
+    c = np.asarray(costs, dtype=np.float64)
+    by_cost = np.lexsort((np.arange(len(c)), -c))
+    by_density = np.argsort(c / np.maximum(n, 1), kind="stable")
+    rank_in_cost = np.empty(len(c), dtype=np.int64)
+    rank_in_cost[by_cost] = np.arange(len(c))
+    fill_n, fill_c, fill_at = n[by_density], c[by_density], rank_in_cost[by_density]
+    best = float(c.sum()) / ranks
+    top_n = top_c = 0.0
+    for k in range(1, min(ranks, len(n)) + 1):
+        top_n += n[by_cost[k - 1]]
+        top_c += c[by_cost[k - 1]]
+        need = k * rank_tokens - top_n - padding
+        rest = fill_at >= k  # not among the k costliest
+        rn, rc = fill_n[rest], fill_c[rest]
+        take = np.clip(need - (np.cumsum(rn) - rn), 0, rn)  # tokens taken of each, cheapest per token first
+        spread = (top_c + float((take * rc / np.maximum(rn, 1)).sum())) / k
+        paired = c[by_cost[k - 2]] + c[by_cost[k - 1]] if k >= 2 else np.inf
+        best = max(best, min(spread, paired))
+    return best
+
+
+SWAP_ROUNDS_PER_RANK = 32  # exchanges made per step at most: this many per rank (a busy rank needs a few)
 PAIR_FROM = 8  # a rank's two samples offered for one of the busiest rank's: two of its this many cheapest
 
 
 def _exchange_whole(row_of: dict[int, int], lengths: np.ndarray, piece_cost: np.ndarray, free: np.ndarray,
-                    rank_cost: np.ndarray, per_rank: int) -> None:
+                    rank_cost: np.ndarray, row_capacity: int, compiled: bool = True) -> None:
     """Exchanges of whole samples between the busiest rank and another, one of the busiest rank's
     for one or two of the other's, where both rows have room for what they get, while one lowers
     the costlier of the two ranks: with every row full (no token slack), a rank that holds a long
     sample can only become cheaper by trading its other samples for shorter ones of the same
     total. The set of samples, hence padding, does not change. In place on row_of, free and
-    rank_cost."""
+    rank_cost. Runs compiled where built (coordinator/_whole.c; compiled=False: _exchange_rounds, the
+    Python reference, the same result)."""
     pieces = np.fromiter(row_of.keys(), dtype=np.int64, count=len(row_of))
     at = np.fromiter(row_of.values(), dtype=np.int64, count=len(row_of))
-    n = lengths[pieces]
-    c = piece_cost[pieces]
+    n = np.ascontiguousarray(lengths[pieces], dtype=np.int64)
+    c = np.ascontiguousarray(piece_cost[pieces], dtype=np.float64)
     flat_free = free.reshape(-1)
     level = float(rank_cost.mean()) * (1 + CAP_MARGIN)  # nothing to gain below
-    for _ in range(SWAP_ROUNDS):
+    per_rank = free.shape[1]
+    rounds = SWAP_ROUNDS_PER_RANK * max(len(rank_cost), 2)
+    if _compiled_whole is not None and compiled:
+        cost = np.ascontiguousarray(rank_cost, dtype=np.float64)
+        free_c = np.ascontiguousarray(flat_free, dtype=np.int64)
+        _compiled_whole.exchange(n, c, at, free_c, cost, per_rank, int(row_capacity), PAIR_FROM, level, rounds)
+        rank_cost[:] = cost
+        flat_free[:] = free_c
+    else:
+        _exchange_rounds(at, n, c, flat_free, rank_cost, per_rank, level, rounds)
+    for p in range(len(pieces)):
+        row_of[int(pieces[p])] = int(at[p])
+
+
+def _exchange_rounds(at: np.ndarray, n: np.ndarray, c: np.ndarray, flat_free: np.ndarray, rank_cost: np.ndarray,
+                     per_rank: int, level: float, rounds: int) -> int:
+    """The exchanges in Python (coordinator/_whole.c states the rule): in place on at,
+    flat_free and rank_cost; the number of rounds made."""
+    for done in range(rounds):
         rank = at // per_rank
         b = int(np.argmax(rank_cost))
         if rank_cost[b] <= level:
-            return
+            return done
         mine = np.flatnonzero(rank == b)
-        best = _best_exchange(b, mine, np.flatnonzero(rank != b)[:, None], rank, at, n, c, flat_free, rank_cost)
+        single = _best_exchange(b, mine, np.flatnonzero(rank != b)[:, None], rank, at, n, c, flat_free, rank_cost)
+        pair = _best_exchange(b, mine, _cheap_pairs(rank, c, b, len(rank_cost)), rank, at, n, c, flat_free,
+                              rank_cost)
+        best = single if single is not None and (pair is None or single[3] <= pair[3]) else pair
         if best is None:
-            best = _best_exchange(b, mine, _cheap_pairs(rank, c, b, len(rank_cost)), rank, at, n, c, flat_free,
-                                  rank_cost)
-        if best is None:
-            return
-        i, theirs, delta = best
+            return done
+        i, theirs, delta, _ = best
         r = int(rank[theirs[0]])
         row_i, row_j = int(at[i]), int(at[theirs[0]])
         flat_free[row_i] += int(n[i] - n[theirs].sum())  # what the other gives lands in i's row,
@@ -669,15 +750,14 @@ def _exchange_whole(row_of: dict[int, int], lengths: np.ndarray, piece_cost: np.
         at[i] = row_j
         rank_cost[b] -= delta
         rank_cost[r] += delta
-        for p in (i, *theirs):
-            row_of[int(pieces[p])] = int(at[p])
+    return rounds
 
 
 def _best_exchange(b: int, mine: np.ndarray, offers: np.ndarray, rank: np.ndarray, at: np.ndarray, n: np.ndarray,
                    c: np.ndarray, flat_free: np.ndarray, rank_cost: np.ndarray) -> "tuple | None":
     """The exchange of one of `mine` (on the busiest rank b) for one row of `offers` (samples of
     one other rank, -1 for none) that leaves the costlier of the two ranks cheapest, if it is
-    cheaper than b now: (sample, offered samples, cost moved)."""
+    cheaper than b now: (sample, offered samples, cost moved, the costlier rank's cost after)."""
     if not len(mine) or not len(offers):
         return None
     valid = offers >= 0
@@ -693,7 +773,7 @@ def _best_exchange(b: int, mine: np.ndarray, offers: np.ndarray, rank: np.ndarra
     x, y = divmod(int(np.argmin(after)), after.shape[1])
     if not after[x, y] < rank_cost[b] * (1 - 1e-9):
         return None
-    return int(mine[x]), o[y][valid[y]], float(delta[x, y])
+    return int(mine[x]), o[y][valid[y]], float(delta[x, y]), float(after[x, y])
 
 
 def _cheap_pairs(rank: np.ndarray, c: np.ndarray, b: int, ranks: int) -> np.ndarray:

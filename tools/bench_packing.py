@@ -11,11 +11,20 @@ Conversations (msd.testing.chat_data) are rendered with a chat template and toke
 Figures: padding share (padding / row tokens), samples dropped or truncated, and for msd the
 max/mean rank cost per step against two lower bounds of the busiest rank: the simple one (the
 larger of the mean rank cost and the costliest sample) and one that knows rows are full
-(`full_rows_bound`: the k ranks that hold the k longest samples must also hold the rest of their
-rows' tokens, at best the step's shortest samples; no layout of the step's samples with its
-padding can do better).
+(`coordinator.balance.busiest_rank_bound`: the k ranks that hold the k costliest samples must
+also hold the rest of their rows' tokens, at best the step's cheapest per token; no layout of the
+step's samples with its padding can do better), and the planner's time per step.
+
+--images gives the conversations images (0 to 4 each, sides of 224 to 896 pixels), as
+Qwen2.5-VL's processor counts them: 14-pixel patches on sides rounded to 28, one image token per
+4 patches. A sample then costs n^2 for the language model's attention plus 0.4 x each image's
+patches squared for the vision encoder's (its attention per token pair, 1,280 x 32 layers, over
+the language model's, 3,584 x 28; full attention in every layer, Qwen's windows left out).
+--distinct renders that many conversations and draws --samples of them (with replacement, seeded)
+for the many samples that 1,024 ranks need.
 
     python tools/bench_packing.py [--samples 4000] [--seq-len 4096] [--dp 8] [--rows-per-rank 2]
+                                  [--images] [--distinct N]
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -47,39 +57,45 @@ def lengths_of_conversations(n: int, seed: int) -> np.ndarray:
                      for _ in range(n)], dtype=np.int64)
 
 
-def full_rows_bound(lengths: np.ndarray, rank_tokens: int, padding: int, ranks: int) -> float:
-    """A lower bound of the busiest rank's cost (quadratic model) for any layout of these whole
-    samples on `ranks` ranks of `rank_tokens` each with `padding` tokens of padding in all. For
-    each k: either the k longest samples are on k different ranks, which between them then hold
-    k x rank_tokens - padding tokens at least, the rest at best the shortest samples (taken
-    fractionally: a relaxation), so the busiest holds at least their mean; or two of them share
-    a rank, which then costs at least the two cheapest of them."""
-    n = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]
-    cost = n * n
-    shortest = np.sort(n)  # fill from the cheapest per token
-    best = 0.0
-    for k in range(1, min(ranks, len(n)) + 1):
-        need = k * rank_tokens - n[:k].sum() - padding
-        rest = shortest[:len(n) - k]
-        take = np.clip(need - (np.cumsum(rest) - rest), 0, rest)  # tokens taken of each, in order
-        spread = (cost[:k].sum() + float((take * rest).sum())) / k
-        paired = cost[k - 2] + cost[k - 1] if k >= 2 else np.inf
-        best = max(best, min(spread, paired))
-    return best
+ENCODER_ATTENTION = 0.4  # the vision encoder's attention per patch pair over the language model's per token pair
 
 
-def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, token_slack: float = 0.0) -> dict:
+def images_of_conversations(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per conversation: image tokens and patches squared (summed over its images), and patches."""
+    rng = random.Random(seed + 1)
+    tokens, squares, patches = np.zeros(n, np.int64), np.zeros(n, np.float64), np.zeros(n, np.int64)
+    for i in range(n):
+        for _ in range(rng.choice([0, 0, 1, 1, 1, 2, 3, 4])):
+            h, w = (max(28, round(rng.randint(224, 896) / 28) * 28) for _ in range(2))
+            p = (h // 14) * (w // 14)
+            tokens[i] += p // 4
+            squares[i] += float(p) * p
+            patches[i] += p
+    return tokens, squares, patches
+
+
+def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, token_slack: float = 0.0,
+                squares: "np.ndarray | None" = None, patches: "np.ndarray | None" = None) -> dict:
+    """squares, patches: per sample, its images' patches squared (summed) and patches (--images)."""
     from msd_common.spec import parse_job
-    from coordinator.plan import LENGTH, Planner
+    from coordinator.balance import busiest_rank_bound
+    from coordinator.plan import LENGTH, RECORD, Planner
 
     rows = dp * rows_per_rank
+    images = squares is not None
+    source = {"format": "jsonl", "paths": ["c.jsonl"], "packing": "whole", "epochs": 1}
+    if images:  # a source whose samples cost the vision encoder (its patches are planned)
+        source = {"format": "webdataset", "paths": ["c.tar"], "packing": "whole", "epochs": 1, "image_token_id": 5}
     with tempfile.TemporaryDirectory() as d:
         open(os.path.join(d, "c.jsonl"), "w").write("{}\n")
-        job = parse_job({"seed": 1, "sources": {"chat": {"format": "jsonl", "paths": ["c.jsonl"], "packing": "whole",
-                                                           "epochs": 1}},
+        open(os.path.join(d, "c.tar"), "wb").close()
+        job = parse_job({"seed": 1, "sources": {"chat": source},
                          "batch": {"seq_len": seq_len, "micro_batch_size": 1, "global_batch_size": rows},
                          "topology": {"dp": dp}, "mixture": {"weights": {"chat": 1.0}},
-                         "balance": {"token_slack": token_slack}}, "job.yaml", base_dir=d)
+                         "balance": {"token_slack": token_slack,
+                                     "cost": {"quadratic": 1.0, "linear": 0.0,
+                                              "patch_quadratic": ENCODER_ATTENTION if images else 0.0}}},
+                        "job.yaml", base_dir=d)
     planner = Planner(job, [len(lengths)])
 
     class Known:
@@ -88,10 +104,18 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, 
             records = np.array([planner.record_at(s, p) for p in range(start, start + count)], dtype=np.int64)
             return records, lengths[records] if count else np.zeros(0, np.int64)
 
-    known, plans = Known(), []
+        def patches(self, s, positions):
+            return patches[[planner.record_at(s, int(p)) for p in positions]]
+
+        def patch_squares(self, s, positions):
+            return squares[[planner.record_at(s, int(p)) for p in positions]]
+
+    known, plans, seconds = Known(), [], []
     while True:
         try:
+            started = time.perf_counter()
             plans.append(planner.plan_step(known))
+            seconds.append(time.perf_counter() - started)
         except Exception:  # the source's one epoch is used up
             break
     real = sum(int(p.pieces[:, LENGTH].sum()) for p in plans)
@@ -100,11 +124,14 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, 
     for p in plans[:-1]:  # the last step holds the remainder
         costs = np.asarray(p.rank_costs)
         n = p.pieces[:, LENGTH]
-        bound = max(costs.mean(), float((n.astype(float) ** 2).max()))
+        sample_costs = n.astype(float) ** 2
+        if images:
+            sample_costs += ENCODER_ATTENTION * squares[p.pieces[:, RECORD]]
+        bound = max(costs.mean(), float(sample_costs.max()))
         ratios.append(costs.max() / costs.mean())
         bound_ratios.append(costs.max() / bound)
         padding = dp * rank_tokens - int(n.sum())
-        full_ratios.append(costs.max() / max(costs.mean(), full_rows_bound(n, rank_tokens, padding, dp)))
+        full_ratios.append(costs.max() / busiest_rank_bound(n, sample_costs, rank_tokens, padding, dp))
     full = plans[:-1]
     padding = 1 - sum(int(p.pieces[:, LENGTH].sum()) for p in full) / (len(full) * rows * job.row_capacity_at(0))
     return {"steps": len(plans), "padding_share": round(padding, 4), "tokens": real,
@@ -115,7 +142,9 @@ def msd_packing(lengths: np.ndarray, seq_len: int, dp: int, rows_per_rank: int, 
             "max_over_lower_bound_median": round(float(np.median(bound_ratios)), 4),
             "max_over_lower_bound_p90": round(float(np.quantile(bound_ratios, 0.9)), 4),
             "max_over_full_rows_bound_median": round(float(np.median(full_ratios)), 4),
-            "max_over_full_rows_bound_p90": round(float(np.quantile(full_ratios, 0.9)), 4)}
+            "max_over_full_rows_bound_p90": round(float(np.quantile(full_ratios, 0.9)), 4),
+            "plan_ms_per_step_median": round(1000 * float(np.median(seconds)), 1),
+            "plan_ms_per_step_max": round(1000 * float(np.max(seconds)), 1)}
 
 
 def trl_packing(lengths: np.ndarray, seq_len: int) -> dict:
@@ -152,16 +181,31 @@ def main() -> None:
     ap.add_argument("--rows-per-rank", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-slack", type=float, default=0.0, help="balance.token_slack of the msd job")
+    ap.add_argument("--images", action="store_true", help="conversations with images (msd's cost: LM plus encoder)")
+    ap.add_argument("--distinct", type=int, default=0, help="render this many conversations, draw --samples of them")
+    ap.add_argument("--skip-others", action="store_true", help="msd only (no TRL, no torchtune)")
     ap.add_argument("--torchtune-python", default=os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), ".venv-torchtune", "bin", "python"), help="python of a venv with torchtune")
     args = ap.parse_args()
-    lengths = lengths_of_conversations(args.samples, args.seed)
-    out = {"samples": args.samples, "seq_len": args.seq_len, "dp": args.dp, "rows_per_rank": args.rows_per_rank,
+    distinct = args.distinct or args.samples
+    lengths = lengths_of_conversations(distinct, args.seed)
+    squares = patches = None
+    if args.images:
+        image_tokens, squares, patches = images_of_conversations(distinct, args.seed)
+        lengths = lengths + image_tokens
+    if distinct != args.samples:
+        drawn = np.random.default_rng(args.seed).integers(0, distinct, args.samples)
+        lengths = lengths[drawn]
+        if args.images:
+            squares, patches = squares[drawn], patches[drawn]
+    out = {"samples": args.samples, "distinct": distinct, "images": args.images, "seq_len": args.seq_len,
+           "dp": args.dp, "rows_per_rank": args.rows_per_rank,
            "mean_length": round(float(lengths.mean()), 1), "max_length": int(lengths.max()),
            "token_slack": args.token_slack,
-           "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank, args.token_slack),
-           "trl_bfd": trl_packing(np.minimum(lengths, args.seq_len), args.seq_len),
-           "torchtune": torchtune_packing(np.minimum(lengths, args.seq_len), args.seq_len, args.torchtune_python)}
+           "msd": msd_packing(lengths, args.seq_len, args.dp, args.rows_per_rank, args.token_slack, squares, patches)}
+    if not args.skip_others:
+        out["trl_bfd"] = trl_packing(np.minimum(lengths, args.seq_len), args.seq_len)
+        out["torchtune"] = torchtune_packing(np.minimum(lengths, args.seq_len), args.seq_len, args.torchtune_python)
     print(json.dumps(out, indent=2))
 
 
