@@ -93,12 +93,8 @@ class LocalLengths:
         if known is None:
             reader = self.reader(source)
             try:
-                tokens, images, _, processed = reader.read_prepared(record, epoch)
-                if processed is not None:
-                    known = (len(tokens), processed.patches, processed.patch_squares)
-                else:
-                    patches = len(images) if images is not None else 0
-                    known = (len(tokens), patches, patches * patches)
+                prepared = reader.read_prepared(record, epoch)
+                known = (len(prepared.tokens), prepared.patch_count, prepared.patch_squares)
             except Exception as e:  # noqa: BLE001 - skipped as a worker skips it
                 self.skipped[source][record] = f"{reader.where(record)}: {e}"
                 known = (0, 0, 0)

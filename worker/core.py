@@ -51,10 +51,17 @@ class CacheEntry:
     images: np.ndarray | None = None  # patches of its image placeholders (its first tokens)
     loss_mask: np.ndarray | None = None  # uint8 per token, from a transform or chat rendering
     processed: ProcessedSample | None = None  # a processor's arrays (sources with `processor`)
+    patch_squares: int = 0  # its images' patches squared, summed (PREPARED's patch_squares)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def patch_count(self) -> int:
+        if self.processed is not None:
+            return self.processed.patches
+        return len(self.images) if self.images is not None else 0
 
 
 # Actions: what the loop is asked to do.
@@ -421,7 +428,7 @@ class WorkerCore:
                 try:
                     # an eval copy (EVAL_EPOCH) is the record as in epoch 0, cached apart
                     epoch = 0 if epochs[i] == P.EVAL_EPOCH else int(epochs[i])
-                    tokens, images, mask, processed = reader.read_prepared(record, epoch)
+                    prepared = reader.read_prepared(record, epoch)
                 except RecordError as e:
                     log.warning("source %s: skipped record: %s", reader.name, e,
                                 extra={"source": reader.name, "record": record})
@@ -436,15 +443,13 @@ class WorkerCore:
                                 extra={"source": reader.name, "record": record})
                     skipped.append([i, reason, "error"])
                     continue
-                entry = self.cache[key] = CacheEntry(tokens, 0, images, mask, processed)
+                entry = self.cache[key] = CacheEntry(prepared.tokens, 0, prepared.patches, prepared.loss_mask,
+                                                     prepared.processed, prepared.patch_squares)
             entry.copies += 1
             lengths[i] = entry.length
-            if entry.images is not None:
-                patches[i] = len(entry.images)
-                squares[i] = patches[i] * patches[i]  # (a transform's several images are counted as one)
-            elif entry.processed is not None:
-                patches[i] = entry.processed.patches
-                squares[i] = entry.processed.patch_squares
+            if len(patches):
+                patches[i] = entry.patch_count
+                squares[i] = entry.patch_squares
         skipped.sort()
         return [ToCoordinator(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
                                      busy_s=0.0), (lengths, patches, squares))]

@@ -11,7 +11,7 @@ exceptions become skips of their record.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -25,6 +25,30 @@ from .vision import ImageError, to_patches
 
 if TYPE_CHECKING:
     from .processor import ProcessedSample
+
+
+class Prepared(NamedTuple):
+    """What a worker prepares of a record (SourceReader.read_prepared)."""
+
+    tokens: np.ndarray
+    patches: "np.ndarray | None"  # built-in image patches (their placeholders are the first tokens)
+    loss_mask: "np.ndarray | None"  # uint8 per token, from a transform or chat rendering
+    processed: "ProcessedSample | None"  # a processor's arrays (sources with `processor`)
+    image_patches: tuple = ()  # per built-in image, its patches (a transform may return several)
+
+    @property
+    def patch_count(self) -> int:
+        """Image patches of the record, as PREPARED reports them."""
+        if self.processed is not None:
+            return self.processed.patches
+        return len(self.patches) if self.patches is not None else 0
+
+    @property
+    def patch_squares(self) -> int:
+        """Its images' patches squared, summed: the encoder attends within each image."""
+        if self.processed is not None:
+            return self.processed.patch_squares
+        return sum(p * p for p in self.image_patches)
 
 
 class SourceReader:
@@ -114,23 +138,23 @@ class SourceReader:
         """(tokens, image patches or None, loss mask or None): what a worker prepares. A source
         with a transform or chat rendering returns what they make of the record; the loss mask
         (uint8, 1 where a token is trained on) comes only from them."""
-        return self.read_prepared(record_index, epoch)[:3]
+        return tuple(self.read_prepared(record_index, epoch)[:3])
 
-    def read_prepared(self, record_index: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray | None,
-                                                                       np.ndarray | None, ProcessedSample | None]:
+    def read_prepared(self, record_index: int, epoch: int = 0) -> Prepared:
         """read_full's three, and for a source with a processor the whole ProcessedSample (its
-        per-token and image arrays), else None."""
+        per-token and image arrays), else None; then each built-in image's patches."""
         if self.spec.processor is not None:
             sample = self._transformed_processed(record_index, epoch) if self.spec.transform else \
                 self._processed(record_index)
             if not sample.loss_mask.any():
                 raise RecordError(f"{self.where(record_index)}: nothing to train on (every loss_mask entry is 0)",
                                   "no_trainable_tokens")
-            return sample.tokens, None, sample.loss_mask, sample
+            return Prepared(sample.tokens, None, sample.loss_mask, sample)
         if self.whole_records:
-            return (*self._transformed(record_index, epoch), None)
+            tokens, patches, mask, image_patches = self._transformed(record_index, epoch)
+            return Prepared(tokens, patches, mask, None, image_patches)
         tokens, patches = self._read_plain(record_index)
-        return tokens, patches, None, None
+        return Prepared(tokens, patches, None, None, () if patches is None else (len(patches),))
 
     def _processor_chat(self) -> Any:
         from .processor import ProcessorChat
@@ -158,7 +182,8 @@ class SourceReader:
         except ProcessorRecordError as e:
             raise RecordError(f"{where}: {e}", "corrupt") from None
 
-    def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    def _transformed(self, record_index: int, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None,
+                                                                   tuple]:
         record = self.record(record_index)
         where = self.where(record_index)
         if self.spec.chat is not None:
@@ -168,14 +193,14 @@ class SourceReader:
         if sample.processed is not None:
             raise RecordError(f"{where}: the transform returned processor outputs, but the source has no "
                               "processor", "transform_error")
-        tokens, mask, patches = sample.tokens, sample.loss_mask, None
+        tokens, mask, patches, image_patches = sample.tokens, sample.loss_mask, None, ()
         if sample.images:
-            tokens, mask, patches = self._with_images(sample, where)
+            tokens, mask, patches, image_patches = self._with_images(sample, where)
         if not len(tokens):
             raise RecordError(f"{where}: the transform returned no tokens", "skipped")
         if mask is not None and not mask.any():
             raise RecordError(f"{where}: nothing to train on (every loss_mask entry is 0)", "no_trainable_tokens")
-        return tokens.astype(self.dtype, copy=False), patches, mask
+        return tokens.astype(self.dtype, copy=False), patches, mask, image_patches
 
     def _user_sample(self, record: Any, where: str, record_index: int, epoch: int, processor: Any = None) -> Any:
         """The transform's checked Sample of a record; RecordError (skipped, or its error) otherwise."""
@@ -236,9 +261,9 @@ class SourceReader:
             raise RecordError(f"{where}: {e}", "corrupt") from None
         return Sample(rendered.tokens, rendered.loss_mask)
 
-    def _with_images(self, sample: Any, where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    def _with_images(self, sample: Any, where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, tuple]:
         """A transform's images as patches, their placeholders before its tokens (the image-text
-        layout: a record's first tokens are its patches' placeholders)."""
+        layout: a record's first tokens are its patches' placeholders), and each image's patches."""
         if self.image_token_id is None:
             raise RecordError(f"{where}: the transform returned images, but the source has no image_token_id",
                               "transform_error")
@@ -257,7 +282,7 @@ class SourceReader:
         mask = None
         if sample.loss_mask is not None:
             mask = np.concatenate([np.zeros(len(patches), np.uint8), sample.loss_mask])
-        return tokens, mask, patches
+        return tokens, mask, patches, tuple(len(part) for part in parts)
 
     def _read_plain(self, record_index: int) -> tuple[np.ndarray, np.ndarray | None]:
         if self.format == "megatron":  # (remote: workers prepare it; memory-mapped: only tests read it here)

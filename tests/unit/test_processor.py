@@ -220,7 +220,7 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
            "mixture": {"weights": {"vqa": 1.0}}}
     (spec,) = parse_job(job, str(tmp_path / "job.yaml")).worker_job().sources
     reader = SourceReader(spec)
-    tokens, patches, mask, processed = reader.read_prepared(0, 0)
+    tokens, patches, mask, processed = reader.read_prepared(0, 0)[:4]
     expected = ProcessorChat(proc).render(record, data)
     np.testing.assert_array_equal(tokens, expected.tokens)
     np.testing.assert_array_equal(mask, expected.loss_mask)
@@ -275,7 +275,7 @@ def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
     reader = SourceReader(spec)
     expected = ProcessorChat(proc).render(record, data)
     for i in (0, 1):
-        tokens, patches, mask, processed = reader.read_prepared(i, 0)
+        tokens, patches, mask, processed = reader.read_prepared(i, 0)[:4]
         assert patches is None
         np.testing.assert_array_equal(tokens, expected.tokens)
         np.testing.assert_array_equal(mask, expected.loss_mask)
@@ -341,7 +341,7 @@ def test_a_transform_makes_samples_with_the_sources_processor(made, tmp_path, mo
     parsed = parse_job(job, str(tmp_path / "job.yaml"))
     assert parsed.rope == "mrope" and parsed.sources[0].has_encoder_cost
     (spec,) = parsed.worker_job().sources
-    tokens, patches, mask, processed = SourceReader(spec).read_prepared(0, 0)
+    tokens, patches, mask, processed = SourceReader(spec).read_prepared(0, 0)[:4]
     expected = ProcessorChat(proc).render(record, data)
     np.testing.assert_array_equal(tokens, expected.tokens)
     np.testing.assert_array_equal(mask, expected.loss_mask)  # the processor's assistant mask, passed on
