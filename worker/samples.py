@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from msd_common import protocol as P
 from msd_common.formats.errors import RecordError
 from msd_common.formats.limits import check_pixels
 from msd_common.formats.records import SourceRecords
@@ -149,6 +150,11 @@ class SourceReader:
             if not sample.loss_mask.any():
                 raise RecordError(f"{self.where(record_index)}: nothing to train on (every loss_mask entry is 0)",
                                   "no_trainable_tokens")
+            for name, array in {**sample.token_arrays, **sample.image_arrays}.items():
+                if array.nbytes > P.MAX_FRAME_BYTES:  # one frame of PIECES: skip it here, not lose it at delivery
+                    raise RecordError(f"{self.where(record_index)}: the processor's {name} is {array.nbytes:,} bytes, "
+                                      f"more than a message frame holds ({P.MAX_FRAME_BYTES:,}); lower the image "
+                                      "processor's max_pixels or the source's max_image_pixels", "over_limit")
             return Prepared(sample.tokens, None, sample.loss_mask, sample)
         if self.whole_records:
             tokens, patches, mask, image_patches = self._transformed(record_index, epoch)

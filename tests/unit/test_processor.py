@@ -229,6 +229,13 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
 
     with pytest.raises(RecordError, match="does not decode"):  # the bad image skips its record only
         reader.read_prepared(1, 0)
+    from msd_common import protocol as P
+
+    with pytest.MonkeyPatch.context() as m:  # pixel values past one frame of PIECES: skipped at prepare, by name
+        m.setattr(P, "MAX_FRAME_BYTES", processed.image_arrays["pixel_values"].nbytes - 1)
+        with pytest.raises(RecordError, match="pixel_values is .* bytes, more than a message frame holds") as e:
+            reader.read_prepared(0, 0)
+        assert e.value.kind == "over_limit"
 
 
 def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
