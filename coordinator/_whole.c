@@ -307,6 +307,17 @@ static int get(PyObject *obj, Py_buffer *view, Py_ssize_t size, Py_ssize_t count
     return 0;
 }
 
+static Py_ssize_t get_any(PyObject *obj, Py_buffer *view, int writable, const char *name) {  /* 8-byte items */
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: expected items of 8 bytes", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return view->len / 8;
+}
+
 PyDoc_STRVAR(exchange_doc,
 "exchange(n, c, at, free, rank_cost, per_rank, row_capacity, pair_from, level, max_rounds) -> rounds\n\n"
 "Exchanges whole samples between ranks by the rule of coordinator.balance._exchange_rounds, in place on\n"
@@ -328,17 +339,15 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Ex e;
     memset(&e, 0, sizeof e);
-    if (PyObject_GetBuffer(o_n, &b[0], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    Py_ssize_t samples = get_any(o_n, &b[0], 0, "n"), ranks;
+    if (samples < 0) return NULL;
     held = 1;
-    Py_ssize_t samples = b[0].len / 8;
-    if (b[0].itemsize != 8) { PyErr_SetString(PyExc_ValueError, "n: int64 expected"); goto fail; }
     if (get(o_c, &b[1], 8, samples, 0, "c") < 0) goto fail;
     held = 2;
     if (get(o_at, &b[2], 8, samples, 1, "at") < 0) goto fail;
     held = 3;
-    if (PyObject_GetBuffer(o_cost, &b[3], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto fail;
+    if ((ranks = get_any(o_cost, &b[3], 1, "rank_cost")) < 0) goto fail;
     held = 4;
-    Py_ssize_t ranks = b[3].len / 8;
     if (get(o_free, &b[4], 8, ranks * per_rank, 1, "free") < 0) goto fail;
     held = 5;
     e.n = b[0].buf; e.c = b[1].buf; e.at = b[2].buf; e.rank_cost = b[3].buf; e.free = b[4].buf;
@@ -397,19 +406,15 @@ static PyObject *place(PyObject *self, PyObject *args) {
     Py_buffer b[6];
     int held = 0;
     PyObject *result = NULL;
-    if (PyObject_GetBuffer(o_n, &b[0], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    Py_ssize_t samples = get_any(o_n, &b[0], 0, "n"), count, ranks;
+    if (samples < 0) return NULL;
     held = 1;
-    Py_ssize_t samples = b[0].len / 8;
-    if (b[0].itemsize != 8) { PyErr_SetString(PyExc_ValueError, "n: int64 expected"); goto fail; }
     if (get(o_c, &b[1], 8, samples, 0, "c") < 0) goto fail;
     held = 2;
-    if (PyObject_GetBuffer(o_order, &b[2], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail;
+    if ((count = get_any(o_order, &b[2], 0, "order")) < 0) goto fail;
     held = 3;
-    Py_ssize_t count = b[2].len / 8;
-    if (b[2].itemsize != 8) { PyErr_SetString(PyExc_ValueError, "order: int64 expected"); goto fail; }
-    if (PyObject_GetBuffer(o_cost, &b[3], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto fail;
+    if ((ranks = get_any(o_cost, &b[3], 1, "rank_cost")) < 0) goto fail;
     held = 4;
-    Py_ssize_t ranks = b[3].len / 8;
     if (get(o_free, &b[4], 8, ranks * per_rank, 1, "free") < 0) goto fail;
     held = 5;
     if (get(o_out, &b[5], 8, count, 1, "out_row") < 0) goto fail;

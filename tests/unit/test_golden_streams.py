@@ -26,7 +26,7 @@ STEPS = 6
 # steps' manifests and of the tokens and masks of every piece)
 PINNED = {
     "example.yaml": ("1c5f1269a4b14713", "66b8eabbe64c33bbbe5788ac353345e700bab56e0cca0cff2caad3199179996f"),
-    "sft.yaml": ("34a29348e94eee3c", "b5db00127ac466cd7cde392d247ef2170365e9ec3fb6b722566738af63b98fb7"),
+    "sft.yaml": ("34a29348e94eee3c", "b63e5b495b1a66ea125f67f260ceb3d50eba20fcfc6a92968ca09f9d792d9333"),
 }
 
 
