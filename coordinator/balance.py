@@ -621,7 +621,6 @@ def whole_layout(lengths: np.ndarray, whole: np.ndarray, grid: Grid, cost: Cost,
     return lay, np.asarray(sorted(deferred), dtype=np.int64)
 
 
-
 def _place_whole(lengths: np.ndarray, piece_cost: np.ndarray, order: np.ndarray, budget: int, free: np.ndarray,
                  rank_cost: np.ndarray, compiled: bool = True) -> np.ndarray:
     """Whole samples in the given order, each unless it would take the step past `budget` tokens,
@@ -657,7 +656,6 @@ def _place_whole(lengths: np.ndarray, piece_cost: np.ndarray, order: np.ndarray,
         placed += n
         rank_cost[r] += piece_cost[i]
     return out
-
 
 
 def busiest_rank_bound(lengths: np.ndarray, costs: np.ndarray, rank_tokens: int, padding: int, ranks: int) -> float:

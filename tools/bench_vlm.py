@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=600)
     ap.add_argument("--samples", type=int, default=400, help="samples timed per throughput round (fewer than --records: no record twice)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4, help="steps of the balance measurement")
+    ap.add_argument("--steps", type=int, default=16, help="steps of the balance measurement")
     ap.add_argument("--balance-records", type=int, default=12_000)
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
     args = ap.parse_args()
