@@ -122,36 +122,35 @@ def test_an_import_error_names_the_module_and_the_exception(dataset_dir, tmp_pat
     assert "broken_mod" in problem and "ModuleNotFoundError" in problem and "not_installed_anywhere" in problem
 
 
-def test_images_from_a_transform_take_the_image_path(tmp_path, monkeypatch):
-    (tmp_path / "img_mod.py").write_text(
+def _image_transform_source(tmp_path, monkeypatch, module: str, sample: str):
+    """A JSONL source of one record whose transform (module `module`) returns `sample`."""
+    (tmp_path / f"{module}.py").write_text(
         "import numpy as np\nfrom worker.transforms import Sample\n"
-        "def f(record, ctx):\n    return Sample(np.array([7, 8]), images=[np.full((28, 42, 3), 9, np.uint8)])\n")
+        f"def f(record, ctx):\n    return {sample}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
     path = _jsonl(tmp_path, ["x"])
-    r = open_source({"name": "t", "index": 0, "format": "jsonl", "files": [path], "tokenizer": "byte",
-                     "transform": "img_mod:f", "image_token_id": 300, "patch_size": 14, "max_pixels": 50176})
+    return open_source({"name": "t", "index": 0, "format": "jsonl", "files": [path], "tokenizer": "byte",
+                        "transform": f"{module}:f", "image_token_id": 300, "patch_size": 14, "max_pixels": 50176})
+
+
+def test_images_from_a_transform_take_the_image_path(tmp_path, monkeypatch):
+    r = _image_transform_source(tmp_path, monkeypatch, "img_mod",
+                                "Sample(np.array([7, 8]), images=[np.full((28, 42, 3), 9, np.uint8)])")
     tokens, patches, mask = r.read_full(0)
     assert patches.shape == (6, 14 * 14 * 3) and (patches == 9).all()
     assert tokens.tolist() == [300] * 6 + [7, 8] and mask is None
-    sys.modules.pop("img_mod", None)
-
 
 
 def test_a_transforms_several_images_are_squared_one_by_one(tmp_path, monkeypatch):
     """The vision encoder attends within each image: a record of two images of 6 and 1 patches
     costs the encoder's quadratic term 6^2 + 1^2, not (6 + 1)^2 (PREPARED's patch_squares)."""
-    (tmp_path / "img2_mod.py").write_text(
-        "import numpy as np\nfrom worker.transforms import Sample\n"
-        "def f(record, ctx):\n    return Sample(np.array([7]), images=[np.zeros((28, 42, 3), np.uint8),"
-        " np.zeros((14, 14, 3), np.uint8)])\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    path = _jsonl(tmp_path, ["x"])
-    r = open_source({"name": "t", "index": 0, "format": "jsonl", "files": [path], "tokenizer": "byte",
-                     "transform": "img2_mod:f", "image_token_id": 300, "patch_size": 14, "max_pixels": 50176})
+    r = _image_transform_source(tmp_path, monkeypatch, "img2_mod", "Sample(np.array([7]), images=["
+                                "np.zeros((28, 42, 3), np.uint8), np.zeros((14, 14, 3), np.uint8)])")
     prepared = r.read_prepared(0)
     assert prepared.image_patches == (6, 1)
     assert prepared.patch_count == 7 and prepared.patch_squares == 37
-    sys.modules.pop("img2_mod", None)
+
 
 def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(dataset_dir, tmp_path, module):
     from msd_common import protocol as P
