@@ -10,4 +10,5 @@ the same code runs in Python and numpy, slower.
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(name, [name.replace(".", "/") + ".c"], optional=True, extra_compile_args=["-O2"])
-                   for name in ("coordinator._greedy", "coordinator._whole", "coordinator._feistel", "msd_common.formats._lines")])
+                   for name in ("coordinator._greedy", "coordinator._whole", "coordinator._feistel",
+                                "msd_common.formats._lines")])

@@ -296,22 +296,13 @@ static Py_ssize_t run(Ex *e, double level, Py_ssize_t max_rounds) {
     return rounds;
 }
 
-static int get(PyObject *obj, Py_buffer *view, Py_ssize_t size, Py_ssize_t count, int writable, const char *name) {
+/* The buffer of obj, of 8-byte items, `count` of them (any number if count < 0): how many, or -1. */
+static Py_ssize_t get(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writable, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
-    if (view->itemsize != size || view->len != size * count) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %zd items of %zd bytes", name, count, size);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-static Py_ssize_t get_any(PyObject *obj, Py_buffer *view, int writable, const char *name) {  /* 8-byte items */
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return -1;
-    if (view->itemsize != 8) {
-        PyErr_Format(PyExc_ValueError, "%s: expected items of 8 bytes", name);
+    if (view->itemsize != 8 || (count >= 0 && view->len != 8 * count)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd items of 8 bytes, got %zd bytes of items of %zd",
+                     name, count, view->len, view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -339,16 +330,16 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Ex e;
     memset(&e, 0, sizeof e);
-    Py_ssize_t samples = get_any(o_n, &b[0], 0, "n"), ranks;
+    Py_ssize_t samples = get(o_n, &b[0], -1, 0, "n"), ranks;
     if (samples < 0) return NULL;
     held = 1;
-    if (get(o_c, &b[1], 8, samples, 0, "c") < 0) goto fail;
+    if (get(o_c, &b[1], samples, 0, "c") < 0) goto fail;
     held = 2;
-    if (get(o_at, &b[2], 8, samples, 1, "at") < 0) goto fail;
+    if (get(o_at, &b[2], samples, 1, "at") < 0) goto fail;
     held = 3;
-    if ((ranks = get_any(o_cost, &b[3], 1, "rank_cost")) < 0) goto fail;
+    if ((ranks = get(o_cost, &b[3], -1, 1, "rank_cost")) < 0) goto fail;
     held = 4;
-    if (get(o_free, &b[4], 8, ranks * per_rank, 1, "free") < 0) goto fail;
+    if (get(o_free, &b[4], ranks * per_rank, 1, "free") < 0) goto fail;
     held = 5;
     e.n = b[0].buf; e.c = b[1].buf; e.at = b[2].buf; e.rank_cost = b[3].buf; e.free = b[4].buf;
     e.samples = samples; e.ranks = ranks; e.per_rank = per_rank; e.cap = cap; e.pair_from = pair_from;
@@ -406,18 +397,18 @@ static PyObject *place(PyObject *self, PyObject *args) {
     Py_buffer b[6];
     int held = 0;
     PyObject *result = NULL;
-    Py_ssize_t samples = get_any(o_n, &b[0], 0, "n"), count, ranks;
+    Py_ssize_t samples = get(o_n, &b[0], -1, 0, "n"), count, ranks;
     if (samples < 0) return NULL;
     held = 1;
-    if (get(o_c, &b[1], 8, samples, 0, "c") < 0) goto fail;
+    if (get(o_c, &b[1], samples, 0, "c") < 0) goto fail;
     held = 2;
-    if ((count = get_any(o_order, &b[2], 0, "order")) < 0) goto fail;
+    if ((count = get(o_order, &b[2], -1, 0, "order")) < 0) goto fail;
     held = 3;
-    if ((ranks = get_any(o_cost, &b[3], 1, "rank_cost")) < 0) goto fail;
+    if ((ranks = get(o_cost, &b[3], -1, 1, "rank_cost")) < 0) goto fail;
     held = 4;
-    if (get(o_free, &b[4], 8, ranks * per_rank, 1, "free") < 0) goto fail;
+    if (get(o_free, &b[4], ranks * per_rank, 1, "free") < 0) goto fail;
     held = 5;
-    if (get(o_out, &b[5], 8, count, 1, "out_row") < 0) goto fail;
+    if (get(o_out, &b[5], count, 1, "out_row") < 0) goto fail;
     held = 6;
     const int64_t *n = b[0].buf, *order = b[2].buf;
     const double *c = b[1].buf;

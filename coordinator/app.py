@@ -134,8 +134,8 @@ class Coordinator:
             self.address = router.address
             log.info("coordinator for %s (digest %s) listening on %s", self.job.path, self.state.digest, self.address)
             if not (COMPILED and PERMUTATION_COMPILED):
-                log.warning("coordinator._greedy, _whole or _feistel is not built (no C compiler at install?): the planner "
-                            "runs in Python, several times slower; reinstall with a compiler to fix")
+                log.warning("coordinator._greedy, _whole or _feistel is not built (no C compiler at install?): the "
+                            "planner runs in Python, several times slower; reinstall with a compiler to fix")
             if self.state_dir:  # where tools (msd status, manifest, ...) find this coordinator and its job
                 try:
                     write_state_file(self.state_dir, self.job, self.address)

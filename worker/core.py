@@ -51,17 +51,12 @@ class CacheEntry:
     images: np.ndarray | None = None  # patches of its image placeholders (its first tokens)
     loss_mask: np.ndarray | None = None  # uint8 per token, from a transform or chat rendering
     processed: ProcessedSample | None = None  # a processor's arrays (sources with `processor`)
+    patch_count: int = 0  # its image patches (PREPARED's patches; Prepared.patch_count)
     patch_squares: int = 0  # its images' patches squared, summed (PREPARED's patch_squares)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
-
-    @property
-    def patch_count(self) -> int:
-        if self.processed is not None:
-            return self.processed.patches
-        return len(self.images) if self.images is not None else 0
 
 
 # Actions: what the loop is asked to do.
@@ -444,7 +439,8 @@ class WorkerCore:
                     skipped.append([i, reason, "error"])
                     continue
                 entry = self.cache[key] = CacheEntry(prepared.tokens, 0, prepared.patches, prepared.loss_mask,
-                                                     prepared.processed, prepared.patch_squares)
+                                                     prepared.processed, prepared.patch_count,
+                                                     prepared.patch_squares)
             entry.copies += 1
             lengths[i] = entry.length
             if len(patches):
