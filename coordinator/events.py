@@ -91,6 +91,7 @@ class TaskFailed(PeerEvent):
 class Delivered(PeerEvent):
     worker_id: int
     delivery_id: int
+    failed: list = field(default_factory=list)  # [[source, record, reason, kind]]: sent with nothing to train on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

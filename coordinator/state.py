@@ -611,6 +611,12 @@ class CoordinatorState:
             self.prep.assign_queued()
 
     def _on_delivered(self, ev: Delivered, worker: WorkerInfo) -> None:
+        for s, record, reason, kind in ev.failed:  # planned, then its image pass failed: no loss on it
+            if s < len(self.job.sources):
+                self._count_skip(s, kind)
+                log.warning("source %s: record %d delivered with nothing to train on (%s): %s (%d skipped so far)",
+                            self.job.sources[s].name, record, kind, reason.split("\n", 1)[0], self._skipped(s),
+                            extra={"source": self.job.sources[s].name, "record": record})
         d = self.deliveries.acknowledge(ev.delivery_id, worker.worker_id)
         if d is None:
             log.debug("ack of unknown delivery %d", ev.delivery_id)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 10  # 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 11  # 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -327,7 +327,10 @@ TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason
 # host's indexes count them (problems[i]: why source i could not be opened here, "" if it could)
 SOURCE_COUNTS = _msg("source_counts", worker_id=integer(), sources=seq(integer(0, 0xFFFF), 0x10000),
                      records=seq(integer(), 0x10000), problems=seq(text(MAX_STR_LEN), 0x10000))
-DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer())
+# failed: [[source, record, reason, kind]] of samples sent with nothing to train on, their image pass
+# having failed at delivery (worker/image_plan.py); kind as in prepared.skipped
+DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer(),
+                 failed=seq(tup(integer(0, 0xFFFF), integer(), text(MAX_STR_LEN), text(32))))
 
 # coordinator -> worker
 # count: sources whose record counts the coordinator asks for (a coordinator waiting for its workers

@@ -273,6 +273,8 @@ class WorkerCore:
         self.cache: dict[int, CacheEntry] = {}  # doc key -> entry (memory-mapped records are never cached)
         self.kill_records: dict[int, set[int]] = {}  # fault injection (KILL_RECORDS_ENV), by source index
         self.slow_records: dict[tuple[int, int], float] = {}  # fault injection (SLOW_RECORDS_ENV)
+        # [source, record, reason, kind] of planned samples whose image pass failed at delivery
+        self.delivery_failures: list[list] = []
         # Called between the parts of long work (each source opened, each record read, each
         # source gathered): the loop cannot heartbeat while the core works, and a worker busy
         # for three heartbeats (opening hundreds of sources with a cold page cache) was taken
@@ -487,7 +489,9 @@ class WorkerCore:
                     entry.copies -= 1
                     if entry.copies <= 0:
                         del self.cache[key]
-        out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"])))
+        failed, self.delivery_failures = self.delivery_failures, []
+        out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"],
+                                        failed=failed)))
         return out
 
     def _servable(self, step: int, reader: SourceReader, mine: np.ndarray, epochs: np.ndarray) -> np.ndarray:
@@ -533,6 +537,8 @@ class WorkerCore:
             for i, key, ep, off, n in zip(at.tolist(), keys.tolist(), epochs[at].tolist(), offsets.tolist(),
                                           lengths.tolist()):
                 entry = self.cache[_cache_key(key, ep)]
+                if entry.processed is not None and entry.processed.pending is not None:
+                    self._finish_images(reader, entry, key)  # its image pass (it may zero the loss mask)
                 pieces.tokens[i] = entry.tokens[off: off + n]
                 if entry.loss_mask is not None:
                     pieces.masks[i] = entry.loss_mask[off: off + n]
@@ -545,6 +551,18 @@ class WorkerCore:
                     pieces.patch_counts[i] = len(images)
                     pieces.images[i] = images
         return pieces
+
+    def _finish_images(self, reader: SourceReader, entry: CacheEntry, key: int) -> None:
+        """A planned processor sample's image pass, at its first delivery. One that fails goes
+        blank with nothing to train on (its tokens are planned already), reported with DELIVERED."""
+        self.keep_alive()  # a step's images take a while: heartbeats go on between them
+        source, record = split_doc_key(np.array([key], np.uint64))
+        failed = reader.finish(entry.processed, int(record[0]))
+        if failed is not None:
+            reason, kind = failed
+            log.warning("source %s: record delivered with nothing to train on: %s", reader.name, reason,
+                        extra={"source": reader.name, "record": int(record[0])})
+            self.delivery_failures.append([int(source[0]), int(record[0]), reason[:P.MAX_STR_LEN], kind])
 
     def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> dict[str, Any]:
         return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,

@@ -26,21 +26,31 @@ Images in a record, in the order of their turns:
   image entries in suffix order (the layout Megatron-Energon's crude datasets use).
 Every image's size is read from its header and checked against `max_image_pixels` before its
 pixels are decoded; a corrupt, truncated or oversized image skips its record (ImageRecordError).
+Each image is then taken as transformers' `load_image` takes a path (its EXIF orientation applied,
+converted to RGB), so that a rotated photo or a transparent PNG gives the pixels the processor gives
+with the image's path.
+
+For the Qwen-VL and Gemma 3 processors a record is planned from its images' sizes and its image
+pass runs at delivery (worker/image_plan.py): `render` returns the sample with `pending` images,
+`finish` makes their arrays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
+
+from .image_plan import PendingImages, disagreement, planner_of
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 LLAVA_IMAGE = "<image>"
@@ -63,6 +73,15 @@ class ProcessedSample:
     images: int = 0
     patches: int = 0  # what the vision encoder's cost counts: rows of a 2-D pixel_values, else image tokens
     patch_squares: int = 0  # each image's patches squared, summed (the encoder attends within an image)
+    pending: PendingImages | None = None  # images whose pass runs at delivery (ProcessorChat.finish)
+
+    @property
+    def array_bytes(self) -> dict[str, int]:
+        """Each array's bytes, the planned pixel values' for pending images (one message frame holds each)."""
+        sizes = {name: a.nbytes for name, a in {**self.token_arrays, **self.image_arrays}.items()}
+        if self.pending is not None:
+            sizes["pixel_values"] = self.pending.plan.pixel_bytes
+        return sizes
 
 
 @functools.lru_cache(maxsize=4)
@@ -124,9 +143,12 @@ class ProcessorChat:
 
     def __init__(self, path: str, backend: str = "pil", train_on: str = "assistant",
                  messages_key: str = "messages", tools_key: str = "tools", max_image_pixels: int | None = None,
-                 template: str | None = None) -> None:
+                 template: str | None = None, plan_from_sizes: bool = True) -> None:
         self.info = read_processor_dir(path)
         self.processor = load_processor(path, backend)
+        # a processor whose image outputs follow from image sizes is planned from them (image_plan.py)
+        self.planner = planner_of(self.processor) if plan_from_sizes else None
+        self._image_kwargs: dict[str, Any] = {}  # the image pass's arguments, as the processor calls it
         self.template = None  # the processor's own, unless the job names a template file (chat.template)
         if template is not None:
             with open(template, encoding="utf-8") as f:
@@ -144,27 +166,97 @@ class ProcessorChat:
         self.image_token_ids = np.array(sorted(set(ids)), np.int32)
 
     def render(self, record: dict[str, Any], base_dir: str) -> ProcessedSample:
-        """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong."""
+        """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong.
+        For a processor planned from image sizes the sample's images are `pending` (see finish)."""
         entries: dict[str, bytes] = {}
         if "__key__" in record:  # a WebDataset sample: its JSON entry is the record, its images entries
             record, entries = _webdataset_record(record)
-        messages, images = self._messages(record, base_dir, entries)
+        messages, files = self._messages(record, base_dir, entries)
         tools = record.get(self.tools_key)
+        pending = None
+        if files and self.planner is not None:
+            sizes = [image.size for image in _images_of(messages)]
+            try:
+                plan = self.planner(sizes)
+            except ValueError as e:  # smart_resize refuses an aspect ratio past 200, as the image pass would
+                raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {e}") from None
+            pending = PendingImages(files, sizes, plan, [])
         try:
-            out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools, tokenize=True,
-                                                     return_dict=True, return_assistant_tokens_mask=True,
-                                                     return_tensors="np")
+            with self._planned_image_pass(pending):
+                out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools,
+                                                         tokenize=True, return_dict=True,
+                                                         return_assistant_tokens_mask=True, return_tensors="np")
         except ImageRecordError:
             raise
         except Exception as e:  # the template's raise_exception, a count the processor refuses, ...
             first = (str(e).splitlines() or [""])[0]
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
-        return self.sample_of(out, images)
+        if pending is None:
+            return self.sample_of(out, len(files))
+        out = {k: v for k, v in out.items() if k not in pending.plan.arrays}
+        sample = self.sample_of(out, len(files), planned=pending.plan.arrays)
+        sample.pending = pending
+        return sample
 
-    def sample_of(self, out: Any, images: int, mask: np.ndarray | None = None) -> ProcessedSample:
+    @contextlib.contextmanager
+    def _planned_image_pass(self, pending: PendingImages | None) -> Iterator[None]:
+        """While the processor runs, its image pass returns the plan's arrays and expansions
+        (transformers' own replace_image_token of them) instead of processing the images."""
+        if pending is None:
+            yield
+            return
+        processor = self.processor
+
+        def planned(images: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
+            self._image_kwargs = kwargs  # the same on every call: the image pass at delivery takes them
+            pending.replacements = [processor.replace_image_token(pending.plan.arrays, i)
+                                    for i in range(len(pending.files))]
+            return dict(pending.plan.arrays), pending.replacements
+
+        processor._process_images = planned  # this instance only, for this call
+        try:
+            yield
+        finally:
+            del processor._process_images
+
+    def finish(self, sample: ProcessedSample, where: str) -> tuple[str, str] | None:
+        """Run a planned sample's image pass on its kept image files, once, and check it made what
+        the plan said. Returns None, or (reason, kind) when it failed or disagrees: the sample's
+        tokens are already planned, so it is delivered with images of the planned sizes left blank
+        and nothing to train on (its whole loss mask 0), and the failure is counted by its caller."""
+        pending = sample.pending
+        if pending is None:
+            return None
+        problem = None
+        try:
+            images = [decode_image(data, where, None) for data in pending.files]
+            made, replacements = self.processor._process_images(images, **self._image_kwargs)
+            why = disagreement(pending, made, replacements)
+            if why is not None:
+                problem = (f"{where}: planned from its images' sizes, but {why}", "error")
+        except ImageRecordError as e:
+            problem = (str(e), e.kind)
+        except Exception as e:  # noqa: BLE001 - one bad image never stops the job
+            first = (str(e).splitlines() or [""])[0]
+            problem = (f"{where}: the image processor failed at delivery: {type(e).__name__}: {first}", "corrupt")
+        if problem is not None:
+            from PIL import Image
+
+            blank = [Image.new("RGB", size) for size in pending.sizes]
+            made, _ = self.processor._process_images(blank, **self._image_kwargs)
+            sample.loss_mask[:] = 0
+        unused = set(getattr(self.processor, "unused_input_names", ()) or ())
+        sample.image_arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items()
+                               if name not in unused}
+        sample.pending = None
+        return problem
+
+    def sample_of(self, out: Any, images: int, mask: np.ndarray | None = None,
+                  planned: dict[str, np.ndarray] | None = None) -> ProcessedSample:
         """The sample of what the processor returned (`input_ids`, `assistant_masks` and its other
         arrays, batch of one), or of a transform's Sample made with it (`mask`: its loss mask, or
-        None for every token but the image tokens)."""
+        None for every token but the image tokens). `planned`: the image outputs a plan from
+        image sizes computed (its image pass not run yet)."""
         tokens = np.asarray(out["input_ids"]).reshape(-1).astype(np.int32)
         n = len(tokens)
         is_image = np.isin(tokens, self.image_token_ids)
@@ -187,18 +279,23 @@ class ProcessorChat:
                 token_arrays[name] = np.ascontiguousarray(value.reshape(n))
             else:
                 image_arrays[name] = np.ascontiguousarray(value)
+        known = {**image_arrays, **(planned or {})}
         if self.info.rope == "mrope":
-            grids = image_arrays.get("image_grid_thw", np.zeros((0, 3), np.int64))
+            grids = known.get("image_grid_thw", np.zeros((0, 3), np.int64))
             try:
                 positions = mrope_position_ids(is_image.astype(np.int8), grids, self.info.merge_size)
             except ValueError as e:
                 raise ProcessorRecordError(f"image tokens and grids disagree: {e}") from None
             token_arrays["position_ids"] = np.ascontiguousarray(positions.T.astype(np.int32))  # [n, 3]
-        pixels = image_arrays.get("pixel_values")
-        patches = int(pixels.shape[0]) if pixels is not None and pixels.ndim == 2 else int(is_image.sum())
+        pixels, grids = image_arrays.get("pixel_values"), known.get("image_grid_thw")
+        if pixels is not None and pixels.ndim == 2:
+            patches = int(pixels.shape[0])
+        elif pixels is None and grids is not None:  # planned: a 2-D pixel_values has a row per grid patch
+            patches = int(np.asarray(grids, np.int64).prod(axis=1).sum())
+        else:
+            patches = int(is_image.sum())
         if not images:
             return ProcessedSample(tokens, mask, token_arrays, image_arrays)
-        grids = image_arrays.get("image_grid_thw")
         if grids is not None and grids.ndim == 2 and len(grids) == images:  # each image's own patches
             per_image = grids.astype(np.int64).prod(axis=1)
         else:  # images of one size (Gemma 3: 256 tokens each)
@@ -207,9 +304,9 @@ class ProcessorChat:
                                int(round(float((per_image.astype(np.float64) ** 2).sum()))))
 
     def _messages(self, record: dict[str, Any], base_dir: str,
-                  entries: dict[str, bytes] | None = None) -> tuple[list[dict[str, Any]], int]:
-        """The record's messages, each image part's value opened (checked, not yet decoded), and
-        the number of images. `entries`: a WebDataset sample's image entries (suffix -> bytes),
+                  entries: dict[str, bytes] | None = None) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """The record's messages, each image part's value opened (checked and decoded), and each
+        image's file bytes, in order. `entries`: a WebDataset sample's image entries (suffix -> bytes),
         which an image value may name; they are also the spare images of parts without one."""
         entries = entries or {}
         spare = _as_list(record.get("images")) or [entries[k] for k in sorted(entries)]
@@ -221,7 +318,7 @@ class ProcessorChat:
             raise ProcessorRecordError(f"no {self.messages_key!r} field (nor LLaVA-style 'conversations')")
         if not isinstance(messages, list) or not messages:
             raise ProcessorRecordError(f"{self.messages_key}: expected a non-empty list of messages")
-        out, images = [], 0
+        out, files = [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ProcessorRecordError(f"{self.messages_key}[{i}]: expected a mapping with a string 'role'")
@@ -239,16 +336,13 @@ class ProcessorChat:
                             value = spare.pop(0)
                         if isinstance(value, str) and value in entries:
                             value = entries[value]
-                        part = {"type": "image", "image": self._open(value, base_dir, where)}
-                        images += 1
+                        data, name = read_image_file(value, base_dir, where)
+                        part = {"type": "image", "image": decode_image(data, name, self.max_image_pixels)}
+                        files.append(data)
                     parts.append(part)
                 message = {**message, "content": parts}
             out.append({k: v for k, v in message.items() if v is not None})
-        return out, images
-
-    def _open(self, value: Any, base_dir: str, where: str) -> Any:
-        """A PIL image (its header read, its size checked) of an image part's value."""
-        return open_image(value, base_dir, where, self.max_image_pixels)
+        return out, files
 
 
 class ImageRecordError(ProcessorRecordError):
@@ -260,37 +354,50 @@ class ImageRecordError(ProcessorRecordError):
         self.kind = kind
 
 
-def open_image(value: Any, base_dir: str, where: str, max_pixels: int | None) -> Any:
-    """Open an image (path, bytes or {"bytes", "path"}), check the size its header declares, and
-    decode it, so that a truncated file is found here, as this record's problem."""
-    from PIL import Image, UnidentifiedImageError
-
-    Image.MAX_IMAGE_PIXELS = None  # the limit is ours, per source: Pillow's would raise before we see the size
+def read_image_file(value: Any, base_dir: str, where: str) -> tuple[bytes, str]:
+    """(the bytes, a name for messages) of an image part's value: a path (relative to `base_dir`),
+    bytes, or {"bytes", "path"}."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray, memoryview)):
-        source: Any = io.BytesIO(bytes(value))
-        name = f"{where} (bytes)"
-    elif isinstance(value, str) and value:
-        if "://" in value:
-            raise ImageRecordError(f"{where}: {value!r}: URLs are not fetched by workers; store the image with the data")
-        source = name = value if os.path.isabs(value) else os.path.join(base_dir, value)
-        if not os.path.isfile(source):
-            raise ImageRecordError(f"{where}: {source}: no such image file")
-    else:
+        return bytes(value), f"{where} (bytes)"
+    if not isinstance(value, str) or not value:
         raise ImageRecordError(f"{where}: expected an image path or bytes, got {type(value).__name__}")
+    if "://" in value:
+        raise ImageRecordError(f"{where}: {value!r}: URLs are not fetched by workers; store the image with the data")
+    path = value if os.path.isabs(value) else os.path.join(base_dir, value)
     try:
-        image = Image.open(source)
+        with open(path, "rb") as f:
+            return f.read(), f"{where}: {path}"
+    except OSError:
+        raise ImageRecordError(f"{where}: {path}: no such image file") from None
+
+
+def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
+    """A PIL image of an image file's bytes: its size (from the header) checked against
+    `max_pixels` before decoding, decoded (a truncated file is found here, as this record's
+    problem), then its EXIF orientation applied and converted to RGB, as transformers'
+    load_image does with a path."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = None  # the limit is ours, per source: Pillow's would raise before we see the size
+    try:
+        image = Image.open(io.BytesIO(data))
         width, height = image.size
         if max_pixels is not None and width * height > max_pixels:
-            raise ImageRecordError(f"{where}: {name}: image of {width}x{height} pixels is over max_image_pixels "
+            raise ImageRecordError(f"{name}: image of {width}x{height} pixels is over max_image_pixels "
                                    f"({max_pixels})", "over_limit")
         image.load()
+        return ImageOps.exif_transpose(image).convert("RGB")
     except ImageRecordError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
-        raise ImageRecordError(f"{where}: {name}: image does not decode ({e})") from None
-    return image
+        raise ImageRecordError(f"{name}: image does not decode ({e})") from None
+
+
+def _images_of(messages: list[dict[str, Any]]) -> list[Any]:
+    return [part["image"] for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
 def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -150,9 +150,9 @@ class SourceReader:
             if not sample.loss_mask.any():
                 raise RecordError(f"{self.where(record_index)}: nothing to train on (every loss_mask entry is 0)",
                                   "no_trainable_tokens")
-            for name, array in {**sample.token_arrays, **sample.image_arrays}.items():
-                if array.nbytes > P.MAX_FRAME_BYTES:  # one frame of PIECES: skip it here, not lose it at delivery
-                    raise RecordError(f"{self.where(record_index)}: the processor's {name} is {array.nbytes:,} bytes, "
+            for name, nbytes in sample.array_bytes.items():
+                if nbytes > P.MAX_FRAME_BYTES:  # one frame of PIECES: skip it here, not lose it at delivery
+                    raise RecordError(f"{self.where(record_index)}: the processor's {name} is {nbytes:,} bytes, "
                                       f"more than a message frame holds ({P.MAX_FRAME_BYTES:,}); lower the image "
                                       "processor's max_pixels or the source's max_image_pixels", "over_limit")
             return Prepared(sample.tokens, None, sample.loss_mask, sample)
@@ -161,6 +161,12 @@ class SourceReader:
             return Prepared(tokens, patches, mask, None, image_patches)
         tokens, patches = self._read_plain(record_index)
         return Prepared(tokens, patches, None, None, () if patches is None else (len(patches),))
+
+    def finish(self, sample: ProcessedSample, record_index: int) -> tuple[str, str] | None:
+        """Make a prepared processor sample's pending image arrays (its image pass runs at
+        delivery; worker/image_plan.py). None, or (reason, kind): the sample then goes with blank
+        images and nothing to train on."""
+        return self._processor_chat().finish(sample, self.where(record_index))
 
     def _processor_chat(self) -> Any:
         from .processor import ProcessorChat

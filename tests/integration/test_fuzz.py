@@ -26,7 +26,7 @@ def _valid_samples():
         wire.encode(P.make(P.WORKER_HEARTBEAT, worker_id=0, cached_records=3, busy_s=0.5, backlog=0, send_waits=0)),
         wire.encode(P.make(P.PREPARED, worker_id=0, task_id=1, skipped=[], busy_s=0.1), np.array([3, 4], "<i8"),
                     np.zeros(0, "<i8"), np.zeros(0, "<i8")),
-        wire.encode(P.make(P.DELIVERED, worker_id=0, delivery_id=2)),
+        wire.encode(P.make(P.DELIVERED, worker_id=0, delivery_id=2, failed=[])),
         wire.encode(P.make(P.CONSUMED, rank=0, step=1, waited_s=0.0, compute_step=-1, compute_s=[])),
         wire.encode(P.make(P.TRAINER_HEARTBEAT, rank=0)),
         wire.encode(P.make(P.MIX_REQUEST, at_step=10**6, weights={"nope": 1.0})),

@@ -36,6 +36,13 @@ def _first_image_record(records):
                          {"role": "assistant", "content": [{"type": "text", "text": "noise, in colour"}]}]}
 
 
+def _made(chat, record, base):
+    """A sample whole: rendered, and its image pass (a worker runs it at delivery) done."""
+    sample = chat.render(record, base)
+    assert chat.finish(sample, "test") is None
+    return sample
+
+
 def _same(a, b) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
@@ -49,7 +56,7 @@ def _same(a, b) -> None:
 def test_a_sample_holds_the_processor_arrays_and_masks_image_tokens(made):
     proc, data, records = made
     chat = ProcessorChat(proc)
-    sample = chat.render(records[0], data)
+    sample = _made(chat, records[0], data)
     images = sum(p["type"] == "image" for m in records[0]["messages"] for p in m["content"])
     grids = sample.image_arrays["image_grid_thw"]
     assert sample.images == images == len(grids)
@@ -60,7 +67,7 @@ def test_a_sample_holds_the_processor_arrays_and_masks_image_tokens(made):
     assert not sample.loss_mask[is_image].any() and sample.loss_mask.any()
     assert sample.token_arrays["position_ids"].shape == (len(sample.tokens), 3)
     np.testing.assert_array_equal(sample.token_arrays["mm_token_type_ids"], is_image)
-    everything = ProcessorChat(proc, train_on="all").render(records[0], data)
+    everything = _made(ProcessorChat(proc, train_on="all"), records[0], data)
     np.testing.assert_array_equal(everything.loss_mask, ~is_image)  # all but the image tokens
 
 
@@ -68,7 +75,7 @@ def test_bytes_structs_the_images_list_and_llava_form_give_the_same_sample(made)
     proc, data, records = made
     chat = ProcessorChat(proc)
     record = _first_image_record(records)
-    expected = chat.render(record, data)
+    expected = _made(chat, record, data)
     user = record["messages"][0]
     image_part = next(p for p in user["content"] if p["type"] == "image")
     path = os.path.join(data, image_part["image"])
@@ -78,16 +85,16 @@ def test_bytes_structs_the_images_list_and_llava_form_give_the_same_sample(made)
         content = [part if p["type"] == "image" else p for p in user["content"]]
         return {**extra, "messages": [{**user, "content": content}, *record["messages"][1:]]}
 
-    as_bytes = chat.render(with_part({"type": "image", "image": raw}), "/nowhere")
-    as_struct = chat.render(with_part({"type": "image", "image": {"bytes": raw, "path": "x.png"}}), "/nowhere")
-    as_listed = chat.render(with_part({"type": "image"}, images=[{"bytes": raw, "path": None}]), "/nowhere")
-    absolute = chat.render(with_part({"type": "image", "path": path}), "/nowhere")
+    as_bytes = _made(chat, with_part({"type": "image", "image": raw}), "/nowhere")
+    as_struct = _made(chat, with_part({"type": "image", "image": {"bytes": raw, "path": "x.png"}}), "/nowhere")
+    as_listed = _made(chat, with_part({"type": "image"}, images=[{"bytes": raw, "path": None}]), "/nowhere")
+    absolute = _made(chat, with_part({"type": "image", "path": path}), "/nowhere")
     for other in (as_bytes, as_struct, as_listed, absolute):
         _same(other, expected)
 
     # LLaVA: {"from", "value"} turns, <image> in the text, the record's `image`
     turns = [{"from": "human", "value": "<image>\nwhat is in the picture?"}, {"from": "gpt", "value": "noise, in colour"}]
-    _same(chat.render({"conversations": turns, "image": image_part["image"]}, data), expected)
+    _same(_made(chat, {"conversations": turns, "image": image_part["image"]}, data), expected)
 
 
 @pytest.mark.parametrize("record,message", [
@@ -107,7 +114,7 @@ def test_bytes_structs_the_images_list_and_llava_form_give_the_same_sample(made)
 def test_a_bad_record_is_named(made, record, message):
     proc, data, _ = made
     with pytest.raises(ProcessorRecordError) as e:
-        ProcessorChat(proc).render(record, data)
+        _made(ProcessorChat(proc), record, data)
     assert message in str(e.value)
 
 
@@ -115,7 +122,7 @@ def test_an_image_over_the_limit_is_refused_before_decoding(made):
     proc, data, records = made
     record = _first_image_record(records)
     with pytest.raises(ImageRecordError) as e:
-        ProcessorChat(proc, max_image_pixels=100).render(record, data)
+        _made(ProcessorChat(proc, max_image_pixels=100), record, data)
     assert e.value.kind == "over_limit" and "over max_image_pixels (100)" in str(e.value)
 
 
@@ -181,7 +188,7 @@ def test_a_template_without_generation_tags_is_refused_unless_a_training_templat
     # rendered with the named template: the sample of the processor whose own template has the tags
     np.testing.assert_array_equal(
         ProcessorChat(str(published), template=source.chat["template"]).render(records[1], data).loss_mask,
-        ProcessorChat(proc).render(records[1], data).loss_mask)
+        _made(ProcessorChat(proc), records[1], data).loss_mask)
 
 
 def test_a_job_with_a_processor_source_prepares_fewer_records_a_task(made, tmp_path):
@@ -221,7 +228,8 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
     (spec,) = parse_job(job, str(tmp_path / "job.yaml")).worker_job().sources
     reader = SourceReader(spec)
     tokens, patches, mask, processed = reader.read_prepared(0, 0)[:4]
-    expected = ProcessorChat(proc).render(record, data)
+    assert reader.finish(processed, 0) is None  # its image pass, as at delivery
+    expected = _made(ProcessorChat(proc), record, data)
     np.testing.assert_array_equal(tokens, expected.tokens)
     np.testing.assert_array_equal(mask, expected.loss_mask)
     np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
@@ -280,10 +288,10 @@ def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
     (spec,) = parsed.worker_job().sources
     assert not parsed.sources[0].has_images and parsed.sources[0].has_encoder_cost  # the processor's, not patches
     reader = SourceReader(spec)
-    expected = ProcessorChat(proc).render(record, data)
+    expected = _made(ProcessorChat(proc), record, data)
     for i in (0, 1):
         tokens, patches, mask, processed = reader.read_prepared(i, 0)[:4]
-        assert patches is None
+        assert patches is None and reader.finish(processed, i) is None
         np.testing.assert_array_equal(tokens, expected.tokens)
         np.testing.assert_array_equal(mask, expected.loss_mask)
         np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
@@ -349,7 +357,7 @@ def test_a_transform_makes_samples_with_the_sources_processor(made, tmp_path, mo
     assert parsed.rope == "mrope" and parsed.sources[0].has_encoder_cost
     (spec,) = parsed.worker_job().sources
     tokens, patches, mask, processed = SourceReader(spec).read_prepared(0, 0)[:4]
-    expected = ProcessorChat(proc).render(record, data)
+    expected = _made(ProcessorChat(proc), record, data)
     np.testing.assert_array_equal(tokens, expected.tokens)
     np.testing.assert_array_equal(mask, expected.loss_mask)  # the processor's assistant mask, passed on
     assert processed.patches == expected.patches and processed.images == 1

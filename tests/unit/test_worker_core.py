@@ -48,7 +48,7 @@ def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(datas
     assert to_ranks[0].arrays[1].tolist() == web.tolist()  # both pieces, in recipe order
     code = open_source(job.worker_job().sources[1]).read(2)
     assert to_ranks[1].arrays[1].tolist() == code[1:6].tolist()  # read from the memory map
-    assert actions[-1] == ToCoordinator(P.make(P.DELIVERED, worker_id=3, delivery_id=7))
+    assert actions[-1] == ToCoordinator(P.make(P.DELIVERED, worker_id=3, delivery_id=7, failed=[]))
     assert core.cache[key].copies == 1  # one copy used up, one left
 
 

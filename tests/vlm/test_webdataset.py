@@ -73,6 +73,7 @@ def test_webdataset_conversations_through_a_job(tmp_path):
             for row, start, key, n, _, _ in pieces_of(b):
                 _, record = split_doc_key(key)
                 want = chat.render(records[record], str(tmp_path / "data"))
+                assert chat.finish(want, "expected") is None  # its image pass
                 np.testing.assert_array_equal(b["tokens"][row, start:start + n], want.tokens)
                 pixels = want.image_arrays["pixel_values"]
                 np.testing.assert_array_equal(b["pixel_values"][patches:patches + len(pixels)], pixels)

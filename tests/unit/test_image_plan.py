@@ -1,0 +1,178 @@
+"""worker/image_plan.py: a processor sample planned from its images' sizes at prepare time, its
+image pass run at delivery, equals the processor run whole; an image that fails at delivery sends
+its sample blank with nothing to train on, and the coordinator counts it; images are taken as
+transformers takes an image's path (EXIF orientation, transparency)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations, write_qwen2_5_vl_processor
+
+pytest.importorskip("transformers")
+
+from worker.processor import ProcessorChat  # noqa: E402
+
+
+def _same(a, b) -> None:
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    assert list(a.token_arrays) == list(b.token_arrays) and list(a.image_arrays) == list(b.image_arrays)
+    for k in b.token_arrays:
+        np.testing.assert_array_equal(a.token_arrays[k], b.token_arrays[k])
+    for k in b.image_arrays:
+        assert a.image_arrays[k].dtype == b.image_arrays[k].dtype, k
+        np.testing.assert_array_equal(a.image_arrays[k], b.image_arrays[k])
+    assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_path, family):
+    if family == "qwen2_5_vl":  # images from below min_pixels (3,136) to past max_pixels
+        proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    else:
+        proc = write_gemma3_processor(str(tmp_path / "p"))
+    data = str(tmp_path / "data")
+    records = write_image_conversations(data, 16, seed=7, sizes=(20, 400), max_images=3)
+    planned, whole = ProcessorChat(proc), ProcessorChat(proc, plan_from_sizes=False)
+    assert planned.planner is not None
+    with_images = 0
+    for record in records:
+        a, b = planned.render(record, data), whole.render(record, data)
+        assert b.pending is None
+        if not b.images:
+            assert a.pending is None
+            _same(a, b)
+            continue
+        with_images += 1
+        # at prepare time: the length, patches and positions, and the image files, not their pixels
+        assert a.pending is not None and not a.image_arrays
+        assert a.pending.nbytes == sum(os.path.getsize(os.path.join(data, p["image"])) for m in record["messages"]
+                                       for p in m["content"] if p["type"] == "image")
+        assert a.array_bytes["pixel_values"] == b.image_arrays["pixel_values"].nbytes  # the frame limit, planned
+        assert planned.finish(a, "test") is None and a.pending is None
+        _same(a, b)
+    assert with_images >= 10
+
+
+def test_gemma3_with_pan_and_scan_runs_its_image_pass_at_prepare(tmp_path):
+    """Its crops depend on each image's aspect, beyond what the plan computes: the processor runs whole."""
+    proc = write_gemma3_processor(str(tmp_path / "p"), pan_and_scan=True)
+    data = str(tmp_path / "data")
+    records = write_image_conversations(data, 2, seed=1, sizes=(40, 120), max_images=1)
+    chat = ProcessorChat(proc)
+    assert chat.planner is None
+    sample = chat.render(records[0], data)
+    assert sample.pending is None and "pixel_values" in sample.image_arrays
+
+
+def _photo(path, size=(90, 40), orientation=None, mode="RGB"):
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    pixels = rng.integers(0, 255, (size[1], size[0], len(mode)), dtype=np.uint8)
+    image = Image.fromarray(pixels, mode)
+    if orientation is None:
+        image.save(path)
+        return
+    exif = Image.Exif()
+    exif[0x0112] = orientation  # Orientation: 6 = shown rotated 90 degrees clockwise
+    image.save(path, exif=exif)
+
+
+def test_images_are_taken_as_transformers_takes_their_paths(tmp_path):
+    """A photo with an EXIF orientation and a PNG with transparency: the sample equals what the
+    processor's own apply_chat_template makes of the images' paths (transformers' load_image turns
+    the photo upright and drops the alpha channel), planned from sizes or run whole."""
+    proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    _photo(tmp_path / "rotated.jpg", orientation=6)
+    _photo(tmp_path / "clear.png", mode="RGBA")
+    for name in ("rotated.jpg", "clear.png"):
+        record = {"messages": [{"role": "user", "content": [{"type": "image", "image": name},
+                                                            {"type": "text", "text": "what is this?"}]},
+                               {"role": "assistant", "content": [{"type": "text", "text": "a picture"}]}]}
+        for chat in (ProcessorChat(proc), ProcessorChat(proc, plan_from_sizes=False)):
+            sample = chat.render(record, str(tmp_path))
+            assert chat.finish(sample, "test") is None
+            messages = [{**record["messages"][0], "content": [{"type": "image", "image": str(tmp_path / name)},
+                                                              record["messages"][0]["content"][1]]},
+                        record["messages"][1]]
+            expected = chat.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                          return_assistant_tokens_mask=True, return_tensors="np")
+            np.testing.assert_array_equal(sample.tokens, expected["input_ids"][0])
+            np.testing.assert_array_equal(sample.image_arrays["image_grid_thw"], expected["image_grid_thw"])
+            np.testing.assert_array_equal(sample.image_arrays["pixel_values"], expected["pixel_values"])
+        if name == "rotated.jpg":  # upright: 40 wide, 90 high, in 14-pixel patches of a 28-multiple size
+            grid = sample.image_arrays["image_grid_thw"][0]
+            assert grid[1] > grid[2], grid
+
+
+def _processor_core(tmp_path):
+    from msd_common import protocol as P
+    from msd_common.spec import parse_job
+    from worker.core import WorkerCore
+
+    proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    records = write_image_conversations(str(tmp_path / "data"), 6, seed=2, sizes=(40, 200), max_images=2)
+    job = parse_job({"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
+                                                    "processor": "p"}},
+                     "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
+                     "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}},
+                    str(tmp_path / "job.yaml"), base_dir=str(tmp_path))
+    core = WorkerCore()
+    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
+    return core, records
+
+
+def test_an_image_that_fails_at_delivery_sends_its_sample_blank_with_nothing_to_train_on(tmp_path):
+    """Its tokens are planned already: the sample goes with black images of the planned sizes and an
+    all-zero loss mask, the next sample goes whole, and DELIVERED names the record for the count."""
+    from msd_common import protocol as P
+    from msd_common.doc_keys import doc_key
+    from worker.core import ToRank
+
+    core, records = _processor_core(tmp_path)
+    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0), {"records": np.array([0, 1], dtype=np.uint64)})
+    assert reply.header["skipped"] == []
+    spoiled, good = core.cache[doc_key(0, 0)], core.cache[doc_key(0, 1)]
+    assert spoiled.processed.pending is not None and good.processed.pending is not None
+    grids = spoiled.processed.pending.plan.arrays["image_grid_thw"]
+    spoiled.processed.pending.files[0] = spoiled.processed.pending.files[0][:40]  # cut after prepare
+    items = np.array([[0, 0, doc_key(0, 0), 0, spoiled.length], [0, 1, doc_key(0, 1), 0, good.length]], np.uint64)
+    actions = core.handle(P.make(P.DELIVER, delivery_id=3, step=0, addresses=["tcp://r"]),
+                          {"items": items, "release": np.zeros(0, np.uint64), "targets": np.array([[0, 0]], np.uint64)})
+    [message] = [a for a in actions if isinstance(a, ToRank)]
+    mask = message.arrays[4]
+    assert not mask[:spoiled.length].any() and mask[spoiled.length:].any()
+    pixels = spoiled.processed.image_arrays["pixel_values"]
+    assert len(pixels) == int(grids.prod(axis=1).sum())  # the planned patches, blank
+    np.testing.assert_array_equal(spoiled.processed.image_arrays["image_grid_thw"], grids)
+    [failed] = actions[-1].header["failed"]
+    assert failed[:2] == [0, 0] and failed[3] == "corrupt" and "image does not decode" in failed[2]
+    assert "conversations.jsonl:1" in failed[2]  # names the file and line
+    assert good.processed.image_arrays["pixel_values"].any()
+
+
+def test_the_coordinator_counts_a_sample_that_failed_at_delivery(tmp_path):
+    from coordinator.events import Delivered
+    from tests.unit.coordinator_driver import Driver
+
+    from msd_common.spec import parse_job
+
+    write_image_conversations(str(tmp_path / "data"), 4, seed=2, sizes=(40, 80), max_images=1)
+    write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    job = parse_job({"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
+                                                    "processor": "p"}},
+                     "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
+                     "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}},
+                    str(tmp_path / "job.yaml"), base_dir=str(tmp_path))
+    driver = Driver(job)
+    peer = driver.add_worker("w0")
+    driver.flush()
+    worker_id = driver.workers[peer].worker_id
+    driver.handle(Delivered(at=1.0, peer=peer, worker_id=worker_id, delivery_id=99,
+                            failed=[[0, 2, "data/conversations.jsonl:3: image does not decode", "corrupt"]]))
+    assert driver.state.skipped_by_kind[0] == {"corrupt": 1}
