@@ -114,6 +114,11 @@ KEYS: tuple[Key, ...] = (
         "samples by the transform with the processor (`ctx.processor`). Needs `msd[vision]` on worker hosts."),
     Key(f"{SRC}.image_backend", "pil | torchvision", "pil", "With a processor: the image processor's backend, the "
         "same on every host (`torchvision` needs torch and torchvision on worker hosts)."),
+    Key(f"{SRC}.image_pass", "delivery | prepare", "delivery", "With a processor: when workers run its image pass. "
+        "`delivery`: the Qwen-VL and Gemma 3 (without pan-and-scan) processors are planned from each image's "
+        "size at prepare time and a worker keeps the image files, not their pixel values, until delivery; "
+        "other processors run whole at prepare time. `prepare`: every processor runs whole at prepare time. "
+        "The samples are the same."),
     # batch
     Key("batch.seq_len", "integer >= 2", "required", "Tokens per row (packed sequence)."),
     Key("batch.micro_batch_size", "integer >= 1", "required", "Rows per micro-batch."),

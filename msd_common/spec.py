@@ -88,6 +88,9 @@ class SourceConfig:
     processor: str | None = None
     image_backend: str = "pil"
     processor_hash: str | None = None
+    # when a processor's image pass runs: "delivery" (planned from image sizes, worker/image_plan.py,
+    # for the families that can be) or "prepare" (whole, at prepare time); the samples are the same
+    image_pass: str = "delivery"
 
     @property
     def has_images(self) -> bool:
@@ -275,7 +278,7 @@ class JobConfig:
                        cache_bytes=self.runtime.cache_bytes, copies=self.runtime.copies, storage=s.storage,
                        seed=self.seed, transform=s.transform, transform_args=s.transform_args,
                        transform_hash=s.transform_hash, chat=s.chat, processor=s.processor,
-                       image_backend=s.image_backend, processor_hash=s.processor_hash)
+                       image_backend=s.image_backend, processor_hash=s.processor_hash, image_pass=s.image_pass)
             for s in self.sources))
 
     def stream_definition(self) -> dict[str, Any]:
@@ -307,6 +310,7 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     out = asdict(source)
     del out["storage"]  # how the shards are reached, not which tokens they hold
     del out["processor"]  # where the processor directory is: its content is processor_hash
+    del out["image_pass"]  # when the image pass runs, not what it makes
     if out["chat"] and "template" in out["chat"]:  # where the template file is: its content is template_hash
         out["chat"] = {k: v for k, v in out["chat"].items() if k != "template"}
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
@@ -413,6 +417,7 @@ CHAT_FORMATS = ("jsonl", "parquet", "arrow")
 # image parts name the sample's image entries)
 PROCESSOR_FORMATS = (*CHAT_FORMATS, "webdataset")
 IMAGE_BACKENDS = ("pil", "torchvision")  # sources.<name>.image_backend: transformers' image processor backends
+IMAGE_PASSES = ("delivery", "prepare")  # sources.<name>.image_pass: when a processor's image pass runs
 ON_EXHAUSTED = ("renormalize", "stop")
 
 
@@ -575,9 +580,10 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
 
     path = raw.get("processor")
     if path is None:
-        if "image_backend" in raw:
-            c.bad(f"{key}.image_backend", "applies to a source with a processor only")
-            return None
+        for k in ("image_backend", "image_pass"):
+            if k in raw:
+                c.bad(f"{key}.{k}", "applies to a source with a processor only")
+                return None
         return {}
     ok = True
     if not isinstance(path, str) or not path:
@@ -594,6 +600,8 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
             ok = False
     backend = raw.get("image_backend", "pil")
     ok = _choice(c, backend, f"{key}.image_backend", IMAGE_BACKENDS) and ok
+    image_pass = raw.get("image_pass", "delivery")
+    ok = _choice(c, image_pass, f"{key}.image_pass", IMAGE_PASSES) and ok
     chat = (user_code or {}).get("chat") or {"messages_key": "messages", "train_on": "assistant", "tools_key": "tools"}
     if chat.get("train_on") == "last":
         c.bad(f"{key}.chat.train_on", "a source with a processor trains on assistant or all (the processor's mask)")
@@ -607,7 +615,8 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
     if not ok:
         return None
     if transform:  # the transform's tokens and mask: no template of ours to check
-        return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": None}
+        return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": None,
+                "image_pass": image_pass}
     try:
         template, origin = find_template(chat.get("template") or path)
     except (ChatError, OSError, ValueError) as e:
@@ -619,7 +628,8 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
               "processor's assistant mask would be empty: name a training template that has them (TRL ships one "
               "per model family, e.g. qwen2_5_vl_training.jinja), or set chat.train_on: all")
         return None
-    return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": chat}
+    return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": chat,
+            "image_pass": image_pass}
 
 
 def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None, base: str) -> dict[str, Any] | None:

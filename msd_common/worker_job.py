@@ -46,6 +46,7 @@ class SourceSpec:
     processor: str | None = None  # a Hugging Face processor directory (worker/processor.py)
     image_backend: str = "pil"
     processor_hash: str | None = None
+    image_pass: str = "delivery"  # when a processor's image pass runs (worker/image_plan.py)
 
     @property
     def whole_records(self) -> bool:
@@ -96,6 +97,7 @@ _SOURCE_SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "cache_dir": (str, _NONE), "cache_bytes": (int, _NONE), "copies": (str,), "storage": (dict, _NONE),
     "seed": (int,), "transform": (str, _NONE), "transform_args": (dict, _NONE), "transform_hash": (str, _NONE),
     "chat": (dict, _NONE), "processor": (str, _NONE), "image_backend": (str,), "processor_hash": (str, _NONE),
+    "image_pass": (str,),
 }
 
 

@@ -10,7 +10,9 @@ the environment `make bench-vlm-env` makes).
 Throughput: samples per second of one rank with one worker process, after its first batch, the
 loaders alternated over --rounds rounds (medians, with min and max). msd: `msd coordinator
 --worker-procs 1` and a DataClient in this process, the job's runtime settings left at their
-defaults; Energon: get_loader with num_workers=1.
+defaults (the image pass at delivery, planned from image sizes) and, as msd-prepare, with
+`image_pass: prepare` (the processor run whole at prepare time); Energon: get_loader with
+num_workers=1. Also msd's time from start to the first batch.
 Memory: proportional set size (PSS) of every loader process (msd: the coordinator with its
 worker host, fork server and worker; Energon: its worker process) plus the trainer process's PSS
 growth since before its loader existed (torch imported in both), read at the end of a round.
@@ -164,7 +166,8 @@ def pss_kb(pid: int) -> int:
     return pss(pid)
 
 
-def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int) -> dict:
+def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int,
+                   image_pass: str = "delivery") -> dict:
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
 
     from bench_e2e import MsdCommands
@@ -174,15 +177,18 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     run = tempfile.mkdtemp(prefix="msd-round-", dir=root)  # a fresh job directory: no state from a round before
     job = os.path.join(run, "job.yaml")
     with open(job, "w") as f:
-        json.dump({"seed": 3, "sources": {"vqa": {"format": "jsonl", "paths": [jsonl], "processor": processor}},
+        json.dump({"seed": 3, "sources": {"vqa": {"format": "jsonl", "paths": [jsonl], "processor": processor,
+                                                  "image_pass": image_pass}},
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
                    "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}}}, f)
     before = pss_kb(os.getpid())
+    started = time.perf_counter()
     cluster = MsdCommands(job, 1, in_coordinator=True)
     client = DataClient(cluster.address, rank=0, as_torch=False)
     try:
         next(client)  # the worker started, the first step planned
+        first_batch_s = time.perf_counter() - started
         got = tokens = rows = 0
         t0 = time.perf_counter()
         while got < samples:
@@ -199,7 +205,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         client.close()
         cluster.close()
     return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds, "samples_per_s_per_worker": got / seconds,
-            "worker_processes": workers, "padding": 1 - tokens / (rows * SEQ_LEN),
+            "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
             "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb}}
 
 
@@ -291,6 +297,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="steps of the balance measurement")
     ap.add_argument("--balance-records", type=int, default=12_000)
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
+    ap.add_argument("--designs", default="msd,msd-prepare,energon",
+                    help="loaders alternated in the throughput rounds (msd-prepare: image_pass: prepare)")
     args = ap.parse_args()
     if not os.path.exists(ENERGON_PYTHON):
         sys.exit(f"no Energon environment at {ENERGON_PYTHON}: run `make bench-vlm-env` (or set MSD_ENERGON_PYTHON)")
@@ -306,14 +314,16 @@ def main() -> None:
                         "tokens_per_sample": {"mean": float(tokens.mean()), "max": int(tokens.max())},
                         "patches_per_sample": {"mean": float(patches.mean()), "max": int(patches.max())},
                         "data_s": time.perf_counter() - t0}
-        rounds: dict[str, list[dict]] = {"msd": [], "energon": []}
+        # msd-prepare: the same job with `image_pass: prepare` (the processor run whole at prepare time)
+        rounds: dict[str, list[dict]] = {d: [] for d in args.designs.split(",")}
         for r in range(args.rounds):
             order = list(rounds) if r % 2 == 0 else list(rounds)[::-1]
             for design in order:
                 if design == "energon":
                     rounds[design].append(energon_throughput(dataset, processor, args.samples))
                 else:
-                    rounds[design].append(msd_throughput(root, processor, jsonl, args.samples, pad_id))
+                    image_pass = "prepare" if design == "msd-prepare" else "delivery"
+                    rounds[design].append(msd_throughput(root, processor, jsonl, args.samples, pad_id, image_pass))
                 print(f"# round {r} {design}: {rounds[design][-1]['samples_per_s_per_worker']:.1f} samples/s",
                       file=sys.stderr)
         for design, runs in rounds.items():
@@ -325,6 +335,8 @@ def main() -> None:
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],
             }
+            if "first_batch_s" in runs[0]:
+                result[design]["first_batch_s"] = spread([x["first_batch_s"] for x in runs])
         result["throughput_ratio"] = (result["msd"]["samples_per_s_per_worker"]["median"]
                                       / result["energon"]["samples_per_s_per_worker"]["median"])
         # balance: the measured lengths, resampled to more records

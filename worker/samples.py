@@ -176,7 +176,7 @@ class SourceReader:
             self._processor = ProcessorChat(self.spec.processor, self.spec.image_backend,
                                             chat.get("train_on", "assistant"), chat.get("messages_key", "messages"),
                                             chat.get("tools_key", "tools"), self.spec.max_image_pixels,
-                                            chat.get("template"))
+                                            chat.get("template"), self.spec.image_pass == "delivery")
         return self._processor
 
     def _processed(self, record_index: int) -> ProcessedSample:

@@ -176,3 +176,34 @@ def test_the_coordinator_counts_a_sample_that_failed_at_delivery(tmp_path):
     driver.handle(Delivered(at=1.0, peer=peer, worker_id=worker_id, delivery_id=99,
                             failed=[[0, 2, "data/conversations.jsonl:3: image does not decode", "corrupt"]]))
     assert driver.state.skipped_by_kind[0] == {"corrupt": 1}
+
+
+def test_image_pass_prepare_runs_the_processor_whole_and_the_key_is_checked(tmp_path):
+    from msd_common.spec import ConfigError, parse_job
+    from worker.samples import SourceReader
+
+    write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    write_image_conversations(str(tmp_path / "data"), 2, seed=1, sizes=(40, 80), max_images=1)
+    source = {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "p"}
+    rest = {"seed": 1, "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
+            "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}}
+
+    def parsed(**extra):
+        return parse_job({**rest, "sources": {"vqa": {**source, **extra}}}, str(tmp_path / "job.yaml"),
+                         base_dir=str(tmp_path))
+
+    planned, whole = parsed(), parsed(image_pass="prepare")
+    assert planned.digest() == whole.digest()  # when the image pass runs is not part of the stream
+    (spec,) = whole.worker_job().sources
+    prepared = SourceReader(spec).read_prepared(0, 0)
+    assert prepared.processed.pending is None and "pixel_values" in prepared.processed.image_arrays
+    (spec,) = planned.worker_job().sources
+    assert SourceReader(spec).read_prepared(0, 0).processed.pending is not None
+    with pytest.raises(ConfigError) as e:
+        parsed(image_pass="later")
+    assert any(p.startswith("sources.vqa.image_pass") for p in e.value.problems), e.value.problems
+    with pytest.raises(ConfigError) as e:
+        parse_job({**rest, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
+                                               "image_pass": "prepare"}}}, str(tmp_path / "job.yaml"),
+                  base_dir=str(tmp_path))
+    assert any("sources.vqa.image_pass" in p and "processor only" in p for p in e.value.problems), e.value.problems
