@@ -39,7 +39,7 @@ class ImagePlan:
     pixel_bytes: int  # of the pixel values the image pass will make (the frame limit is checked at prepare)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingImages:
     """A planned sample's images until delivery: their files' bytes and what the plan assumed."""
 

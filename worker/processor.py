@@ -180,7 +180,9 @@ class ProcessorChat:
                 plan = self.planner(sizes)
             except ValueError as e:  # smart_resize refuses an aspect ratio past 200, as the image pass would
                 raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {e}") from None
-            pending = PendingImages(files, sizes, plan, [])
+            # each image token's text, as the processor's own replace_image_token expands it for the plan
+            replacements = [self.processor.replace_image_token(plan.arrays, i) for i in range(len(files))]
+            pending = PendingImages(files, sizes, plan, replacements)
         try:
             with self._planned_image_pass(pending):
                 out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools,
@@ -201,7 +203,7 @@ class ProcessorChat:
     @contextlib.contextmanager
     def _planned_image_pass(self, pending: PendingImages | None) -> Iterator[None]:
         """While the processor runs, its image pass returns the plan's arrays and expansions
-        (transformers' own replace_image_token of them) instead of processing the images."""
+        instead of processing the images."""
         if pending is None:
             yield
             return
@@ -209,9 +211,7 @@ class ProcessorChat:
 
         def planned(images: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
             self._image_kwargs = kwargs  # the same on every call: the image pass at delivery takes them
-            pending.replacements = [processor.replace_image_token(pending.plan.arrays, i)
-                                    for i in range(len(pending.files))]
-            return dict(pending.plan.arrays), pending.replacements
+            return dict(pending.plan.arrays), list(pending.replacements)
 
         processor._process_images = planned  # this instance only, for this call
         try:

@@ -110,18 +110,26 @@ def test_images_are_taken_as_transformers_takes_their_paths(tmp_path):
             assert grid[1] > grid[2], grid
 
 
+def _job(tmp_path, **source_extra):
+    """A job of one processor source over tmp_path's data/conversations.jsonl and processor p
+    (a key given as None is left out)."""
+    from msd_common.spec import parse_job
+
+    source = {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "p", **source_extra}
+    source = {k: v for k, v in source.items() if v is not None}
+    return parse_job({"seed": 1, "sources": {"vqa": source},
+                      "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
+                      "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}},
+                     str(tmp_path / "job.yaml"), base_dir=str(tmp_path))
+
+
 def _processor_core(tmp_path):
     from msd_common import protocol as P
-    from msd_common.spec import parse_job
     from worker.core import WorkerCore
 
-    proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
     records = write_image_conversations(str(tmp_path / "data"), 6, seed=2, sizes=(40, 200), max_images=2)
-    job = parse_job({"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
-                                                    "processor": "p"}},
-                     "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
-                     "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}},
-                    str(tmp_path / "job.yaml"), base_dir=str(tmp_path))
+    job = _job(tmp_path)
     core = WorkerCore()
     core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
     return core, records
@@ -160,15 +168,9 @@ def test_the_coordinator_counts_a_sample_that_failed_at_delivery(tmp_path):
     from coordinator.events import Delivered
     from tests.unit.coordinator_driver import Driver
 
-    from msd_common.spec import parse_job
-
     write_image_conversations(str(tmp_path / "data"), 4, seed=2, sizes=(40, 80), max_images=1)
     write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
-    job = parse_job({"seed": 1, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
-                                                    "processor": "p"}},
-                     "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
-                     "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}},
-                    str(tmp_path / "job.yaml"), base_dir=str(tmp_path))
+    job = _job(tmp_path)
     driver = Driver(job)
     peer = driver.add_worker("w0")
     driver.flush()
@@ -179,20 +181,12 @@ def test_the_coordinator_counts_a_sample_that_failed_at_delivery(tmp_path):
 
 
 def test_image_pass_prepare_runs_the_processor_whole_and_the_key_is_checked(tmp_path):
-    from msd_common.spec import ConfigError, parse_job
+    from msd_common.spec import ConfigError
     from worker.samples import SourceReader
 
     write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
     write_image_conversations(str(tmp_path / "data"), 2, seed=1, sizes=(40, 80), max_images=1)
-    source = {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "p"}
-    rest = {"seed": 1, "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 1},
-            "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}}}
-
-    def parsed(**extra):
-        return parse_job({**rest, "sources": {"vqa": {**source, **extra}}}, str(tmp_path / "job.yaml"),
-                         base_dir=str(tmp_path))
-
-    planned, whole = parsed(), parsed(image_pass="prepare")
+    planned, whole = _job(tmp_path), _job(tmp_path, image_pass="prepare")
     assert planned.digest() == whole.digest()  # when the image pass runs is not part of the stream
     (spec,) = whole.worker_job().sources
     prepared = SourceReader(spec).read_prepared(0, 0)
@@ -200,10 +194,8 @@ def test_image_pass_prepare_runs_the_processor_whole_and_the_key_is_checked(tmp_
     (spec,) = planned.worker_job().sources
     assert SourceReader(spec).read_prepared(0, 0).processed.pending is not None
     with pytest.raises(ConfigError) as e:
-        parsed(image_pass="later")
+        _job(tmp_path, image_pass="later")
     assert any(p.startswith("sources.vqa.image_pass") for p in e.value.problems), e.value.problems
     with pytest.raises(ConfigError) as e:
-        parse_job({**rest, "sources": {"vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
-                                               "image_pass": "prepare"}}}, str(tmp_path / "job.yaml"),
-                  base_dir=str(tmp_path))
+        _job(tmp_path, processor=None, image_pass="prepare")
     assert any("sources.vqa.image_pass" in p and "processor only" in p for p in e.value.problems), e.value.problems
