@@ -251,8 +251,8 @@ class EvalBook:
             mine = pieces[holders == wid]
             e.delivered_by.setdefault(wid, {}).setdefault(rank, set()).update(rec_idx[mine].tolist())
             items = np.column_stack([np.full(len(mine), rank, np.uint64), mine.astype(np.uint64), refs[mine]])
-            self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
-                                          addresses=[trainer.address]),
+            self._send(w.identity, P.make(P.DELIVER, worker_id=w.worker_id, delivery_id=0,
+                                          step=P.eval_step(e.cfg.index, e.current), addresses=[trainer.address]),
                        items, np.zeros(0, np.uint64), np.full(len(mine), P.EVAL_EPOCH, np.uint32),
                        np.zeros(0, np.uint32), np.array([[rank, 0]], np.uint64))
 
@@ -272,8 +272,8 @@ class EvalBook:
             mine = np.flatnonzero(e.holder == wid)
             if w is not None:
                 keys = doc_key(e.sources[mine], e.records[mine]).astype(np.uint64)
-                self._send(w.identity, P.make(P.DELIVER, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
-                                              addresses=[]),
+                self._send(w.identity, P.make(P.DELIVER, worker_id=w.worker_id, delivery_id=0,
+                                              step=P.eval_step(e.cfg.index, e.current), addresses=[]),
                            np.zeros((0, 5), np.uint64), keys, np.zeros(0, np.uint32),
                            np.full(len(mine), P.EVAL_EPOCH, np.uint32), np.zeros((0, 2), np.uint64))
             e.holder[mine] = -1
@@ -306,7 +306,7 @@ class EvalBook:
         self._next_task += 1
         self.tasks[task.task_id] = task
         s = int(e.sources[indices[0]])
-        self._send(self._workers()[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s),
+        self._send(self._workers()[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s, worker_id=wid),
                    e.records[indices].astype(np.uint64), np.full(len(indices), P.EVAL_EPOCH, np.uint32))
 
     def owns(self, task_id: int) -> bool:

@@ -92,6 +92,7 @@ class Delivered(PeerEvent):
     worker_id: int
     delivery_id: int
     failed: list = field(default_factory=list)  # [[source, record, reason, kind]]: sent with nothing to train on
+    unserved: int = 0  # pieces it could not send (its cache lacks them)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +110,7 @@ class HostHello(PeerEvent):
 class HostHeartbeat(PeerEvent):
     agent_id: int
     procs: int
+    pids: Any = ()  # its worker processes that are alive: it vouches for them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,6 +164,9 @@ class WorkerExited(PeerEvent):
     pid: int
     exitcode: int
     task_id: int  # -1: none
+    source: int = -1  # the sample it was making (-1: none)
+    record: int = -1
+    overran_s: float = 0.0  # > 0: stopped by its agent, the sample that far past max_sample_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

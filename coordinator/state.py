@@ -451,13 +451,25 @@ class CoordinatorState:
         self._alive(ev, worker)
 
     def _on_host_heartbeat(self, ev: HostHeartbeat, host: HostInfo) -> None:
+        """The agent vouches for its live worker processes: a worker busy on one sample for minutes
+        sends nothing itself, and is alive while its process is (it is declared dead when its
+        agent reports its exit, when the agent falls silent, or past its source's max_sample_s)."""
         host.procs = ev.procs
+        for pid in ev.pids:
+            worker = self.registry.worker_by_pid(host.agent_id, pid)
+            if worker is not None:
+                worker.last_seen = max(worker.last_seen, ev.at)
         self._alive(ev, host)
 
     def _on_worker_exited(self, ev: WorkerExited, host: HostInfo) -> None:
         """The host agent saw a worker process end: forgotten now (not after heartbeats of
         silence), and the task it was working on, if any, is blamed (the poison record hunt)."""
-        blame = ev.task_id if ev.task_id >= 0 and ev.exitcode != 0 else None
+        overran = ev.overran_s > 0 and 0 <= ev.source < len(self.job.sources) and ev.record >= 0
+        blame = ev.task_id if ev.task_id >= 0 and ev.exitcode != 0 and not overran else None
+        if overran:  # the record is poison at once: trying it again would hold a worker as long
+            src = self.job.sources[ev.source]
+            self._quarantine(ev.source, ev.record, f"its sample took longer than max_sample_s ({src.max_sample_s:g}s) "
+                                                   f"on host {host.host}; the worker process was stopped")
         worker = self.registry.worker_by_pid(host.agent_id, ev.pid)
         if worker is not None:
             log.warning("worker %d (pid %d) exited with %d (its host agent says): declared dead", worker.worker_id,
@@ -620,11 +632,20 @@ class CoordinatorState:
         d = self.deliveries.acknowledge(ev.delivery_id, worker.worker_id)
         if d is None:
             log.debug("ack of unknown delivery %d", ev.delivery_id)
-            return
-        # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
-        holders = self.tables.release(d.release)
-        if self.mapped:
-            self.prep.mapped_held.change(holders[self.prep.mapped_mask[d.release[:, 0]]], -1)
+        else:
+            # Only now is a used-up record really gone: until the ack, a worker death means re-preparing it.
+            holders = self.tables.release(d.release)
+            if self.mapped:
+                self.prep.mapped_held.change(holders[self.prep.mapped_mask[d.release[:, 0]]], -1)
+        if ev.unserved:
+            # Its cache and our books disagree: what it holds is prepared again elsewhere, and its
+            # deliveries sent again (the ranks drop what they already have), rather than a rank
+            # waiting for good on pieces that will never come.
+            log.warning("worker %d could not send %d piece(s) of delivery %d (not in its cache); preparing what it "
+                        "held again elsewhere", worker.worker_id, ev.unserved, ev.delivery_id,
+                        extra={"worker_id": worker.worker_id})
+            self._send(worker.identity, P.make(P.UNKNOWN_PEER, reason="its cache lost records it was to deliver"))
+            self._forget_peer(worker.identity, "lost records")
 
     # ------------------------------------------------------------------ time, failures, stopping
 
@@ -764,11 +785,18 @@ class CoordinatorState:
             log.warning("worker %d died working on record %d of source %s (%d of %d allowed deaths); trying another "
                         "worker", worker_id, record, name, task.deaths, ALLOWED_DEATHS, extra={"worker_id": worker_id})
             return
-        reason = f"{task.deaths} worker processes died reading it"
+        self._quarantine(task.source, record, f"{task.deaths} worker processes died reading it")
+
+    def _quarantine(self, s: int, record: int, reason: str) -> None:
+        """A poison record: skipped from now on (settled as length 0 wherever it is drawn), and
+        journaled before any step planned without it."""
+        if record in self.quarantined.get(s, ()):
+            return
+        name = self.job.sources[s].name
         log.error("source %s: record %d quarantined: %s; it is skipped from now on", name, record, reason,
                   extra={"source": name, "record": record})
-        self.quarantined.setdefault(task.source, set()).add(record)
-        if self.history.durable:  # durable before any step planned without it
+        self.quarantined.setdefault(s, set()).add(record)
+        if self.history.durable:
             self._out.append(AppendQuarantine(name, record, reason))
 
     def _reissue_orphans(self) -> None:
@@ -973,7 +1001,7 @@ class CoordinatorState:
             ranks = np.unique(mine[:, DELIVER_ITEM.rank]).tolist()
             d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
             addresses, targets = address_table(ranks, trainers)
-            header = P.make(P.DELIVER, delivery_id=d.delivery_id, step=step, addresses=addresses)
+            header = P.make(P.DELIVER, worker_id=wid, delivery_id=d.delivery_id, step=step, addresses=addresses)
             release_keys = doc_key(rel[:, 0], self.tables.records(rel))
             self._send(workers[wid].identity, header, mine, release_keys, self._epochs_of(positions[mask]),
                        self._epochs_of(rel), targets)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .doc_keys import MAX_SOURCES
 from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES,
-                             DEFAULT_PATCH_SIZE)
+                             DEFAULT_MAX_SAMPLE_S, DEFAULT_PATCH_SIZE)
 from .topology import DEFAULT_ORDER, DELIVERY
 
 METHODS = ("greedy", "karmarkar_karp", "none")  # balance.method: how a step's rows are assigned to ranks
@@ -84,6 +84,10 @@ KEYS: tuple[Key, ...] = (
         "(checked before it is decoded)."),
     Key(f"{SRC}.max_image_pixels", "integer", str(DEFAULT_MAX_IMAGE_PIXELS), "WebDataset and processor sources: an "
         "image whose header declares more pixels skips its record as poison."),
+    Key(f"{SRC}.max_sample_s", "number > 0", str(DEFAULT_MAX_SAMPLE_S), "Seconds one record's sample may take "
+        "(reading, transform, processor, an image pass at delivery). A worker busy longer is stopped by its host "
+        "agent and the record is quarantined as poison (counted, skipped, named); a worker busy for less is alive, "
+        "however long."),
     Key(f"{SRC}.storage", "mapping", "none", "Object storage: the file system's options (`endpoint_url`, "
         "`region`, `profile`, ...; never secrets) and msd's (`max_retries`, `share_indexes`, `whole_objects`)."),
     Key(f"{SRC}.shuffle_block", "integer >= 1", "1", "Records are shuffled in runs of this many consecutive ones "
@@ -177,6 +181,9 @@ KEYS: tuple[Key, ...] = (
     Key("runtime.cache_bytes", "integer >= 1", "68719476736 (64 GiB)", "Bound of the local copies of remote compressed "
         "shards (least recently used evicted first)."),
     Key("runtime.index_on", "coordinator | workers", "coordinator", "Who builds missing shard indexes at start-up."),
+    Key("runtime.failed_linger_s", "number >= 0", "600.0", "After a fatal error the coordinator keeps its address "
+        "this long (or until SIGTERM): every hello is answered with `job_failed` and the reason, `/readyz` says "
+        "failed, and `msd status` shows it."),
     Key("runtime.copies", "plain | seekable", "plain", "How a compressed JSONL shard is kept for random access: "
         "decompressed (fast), or in the Zstandard seekable format (3x smaller)."),
     # security

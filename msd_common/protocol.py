@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 11  # 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 12  # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved, coordinator_stopping; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -321,7 +321,9 @@ PREPARED = _msg(
 # host agent -> coordinator: its process count and limits (`msd worker --procs auto --max-procs N`)
 HOST_HELLO = _msg("host_hello", version=integer(), agent_id=integer(), host=text(), procs=integer(),
                   min_procs=integer(), max_procs=integer(), auto=integer(0, 1))
-HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer())
+# pids: its worker processes that are alive: the agent vouches for them (a worker busy on one sample
+# for minutes sends no heartbeat of its own, and is alive while its process is)
+HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer(), pids=seq(integer(), 4096))
 TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
 # worker -> coordinator, answering a welcome's `count`: the records of each source it names, as this
 # host's indexes count them (problems[i]: why source i could not be opened here, "" if it could)
@@ -329,8 +331,10 @@ SOURCE_COUNTS = _msg("source_counts", worker_id=integer(), sources=seq(integer(0
                      records=seq(integer(), 0x10000), problems=seq(text(MAX_STR_LEN), 0x10000))
 # failed: [[source, record, reason, kind]] of samples sent with nothing to train on, their image pass
 # having failed at delivery (worker/image_plan.py); kind as in prepared.skipped
+# unserved: pieces it was asked for and could not send (not in its cache: its books and the
+# coordinator's disagree); the coordinator then prepares what it held again elsewhere
 DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer(),
-                 failed=seq(tup(integer(0, 0xFFFF), integer(), text(MAX_STR_LEN), text(32))))
+                 failed=seq(tup(integer(0, 0xFFFF), integer(), text(MAX_STR_LEN), text(32))), unserved=integer())
 
 # coordinator -> worker
 # count: sources whose record counts the coordinator asks for (a coordinator waiting for its workers
@@ -341,12 +345,15 @@ WELCOME = _msg("welcome", worker_id=integer(), job=worker_job(), heartbeat_s=num
 # retire: pids to stop; heartbeat_s: how often the host heartbeats (the job's runtime.heartbeat_s)
 SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text(), heartbeat_s=number())
 # host agent -> coordinator, at once: one of its worker processes ended (exitcode: negative for a
-# signal); task_id: the prepare task it was working on, -1 for none (what blames a poison record)
+# signal); task_id: the prepare task it was working on, -1 for none (what blames a poison record);
+# source, record: the sample it was making (-1: none); overran_s > 0: the agent stopped it, that sample
+# having run that long past its source's max_sample_s (poison, not a crash)
 WORKER_EXITED = _msg("worker_exited", agent_id=integer(), pid=integer(), exitcode=integer(-(1 << 31), 1 << 31),
-                     task_id=integer(-1))
+                     task_id=integer(-1), source=integer(-1, 0xFFFF), record=integer(-1), overran_s=number())
 # epochs: the pass over the source of each record (a transform's ctx.epoch: its randomness and its sample)
 PREPARE = _msg("prepare", ArraySpec("records", "<u8"), ArraySpec("epochs", "<u4"), check=_check_prepare,
-               task_id=integer(), source=integer(0, 0xFFFF))
+               task_id=integer(), source=integer(0, 0xFFFF),
+               worker_id=integer())  # the registration it is for: a worker registered again since drops it
 DELIVER = _msg(
     "deliver",
     ArraySpec("items", "<u8", DELIVER_ITEM),  # piece: the index in the rank's recipe
@@ -357,6 +364,7 @@ DELIVER = _msg(
     # ranks share their relay's; a [rank, address] list of strings was 83 KB a step at DP 4,096)
     ArraySpec("targets", "<u8", DELIVER_TARGET),
     check=_check_deliver,
+    worker_id=integer(),  # the registration it is for: a worker registered again since drops it
     delivery_id=integer(),
     step=integer(),
     addresses=seq(text()),

@@ -168,6 +168,10 @@ class PeerLoop:
             log.warning("%s: waiting for the coordinator at %s: no welcome after %.0fs (%s)", self.who,
                         ", ".join(self.addresses), waited, WAITING_HINT)
 
+    def _waiting_input(self) -> bool:
+        """A message from the coordinator is waiting to be read."""
+        return bool(self.control.get(zmq.EVENTS) & zmq.POLLIN)
+
     def on(self, sock: zmq.Socket, handler: Callable[[zmq.Socket], None]) -> None:
         """Call handler(sock) whenever sock has a message."""
         self._poller.register(sock, zmq.POLLIN)
@@ -188,7 +192,9 @@ class PeerLoop:
         a turn ends after a quarter of a heartbeat interval without messages."""
         while running():
             now = time.monotonic()
-            if len(self.addresses) > 1 and self.registration.silent(now):
+            # (a message waiting to be read is the coordinator speaking: silence counts only while
+            # we listen, not while a long piece of work kept us from reading)
+            if len(self.addresses) > 1 and self.registration.silent(now) and not self._waiting_input():
                 self._move_on(now)
             msg = self.registration.due(now)
             if msg is not None and not send_nowait(self.control, msg):
@@ -199,6 +205,12 @@ class PeerLoop:
             if not running():
                 return
             for sock, _ in self._poller.poll(timeout=int(self.registration.heartbeat_s * 250)):
+                started = time.monotonic()
                 if sock is self.control:
-                    self.registration.heard(time.monotonic())
+                    self.registration.heard(started)
                 self._handlers[sock](sock)
+                done = time.monotonic()
+                if done - started > self.registration.heartbeat_s:
+                    # long work (a slow sample) kept us from listening: the coordinator's silence
+                    # is counted from now, not from before it
+                    self.registration.since = max(self.registration.since, done)

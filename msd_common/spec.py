@@ -21,7 +21,7 @@ from .doc_keys import MAX_SOURCES
 from .errors import MsdError
 from .formats.errors import SourceFormatError
 from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES,
-                             DEFAULT_PATCH_SIZE)
+                             DEFAULT_MAX_SAMPLE_S, DEFAULT_PATCH_SIZE)
 from .formats.records import FORMATS
 from .formats.storage import SECRET_KEYS, is_url, store_for
 from .job_keys import EVAL, METHODS, SRC, allowed, required
@@ -91,6 +91,9 @@ class SourceConfig:
     # when a processor's image pass runs: "delivery" (planned from image sizes, worker/image_plan.py,
     # for the families that can be) or "prepare" (whole, at prepare time); the samples are the same
     image_pass: str = "delivery"
+    # one record's sample (read, transform, processor, an image pass at delivery) taking longer than
+    # this is poison: its worker process is stopped and the record quarantined (not part of the stream)
+    max_sample_s: float = DEFAULT_MAX_SAMPLE_S
 
     @property
     def has_images(self) -> bool:
@@ -185,6 +188,9 @@ class RuntimeConfig:
     # (Zstandard seekable format, 1.4x; a record decompresses its 64 KiB frames, ~90 us; writing
     # it costs ~3 s more CPU per GB of text)
     copies: str = "plain"
+    # after a fatal error the coordinator keeps its address this long (or until SIGTERM), answering
+    # every hello with job_failed and the reason, so that ranks arriving late learn why
+    failed_linger_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,8 @@ class JobConfig:
                        cache_bytes=self.runtime.cache_bytes, copies=self.runtime.copies, storage=s.storage,
                        seed=self.seed, transform=s.transform, transform_args=s.transform_args,
                        transform_hash=s.transform_hash, chat=s.chat, processor=s.processor,
-                       image_backend=s.image_backend, processor_hash=s.processor_hash, image_pass=s.image_pass)
+                       image_backend=s.image_backend, processor_hash=s.processor_hash, image_pass=s.image_pass,
+                       max_sample_s=s.max_sample_s)
             for s in self.sources))
 
     def stream_definition(self) -> dict[str, Any]:
@@ -311,6 +318,7 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
     del out["storage"]  # how the shards are reached, not which tokens they hold
     del out["processor"]  # where the processor directory is: its content is processor_hash
     del out["image_pass"]  # when the image pass runs, not what it makes
+    del out["max_sample_s"]  # how long a sample may take: a limit of the run, not what it makes
     if out["chat"] and "template" in out["chat"]:  # where the template file is: its content is template_hash
         out["chat"] = {k: v for k, v in out["chat"].items() if k != "template"}
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
@@ -559,6 +567,12 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
     epochs = raw.get("epochs")
     if epochs is not None and c.integer(epochs, f"{key}.epochs") is None:
         ok = False
+    max_sample_s = c.number(raw.get("max_sample_s", DEFAULT_MAX_SAMPLE_S), f"{key}.max_sample_s")
+    if max_sample_s is None:
+        ok = False
+    elif max_sample_s <= 0:
+        c.bad(f"{key}.max_sample_s", f"must be > 0 seconds, got {max_sample_s}")
+        ok = False
     shuffle_block = c.integer(raw.get("shuffle_block", 1), f"{key}.shuffle_block", 1)
     if shuffle_block is None:
         ok = False
@@ -570,7 +584,8 @@ def _source(c: _Checker, name: Any, raw: Any, index: int, base: str, defaults: d
         return None
     return SourceConfig(name, index, fmt, tuple(files), text_key, tokenizer, eod_id, long_docs, epochs, on_exhausted,
                         tokens_key, image_token_id, max_pixels, patch_size, max_record_bytes, max_image_pixels,
-                        storage, shuffle_block, **user_code, packing=packing, **(processor or {}))
+                        storage, shuffle_block, **user_code, packing=packing, **(processor or {}),
+                        max_sample_s=float(max_sample_s))
 
 
 def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code: dict | None) -> dict[str, Any] | None:
@@ -834,6 +849,9 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     _choice(c, index_on, "runtime.index_on", INDEX_ON)
     copies = rt.get("copies", "plain")
     _choice(c, copies, "runtime.copies", COPIES)
+    linger = c.number(rt.get("failed_linger_s", 600.0), "runtime.failed_linger_s")
+    if linger is not None and linger < 0:
+        c.bad("runtime.failed_linger_s", "must be >= 0")
 
     sec = c.mapping(top.get("security", {}), "security", allowed("security"))
     curve = sec.get("curve")
@@ -876,7 +894,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         token_slack=slack,
         calibrate=calibrate,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
-                              cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies),
+                              cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies,
+                              600.0 if linger is None else float(linger)),
         path=path,
         eval_sets=eval_sets,
     )

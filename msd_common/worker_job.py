@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import ProtocolError
-from .formats.limits import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES, DEFAULT_PATCH_SIZE
+from .formats.limits import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES,
+                             DEFAULT_MAX_SAMPLE_S, DEFAULT_PATCH_SIZE)
 from .formats.records import FORMATS, is_memory_mapped
 
 
@@ -47,6 +48,7 @@ class SourceSpec:
     image_backend: str = "pil"
     processor_hash: str | None = None
     image_pass: str = "delivery"  # when a processor's image pass runs (worker/image_plan.py)
+    max_sample_s: float = DEFAULT_MAX_SAMPLE_S  # one record's sample taking longer is poison (host agent)
 
     @property
     def whole_records(self) -> bool:
@@ -97,7 +99,7 @@ _SOURCE_SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "cache_dir": (str, _NONE), "cache_bytes": (int, _NONE), "copies": (str,), "storage": (dict, _NONE),
     "seed": (int,), "transform": (str, _NONE), "transform_args": (dict, _NONE), "transform_hash": (str, _NONE),
     "chat": (dict, _NONE), "processor": (str, _NONE), "image_backend": (str,), "processor_hash": (str, _NONE),
-    "image_pass": (str,),
+    "image_pass": (str,), "max_sample_s": (float, int),
 }
 
 

@@ -280,6 +280,9 @@ class WorkerCore:
         # for three heartbeats (opening hundreds of sources with a cold page cache) was taken
         # for dead. The worker loop sets it to send a heartbeat when one is due.
         self.keep_alive: Callable[[], None] = lambda: None
+        # (source, record, max_sample_s) when a sample starts, (.., -1, ..) when it is done: the
+        # host agent's clock of it (worker/loop.py), which stops a worker past the limit
+        self.on_sample: Callable[[int, int, float], None] = lambda s, r, limit: None
 
     def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
         kind = msg["type"]
@@ -299,6 +302,12 @@ class WorkerCore:
             log.info("coordinator asked us to stop: %s", msg["reason"])
             return [Quit(msg["reason"])]
         if self.worker_id is None:  # work for a registration we no longer have
+            return []
+        if kind in ("prepare", "deliver") and msg["worker_id"] != self.worker_id:
+            # sent to an earlier registration of ours (the coordinator forgot it, and what it held
+            # is prepared again elsewhere): done now, it would spend copies the books no longer count
+            log.info("%s for worker %d dropped: this process is worker %d now", kind, msg["worker_id"],
+                     self.worker_id)
             return []
         if kind == "prepare":
             return self._on_prepare(msg, arrays["records"], arrays.get("epochs"))
@@ -418,11 +427,12 @@ class WorkerCore:
             entry = self.cache.get(key)
             if entry is None:
                 self.keep_alive()
+                self.on_sample(s, record, self.specs[s].max_sample_s)
                 if record in self.kill_records.get(s, ()):
                     _die_as_a_native_crash_would(reader.where(record))
-                if (s, record) in self.slow_records:
-                    time.sleep(self.slow_records[(s, record)])
                 try:
+                    if (s, record) in self.slow_records:  # (fault injection: a sample this slow)
+                        time.sleep(self.slow_records[(s, record)])
                     # an eval copy (EVAL_EPOCH) is the record as in epoch 0, cached apart
                     epoch = 0 if epochs[i] == P.EVAL_EPOCH else int(epochs[i])
                     prepared = reader.read_prepared(record, epoch)
@@ -440,6 +450,8 @@ class WorkerCore:
                                 extra={"source": reader.name, "record": record})
                     skipped.append([i, reason, "error"])
                     continue
+                finally:
+                    self.on_sample(s, -1, 0.0)
                 entry = self.cache[key] = CacheEntry(prepared.tokens, 0, prepared.patches, prepared.loss_mask,
                                                      prepared.processed, prepared.patch_count,
                                                      prepared.patch_squares)
@@ -491,7 +503,7 @@ class WorkerCore:
                         del self.cache[key]
         failed, self.delivery_failures = self.delivery_failures, []
         out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"],
-                                        failed=failed)))
+                                        failed=failed, unserved=int(len(items) - pieces.servable.sum()))))
         return out
 
     def _servable(self, step: int, reader: SourceReader, mine: np.ndarray, epochs: np.ndarray) -> np.ndarray:
@@ -557,7 +569,11 @@ class WorkerCore:
         blank with nothing to train on (its tokens are planned already), reported with DELIVERED."""
         self.keep_alive()  # a step's images take a while: heartbeats go on between them
         source, record = split_doc_key(np.array([key], np.uint64))
-        failed = reader.finish(entry.processed, int(record[0]))
+        self.on_sample(int(source[0]), int(record[0]), self.specs[int(source[0])].max_sample_s)
+        try:
+            failed = reader.finish(entry.processed, int(record[0]))
+        finally:
+            self.on_sample(int(source[0]), -1, 0.0)
         if failed is not None:
             reason, kind = failed
             log.warning("source %s: record delivered with nothing to train on: %s", reader.name, reason,

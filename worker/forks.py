@@ -15,9 +15,11 @@ modules with its own workers only, so a worker started late costs more than one 
 Every worker is forked through an intermediate process that exits at once, so the host process
 adopts it (it is a child subreaper, Linux `prctl`): the agent waits for its workers itself, with
 or without a server, and gets their exit status. A worker marks the prepare task it works on in
-its own 8-byte cell of a table that the agent shares with the servers and workers (a memfd); the
-agent reads the cell when the worker has died (-1: none), so the record that killed it can be
-blamed. Workers stop on their own once the agent is gone (`worker/loop.py`).
+its own cell of a table that the agent shares with the servers and workers (a memfd, `WorkCell`),
+with the sample it is making and since when; the agent reads the cell while the worker lives (a
+sample past its source's max_sample_s gets the worker stopped) and when it has died, so the task
+and record that killed it can be blamed. A worker busy on one sample is alive while its process
+is: the agent vouches for it. Workers stop on their own once the agent is gone (`worker/loop.py`).
 
 Agent and server speak over a pair of pipes, one JSON object per line:
 
@@ -115,14 +117,38 @@ def process_comm(pid: int) -> str:
         return ""
 
 
+class WorkCell(ctypes.Structure):
+    """What one worker process is working on, in memory its host agent reads: the prepare task (-1:
+    none), the sample (source, record) and since when (CLOCK_MONOTONIC, ns: one clock for every
+    process of the host; 0: no sample), and how long that sample may take (its source's
+    max_sample_s, ns). The agent reads it while the worker lives (a sample past its limit is
+    poison: the worker is stopped) and once it has died (which task and record killed it)."""
+
+    _fields_ = [("task", ctypes.c_int64), ("source", ctypes.c_int64), ("record", ctypes.c_int64),
+                ("started_ns", ctypes.c_int64), ("limit_ns", ctypes.c_int64)]
+
+    def clear(self) -> None:
+        self.task, self.source, self.record, self.started_ns, self.limit_ns = -1, -1, -1, 0, 0
+
+    def overrun_s(self, now_ns: int) -> float:
+        """Seconds the current sample has run past its limit (0: none running, or within it)."""
+        started, limit = self.started_ns, self.limit_ns
+        if started <= 0 or limit <= 0:
+            return 0.0
+        return max(0.0, (now_ns - started - limit) / 1e9)
+
+
+CELL_BYTES = ctypes.sizeof(WorkCell)
+
+
 class TaskCells:
-    """The table of 8-byte task cells, in a memfd so that a fresh server maps the same pages."""
+    """The table of work cells (WorkCell), in a memfd so that a fresh server maps the same pages."""
 
     def __init__(self, fd: int | None = None) -> None:
         self.fd = os.memfd_create("msd-task-cells", 0) if fd is None else fd  # inheritable: servers get it
         if fd is None:
-            os.ftruncate(self.fd, CELLS * 8)
-        self.map = mmap.mmap(self.fd, CELLS * 8)
+            os.ftruncate(self.fd, CELLS * CELL_BYTES)
+        self.map = mmap.mmap(self.fd, CELLS * CELL_BYTES)
         self._free: list[int] = []  # given back; cells from _next on were never used
         self._next = 0
 
@@ -133,17 +159,17 @@ class TaskCells:
             n, self._next = self._next, self._next + 1
         else:
             raise RuntimeError(f"more than {CELLS} worker processes started and not waited for")
-        self.cell(n).value = -1
+        self.cell(n).clear()
         return n
 
-    def give_back(self, n: int) -> int:
-        """The cell's last value, and it is free again."""
-        value = self.cell(n).value
+    def give_back(self, n: int) -> WorkCell:
+        """A copy of the cell's last values, and it is free again."""
+        value = WorkCell.from_buffer_copy(self.cell(n))
         self._free.append(n)
         return value
 
-    def cell(self, n: int) -> ctypes.c_int64:
-        return ctypes.c_int64.from_buffer(self.map, 8 * n)
+    def cell(self, n: int) -> WorkCell:
+        return WorkCell.from_buffer(self.map, CELL_BYTES * n)
 
 
 class ForkedWorker:
@@ -153,8 +179,23 @@ class ForkedWorker:
 
     def __init__(self, cells: TaskCells, pid: int, cell: int) -> None:
         self.pid, self._cells, self._cell = pid, cells, cell
+        self.cell = cell  # its index in the table of work cells
         self.task = -1  # the prepare task it worked on when it died (-1: none)
+        self.source = self.record = -1  # and the sample (-1: none)
+        self.overran_s = 0.0  # > 0: stopped by its agent, its sample that far past its limit
         self._exitcode: int | None = None
+
+    def overrun_s(self) -> float:
+        """While it lives: seconds its current sample has run past the source's max_sample_s."""
+        if self._exitcode is not None:
+            return 0.0
+        return self._cells.cell(self._cell).overrun_s(time.monotonic_ns())
+
+    def stop_overrun(self, overran_s: float) -> None:
+        """Its sample ran past the limit: SIGKILL (a sample stuck in native code ignores anything
+        milder), remembered, so its exit is reported as the sample's poison, not as a crash."""
+        self.overran_s = overran_s
+        self.kill()
 
     @property
     def exitcode(self) -> int | None:
@@ -165,7 +206,8 @@ class ForkedWorker:
                 pid, status = self.pid, -1
             if pid:
                 self._exitcode = os.waitstatus_to_exitcode(status) if status >= 0 else 1
-                self.task = self._cells.give_back(self._cell)
+                last = self._cells.give_back(self._cell)
+                self.task, self.source, self.record = last.task, last.source, last.record
         return self._exitcode
 
     def is_alive(self) -> bool:
@@ -406,7 +448,7 @@ def _serve_and_exit(inbox: int, outbox: int, target: Callable[..., None], cells:
         os._exit(code)
 
 
-def _run_worker(target: Callable[..., None], args: list, cell: ctypes.c_int64, pipes: tuple[int, int]) -> None:
+def _run_worker(target: Callable[..., None], args: list, cell: WorkCell, pipes: tuple[int, int]) -> None:
     """In the forked worker (named by its intermediate): never returns."""
     code = 1
     try:

@@ -107,6 +107,13 @@ class HostAgent:
         for slot in self.slots:
             p = slot.process
             if p is not None and p.is_alive():
+                overran = p.overrun_s()
+                if overran > 0 and not p.overran_s:
+                    cell = self.forks.cells.cell(p.cell)
+                    log.error("worker process %d: one sample (source %d, record %d) ran past its source's "
+                              "max_sample_s; stopping the process (the record is poison)", p.pid, cell.source,
+                              cell.record)
+                    p.stop_overrun(overran)
                 continue
             if p is not None:
                 if now - slot.started_at >= HEALTHY_AFTER_S or p.exitcode in KILLED:
@@ -114,10 +121,14 @@ class HostAgent:
                 slot.restarts += 1
                 backoff = min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
                 task = p.task
-                log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
-                            f" while preparing task {task}" if task >= 0 else "", backoff)
+                if p.overran_s:
+                    slot.restarts, backoff = 0, 0.0  # the record was at fault, not the process
+                else:
+                    log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
+                                f" while preparing task {task}" if task >= 0 else "", backoff)
                 self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
-                                    task_id=task))
+                                    task_id=task, source=p.source if p.record >= 0 else -1, record=p.record,
+                                    overran_s=p.overran_s))
                 if self.metrics is not None:
                     self.metrics.process_gone(p.pid)
                 slot.process = None
@@ -130,6 +141,11 @@ class HostAgent:
                     slot.next_start = now + min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.restarts - 1))
                     log.error("%s; trying again in %.1fs", e, slot.next_start - now)
                     return
+
+    def _live_pids(self) -> list[int]:
+        """The worker processes alive now: the heartbeat vouches for them (a worker busy on one
+        sample says nothing itself; it is alive while its process is)."""
+        return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()]
 
     def _report(self, msg: dict) -> None:
         if self.control is not None:
@@ -189,7 +205,8 @@ class HostAgent:
         self.registration = Registration(
             lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
                            procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
-            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target), heartbeat_s=HEARTBEAT_S)
+            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target, pids=self._live_pids()),
+            heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
         loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")
         loop.on(control, self._on_control)

@@ -44,9 +44,10 @@ PARENT_CHECK_S = 0.5  # inside long work (keep_alive), whether the host agent is
 class Worker:
     def __init__(self, coordinator: str, parent_pid: int | None = None, keys_dir: str | None = None,
                  agent_id: int = 0, current_task: Any = None) -> None:
-        """current_task: an int shared with the host agent (a ctypes c_int64 of its memfd table), set
-        to the prepare task being worked on, so that the agent can say which task a crash happened
-        in."""
+        """current_task: this worker's cell of the table it shares with its host agent
+        (worker.forks.WorkCell): the prepare task and the sample being worked on, and since when,
+        so that the agent can stop a sample past its source's max_sample_s and say which task and
+        record a crash happened in."""
         self.parent_pid = parent_pid
         self._adopted = False  # the agent is our parent (once our intermediate process has exited)
         self.current_task = current_task
@@ -77,6 +78,8 @@ class Worker:
         self._kept_alive = float("-inf")
         self._parent_checked = float("-inf")
         self.core.keep_alive = self._keep_alive
+        if current_task is not None:
+            self.core.on_sample = self._on_sample
         storage.keep_alive = self._keep_alive  # a read waiting out a throttled store
 
     def close(self) -> None:
@@ -130,10 +133,10 @@ class Worker:
         started = time.perf_counter()
         marked = self.current_task is not None and header["type"] == "prepare"
         if marked:
-            self.current_task.value = header["task_id"]
+            self.current_task.task = header["task_id"]
         actions = self.core.handle(header, arrays)
         if marked:
-            self.current_task.value = -1
+            self.current_task.task = -1
         if self.metrics is not None and header["type"] == "prepare" and 0 <= header["source"] < len(self.core.specs):
             self.metrics.prepared(self.core.specs[header["source"]].name, len(arrays["records"]),
                                   prepared_tokens(actions), time.perf_counter() - started)
@@ -184,6 +187,15 @@ class Worker:
         self._kept_alive = now
         send_nowait(self.control, self.registration.heartbeat())
         self.registration.spoke(now)
+
+    def _on_sample(self, source: int, record: int, limit_s: float) -> None:
+        """The core starts a sample (record >= 0) or is done with it (-1): the agent's clock of it."""
+        cell = self.current_task
+        if record < 0:
+            cell.started_ns = 0
+            return
+        cell.source, cell.record, cell.limit_ns = source, record, int(limit_s * 1e9)
+        cell.started_ns = time.monotonic_ns()  # last: the agent reads a sample's fields once this is set
 
     def _data_socket(self, address: str) -> zmq.Socket:
         sock = make_socket(self.ctx, zmq.PUSH)

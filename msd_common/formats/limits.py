@@ -11,6 +11,9 @@ DEFAULT_MAX_IMAGE_PIXELS = 1 << 26  # pixels an image's header declares (Pillow'
 # the job file's defaults for an image source's max_pixels, patch_size and text_key
 DEFAULT_MAX_PIXELS = 256 * 256  # images are scaled down to at most this many pixels
 DEFAULT_PATCH_SIZE = 16  # square patches of this many pixels a side
+# seconds one record's sample may take (read, transform, processor, an image pass) before it is
+# poison: generous, since a video or a model called by a transform takes seconds, not minutes
+DEFAULT_MAX_SAMPLE_S = 600.0
 DEFAULT_CAPTION_KEY = "caption"  # the caption text's key in a JSON caption entry
 
 

@@ -30,6 +30,10 @@ class FakeWorker:
     cache: dict[int, int] = field(default_factory=dict)  # doc key -> prepared copies
     busy_s: float = 0.0
     pid: int = 0
+    # busy on one long sample until then: it reads nothing and says nothing; what comes for it waits
+    # in its socket (inbox) and is read in order once it is done
+    busy_until: float = float("-inf")
+    inbox: list = field(default_factory=list)
 
 
 @dataclass
@@ -113,11 +117,18 @@ class Driver:
     def tick(self, seconds: float | None = None) -> list[Instruction]:
         """Time passes; live peers heartbeat as they do."""
         self.now += self.state.heartbeat_s if seconds is None else seconds
+        for w in self.workers.values():  # done with their long sample: they read what waited for them
+            if w.alive and w.inbox and w.busy_until <= self.now:
+                waiting, w.inbox = w.inbox, []
+                for ins in waiting:
+                    self._answer(ins)
         beats: list[Event] = [WorkerHeartbeat(at=self.now, peer=w.peer, worker_id=w.worker_id, cached_records=len(
-            w.cache), busy_s=w.busy_s) for w in self.workers.values() if w.alive and w.worker_id is not None]
+            w.cache), busy_s=w.busy_s) for w in self.workers.values()
+            if w.alive and w.worker_id is not None and w.busy_until <= self.now]
         beats += [TrainerHeartbeat(at=self.now, peer=r.peer, rank=r.rank) for r in self.ranks.values()]
         if self.host_peer is not None:
-            beats.append(HostHeartbeat(at=self.now, peer=self.host_peer, agent_id=1, procs=len(self.workers)))
+            beats.append(HostHeartbeat(at=self.now, peer=self.host_peer, agent_id=1, procs=len(self.workers),
+                                       pids=[w.pid for w in self.workers.values() if w.alive]))
         events, self.pending = self.pending, []
         return self.handle(*events, *beats, Tick(at=self.now))
 
@@ -150,6 +161,11 @@ class Driver:
         if worker is not None:
             if not worker.alive:
                 return
+            if worker.busy_until > self.now or worker.inbox:
+                worker.inbox.append(ins)
+                return
+            if kind in ("prepare", "deliver") and ins.header["worker_id"] != worker.worker_id:
+                return  # for an earlier registration of this process: dropped, as WorkerCore does
             if kind == "welcome":
                 worker.worker_id = ins.header["worker_id"]
             elif kind == "unknown_peer":
@@ -197,12 +213,14 @@ class Driver:
         if fate == "drop":  # dies before sending anything or acknowledging
             self.kill(worker.peer)
             return
+        unserved = 0
         if fate != "ack-then-die":
             for row in items.tolist():
                 key = row[DELIVER_ITEM.doc_key]
                 source = split_doc_key(key)[0]
                 if source not in self.state.mapped and not worker.cache.get(key):
                     self.unserved.append(f"worker {worker.worker_id}: step {ins.header['step']} key {key:x}")
+                    unserved += 1
                     continue
                 rank = self.ranks.get(row[DELIVER_ITEM.rank])
                 if rank is not None:
@@ -211,7 +229,7 @@ class Driver:
                 if worker.cache.get(key):
                     worker.cache[key] -= 1
         self.pending.append(Delivered(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
-                                      delivery_id=ins.header["delivery_id"]))
+                                      delivery_id=ins.header["delivery_id"], unserved=unserved))
         if fate == "ack-then-die":  # acknowledged, but the pieces never left its socket
             self.kill(worker.peer)
 

@@ -63,8 +63,8 @@ def test_a_host_agent_is_told_to_run_all_the_processes_it_may(dataset_dir):
                    auto=1)
     scale = counting.handle(b"h0", hello)
     assert scale["type"] == "scale" and scale["procs"] == 6 and scale["retire"] == []
-    assert counting.handle(b"h0", P.make(P.HOST_HEARTBEAT, agent_id=7, procs=6))["type"] == "alive"
-    assert counting.handle(b"h1", P.make(P.HOST_HEARTBEAT, agent_id=8, procs=1)) is None  # never said hello
+    assert counting.handle(b"h0", P.make(P.HOST_HEARTBEAT, agent_id=7, procs=6, pids=[]))["type"] == "alive"
+    assert counting.handle(b"h1", P.make(P.HOST_HEARTBEAT, agent_id=8, procs=1, pids=[])) is None  # never said hello
 
 
 def test_counts_from_a_peer_never_welcomed_are_ignored(dataset_dir):

@@ -18,8 +18,12 @@ TARGET = "tests.unit.test_forks:_target"
 
 
 def _target(mode: str, cell) -> None:
-    """A stand-in worker: marks a task, then ends as `mode` says."""
-    cell.value = 41
+    """A stand-in worker: marks a task and a sample, then ends as `mode` says."""
+    cell.task, cell.source, cell.record = 41, 2, 7
+    if mode == "slow":  # a sample allowed 0.1 s that takes a minute
+        cell.limit_ns = 100_000_000
+        cell.started_ns = time.monotonic_ns()
+        time.sleep(60)
     if mode == "ok":
         return
     if mode == "exit3":
@@ -50,6 +54,25 @@ def test_exit_codes_and_the_marked_task_come_back(server):
         w.join(10)
     assert (ok.exitcode, code3.exitcode, crash.exitcode) == (0, 3, 1)
     assert ok.task == code3.task == crash.task == 41  # read from the shared cell after death
+    assert (crash.source, crash.record) == (2, 7)
+
+
+def test_a_sample_past_its_limit_is_seen_by_the_agent_and_its_worker_stopped(server):
+    """The agent's clock of a worker's sample: no overrun while it is within its limit (a worker
+    merely waiting has none at all), one once it is past, and the stopped worker's exit says which
+    sample it was and by how much it ran over."""
+    waiting, slow = server.start_worker(("wait",)), server.start_worker(("slow",))
+    deadline = time.monotonic() + 10
+    while slow.overrun_s() == 0:
+        assert time.monotonic() < deadline, "the slow sample was never past its limit"
+        time.sleep(0.02)
+    assert waiting.overrun_s() == 0 and waiting.is_alive()
+    slow.stop_overrun(slow.overrun_s())
+    slow.join(10)
+    waiting.kill()
+    waiting.join(10)
+    assert slow.exitcode == -9 and slow.overran_s > 0
+    assert (slow.task, slow.source, slow.record) == (41, 2, 7)
 
 
 def test_workers_are_the_agents_children_and_a_killed_one_reads_as_multiprocessing_says(server):
@@ -57,7 +80,7 @@ def test_workers_are_the_agents_children_and_a_killed_one_reads_as_multiprocessi
     assert w.is_alive() and w.pid in host_worker_pids(os.getpid())  # adopted: not the server's child
     assert w.task == -1
     deadline = time.monotonic() + 10
-    while server.cells.cell(w._cell).value != 41:  # it marked its task
+    while server.cells.cell(w._cell).task != 41:  # it marked its task
         assert time.monotonic() < deadline
         time.sleep(0.01)
     w.kill()
