@@ -164,8 +164,9 @@ class Driver:
             if worker.busy_until > self.now or worker.inbox:
                 worker.inbox.append(ins)
                 return
-            if kind in ("prepare", "deliver") and ins.header["worker_id"] != worker.worker_id:
-                return  # for an earlier registration of this process: dropped, as WorkerCore does
+            if kind in ("prepare", "deliver") and (worker.worker_id is None or
+                                                   ins.header["worker_id"] != worker.worker_id):
+                return  # not registered, or for an earlier registration: dropped, as WorkerCore does
             if kind == "welcome":
                 worker.worker_id = ins.header["worker_id"]
             elif kind == "unknown_peer":
