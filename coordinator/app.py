@@ -43,6 +43,7 @@ from .history import StepHistory
 from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
+from .linger import linger
 from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal, append_quarantine_journal,
                       read_mixture_journal,
                       read_quarantine_journal)
@@ -95,6 +96,7 @@ class Coordinator:
                                    max_bytes=int(job.runtime.stimulus_log_mb * (1 << 20)))
         self.sock: zmq.Socket | None = None
         self.stopped = asyncio.Event()
+        self.quit = asyncio.Event()  # a stop signal: no lingering after a failure either
         self.failed = False
         self.failure: str | None = None  # the fatal error that stopped the job: ranks raise it
         self.messages_received = 0
@@ -158,6 +160,13 @@ class Coordinator:
                 t.cancel()
             loops.append(stopped)
             await asyncio.gather(*loops, return_exceptions=True)
+            if self.lease is not None and not self.failed and not self.lease_lost and \
+                    self.state_dir_stalled_since is None:
+                # A clean stop (SIGTERM) gives the lease up before it tells the peers, so that a
+                # standby takes over at once, not after heartbeats of silence (faster than a crash)
+                await self._drained()
+                await asyncio.to_thread(self.lease.release)
+                self.lease = None
             if not self.lease_lost:  # the peers are another coordinator's now
                 self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping", failed=self.failure or "")])
             if self.state_dir_stalled_since is not None and self._drain_task is not None:
@@ -172,6 +181,12 @@ class Coordinator:
             self._flush_relays()  # what the last pass sent to relayed ranks (job_failed, shutdown)
             if self.lease is not None and not self.failed:
                 await asyncio.to_thread(self.lease.release)
+            if self.failed and not self.lease_lost and not self.quit.is_set():
+                if self.metrics is not None:
+                    self.metrics.health.set("failed", False)
+                reason = self.failure or "the coordinator failed"
+                await linger(self.sock, reason, self.job.runtime.failed_linger_s,
+                             lambda: {**self.status(), "stopped": "the job failed", "failed": reason}, self.quit)
         finally:
             logging.getLogger("msd").removeHandler(self.warnings)
             if self.journal is not None:
@@ -180,6 +195,11 @@ class Coordinator:
                 router.close()
 
     def stop(self) -> None:
+        self.stopped.set()
+
+    def terminate(self) -> None:
+        """SIGTERM or SIGINT: stop, and a failed job's lingering (runtime.failed_linger_s) ends too."""
+        self.quit.set()
         self.stopped.set()
 
     # ------------------------------------------------------------------ events in

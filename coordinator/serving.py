@@ -69,9 +69,9 @@ def serve(job: JobConfig, sources: OpenedSources, bind: str, state_dir: str | No
             coord = Coordinator(job, sources, bind, state_dir, allow_config_change, lease, metrics, router)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, coord.stop)
+                loop.add_signal_handler(sig, coord.terminate)
             if stop:  # one came in before the loop took them
-                coord.stop()
+                coord.terminate()
             await coord.run()
             if coord.failed:
                 raise SystemExit(1)

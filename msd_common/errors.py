@@ -20,3 +20,9 @@ class JobFailedError(MsdError):
 
 class PeerLostError(MsdError):
     """The coordinator stopped answering for longer than the configured timeout."""
+
+
+class CoordinatorStoppedError(PeerLostError):
+    """The coordinator was stopped (SIGTERM: a drain, `kubectl delete pod`, `systemctl stop`) and no
+    coordinator (a standby, or one restarted at the same address) took over within the grace
+    period: the stream did not end, it was interrupted. The message names the stop."""

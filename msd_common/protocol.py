@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 12  # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved, coordinator_stopping; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 12  # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved, job_failed to workers, hosts and relays; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -512,14 +512,15 @@ TRAINER_UP = frozenset(m.name for m in (TRAINER_HELLO, CONSUMED, TRAINER_HEARTBE
 # requests that change the plan: on a CURVE job, accepted only from an operator key
 CONTROL_REQUESTS = frozenset({MIX_REQUEST.name})
 TOOL_INBOX = frozenset({MIX_REPLY.name, STATUS_REPLY.name})
-HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, ALIVE))
+HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, ALIVE, JOB_FAILED))
 WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
-                                          ALIVE))
+                                          ALIVE, JOB_FAILED))
 TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
                                                     SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER,
                                                     JOB_FAILED))
 TRAINER_DATA_INBOX = frozenset({PIECES.name})
-RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, RELAY_STEP, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN))
+RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, RELAY_STEP, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN,
+                                         JOB_FAILED))
 
 
 def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType:

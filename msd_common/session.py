@@ -152,6 +152,17 @@ class PeerLoop:
         self.registration.hello_now()
         self.registration.since = now
 
+    def coordinator_stopping(self, now: float) -> None:
+        """The coordinator said it stops (a graceful stop: it gave its lease up): with standbys, say
+        hello to the next address at once rather than after heartbeats of silence; with one, say
+        hello there until a coordinator answers (one restarted at that address)."""
+        if len(self.addresses) > 1:
+            self._move_on(now)
+            return
+        self.registration.waiting()
+        self.registration.hello_now()
+        self.registration.since = now
+
     def _report_waiting(self, now: float) -> None:
         """Until the first welcome: say, early and then at doubling intervals, what we wait for."""
         if self._ever_welcomed:

@@ -9,13 +9,14 @@ This package imports nothing from the coordinator or the worker; they import its
 
 from typing import TYPE_CHECKING
 
-from msd_common.errors import JobFailedError, MsdError, PeerLostError, ProtocolError, RejectedError
+from msd_common.errors import (CoordinatorStoppedError, JobFailedError, MsdError, PeerLostError, ProtocolError,
+                               RejectedError)
 from msd_common.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from .client import DataClient
 
-__all__ = ["DataClient", "JobFailedError", "MsdError", "PeerLostError", "ProtocolError", "RejectedError",
+__all__ = ["CoordinatorStoppedError", "DataClient", "JobFailedError", "MsdError", "PeerLostError", "ProtocolError", "RejectedError",
            "PROTOCOL_VERSION"]
 
 

@@ -26,13 +26,14 @@ import zmq
 
 from msd_common import memory, security
 from msd_common import protocol as P
-from msd_common.errors import MsdError, PeerLostError, RejectedError
+from msd_common.errors import CoordinatorStoppedError, MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
 from .relay import default_endpoint, rank_endpoint
-from .receiving import End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Welcomed, for_rank
-from msd_common.session import WAITING_HINT, PeerLoop, Registration
+from .receiving import (End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Stopping, Welcomed,
+                        for_rank)
+from msd_common.session import LOST_AFTER_BEATS, WAITING_HINT, PeerLoop, Registration
 from msd_common.sockets import NOWAIT, make_socket, send_nowait, waiting
 
 log = logging.getLogger("msd.client")
@@ -111,18 +112,27 @@ class DataClient:
             script); without it, the rank speaks to the coordinator and workers directly.
         relay_timeout_s: behind a relay, `next()` raises PeerLostError naming the relay once it has
             been silent this long (a relay that is not restarted).
+        coordinator_timeout_s: `next()` raises PeerLostError naming the coordinator once it has not
+            answered this long (killed, or its host lost; a warning says so after three heartbeats).
+        stop_grace_s: after the coordinator says it stops (SIGTERM), how long a standby (or a
+            coordinator restarted at the same address) has to welcome this rank before `next()`
+            raises CoordinatorStoppedError naming the stop. A stop never ends the iteration: only
+            the job's real end (end of the data) does.
     """
 
     def __init__(self, coordinator: str | None = None, rank: int | None = None, *, host: str = "127.0.0.1",
                  bind_host: str | None = None, timeout_s: float = 300.0, as_torch: bool | None = None,
                  keep_freed_memory: bool = True, keys_dir: str | None = None, metadata_only: bool = False,
-                 pin_memory: bool = False, relay: str | None = None, relay_timeout_s: float = 30.0) -> None:
+                 pin_memory: bool = False, relay: str | None = None, relay_timeout_s: float = 30.0,
+                 coordinator_timeout_s: float = 30.0, stop_grace_s: float = 15.0) -> None:
         coordinator, rank = _from_environment(coordinator, rank)
         keys_dir = keys_dir if keys_dir is not None else (os.environ.get("MSD_KEYS") or None)
         self.coordinator = coordinator
         relay = relay if relay is not None else (os.environ.get("MSD_RELAY") or None)
         self.relay = default_endpoint(coordinator) if relay == "auto" else relay
         self.relay_timeout_s = relay_timeout_s
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.stop_grace_s = stop_grace_s
         self.rank = rank
         self.host = host
         self.bind_host = bind_host or host
@@ -472,6 +482,8 @@ class _Receiver:
                                     client.metadata_only)
         self.closing = False
         self.eval_asked: tuple[str, int] | None = None  # the eval pass asked for and not in yet
+        self.stopping: tuple[float, str] | None = None  # (when, why) the coordinator said it stops
+        self.silence_told = False  # the coordinator's silence was logged (once per silence)
 
     def run(self) -> None:
         c = self.c
@@ -541,7 +553,14 @@ class _Receiver:
 
     def _on_control(self, control: zmq.Socket) -> None:
         for out in self.state.on_control(control.recv_multipart(copy=False)):
-            if isinstance(out, Welcomed):
+            if isinstance(out, Stopping):
+                self.stopping = (time.monotonic(), out.reason)
+                self.loop.coordinator_stopping(self.stopping[0])
+            elif isinstance(out, Welcomed):
+                if self.stopping is not None:
+                    log.warning("rank %d: the coordinator at %s serves this rank now (%.1fs after the stop)",
+                                self.c.rank, self.loop.address, time.monotonic() - self.stopping[0])
+                self.stopping = None
                 self.registration.welcomed(out.heartbeat_s)
                 if self.eval_asked is not None:  # asked of a coordinator that forgot us (a restart): again
                     name, pass_no = self.eval_asked
@@ -555,6 +574,38 @@ class _Receiver:
                 self.c._evals.put(out)
             else:  # an error to raise, or the end of the stream
                 self.c._queue.put(out)
+
+    def _coordinator_gone(self, now: float) -> bool:
+        """A stopped coordinator that nobody replaced within the grace period, or one silent past
+        coordinator_timeout_s: the trainer gets an error that says which (never a plain end)."""
+        c, reg = self.c, self.registration
+        if self.stopping is not None:
+            when, reason = self.stopping
+            if now - when > c.stop_grace_s:
+                self.c._queue.put(CoordinatorStoppedError(
+                    f"rank {c.rank}: the coordinator stopped ({reason}) and no coordinator took over within "
+                    f"{c.stop_grace_s:.0f}s (tried {', '.join(self.loop.addresses)}); the stream did not end: resume "
+                    "from the last checkpoint once a coordinator serves the job again"))
+                self.closing = True
+                return True
+            return False
+        if c.relay or not reg.registered:
+            return False
+        quiet = now - max(reg.last_heard, reg.since)
+        if quiet <= LOST_AFTER_BEATS * reg.heartbeat_s:
+            self.silence_told = False
+            return False
+        if not self.silence_told:
+            self.silence_told = True
+            log.warning("rank %d: the coordinator at %s has not answered for %.1fs (stopped, killed, or its host "
+                        "lost); waiting for it", c.rank, self.loop.address, quiet)
+        if quiet > c.coordinator_timeout_s:
+            self.c._queue.put(PeerLostError(
+                f"rank {c.rank}: the coordinator at {self.loop.address} has not answered for {quiet:.0f}s (killed, or "
+                "its host lost; a standby given as a second address takes over by itself)"))
+            self.closing = True
+            return True
+        return False
 
     def _on_handshake(self, _: zmq.Socket) -> None:
         reason = self.handshakes.refused()
@@ -576,6 +627,8 @@ class _Receiver:
                                             f"{self.c.relay_timeout_s:.0f}s (is `msd relay` running on this host, and "
                                             "restarted when it dies?)"))
             self.closing = True
+            return
+        if self._coordinator_gone(now):
             return
         for item in self.state.finished():
             self.c._queue.put(item)

@@ -30,6 +30,14 @@ MAX_BUFFERED_STEPS = 256  # pieces for steps this far ahead are dropped (a broke
 MAX_BUFFERED_PIECES = 1_000_000  # and so are pieces beyond this many held for unfinished steps
 
 
+class Stopping:
+    """The coordinator said it is stopping: a standby (or the same address, restarted) may take
+    over; if none does within the grace period, the rank raises CoordinatorStoppedError."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 class End:
     """Marker for the trainer: the coordinator ended the stream."""
 
@@ -117,8 +125,10 @@ class ReceivingState:
             return [Forgotten()]
         elif kind == "reject":
             return [RejectedError(f"rank {self.rank}: coordinator refused: {msg['reason']}")]
-        elif kind == "shutdown":
-            return [End(msg["reason"])]
+        elif kind == "shutdown":  # the coordinator stops: never the end of the data (end_of_stream is)
+            log.warning("rank %d: the coordinator is stopping (%s); waiting for a coordinator to take over",
+                        self.rank, msg["reason"])
+            return [Stopping(msg["reason"])]
         elif kind == "job_failed":
             log.error("rank %d: the coordinator stopped the job: %s", self.rank, msg["reason"])
             return [JobFailedError(f"rank {self.rank}: the coordinator stopped the job: {msg['reason']}")]

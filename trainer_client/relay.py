@@ -328,9 +328,18 @@ class Relay:
             log.error("relay: the coordinator refused this relay: %s", msg["reason"])
             self._to_all_ranks(P.make(P.REJECT, reason=f"the relay was refused: {msg['reason']}"))
             self.running = False
-        elif kind == "shutdown":  # its ranks are told through it (relay_down): that goes on for a moment
-            log.info("relay: the coordinator ends the job (%s)", msg["reason"])
-            self.stop_at = time.monotonic() + STOP_AFTER_S
+        elif kind == "shutdown":  # its ranks are told through it (relay_down)
+            if len(self.loop.addresses) > 1:  # a standby takes over: the relay carries on with it
+                log.warning("relay: the coordinator is stopping (%s); moving on to the next address", msg["reason"])
+                self.loop.coordinator_stopping(time.monotonic())
+            else:  # what it sent its ranks still goes out for a moment
+                log.info("relay: the coordinator stops (%s)", msg["reason"])
+                self.stop_at = time.monotonic() + STOP_AFTER_S
+        elif kind == "job_failed":  # a failed job's coordinator answers whatever the relay says: its ranks raise
+            if self.stop_at is None:
+                log.error("relay: the job failed: %s", msg["reason"])
+                self._to_all_ranks(P.make(P.JOB_FAILED, reason=msg["reason"]))
+                self.stop_at = time.monotonic() + STOP_AFTER_S
 
     def _fan_out_control(self, parts: list, blob: Any) -> None:
         view = memoryview(blob).cast("B") if len(blob) else memoryview(b"")

@@ -92,7 +92,14 @@ class Quit:
     reason: str
 
 
-Action = ToCoordinator | ToRank | ReleaseRank | Registered | Forgotten | Quit
+@dataclass(frozen=True, slots=True)
+class CoordinatorStopping:
+    """The coordinator stops (or its job failed): hello to the next address, or again, until one serves."""
+
+    reason: str
+
+
+Action = ToCoordinator | ToRank | ReleaseRank | Registered | Forgotten | Quit | CoordinatorStopping
 
 
 # Fault injection for tests and drills: `MSD_KILL_RECORDS=source:record,...` makes a worker process
@@ -275,6 +282,7 @@ class WorkerCore:
         self.slow_records: dict[tuple[int, int], float] = {}  # fault injection (SLOW_RECORDS_ENV)
         # [source, record, reason, kind] of planned samples whose image pass failed at delivery
         self.delivery_failures: list[list] = []
+        self.job_failed: str | None = None  # the reason a failed job's coordinator gave, once logged
         # Called between the parts of long work (each source opened, each record read, each
         # source gathered): the loop cannot heartbeat while the core works, and a worker busy
         # for three heartbeats (opening hundreds of sources with a cold page cache) was taken
@@ -298,9 +306,17 @@ class WorkerCore:
         if kind == "reject":
             log.error("coordinator rejected this worker: %s", msg["reason"])
             return [Quit(msg["reason"])]
-        if kind == "shutdown":
-            log.info("coordinator asked us to stop: %s", msg["reason"])
-            return [Quit(msg["reason"])]
+        if kind in ("shutdown", "job_failed"):
+            # The coordinator stops (a standby may take over) or its job failed (it lingers, naming
+            # why): what we hold is the old registration's; wait for a coordinator that serves.
+            if kind == "shutdown":
+                log.info("coordinator stopping: %s; waiting for a coordinator to serve", msg["reason"])
+            elif msg["reason"] != self.job_failed:  # said once: every hello is answered so
+                self.job_failed = msg["reason"]
+                log.error("the job failed: %s; waiting for a coordinator to serve", msg["reason"])
+            self.worker_id = None
+            self.cache.clear()
+            return [CoordinatorStopping(msg["reason"])]
         if self.worker_id is None:  # work for a registration we no longer have
             return []
         if kind in ("prepare", "deliver") and msg["worker_id"] != self.worker_id:

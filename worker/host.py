@@ -78,6 +78,8 @@ class HostAgent:
         self.slots: list[_Slot] = []
         self.stopping = False
         self.registration: Registration | None = None
+        self.loop: PeerLoop | None = None
+        self.job_failed: str | None = None  # the reason a failed job's coordinator gave, once logged
         self.refused: str | None = None  # why the coordinator will not have this host
         self.control: zmq.Socket | None = None
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
@@ -208,7 +210,7 @@ class HostAgent:
             lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target, pids=self._live_pids()),
             heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")
+        loop = self.loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")
         loop.on(control, self._on_control)
         loop.on(handshakes.socket, lambda _: self._check_handshakes(handshakes))
         try:
@@ -247,11 +249,16 @@ class HostAgent:
             self._scale(msg["procs"], msg["retire"], msg["reason"])
         elif kind == "unknown_peer":
             self.registration.forgotten()
-        elif kind == "shutdown":
-            # The coordinator stops (the job ended, or it restarts): keep the host up and say
-            # hello until a coordinator answers at that address; stop with SIGTERM or Ctrl-C.
-            log.info("coordinator stopping (%s); waiting for it to come back", msg["reason"])
-            self.registration.waiting()
+        elif kind in ("shutdown", "job_failed"):
+            # The coordinator stops (a standby may take over, or it restarts) or its job failed:
+            # keep the host up and say hello until a coordinator serves; stop with SIGTERM or Ctrl-C.
+            if kind == "job_failed":
+                if msg["reason"] != self.job_failed:  # said once: every hello is answered so
+                    self.job_failed = msg["reason"]
+                    log.error("the job failed: %s; waiting for a coordinator to serve", msg["reason"])
+            else:
+                log.info("coordinator stopping (%s); waiting for a coordinator to serve", msg["reason"])
+            self.loop.coordinator_stopping(time.monotonic())
         elif kind == "reject":
             log.error("coordinator rejected this host: %s; stopping", msg["reason"])
             self.refused = msg["reason"]

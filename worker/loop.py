@@ -25,7 +25,8 @@ from msd_common.session import PeerLoop, Registration
 from msd_common.sockets import make_socket, raise_fd_limit, send_nowait
 
 from .readers import storage
-from .core import Action, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank, WorkerCore
+from .core import (Action, CoordinatorStopping, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank,
+                   WorkerCore)
 from .metrics import prepared_tokens, worker_metrics
 from msd_common.outbox import RankOutbox
 
@@ -169,6 +170,8 @@ class Worker:
             self.registration.forgotten()
         elif isinstance(action, Quit):
             self.running = False
+        elif isinstance(action, CoordinatorStopping) and self.loop is not None:
+            self.loop.coordinator_stopping(time.monotonic())
 
     def _keep_alive(self) -> None:
         """A heartbeat now, if one is due, from inside long work of the core (same thread, same

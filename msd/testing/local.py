@@ -59,7 +59,7 @@ def _coordinator_main(job_path: str, bind: str, addr_queue: Any, log_level: str,
     async def main() -> None:
         coord = Coordinator(job, sources, bind, state_dir, lease=lease, router=router)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, coord.stop)
+        loop.add_signal_handler(signal.SIGTERM, coord.terminate)
         ready = loop.create_future()
         ready.add_done_callback(lambda f: tell(f.result()))
         await coord.run(ready)
@@ -157,7 +157,7 @@ class LocalJob:
 def serve_in_thread(coordinator: Any) -> tuple[asyncio.AbstractEventLoop, threading.Thread, str]:
     """Run a Coordinator (app.Coordinator) in this process, its loop in a thread, for a test that
     needs to reach into it: (loop, thread, address). Stop it with
-    `loop.call_soon_threadsafe(coordinator.stop)` and join the thread."""
+    `loop.call_soon_threadsafe(coordinator.terminate)` and join the thread."""
     loop = asyncio.new_event_loop()
     ready = loop.create_future()
     thread = threading.Thread(target=loop.run_until_complete, args=(coordinator.run(ready),), daemon=True)

@@ -40,7 +40,7 @@ def test_mix_is_checked_journaled_and_replayed(dataset_dir, tmp_path):
         ok, reason = request_mix(address, 75, {"web": 1})
         assert not ok and "already planned" in reason
     finally:
-        loop.call_soon_threadsafe(coord.stop)
+        loop.call_soon_threadsafe(coord.terminate)
         thread.join(10)
     assert read_mixture_journal(state) == [(40, [1.0, 1.0, 0.0]), (60, [0.0, 0.0, 1.0])]  # as given
     # a restarted coordinator plans with the same changes

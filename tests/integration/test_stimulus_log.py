@@ -49,7 +49,7 @@ def test_a_failed_coordinator_leaves_a_log_that_replays_its_failure(dataset_dir,
     finally:
         host.terminate()
         host.join(10)
-        loop.call_soon_threadsafe(coord.stop)
+        loop.call_soon_threadsafe(coord.terminate)
         thread.join(10)
     # the steps before the failure were served (the last one may be cut short by the shutdown)
     assert coord.failed and set(range(FAIL_AT_STEP - 1)) <= steps <= set(range(FAIL_AT_STEP))

@@ -1,0 +1,197 @@
+"""Issue 57: never stall, with real processes. Tried as a new user would at 9bb899a:
+
+- a sample that takes longer than three heartbeats (a video decode, a model called by a
+  transform) made its worker look dead: it was declared dead, its work dropped, and it registered
+  again, every time;
+- SIGTERM to the coordinator ended every rank's `for batch in client:` as if the data ran out,
+  even with a standby running;
+- a SIGKILLed coordinator left the ranks silent until `no micro-batch for 300s`, which never said
+  that the coordinator had stopped answering;
+- a rank arriving after the job failed heard nothing and waited out its timeout.
+
+Heartbeats are short here (0.2 s: a silent peer is dead after 0.6 s) and every slow sample is many
+times longer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from msd.testing.local import LocalJob
+from tests.conftest import job_dict, write_job
+from trainer_client import CoordinatorStoppedError, DataClient, JobFailedError, PeerLostError
+
+from .harness import run_job, run_ranks, signature
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STEPS = 20
+HEARTBEAT_S = 0.2
+SLOW_S = 1.5  # one sample: 7.5 heartbeats
+
+
+@pytest.fixture(scope="module")
+def quick_job(dataset_dir):
+    job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S, "prepare_batch": 8, "lookahead_steps": 3})
+    job["batch"] = {"seq_len": 512, "micro_batch_size": 2, "global_batch_size": 4}
+    path = write_job(dataset_dir, job, "never-stall.yaml")
+    return path, run_job(path, workers=2, ranks=2, steps=STEPS)
+
+
+def test_a_sample_many_heartbeats_long_never_makes_its_worker_look_dead(quick_job, tmp_path, monkeypatch):
+    """Every 10th of the first 80 records of `web` takes 1.5 s in one piece (no keep-alive can
+    run inside it): the agent vouches for the busy worker, so nothing is declared dead or prepared
+    again, and the stream is the fault-free one."""
+    path, clean = quick_job
+    monkeypatch.setenv("MSD_TEST_SLOW_RECORDS", ",".join(f"web:{r}={SLOW_S}" for r in range(0, 80, 10)))
+    log = str(tmp_path / "slow.log")
+    slow = run_job(path, workers=2, ranks=2, steps=STEPS, log_path=log, timeout_s=180)
+    assert signature(slow) == signature(clean)
+    text = open(log).read()
+    for words in ("declared dead", "re-preparing", "registering again"):
+        assert words not in text, f"{words!r} in the log: a busy worker was taken for a dead one"
+
+
+def test_a_sample_past_max_sample_s_is_poison_its_record_quarantined_and_the_job_goes_on(dataset_dir, tmp_path,
+                                                                                       monkeypatch):
+    job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S, "prepare_batch": 8, "lookahead_steps": 3})
+    job["sources"]["web"]["max_sample_s"] = 1.0
+    path = write_job(dataset_dir, job, "max-sample.yaml")
+    monkeypatch.setenv("MSD_TEST_SLOW_RECORDS", "web:3=60")  # stuck
+    log = str(tmp_path / "stuck.log")
+    started = time.monotonic()
+    run_job(path, workers=2, ranks=2, steps=10, log_path=log, timeout_s=120)
+    assert time.monotonic() - started < 60, "the stuck sample held the job"
+    text = open(log).read()
+    assert "record 3 quarantined: its sample took longer than max_sample_s (1s)" in text, text[-3000:]
+    assert "ran past its source's max_sample_s" in text
+
+
+def _rank(address: str, rank: int, out: dict, started: float, **kwargs) -> None:
+    """A trainer rank in a thread: every micro-batch's arrival, then how its loop ended."""
+    client = DataClient(address, rank=rank, as_torch=False, timeout_s=120, **kwargs)
+    got = out.setdefault(rank, {"batches": [], "end": None})
+    try:
+        for batch in client:
+            got["batches"].append((batch["step"], batch["micro_batch"], time.monotonic() - started,
+                                   tuple(batch["doc_keys"].tolist())))
+            time.sleep(0.05)
+        got["end"] = (time.monotonic() - started, StopIteration())
+    except BaseException as e:  # noqa: BLE001 - what the trainer would see
+        got["end"] = (time.monotonic() - started, e)
+    finally:
+        client.close()
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_sigterm_with_a_standby_hands_over_and_the_stream_goes_on_equal(quick_job, tmp_path):
+    """The serving coordinator gives its lease up at once on SIGTERM: the standby serves the same
+    stream, faster than after a crash (SIGKILL: 3 heartbeats of a lease not renewed, then the
+    takeover); no rank's loop ends."""
+    path, clean = quick_job
+    stopped: list[float] = []
+
+    def sigterm_primary(cluster, n_batches):
+        if n_batches >= 12 and not stopped:
+            os.kill(cluster.coordinator.pid, signal.SIGTERM)
+            stopped.append(time.time())
+
+    log = str(tmp_path / "handover.log")
+    with LocalJob(path, workers=2, log_path=log, log_level="INFO", state_dir=str(tmp_path / "state"),
+                  standby=True) as cluster:
+        received, _ = run_ranks(cluster, ranks=2, steps=STEPS, during=sigterm_primary, timeout_s=120)
+    assert stopped
+    assert signature(received) == signature(clean)
+    text = open(log).read()
+    assert "with token 2" in text and "was not renewed" not in text, "taken over as released, not as stale"
+    gaps = [b - a for batches in received.values() for a, b in
+            zip(*(lambda at: (at, at[1:]))(sorted(x["received_at"] for x in batches))) if b > stopped[0]]
+    print(f"SIGTERM handover: longest wait for a batch after the SIGTERM {max(gaps):.2f}s "
+          f"(heartbeat {HEARTBEAT_S}s)")
+    assert max(gaps) < 10 * HEARTBEAT_S + 3.0
+
+
+def test_sigterm_without_a_standby_makes_every_rank_raise_naming_the_stop(quick_job, tmp_path):
+    path, _ = quick_job
+    out: dict = {}
+    with LocalJob(path, workers=2, log_path=str(tmp_path / "stop.log"), log_level="INFO") as cluster:
+        started = time.monotonic()
+        threads = [threading.Thread(target=_rank, args=(cluster.address, r, out, started),
+                                    kwargs={"stop_grace_s": 3.0}) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        _wait_for(lambda: all(len(out.get(r, {}).get("batches", ())) >= 3 for r in (0, 1)), 60, "no batches")
+        os.kill(cluster.coordinator.pid, signal.SIGTERM)
+        stopped = time.monotonic() - started
+        for t in threads:
+            t.join(30)
+    for r in (0, 1):
+        at, error = out[r]["end"]
+        assert isinstance(error, CoordinatorStoppedError), (r, error)
+        assert "the coordinator stopped (coordinator stopping)" in str(error), str(error)
+        assert at - stopped < 3.0 + 3.0, (r, at - stopped)
+
+
+def test_a_killed_coordinator_without_a_standby_is_named_within_a_few_heartbeats(quick_job, tmp_path, caplog):
+    path, _ = quick_job
+    out: dict = {}
+    with LocalJob(path, workers=2, log_path=str(tmp_path / "kill.log"), log_level="INFO") as cluster:
+        started = time.monotonic()
+        threads = [threading.Thread(target=_rank, args=(cluster.address, r, out, started),
+                                    kwargs={"coordinator_timeout_s": 3.0}) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        _wait_for(lambda: all(len(out.get(r, {}).get("batches", ())) >= 3 for r in (0, 1)), 60, "no batches")
+        with caplog.at_level("WARNING", logger="msd.client"):
+            cluster.coordinator.kill()
+            killed = time.monotonic() - started
+            for t in threads:
+                t.join(30)
+    for r in (0, 1):
+        at, error = out[r]["end"]
+        assert isinstance(error, PeerLostError) and not isinstance(error, CoordinatorStoppedError), (r, error)
+        assert "has not answered for" in str(error), str(error)
+        assert at - killed < 3.0 + 3.0, (r, at - killed)
+    assert any("has not answered for" in m and "waiting for it" in m for m in caplog.messages)
+
+
+def test_a_rank_arriving_after_the_job_failed_raises_the_reason_within_seconds(dataset_dir, tmp_path):
+    """The failed coordinator keeps its address (runtime.failed_linger_s) and answers the late
+    rank's hello with the reason; msd status shows the failure while it lingers."""
+    (tmp_path / "failing_now.py").write_text("def f(record, ctx):\n    return record['no_such_field']\n")
+    job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S})
+    job["sources"]["web"].update(transform="failing_now:f", max_transform_errors=5)
+    job["sources"] = {k: {**v, "paths": [f"{dataset_dir}/{v['paths'][0]}"]} for k, v in job["sources"].items()}
+    path = write_job(str(tmp_path), job)
+    log = str(tmp_path / "failed.log")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with LocalJob(path, workers=1, log_path=log, log_level="INFO") as cluster:
+            _wait_for(lambda: os.path.exists(log) and "answering every peer with the reason" in open(log).read(),
+                      60, "the job did not fail")
+            started = time.monotonic()
+            client = DataClient(cluster.address, rank=0, as_torch=False, timeout_s=120)
+            try:
+                with pytest.raises(JobFailedError, match="5 consecutive records failed in transform failing_now:f"):
+                    next(iter(client))
+            finally:
+                client.close()
+            assert time.monotonic() - started < 5.0
+            from coordinator.status_view import fetch_status
+
+            assert "5 consecutive records failed" in fetch_status(cluster.address)["failed"]
+            assert cluster.coordinator.is_alive(), "it lingers (runtime.failed_linger_s) until stopped"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("failing_now", None)
