@@ -182,11 +182,13 @@ class Coordinator:
             if self.lease is not None and not self.failed:
                 await asyncio.to_thread(self.lease.release)
             if self.failed and not self.lease_lost and not self.quit.is_set():
-                if self.metrics is not None:
-                    self.metrics.health.set("failed", False)
+                health = self.metrics.health if self.metrics is not None else None
+                if health is not None:
+                    health.set("failed", False)
                 reason = self.failure or "the coordinator failed"
                 await linger(self.sock, reason, self.job.runtime.failed_linger_s,
-                             lambda: {**self.status(), "stopped": "the job failed", "failed": reason}, self.quit)
+                             lambda: {**self.status(), "stopped": "the job failed", "failed": reason}, self.quit,
+                             health.beat if health is not None else (lambda: None))
         finally:
             logging.getLogger("msd").removeHandler(self.warnings)
             if self.journal is not None:

@@ -25,8 +25,9 @@ ANSWER_EVERY_S = 1.0  # one job_failed per peer this often at most (its hellos c
 
 
 async def linger(sock: zmq.Socket, reason: str, linger_s: float, status: Callable[[], dict[str, Any]],
-                 stop: asyncio.Event) -> None:
-    """Answer on `sock` until linger_s has passed or `stop` is set."""
+                 stop: asyncio.Event, beat: Callable[[], None] = lambda: None) -> None:
+    """Answer on `sock` until linger_s has passed or `stop` is set; beat() at least every second
+    (the process is alive: /healthz stays good while /readyz says failed)."""
     if linger_s <= 0:
         return
     log.error("the job failed (%s); answering every peer with the reason for %.0fs (runtime.failed_linger_s), or "
@@ -39,10 +40,11 @@ async def linger(sock: zmq.Socket, reason: str, linger_s: float, status: Callabl
     failed = P.make(P.JOB_FAILED, reason=reason)
     try:
         while not stop.is_set() and time.monotonic() < deadline:
+            beat()
             if not has_message(sock):
                 readable.clear()
                 waits = [asyncio.create_task(readable.wait()), asyncio.create_task(stop.wait())]
-                _, pending = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                _, pending = await asyncio.wait(waits, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
                                                 return_when=asyncio.FIRST_COMPLETED)
                 for t in pending:
                     t.cancel()

@@ -321,8 +321,9 @@ PREPARED = _msg(
 # host agent -> coordinator: its process count and limits (`msd worker --procs auto --max-procs N`)
 HOST_HELLO = _msg("host_hello", version=integer(), agent_id=integer(), host=text(), procs=integer(),
                   min_procs=integer(), max_procs=integer(), auto=integer(0, 1))
-# pids: its worker processes that are alive: the agent vouches for them (a worker busy on one sample
-# for minutes sends no heartbeat of its own, and is alive while its process is)
+# pids: its worker processes alive and busy on one bounded piece of work (a sample, loading a
+# processor): the agent vouches for them (a worker busy on one sample for minutes sends no heartbeat
+# of its own, and is alive while its process is, up to its source's max_sample_s)
 HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer(), pids=seq(integer(), 4096))
 TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
 # worker -> coordinator, answering a welcome's `count`: the records of each source it names, as this

@@ -288,8 +288,10 @@ class WorkerCore:
         # for three heartbeats (opening hundreds of sources with a cold page cache) was taken
         # for dead. The worker loop sets it to send a heartbeat when one is due.
         self.keep_alive: Callable[[], None] = lambda: None
-        # (source, record, max_sample_s) when a sample starts, (.., -1, ..) when it is done: the
-        # host agent's clock of it (worker/loop.py), which stops a worker past the limit
+        # (source, record, max_sample_s) when a bounded piece of work starts (a sample; loading a
+        # processor at welcome: source and record -1), (.., .., 0) when it is done: the host
+        # agent's clock of it (worker/loop.py). The agent vouches for the worker meanwhile (its
+        # heartbeats wait on the work) and stops it past the limit
         self.on_sample: Callable[[int, int, float], None] = lambda s, r, limit: None
 
     def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
@@ -371,7 +373,11 @@ class WorkerCore:
         for s, spec in enumerate(self.specs):
             if spec.processor:
                 self.keep_alive()
-                problem = _processor_problem(spec)
+                self.on_sample(-1, -1, spec.max_sample_s)  # loading it takes seconds: vouched for meanwhile
+                try:
+                    problem = _processor_problem(spec)
+                finally:
+                    self.on_sample(-1, -1, 0.0)
                 if problem:
                     log.error("source %s: %s; this worker cannot serve the job, stopping", spec.name, problem)
                     return [Quit(f"source {spec.name}: {problem}")]
@@ -467,7 +473,7 @@ class WorkerCore:
                     skipped.append([i, reason, "error"])
                     continue
                 finally:
-                    self.on_sample(s, -1, 0.0)
+                    self.on_sample(s, record, 0.0)
                 entry = self.cache[key] = CacheEntry(prepared.tokens, 0, prepared.patches, prepared.loss_mask,
                                                      prepared.processed, prepared.patch_count,
                                                      prepared.patch_squares)
@@ -589,7 +595,7 @@ class WorkerCore:
         try:
             failed = reader.finish(entry.processed, int(record[0]))
         finally:
-            self.on_sample(int(source[0]), -1, 0.0)
+            self.on_sample(int(source[0]), int(record[0]), 0.0)
         if failed is not None:
             reason, kind = failed
             log.warning("source %s: record delivered with nothing to train on: %s", reader.name, reason,

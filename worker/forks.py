@@ -179,17 +179,20 @@ class ForkedWorker:
 
     def __init__(self, cells: TaskCells, pid: int, cell: int) -> None:
         self.pid, self._cells, self._cell = pid, cells, cell
-        self.cell = cell  # its index in the table of work cells
         self.task = -1  # the prepare task it worked on when it died (-1: none)
         self.source = self.record = -1  # and the sample (-1: none)
         self.overran_s = 0.0  # > 0: stopped by its agent, its sample that far past its limit
         self._exitcode: int | None = None
 
+    def working_on(self) -> WorkCell:
+        """While it lives: what it works on now (its cell, as it writes it)."""
+        return self._cells.cell(self._cell)
+
     def overrun_s(self) -> float:
         """While it lives: seconds its current sample has run past the source's max_sample_s."""
         if self._exitcode is not None:
             return 0.0
-        return self._cells.cell(self._cell).overrun_s(time.monotonic_ns())
+        return self.working_on().overrun_s(time.monotonic_ns())
 
     def stop_overrun(self, overran_s: float) -> None:
         """Its sample ran past the limit: SIGKILL (a sample stuck in native code ignores anything

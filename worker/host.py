@@ -111,10 +111,11 @@ class HostAgent:
             if p is not None and p.is_alive():
                 overran = p.overrun_s()
                 if overran > 0 and not p.overran_s:
-                    cell = self.forks.cells.cell(p.cell)
-                    log.error("worker process %d: one sample (source %d, record %d) ran past its source's "
-                              "max_sample_s; stopping the process (the record is poison)", p.pid, cell.source,
-                              cell.record)
+                    cell = p.working_on()
+                    what = (f"one sample (source {cell.source}, record {cell.record})" if cell.record >= 0 else
+                            "loading the job's processor")
+                    log.error("worker process %d: %s ran past the source's max_sample_s; stopping the process",
+                              p.pid, what)
                     p.stop_overrun(overran)
                 continue
             if p is not None:
@@ -144,10 +145,12 @@ class HostAgent:
                     log.error("%s; trying again in %.1fs", e, slot.next_start - now)
                     return
 
-    def _live_pids(self) -> list[int]:
-        """The worker processes alive now: the heartbeat vouches for them (a worker busy on one
-        sample says nothing itself; it is alive while its process is)."""
-        return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()]
+    def _busy_pids(self) -> list[int]:
+        """The worker processes alive and busy on one bounded piece of work (a sample, loading a
+        processor): the heartbeat vouches for them, since their own heartbeats wait on that work.
+        A worker that is not busy heartbeats itself; one frozen outside such work falls silent."""
+        return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()
+                and s.process.working_on().started_ns > 0]
 
     def _report(self, msg: dict) -> None:
         if self.control is not None:
@@ -207,7 +210,7 @@ class HostAgent:
         self.registration = Registration(
             lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
                            procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
-            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target, pids=self._live_pids()),
+            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target, pids=self._busy_pids()),
             heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
         loop = self.loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")

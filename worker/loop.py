@@ -192,10 +192,12 @@ class Worker:
         self.registration.spoke(now)
 
     def _on_sample(self, source: int, record: int, limit_s: float) -> None:
-        """The core starts a sample (record >= 0) or is done with it (-1): the agent's clock of it."""
+        """The core starts a bounded piece of work (limit_s > 0: a sample, or loading a processor) or
+        is done with it (0): the agent's clock of it, and what it vouches for meanwhile."""
         cell = self.current_task
-        if record < 0:
+        if limit_s <= 0:
             cell.started_ns = 0
+            cell.source = cell.record = -1
             return
         cell.source, cell.record, cell.limit_ns = source, record, int(limit_s * 1e9)
         cell.started_ns = time.monotonic_ns()  # last: the agent reads a sample's fields once this is set

@@ -128,7 +128,7 @@ class Driver:
         beats += [TrainerHeartbeat(at=self.now, peer=r.peer, rank=r.rank) for r in self.ranks.values()]
         if self.host_peer is not None:
             beats.append(HostHeartbeat(at=self.now, peer=self.host_peer, agent_id=1, procs=len(self.workers),
-                                       pids=[w.pid for w in self.workers.values() if w.alive]))
+                                       pids=[w.pid for w in self.workers.values() if w.alive and w.busy_until > self.now]))
         events, self.pending = self.pending, []
         return self.handle(*events, *beats, Tick(at=self.now))
 
