@@ -57,6 +57,31 @@ def test_a_sample_many_heartbeats_long_never_makes_its_worker_look_dead(quick_jo
         assert words not in text, f"{words!r} in the log: a busy worker was taken for a dead one"
 
 
+def test_a_transform_slow_on_every_8th_record_makes_30_steps_at_its_pace_and_no_worker_looks_dead(dataset_dir, tmp_path,
+                                                                                                monkeypatch):
+    """The trial: a transform that takes a while on every 8th record (here 1 s: five heartbeats,
+    in one piece). 30 steps come at the pace the slow records allow, equal to the same job's
+    stream without the sleep, and no worker is declared dead or registers again."""
+    job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S, "prepare_batch": 8, "lookahead_steps": 3})
+    job["sources"]["web"]["transform"] = "msd.testing.transforms:slow_every"
+    job["batch"] = {"seq_len": 512, "micro_batch_size": 2, "global_batch_size": 4}
+    path = write_job(dataset_dir, job, "slow-transform.yaml")
+    fast = run_job(path, workers=2, ranks=2, steps=30)
+    monkeypatch.setenv("MSD_TEST_SLOW_TRANSFORM_S", "1.0")
+    log = str(tmp_path / "slow-transform.log")
+    started = time.monotonic()
+    slow = run_job(path, workers=2, ranks=2, steps=30, log_path=log, timeout_s=240)
+    took = time.monotonic() - started
+    assert signature(slow) == signature(fast)
+    slow_records = {k & ((1 << 48) - 1) for bs in slow.values() for b in bs for k in b["doc_keys"].tolist()
+                    if k >> 48 == 0 and (k & ((1 << 48) - 1)) % 8 == 0}
+    print(f"30 steps in {took:.1f}s with {len(slow_records)} slow records of 1 s in the stream")
+    assert slow_records and took > len(slow_records) / 2, "the slow records were not slow"
+    text = open(log).read()
+    for words in ("declared dead", "re-preparing", "registering again"):
+        assert words not in text, f"{words!r} in the log: a busy worker was taken for a dead one"
+
+
 def test_a_sample_past_max_sample_s_is_poison_its_record_quarantined_and_the_job_goes_on(dataset_dir, tmp_path,
                                                                                        monkeypatch):
     job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S, "prepare_batch": 8, "lookahead_steps": 3})
@@ -69,7 +94,7 @@ def test_a_sample_past_max_sample_s_is_poison_its_record_quarantined_and_the_job
     assert time.monotonic() - started < 60, "the stuck sample held the job"
     text = open(log).read()
     assert "record 3 quarantined: its sample took longer than max_sample_s (1s)" in text, text[-3000:]
-    assert "ran past its source's max_sample_s" in text
+    assert "ran past the source's max_sample_s; stopping the process" in text
 
 
 def _rank(address: str, rank: int, out: dict, started: float, **kwargs) -> None:
