@@ -117,6 +117,9 @@ class CoordinatorState:
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
         self._compact_to: dict | None = None
         restored = history.latest
+        # the furthest the plan has stood in this run (restored, or planned here): a rewind plans the
+        # same steps again, so a rank that resumes at or before it is behind the plan, not ahead
+        self.planned_until = restored.next_step if restored is not None else 0
         self.adopted: tuple[int, Any] | None = None  # (step, state) brought by the first resuming rank
         # no state of an earlier run (a plan that never got past step 0 is none either)
         self.fresh = (restored is None or restored.next_step == 0) and not mixture_changes and not quarantined \
@@ -267,6 +270,8 @@ class CoordinatorState:
                 and ev.carried != self.adopted[1]:
             return (f"the coordinator state of rank {rank}'s checkpoint for step {ev.resume_step} differs from the one "
                     "the first rank brought: the ranks' checkpoints are not of the same run or step")
+        if next_step < ev.resume_step <= self.planned_until:
+            return None  # the plan was rewound for a rank further back: it comes to this step again
         if ev.resume_step > next_step:
             if self.fresh and next_step == 0 and carried is None:
                 return None  # the plan starts from the state this rank brings (_adopt)
@@ -375,7 +380,7 @@ class CoordinatorState:
             old.last_seen = ev.at
             self._welcome(ev.peer, rank)
             return
-        if ev.resume_step > self.planner.state.next_step:
+        if ev.resume_step > max(self.planner.state.next_step, self.planned_until):
             self._adopt(ev)
         elif ev.resume_step < self.planner.state.next_step:
             self._rewind(ev.resume_step, self._state_before(ev).to_json())
@@ -861,6 +866,7 @@ class CoordinatorState:
         self.prep.prepare_ahead()
 
     def _record(self, state) -> None:
+        self.planned_until = max(self.planned_until, state.next_step)
         j, compact = self.history.record(state)
         if not self.history.durable:
             return
