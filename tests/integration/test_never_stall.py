@@ -220,3 +220,69 @@ def test_a_rank_arriving_after_the_job_failed_raises_the_reason_within_seconds(d
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("failing_now", None)
+
+
+def test_a_lingering_coordinator_answers_every_hello_with_the_reason_and_status_with_the_failure():
+    """coordinator/linger.py on a real ROUTER: a rank's, a worker's and a relay's hello each get
+    job_failed with the reason (once a second per peer at most), a status request the status with
+    the failure, and the health beat goes on (the process is alive; /readyz says failed)."""
+    import asyncio
+
+    import zmq
+
+    from coordinator.linger import linger
+    from msd.testing.ports import free_address
+    from msd_common import protocol as P
+    from msd_common import wire
+    from msd_common.sockets import make_socket
+
+    address = free_address()
+    ctx = zmq.Context()
+    router = make_socket(ctx, zmq.ROUTER)
+    router.bind(address)
+    beats = []
+    hellos = [
+        P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=0, data_address="tcp://x:1", resume_step=0,
+               incarnation=1, metadata_only=0, carried=None),
+        P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host="h", pid=1, incarnation=1, agent=0),
+        P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host="h", data_address="tcp://x:2", local="ipc://x",
+               incarnation=1),
+    ]
+    answers: list[dict] = []
+
+    def peers() -> None:
+        socks = [make_socket(ctx, zmq.DEALER) for _ in range(len(hellos) + 1)]
+        try:
+            for sock, hello in zip(socks, hellos):
+                sock.connect(address)
+                sock.send_multipart(wire.encode(hello))
+                sock.send_multipart(wire.encode(hello))  # a second, at once: not answered twice
+            socks[-1].connect(address)
+            socks[-1].send_multipart(wire.encode(P.make(P.STATUS_REQUEST)))
+            for sock in socks:
+                assert sock.poll(5000), "no answer"
+                answers.append(wire.decode(sock.recv_multipart(), P.TRAINER_CONTROL_INBOX | P.TOOL_INBOX)[0])
+            for sock in socks[:-1]:
+                assert not sock.poll(300), "answered twice within a second"
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(linger(router, "source 'web': it broke", 30.0,
+                                            lambda: {"failed": "source 'web': it broke"}, stop,
+                                            lambda: beats.append(1)))
+        await asyncio.to_thread(peers)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        router.close(linger=0)
+        ctx.term()
+    assert [a["type"] for a in answers] == ["job_failed"] * 3 + ["status_reply"]
+    assert all(a["reason"] == "source 'web': it broke" for a in answers[:3])
+    assert answers[3]["status"]["failed"] == "source 'web': it broke"
+    assert beats
