@@ -147,20 +147,27 @@ def test_sigterm_with_a_standby_hands_over_and_the_stream_goes_on_equal(quick_jo
     assert max(gaps) < 10 * HEARTBEAT_S + 3.0
 
 
-def test_sigterm_without_a_standby_makes_every_rank_raise_naming_the_stop(quick_job, tmp_path):
-    path, _ = quick_job
+def _ranks_then(path: str, log: str, stop_coordinator, **client_kwargs) -> tuple[dict, float]:
+    """Two ranks in threads on a job without a standby; once each has 3 micro-batches,
+    stop_coordinator(cluster); then until both loops end. (How each ended, the stop's time.)"""
     out: dict = {}
-    with LocalJob(path, workers=2, log_path=str(tmp_path / "stop.log"), log_level="INFO") as cluster:
+    with LocalJob(path, workers=2, log_path=log, log_level="INFO") as cluster:
         started = time.monotonic()
-        threads = [threading.Thread(target=_rank, args=(cluster.address, r, out, started),
-                                    kwargs={"stop_grace_s": 3.0}) for r in (0, 1)]
+        threads = [threading.Thread(target=_rank, args=(cluster.address, r, out, started), kwargs=client_kwargs)
+                   for r in (0, 1)]
         for t in threads:
             t.start()
         _wait_for(lambda: all(len(out.get(r, {}).get("batches", ())) >= 3 for r in (0, 1)), 60, "no batches")
-        os.kill(cluster.coordinator.pid, signal.SIGTERM)
+        stop_coordinator(cluster)
         stopped = time.monotonic() - started
         for t in threads:
             t.join(30)
+    return out, stopped
+
+
+def test_sigterm_without_a_standby_makes_every_rank_raise_naming_the_stop(quick_job, tmp_path):
+    out, stopped = _ranks_then(quick_job[0], str(tmp_path / "stop.log"),
+                               lambda cluster: os.kill(cluster.coordinator.pid, signal.SIGTERM), stop_grace_s=3.0)
     for r in (0, 1):
         at, error = out[r]["end"]
         assert isinstance(error, CoordinatorStoppedError), (r, error)
@@ -169,20 +176,9 @@ def test_sigterm_without_a_standby_makes_every_rank_raise_naming_the_stop(quick_
 
 
 def test_a_killed_coordinator_without_a_standby_is_named_within_a_few_heartbeats(quick_job, tmp_path, caplog):
-    path, _ = quick_job
-    out: dict = {}
-    with LocalJob(path, workers=2, log_path=str(tmp_path / "kill.log"), log_level="INFO") as cluster:
-        started = time.monotonic()
-        threads = [threading.Thread(target=_rank, args=(cluster.address, r, out, started),
-                                    kwargs={"coordinator_timeout_s": 3.0}) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        _wait_for(lambda: all(len(out.get(r, {}).get("batches", ())) >= 3 for r in (0, 1)), 60, "no batches")
-        with caplog.at_level("WARNING", logger="msd.client"):
-            cluster.coordinator.kill()
-            killed = time.monotonic() - started
-            for t in threads:
-                t.join(30)
+    with caplog.at_level("WARNING", logger="msd.client"):
+        out, killed = _ranks_then(quick_job[0], str(tmp_path / "kill.log"), lambda cluster: cluster.coordinator.kill(),
+                                  coordinator_timeout_s=3.0)
     for r in (0, 1):
         at, error = out[r]["end"]
         assert isinstance(error, PeerLostError) and not isinstance(error, CoordinatorStoppedError), (r, error)

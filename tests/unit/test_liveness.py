@@ -3,32 +3,12 @@ sample is alive while its host agent vouches for its process; a worker rightly d
 lost host) while its prepare work is in flight does not leave the job stuck when its stale
 messages come in after it registered again; a sample past its source's max_sample_s is poison."""
 
-import pytest
-
 from coordinator.events import WorkerExited
 from coordinator.history import StepHistory
 from coordinator.instructions import AppendJournal
-from msd_common.spec import parse_job
-from tests.conftest import job_dict
 
 from .coordinator_driver import Driver
-
-STEPS = 10
-
-
-@pytest.fixture(scope="module")
-def job(dataset_dir):
-    return parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(job):
-    d = Driver(job)
-    d.add_worker("w0")
-    d.add_rank(0)
-    d.add_rank(1)
-    d.run(STEPS)
-    return d.stream(STEPS)
+from .test_coordinator_state import STEPS, job, reference  # noqa: F401  (the same job and fault-free stream)
 
 
 def _started(job, host: bool) -> Driver:
