@@ -499,7 +499,9 @@ class CoordinatorState:
                                                   tuple(tuple(r) for r in calibrator.evidence)))
 
     def _consumed(self, trainer: TrainerInfo, step: int, waited_s: float) -> None:
-        self.registry.set_consumed(trainer, max(trainer.consumed, min(step, self.planner.state.next_step - 1)))
+        # (a rank may be further on than a rewound plan: it assembled steps the last coordinator delivered)
+        planned = max(self.planner.state.next_step, self.planned_until)
+        self.registry.set_consumed(trainer, max(trainer.consumed, min(step, planned - 1)))
         self.last_consumed_step = max(self.last_consumed_step, trainer.consumed)
         trainer.waited_s = max(trainer.waited_s, waited_s)
 

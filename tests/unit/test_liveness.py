@@ -3,7 +3,7 @@ sample is alive while its host agent vouches for its process; a worker rightly d
 lost host) while its prepare work is in flight does not leave the job stuck when its stale
 messages come in after it registered again; a sample past its source's max_sample_s is poison."""
 
-from coordinator.events import WorkerExited
+from coordinator.events import Consumed, WorkerExited
 from coordinator.history import StepHistory
 from coordinator.instructions import AppendJournal
 
@@ -111,3 +111,30 @@ def test_ranks_at_different_steps_all_resume_on_a_coordinator_that_took_over(job
     standby.run(STEPS)
     got = standby.stream(STEPS)
     assert {k: v for k, v in got.items() if k[1] >= 6} == {k: v for k, v in reference.items() if k[1] >= 6}
+
+
+def test_ranks_that_assembled_steps_after_their_hello_report_them_and_the_plan_goes_on(job, reference):
+    """A rank says hello to the coordinator that took over at the step it had assembled then, and
+    goes on assembling the steps the last coordinator delivered (their pieces were on the way). Its
+    `consumed` for those steps is further on than the rewound plan: it counts (it was clamped to the
+    plan's step, so the look-ahead never reached the rank's next step: the SIGTERM handover test
+    stalled on it once in make test)."""
+    first = Driver(job, StepHistory(durable=True))
+    first.add_worker("w0")
+    first.add_rank(0)
+    first.add_rank(1)
+    first.run(9)
+    journal = [line for ins in first.out if isinstance(ins, AppendJournal) for line in ins.states]
+    standby = Driver(job, StepHistory(durable=True, loaded=journal))
+    standby.add_worker("w0")
+    standby.add_rank(0, resume_step=6)
+    standby.add_rank(1, resume_step=6)
+    standby.flush()
+    assert standby.state.planner.state.next_step == 6
+    for r in standby.ranks.values():  # steps 6..8 arrived from the old coordinator's workers meanwhile
+        r.headers.update({k: v for k, v in first.ranks[r.rank].headers.items() if 6 <= k <= 8})
+        r.consumed = 8
+        standby.pending.append(Consumed(at=standby.now, peer=r.peer, rank=r.rank, step=8, waited_s=0.0))
+    standby.run(STEPS + 4)
+    assert {k: v for k, v in standby.stream(STEPS).items() if k[1] >= 9} == \
+        {k: v for k, v in reference.items() if k[1] >= 9}
