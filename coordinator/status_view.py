@@ -11,6 +11,7 @@ import click
 import orjson
 
 from msd_common import protocol as P
+from msd_common.cli_params import coordinator_addresses
 
 
 def fetch_status(address: str, keys_dir: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -27,8 +28,9 @@ def status_line(status: dict[str, Any]) -> str:
     waits = status.get("data_wait_s") or {}
     workers = status.get("workers_by_host") or {}
     skipped = sum(n for kinds in (status.get("skipped_by_kind") or {}).values() for n in kinds.values())
-    line = (f"status: planned through step {status.get('next_step', 0) - 1}, slowest rank at step "
-            f"{min(consumed.values()) if consumed else -1} of {len(consumed)} rank(s), "
+    ranks = (f"slowest rank at step {min(consumed.values())} of {len(consumed)} rank(s)" if consumed else
+             "no rank connected")
+    line = (f"status: planned through step {status.get('next_step', 0) - 1}, {ranks}, "
             f"{status.get('steps_per_s', 0):.2f} steps/s, {sum(len(p) for p in workers.values())} worker(s) on "
             f"{len(workers)} host(s), longest data wait {max(waits.values(), default=0.0):.2f}s, "
             f"{skipped} record(s) skipped")
@@ -50,11 +52,11 @@ def render(status: dict[str, Any]) -> Any:
     from rich.text import Text
 
     consumed = status.get("consumed") or {}
-    step = min(consumed.values()) if consumed else -1
+    ranks = f"slowest rank at step {min(consumed.values())}" if consumed else "no rank connected"
     head = Text()
     head.append(f"{status.get('job')}  ", style="bold")
     head.append(f"digest {status.get('digest')}  dp={status.get('dp')}\n")
-    head.append(f"planned through step {status.get('next_step', 0) - 1}, slowest rank at step {step}, "
+    head.append(f"planned through step {status.get('next_step', 0) - 1}, {ranks}, "
                 f"{status.get('steps_per_s', 0):.2f} steps/s")
     if "journal_lag_steps" in status:
         head.append(f", journal lag {status['journal_lag_steps']} step(s)")
@@ -154,7 +156,7 @@ def _plain(renderable: Any) -> str:
 
 
 @click.command()
-@click.option("--coordinator", "address", default=None,
+@click.option("--coordinator", "address", default=None, callback=coordinator_addresses,
               help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Find the coordinator's address in its state dir instead.")
@@ -199,6 +201,9 @@ def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_
         sys.stdout.buffer.write(orjson.dumps(snapshot, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
                                 + b"\n")
         return
+    if not sys.stdout.isatty():  # a file or a pipe (a script): one view, not a live one that never ends
+        click.echo(_plain(render(snapshot)))
+        sys.exit(1 if snapshot.get("failed") else 0)
     from rich.live import Live
 
     with Live(render(snapshot), refresh_per_second=4, screen=False) as live:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import click
 import numpy as np
 
+from msd_common.cli_params import LOG_LEVELS, bind_address, coordinator_addresses
 from msd_common.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def _fail_config(e: ConfigError) -> None:
 
 
 @click.command()
-@click.option("--coordinator", "address", required=True,
+@click.option("--coordinator", "address", required=True, callback=coordinator_addresses,
               help="The coordinator's control address (or a primary's and its standbys', comma-separated).")
 @click.option("--at-step", type=int, required=True, help="First step planned with the new weights.")
 @click.option("--timeout-s", type=float, default=10.0, show_default=True,
@@ -76,7 +77,8 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
 
 @click.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Job file (YAML).")
-@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, help="Address of the control socket.")
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True, callback=bind_address,
+              help="Address of the control socket.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Directory for the coordinator's state (created if missing): the step journal, the "
                    "mixture journal, the job it was written for. A restart on it continues the same stream.")
@@ -95,8 +97,7 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
                    "join with msd worker.")
 @click.option("--max-worker-procs", default=None, type=click.IntRange(min=1),
               help="With --worker-procs auto: the most worker processes here (default: the CPU count).")
-@click.option("--log-level", default="INFO", show_default=True,
-              help="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
                 metrics_port: int | None, metrics_host: str, worker_procs: str | None, max_worker_procs: int | None,
                 log_level: str) -> None:

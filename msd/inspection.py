@@ -207,10 +207,18 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
         click.echo(f"plot: {plot_path}")
 
 
+def _report_path(out: str) -> str:
+    """--out names what it writes by its suffix: .html (or .htm) or .png; anything else is refused
+    (report.pdf got HTML before, silently)."""
+    if not out.lower().endswith((".html", ".htm", ".png")):
+        raise click.BadParameter(f"{out}: msd report writes HTML (name it .html) or a PNG of the plots (.png)")
+    return out
+
+
 @click.command()
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True),
               help="The coordinator's --state-dir (its journals and the job file it was started with).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False),
+@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda ctx, p, v: _report_path(v),
               help="report.html (plots embedded, tables) or report.png (the plots).")
 @click.option("--max-steps", default=200, show_default=True, type=click.IntRange(min=1),
               help="Steps whose balance is planned again, spread over the run.")

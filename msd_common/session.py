@@ -11,6 +11,7 @@ answers its next heartbeat with `unknown_peer`)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,12 +39,34 @@ class Forgotten:
     dead): say hello again. The same answer for a worker process and a trainer rank."""
 
 
+_ADDRESS = re.compile(r"(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\],]+):(\d{1,5}|\*)|ipc://[^\s,]+|inproc://[^\s,]+)")
+
+
+def check_address(address: str, bind: bool = False) -> str:
+    """The address if ZeroMQ can use it (tcp://HOST:PORT, ipc://PATH, inproc://NAME; a port or host
+    `*` only to bind), else ValueError saying what form it takes: ZeroMQ's own error would come
+    later, from a thread, as a traceback, and the peer would wait for a coordinator it never
+    reaches."""
+    m = _ADDRESS.fullmatch(address)
+    ok = m is not None
+    if ok and address.startswith("tcp://"):
+        host, port = m.group(2), m.group(3)
+        ok = (port == "*" or 0 <= int(port) <= 65535) and (bind or (port != "*" and host != "*"))
+    if not ok:
+        hint = f" (tcp://{address})" if "://" not in address and ":" in address else ""
+        raise ValueError(f"{address!r} is not an address msd can use{hint}: write tcp://HOST:PORT, e.g. "
+                         f"tcp://127.0.0.1:5555{', or tcp://*:PORT for every interface' if bind else ''}, or "
+                         "ipc://PATH")
+    return address
+
+
 def split_addresses(coordinator: str) -> list[str]:
-    """`tcp://a:5555,tcp://b:5555` -> the addresses, in order (a primary first, then standbys)."""
+    """`tcp://a:5555,tcp://b:5555` -> the addresses, in order (a primary first, then standbys);
+    ValueError naming one that is not an address (check_address)."""
     out = [a.strip() for a in coordinator.split(",") if a.strip()]
     if not out:
         raise ValueError(f"no coordinator address in {coordinator!r}")
-    return out
+    return [check_address(a) for a in out]
 
 
 class Registration:

@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.values:
         with open(path) as f:
             values = _merge(values, yaml.safe_load(f) or {})
-    rendered = render(values or None, name=args.name)
+    import helm_python
+
+    try:
+        rendered = render(values or None, name=args.name)
+    except (helm_python.HelmValuesError, helm_python.HelmRenderError) as e:  # it names the key; a traceback hid it
+        print(f"render_chart: the values are refused: {e}", file=sys.stderr)
+        return 2
     if args.print:
         sys.stdout.write("---\n".join(rendered.values()))
         return 0

@@ -33,7 +33,7 @@ from .prebuild import Prebuilder
 from .relay import default_endpoint, rank_endpoint
 from .receiving import (End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Stopping, Welcomed,
                         for_rank)
-from msd_common.session import LOST_AFTER_BEATS, WAITING_HINT, PeerLoop, Registration
+from msd_common.session import LOST_AFTER_BEATS, WAITING_HINT, PeerLoop, Registration, check_address, split_addresses
 from msd_common.sockets import NOWAIT, make_socket, send_nowait, waiting
 
 log = logging.getLogger("msd.client")
@@ -126,10 +126,13 @@ class DataClient:
                  pin_memory: bool = False, relay: str | None = None, relay_timeout_s: float = 30.0,
                  coordinator_timeout_s: float = 30.0, stop_grace_s: float = 15.0) -> None:
         coordinator, rank = _from_environment(coordinator, rank)
+        split_addresses(coordinator)  # an address it cannot use is refused now, saying what form it takes
         keys_dir = keys_dir if keys_dir is not None else (os.environ.get("MSD_KEYS") or None)
         self.coordinator = coordinator
         relay = relay if relay is not None else (os.environ.get("MSD_RELAY") or None)
         self.relay = default_endpoint(coordinator) if relay == "auto" else relay
+        if self.relay is not None:
+            check_address(self.relay)
         self.relay_timeout_s = relay_timeout_s
         self.coordinator_timeout_s = coordinator_timeout_s
         self.stop_grace_s = stop_grace_s

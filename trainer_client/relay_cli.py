@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from msd_common.cli_params import LOG_LEVELS, coordinator_addresses
+
 
 @click.command()
-@click.option("--coordinator", "address", required=True,
+@click.option("--coordinator", "address", required=True, callback=coordinator_addresses,
               help="The coordinator's address (tcp://HEAD:5555), or a primary's and its standbys', comma-separated.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="The address workers reach this relay at (this host's address on their network).")
@@ -18,8 +20,7 @@ import click
 @click.option("--port", type=int, default=0, help="The port workers reach this relay at (default: a free one).")
 @click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="The job's key directory when it sets security.curve: the relay speaks with the trainer key.")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False), help="Log lines of this level and above.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
 def relay(address: str, host: str, local: str | None, bind_host: str | None, port: int, keys_dir: str | None,
           log_level: str) -> None:
     """Serve this host's trainer ranks: one data connection from each worker process for all of

@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from msd_common.cli_params import LOG_LEVELS, coordinator_addresses
+
 
 @click.command()
-@click.option("--coordinator", "address", required=True,
+@click.option("--coordinator", "address", required=True, callback=coordinator_addresses,
               help="Coordinator address, e.g. tcp://HEAD:5555; a primary and its standbys comma-separated.")
 @click.option("--procs", default="1", show_default=True,
               help="Worker processes: a number, or 'auto' (the coordinator sets 1..--max-procs by demand).")
@@ -19,8 +21,7 @@ import click
 @click.option("--metrics-port", type=int, default=None,
               help="Serve the worker processes' Prometheus metrics on this port (/metrics), one target per host.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
-@click.option("--log-level", default="INFO", show_default=True,
-              help="Python logging level: DEBUG, INFO, WARNING or ERROR.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
 def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None, metrics_port: int | None,
            metrics_host: str, log_level: str) -> None:
     """Run a worker host agent with N worker processes (or a number the coordinator sets)."""

@@ -232,6 +232,21 @@ def test_wrong_values_are_refused_naming_the_key(values, where):
     assert where in str(e.value)
 
 
+@pytest.mark.parametrize("values, where", [
+    ("coordinator:\n  standbyy: true\n", "'standbyy' not allowed"),
+    ("coordinator:\n  port: 99999\n", "/coordinator/port"),
+    ("trainer:\n  kind: jobset\n", "trainer"),
+])
+def test_the_command_names_a_refused_key_without_a_traceback(values, where, tmp_path, capsys):
+    """Tried as a new user would: the schema's errors came inside a Python traceback."""
+    path = tmp_path / "values.yaml"
+    path.write_text(values)
+    assert render_chart.main(["--values", str(path), "--print"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("render_chart: the values are refused:") and where in err, err
+    assert "Traceback" not in err
+
+
 def test_deploy_kubernetes_is_the_charts_default_rendering():
     """CI fails here when the chart changed and `make k8s-manifests` was not run."""
     files = render_chart.manifests(render_chart.render(None))

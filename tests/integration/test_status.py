@@ -31,6 +31,10 @@ def test_status_shows_the_running_job(dataset_dir, tmp_path):
         r = CliRunner().invoke(main, ["status", "--coordinator", cluster.address, "--json"])
         assert r.exit_code == 0, r.output
         snapshots.append(orjson.loads(r.output))
+        # not a terminal (a file, a pipe, a script): one view, and it exits (it wrote nothing and never
+        # exited before: the live view)
+        r = CliRunner().invoke(main, ["status", "--coordinator", cluster.address])
+        assert r.exit_code == 0 and "no rank connected" in r.output, r.output  # (the ranks are done)
     first, mid, last = snapshots  # at steps ~10 and ~30, and after the ranks left
     assert first["job"] == path and first["dp"] == 2 and len(first["digest"]) == 16
     assert set(mid["data_wait_s"]) == {"0", "1"} and set(mid["consumed"]) == {"0", "1"}
