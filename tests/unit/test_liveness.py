@@ -89,19 +89,26 @@ def test_a_sample_past_max_sample_s_quarantines_its_record_at_once(job, referenc
     assert d.state.skipped_by_kind[0].get("quarantined", 0) >= 0
 
 
+def _taken_over(job, steps: int) -> tuple[Driver, Driver]:
+    """A run of `steps` steps with a journal, and a second coordinator (a standby, or a restart)
+    that starts from that journal with a worker and no rank yet."""
+    first = Driver(job, StepHistory(durable=True))
+    first.add_worker("w0")
+    first.add_rank(0)
+    first.add_rank(1)
+    first.run(steps)
+    journal = [line for ins in first.out if isinstance(ins, AppendJournal) for line in ins.states]
+    standby = Driver(job, StepHistory(durable=True, loaded=journal))
+    standby.add_worker("w0")
+    return first, standby
+
+
 def test_ranks_at_different_steps_all_resume_on_a_coordinator_that_took_over(job, reference):
     """A standby (or a restart) restores the plan at step k; the ranks come back one by one at the
     steps they had reached, the one further back first. It rewinds the plan to its step; the one
     further on (still behind where the plan stood) is welcomed too, not refused as ahead of the plan
     (bench_failover found this: SIGTERM hands over so fast that the ranks are still apart)."""
-    first = Driver(job, StepHistory(durable=True))
-    first.add_worker("w0")
-    first.add_rank(0)
-    first.add_rank(1)
-    first.run(6)
-    journal = [line for ins in first.out if isinstance(ins, AppendJournal) for line in ins.states]
-    standby = Driver(job, StepHistory(durable=True, loaded=journal))
-    standby.add_worker("w0")
+    _, standby = _taken_over(job, 6)
     standby.add_rank(0, resume_step=5)
     standby.flush()
     assert standby.state.planner.state.next_step == 5  # rewound for rank 0
@@ -119,14 +126,7 @@ def test_ranks_that_assembled_steps_after_their_hello_report_them_and_the_plan_g
     `consumed` for those steps is further on than the rewound plan: it counts (it was clamped to the
     plan's step, so the look-ahead never reached the rank's next step: the SIGTERM handover test
     stalled on it once in make test)."""
-    first = Driver(job, StepHistory(durable=True))
-    first.add_worker("w0")
-    first.add_rank(0)
-    first.add_rank(1)
-    first.run(9)
-    journal = [line for ins in first.out if isinstance(ins, AppendJournal) for line in ins.states]
-    standby = Driver(job, StepHistory(durable=True, loaded=journal))
-    standby.add_worker("w0")
+    first, standby = _taken_over(job, 9)
     standby.add_rank(0, resume_step=6)
     standby.add_rank(1, resume_step=6)
     standby.flush()
