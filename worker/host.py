@@ -130,7 +130,7 @@ class HostAgent:
                     log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
                                 f" while preparing task {task}" if task >= 0 else "", backoff)
                 self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
-                                    task_id=task, source=p.source if p.record >= 0 else -1, record=p.record,
+                                    task_id=task, source=p.source, record=p.record,
                                     overran_s=p.overran_s))
                 if self.metrics is not None:
                     self.metrics.process_gone(p.pid)
