@@ -282,3 +282,47 @@ def test_a_lingering_coordinator_answers_every_hello_with_the_reason_and_status_
     assert all(a["reason"] == "source 'web': it broke" for a in answers[:3])
     assert answers[3]["status"]["failed"] == "source 'web': it broke"
     assert beats
+
+
+def test_a_failed_coordinator_is_alive_not_ready_and_stops_on_sigterm(dataset_dir, tmp_path):
+    """`msd coordinator` with --metrics-port, its job failing: while it lingers /readyz answers 503
+    with role "failed" and /healthz 200 (a liveness probe must not restart it: it is telling peers
+    why); SIGTERM ends the lingering at once, exit status 1."""
+    import json
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    from msd.testing.ports import free_address, free_port
+    from msd.testing.processes import msd_command
+
+    (tmp_path / "failing_probe.py").write_text("def f(record, ctx):\n    return record['no_such_field']\n")
+    job = job_dict(runtime={"heartbeat_s": HEARTBEAT_S})
+    job["sources"]["web"].update(transform="failing_probe:f", max_transform_errors=5)
+    job["sources"] = {k: {**v, "paths": [f"{dataset_dir}/{v['paths'][0]}"]} for k, v in job["sources"].items()}
+    path = write_job(str(tmp_path), job)
+    port, log = free_port(), tmp_path / "coordinator.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([msd_command(), "coordinator", "--config", path, "--bind", free_address(),
+                                 "--metrics-port", str(port), "--worker-procs", "1"], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for(lambda: "answering every peer with the reason" in log.read_text(), 90, "the job did not fail")
+
+        def probe(name: str) -> tuple[int, dict]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/{name}", timeout=5) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        assert probe("readyz") == (503, {"ready": False, "role": "failed"})
+        time.sleep(2 * HEARTBEAT_S + 1)
+        assert probe("healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
