@@ -25,15 +25,14 @@ import numpy as np
 import zmq
 
 from msd_common import memory, security
-from msd_common import protocol as P
-from msd_common.errors import CoordinatorStoppedError, MsdError, PeerLostError, RejectedError
+from msd_common.errors import MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
 from .relay import default_endpoint, rank_endpoint
-from .receiving import (End, EvalReady, Forgotten, ReadyStep, ReceivingState, StateReply, Stopping, Welcomed,
-                        for_rank)
-from msd_common.session import LOST_AFTER_BEATS, WAITING_HINT, PeerLoop, Registration, check_address, split_addresses
+from .rank_core import Action, CoordinatorStopping, RankCore, Send, ToEvals, ToStateReplies, ToTrainer
+from .receiving import End, ReadyStep, ReceivingState, for_rank
+from msd_common.session import WAITING_HINT, PeerLoop, check_address, split_addresses
 from msd_common.sockets import NOWAIT, make_socket, send_nowait, waiting
 
 log = logging.getLogger("msd.client")
@@ -475,18 +474,16 @@ class DataClient:
 
 class _Receiver:
     """The client's I/O thread: it owns every socket except the main thread's end of the wake pipe,
-    and only moves bytes: frames go to the ReceivingState, whose results go to the trainer's queue
-    or back to the coordinator."""
+    and only moves bytes: frames go to the rank's core (rank_core.RankCore), whose actions it
+    carries out (messages to the coordinator, items for the trainer's queues)."""
 
     def __init__(self, client: DataClient, ready: threading.Event) -> None:
         self.c = client
         self.ready = ready
+        self.core: RankCore | None = None
         self.state = ReceivingState(client.rank, client.next_step, client.next_micro_batch, client._plan_digest,
-                                    client.metadata_only)
-        self.closing = False
-        self.eval_asked: tuple[str, int] | None = None  # the eval pass asked for and not in yet
-        self.stopping: tuple[float, str] | None = None  # (when, why) the coordinator said it stops
-        self.silence_told = False  # the coordinator's silence was logged (once per silence)
+                                    client.metadata_only)  # the core's, once run() made it
+        self.address: str | None = None
 
     def run(self) -> None:
         c = self.c
@@ -506,22 +503,23 @@ class _Receiver:
             port = data.bind_to_random_port(f"tcp://{c.bind_host}")
             self.address = f"tcp://{c.host}:{port}"
         self.control = control
+        self.core = core = RankCore(
+            c.rank, c.next_step, c.next_micro_batch, c._plan_digest, data_address=self.address,
+            incarnation=int.from_bytes(os.urandom(6), "little"), metadata_only=c.metadata_only,
+            carried_for=c._carried_for, via_relay=bool(c.relay), relay_timeout_s=c.relay_timeout_s,
+            coordinator_timeout_s=c.coordinator_timeout_s, stop_grace_s=c.stop_grace_s,
+            where=lambda: c.relay if c.relay else self.loop.address, addresses=lambda: self.loop.addresses)
+        self.state = core.state
         self.ready.set()
-        incarnation = int.from_bytes(os.urandom(6), "little")
-        self.registration = Registration(
-            lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=c.rank, data_address=self.address,
-                           resume_step=self.state.step, incarnation=incarnation, metadata_only=int(c.metadata_only),
-                           carried=c._carried_for(self.state.step)),
-            lambda: P.make(P.TRAINER_HEARTBEAT, rank=c.rank))
         self.handshakes = security.HandshakeWatch(control)
-        loop = PeerLoop(control, self.registration, c.relay or c.coordinator, who=f"rank {c.rank}")
+        loop = PeerLoop(control, core.registration, c.relay or c.coordinator, who=f"rank {c.rank}")
         self.loop = loop
         loop.on(wake, self._on_wake)
         loop.on(control, self._on_control)
         loop.on(data, self._on_data)
         loop.on(self.handshakes.socket, self._on_handshake)
         try:
-            loop.run(lambda: not self.closing, self._hand_over)
+            loop.run(lambda: not core.closing, self._turn)
         except Exception as e:  # surface I/O-thread failures to the trainer instead of hanging it
             log.exception("rank %d: client I/O thread failed", c.rank)
             c._queue.put(e)
@@ -530,85 +528,26 @@ class _Receiver:
             for s in (wake, control, data):
                 s.close(linger=0 if s is not control else 1000)
 
-    def _send(self, header: dict[str, Any]) -> None:
-        if not send_nowait(self.control, header):
-            log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, header["type"])
+    def _do(self, actions: list[Action], now: float) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                if not send_nowait(self.control, a.header):
+                    log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, a.header["type"])
+            elif isinstance(a, ToTrainer):
+                self.c._queue.put(a.item)
+            elif isinstance(a, ToEvals):
+                self.c._evals.put(a.item)
+            elif isinstance(a, ToStateReplies):
+                self.c._state_replies.put(a.item)
+            elif isinstance(a, CoordinatorStopping):
+                self.loop.coordinator_stopping(now)
 
     def _on_wake(self, wake: zmq.Socket) -> None:
-        cmd = msgpack.unpackb(wake.recv())
-        if cmd[0] == "eval":
-            self.eval_asked = (str(cmd[1]), int(cmd[2]))
-            self._send(P.make(P.EVAL_REQUEST, rank=self.c.rank, set=str(cmd[1]), pass_no=int(cmd[2])))
-            return
-        if cmd[0] == "eval_report":
-            self._send(P.make(P.EVAL_REPORT, rank=self.c.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))
-            return
-        if cmd[0] == "consumed":
-            self._send(P.make(P.CONSUMED, rank=self.c.rank, step=cmd[1], waited_s=float(cmd[2]),
-                              compute_step=int(cmd[3]), compute_s=list(cmd[4])))
-            self.registration.spoke(time.monotonic())
-        elif cmd[0] == "state":
-            self._send(P.make(P.STATE_REQUEST, rank=self.c.rank, step=int(cmd[1])))
-        elif cmd[0] == "close":
-            if self.registration.registered:
-                self._send(P.make(P.TRAINER_BYE, rank=self.c.rank))
-            self.closing = True
+        self._do(self.core.command(msgpack.unpackb(wake.recv()), time.monotonic()), time.monotonic())
 
     def _on_control(self, control: zmq.Socket) -> None:
-        for out in self.state.on_control(control.recv_multipart(copy=False)):
-            if isinstance(out, Stopping):
-                self.stopping = (time.monotonic(), out.reason)
-                self.loop.coordinator_stopping(self.stopping[0])
-            elif isinstance(out, Welcomed):
-                if self.stopping is not None:
-                    log.warning("rank %d: the coordinator at %s serves this rank now (%.1fs after the stop)",
-                                self.c.rank, self.loop.address, time.monotonic() - self.stopping[0])
-                self.stopping = None
-                self.registration.welcomed(out.heartbeat_s)
-                if self.eval_asked is not None:  # asked of a coordinator that forgot us (a restart): again
-                    name, pass_no = self.eval_asked
-                    self._send(P.make(P.EVAL_REQUEST, rank=self.c.rank, set=name, pass_no=pass_no))
-            elif isinstance(out, Forgotten):
-                self.registration.forgotten()
-            elif isinstance(out, StateReply):
-                self.c._state_replies.put(out)
-            elif isinstance(out, EvalReady):
-                self.eval_asked = None
-                self.c._evals.put(out)
-            else:  # an error to raise, or the end of the stream
-                self.c._queue.put(out)
-
-    def _coordinator_gone(self, now: float) -> bool:
-        """A stopped coordinator that nobody replaced within the grace period, or one silent past
-        coordinator_timeout_s: the trainer gets an error that says which (never a plain end)."""
-        c, reg = self.c, self.registration
-        if self.stopping is not None:
-            when, reason = self.stopping
-            if now - when > c.stop_grace_s:
-                self.c._queue.put(CoordinatorStoppedError(
-                    f"rank {c.rank}: the coordinator stopped ({reason}) and no coordinator took over within "
-                    f"{c.stop_grace_s:.0f}s (tried {', '.join(self.loop.addresses)}); the stream did not end: resume "
-                    "from the last checkpoint once a coordinator serves the job again"))
-                self.closing = True
-                return True
-            return False
-        if c.relay or not reg.registered:
-            return False
-        quiet = now - max(reg.last_heard, reg.since)
-        if quiet <= LOST_AFTER_BEATS * reg.heartbeat_s:
-            self.silence_told = False
-            return False
-        if not self.silence_told:
-            self.silence_told = True
-            log.warning("rank %d: the coordinator at %s has not answered for %.1fs (stopped, killed, or its host "
-                        "lost); waiting for it", c.rank, self.loop.address, quiet)
-        if quiet > c.coordinator_timeout_s:
-            self.c._queue.put(PeerLostError(
-                f"rank {c.rank}: the coordinator at {self.loop.address} has not answered for {quiet:.0f}s (killed, or "
-                "its host lost; a standby given as a second address takes over by itself)"))
-            self.closing = True
-            return True
-        return False
+        now = time.monotonic()
+        self._do(self.core.on_control(control.recv_multipart(copy=False), now), now)
 
     def _on_handshake(self, _: zmq.Socket) -> None:
         reason = self.handshakes.refused()
@@ -616,26 +555,11 @@ class _Receiver:
             hint = "pass keys_dir= the job's key directory" if not self.c.keys_dir else "check keys_dir="
             self.c._queue.put(RejectedError(f"rank {self.c.rank}: {self.c.coordinator}: {reason}; the job sets "
                                             f"security.curve? {hint}"))
-            self.closing = True
+            self.core.closing = True
 
     def _on_data(self, data: zmq.Socket) -> None:
         for frames in waiting(data):
-            self.state.on_pieces(frames)
+            self.core.on_pieces(frames)
 
-    def _hand_over(self, now: float) -> None:
-        heard = self.registration.last_heard
-        # (a relay not heard from yet may start after its ranks: the welcome's timeout_s covers that)
-        if self.c.relay and heard > float("-inf") and now - heard > self.c.relay_timeout_s:
-            self.c._queue.put(PeerLostError(f"rank {self.c.rank}: the relay at {self.c.relay} has been silent for "
-                                            f"{self.c.relay_timeout_s:.0f}s (is `msd relay` running on this host, and "
-                                            "restarted when it dies?)"))
-            self.closing = True
-            return
-        if self._coordinator_gone(now):
-            return
-        for item in self.state.finished():
-            self.c._queue.put(item)
-        if self.state.eval_steps:
-            for ready in self.state.finished_evals():
-                self.eval_asked = None
-                self.c._evals.put(ready)
+    def _turn(self, now: float) -> None:
+        self._do(self.core.turn(now), now)

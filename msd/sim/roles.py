@@ -1,0 +1,454 @@
+"""The simulated processes: thin shells, like the real ones, around the roles' decision code.
+
+- `SimCoordinator`: `coordinator.state.CoordinatorState`, its journals kept in memory (a crash
+  keeps what was appended, as the state dir would), bursts of messages, a tick a heartbeat.
+- `SimHost` and `SimWorker`: a host agent and its worker processes, each `worker.core.WorkerCore`
+  reading the seed's real files. A worker is busy while it works (its heartbeats wait; the agent
+  vouches for it), and the agent reports a worker's death and starts another process.
+- `SimRank`: `trainer_client.rank_core.RankCore`; `SimTrainer` takes steps in lockstep over every
+  rank, as a data-parallel trainer does, checkpoints, and restarts from its checkpoint.
+
+Every message goes through the real wire encoding (msd_common.wire) and the receiver's decoder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from coordinator.events import Shutdown, Tick, from_message
+from coordinator.history import StepHistory
+from coordinator.instructions import (AppendCostChange, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal,
+                                      Send, Stop)
+from coordinator.state import CoordinatorState
+from coordinator.validate import validate_state
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
+from msd_common.session import Forgotten, Registration
+from trainer_client import rank_core as R
+from trainer_client.receiving import End, ReadyStep
+from worker import core as W
+
+if TYPE_CHECKING:
+    from .run import Simulation
+
+COORDINATOR = "coord"
+
+
+class Violation(AssertionError):
+    """An invariant did not hold."""
+
+
+class SimCoordinator:
+    def __init__(self, sim: "Simulation") -> None:
+        self.sim = sim
+        self.journal: list[dict] = []
+        self.mixture: list[tuple[int, list[float]]] = []
+        self.quarantine: list[tuple[str, int]] = []
+        self.costs: list[tuple[int, list[float]]] = []
+        self.state: CoordinatorState | None = None
+        self.inbox: list = []
+        self.generation = 0
+        self.paused_until = 0.0
+        self.dirty = False  # a burst was handled since the books were last validated
+
+    def start(self) -> None:
+        sim = self.sim
+        self.generation += 1
+        self.state = CoordinatorState(sim.job, sim.sources, StepHistory(True, list(self.journal)), list(self.mixture),
+                                      list(self.quarantine), list(self.costs))
+        self.inbox = []
+        sim.world.listen(COORDINATOR, self)
+        sim.world.log(f"coordinator {self.generation} starts (journal of {len(self.journal)} states)")
+        self._tick(self.generation)
+
+    @property
+    def up(self) -> bool:
+        return self.state is not None
+
+    def _tick(self, generation: int) -> None:
+        if generation != self.generation or self.state is None:
+            return
+        if self.sim.world.now >= self.paused_until:
+            self._execute(self.state.handle(Tick(at=self.sim.world.now)))
+        self.sim.world.after(self.state.heartbeat_s if self.state else 1.0, self._tick, generation)
+
+    def receive(self, src: str, dst: str, frames: list) -> None:
+        if not self.inbox:
+            self.sim.world.after(max(0.0002, self.paused_until - self.sim.world.now), self._drain, self.generation)
+        self.inbox.append((src, frames))
+
+    def _drain(self, generation: int) -> None:
+        if generation != self.generation or self.state is None:
+            return
+        world = self.sim.world
+        if world.now < self.paused_until:  # a long pause (a GC, a stalled disk): the messages wait
+            world.at(self.paused_until, self._drain, generation)
+            return
+        burst, self.inbox = self.inbox, []
+        events = []
+        for src, frames in burst:
+            try:
+                header, arrays = wire.decode(frames, P.COORDINATOR_INBOX)
+            except ProtocolError as e:
+                raise Violation(f"the coordinator could not decode a message from {src}: {e}") from e
+            events.append(from_message(src.encode(), world.now, header, arrays))
+        self._execute(self.state.handle(*events))
+
+    def _execute(self, instructions: list) -> None:
+        world = self.sim.world
+        self.dirty = True
+        for ins in instructions:
+            if isinstance(ins, Send):
+                world.send(COORDINATOR, ins.peer.decode(), wire.encode(ins.header, *ins.arrays))
+                self.sim.count(ins.header["type"])
+            elif isinstance(ins, AppendJournal):  # durable before anything after it goes out
+                self.journal.extend(ins.states)
+            elif isinstance(ins, CompactJournal):
+                self.journal = [ins.state]
+            elif isinstance(ins, AppendQuarantine):
+                self.quarantine.append((ins.source, ins.record))
+            elif isinstance(ins, AppendMixture):
+                self.mixture.append((ins.at_step, list(ins.weights)))
+            elif isinstance(ins, AppendCostChange):
+                self.costs.append((ins.at_step, list(ins.coefficients)))
+            elif isinstance(ins, Stop):
+                if ins.failed or (self.state is not None and self.state.failed):
+                    raise Violation(f"the coordinator stopped the job: {ins.reason}")
+                world.log(f"coordinator stops: {ins.reason}")
+
+    def validate_if_due(self) -> None:
+        if self.dirty and self.state is not None:
+            self.dirty = False
+            problems = validate_state(self.state)
+            if problems:
+                raise Violation("the coordinator's books disagree: " + "; ".join(problems[:5]))
+
+    # ------------------------------------------------------------------ faults
+
+    def crash(self) -> None:
+        self.sim.world.log(f"FAULT coordinator {self.generation} crashes")
+        self.sim.world.close(COORDINATOR, self)
+        self.state, self.inbox = None, []
+        self.generation += 1
+
+    def stop(self) -> None:
+        """A graceful stop (SIGTERM): peers are told, then the process ends."""
+        self.sim.world.log(f"FAULT coordinator {self.generation} stops gracefully")
+        self._execute(self.state.handle(Shutdown(at=self.sim.world.now, reason="SIGTERM")))
+        self.sim.world.close(COORDINATOR, self)
+        self.state, self.inbox = None, []
+        self.generation += 1
+
+
+class SimHost:
+    """A worker host's agent and its worker processes (`procs` of them, restarted when they die)."""
+
+    def __init__(self, sim: "Simulation", index: int, procs: int) -> None:
+        self.sim = sim
+        self.index = index
+        self.address = f"host{index}"
+        self.agent_id = 100 + index
+        self.procs = procs
+        self.workers: list[SimWorker] = []
+        self.next_pid = 1000 * (index + 1)
+        self.up = False
+        self.registration = Registration(
+            lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=self.address,
+                           procs=self.procs, min_procs=self.procs, max_procs=self.procs, auto=0),
+            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.procs,
+                           pids=[w.pid for w in self.workers if w.busy_until > self.sim.world.now]))
+
+    def start(self) -> None:
+        self.up = True
+        self.sim.world.listen(self.address, self)
+        for _ in range(self.procs):
+            self.spawn()
+        self._turn()
+
+    def spawn(self) -> SimWorker:
+        self.next_pid += 1
+        w = SimWorker(self.sim, self, self.next_pid)
+        self.workers.append(w)
+        w.start()
+        return w
+
+    def _turn(self) -> None:
+        if not self.up:
+            return
+        now = self.sim.world.now
+        msg = self.registration.due(now)
+        if msg is not None:
+            self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+        self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
+
+    def receive(self, src: str, dst: str, frames: list) -> None:
+        header, _ = wire.decode(frames, P.HOST_INBOX)
+        self.registration.heard(self.sim.world.now)
+        kind = header["type"]
+        if kind == "scale":
+            self.registration.welcomed(header["heartbeat_s"])
+        elif kind == "unknown_peer":
+            self.registration.forgotten()
+        elif kind in ("shutdown", "job_failed"):
+            self.registration.waiting()
+            self.registration.hello_now()
+            self.registration.since = self.sim.world.now
+
+    def worker_died(self, worker: SimWorker, task_id: int) -> None:
+        """The agent reaps a worker process: it reports the exit, then starts another."""
+        self.workers.remove(worker)
+        if not self.up:
+            return
+        self.sim.world.send(self.address, COORDINATOR, wire.encode(P.make(
+            P.WORKER_EXITED, agent_id=self.agent_id, pid=worker.pid, exitcode=-9, task_id=task_id, source=-1,
+            record=-1, overran_s=0.0)))
+        self.sim.world.after(0.05, self.spawn)
+
+    def lose(self) -> None:
+        """The host is lost: its agent and every worker go silent at once (no exit is reported)."""
+        self.sim.world.log(f"FAULT host {self.index} lost")
+        self.up = False
+        self.sim.world.close(self.address, self)
+        for w in list(self.workers):
+            w.die()
+        self.workers.clear()
+
+
+class SimWorker:
+    def __init__(self, sim: "Simulation", host: SimHost, pid: int) -> None:
+        self.sim = sim
+        self.host = host
+        self.pid = pid
+        self.address = f"w{host.index}.{pid}"
+        self.core = W.WorkerCore()
+        self.alive = False
+        self.busy_until = 0.0
+        self.task = -1  # the prepare task being worked on (the agent reports it if the process dies)
+        self.inbox: list[list] = []
+        self.slow = 1.0  # the cost of its samples, times this (a slow-sample fault)
+        self.registration = Registration(
+            lambda: P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=host.address, pid=pid, incarnation=pid,
+                           agent=host.agent_id),
+            lambda: self.core.heartbeat(0.0))
+
+    def start(self) -> None:
+        self.alive = True
+        self.sim.world.listen(self.address, self)
+        self._turn()
+
+    def _turn(self) -> None:
+        if not self.alive:
+            return
+        now = self.sim.world.now
+        if now >= self.busy_until:
+            msg = self.registration.due(now)
+            if msg is not None:
+                self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+        self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
+
+    def receive(self, src: str, dst: str, frames: list) -> None:
+        self.inbox.append(frames)
+        if len(self.inbox) == 1 and self.sim.world.now >= self.busy_until:
+            self._work()
+
+    def _work(self) -> None:
+        """Take the next message; the work's results go out when it is done."""
+        if not self.alive or not self.inbox or self.sim.world.now < self.busy_until:
+            return
+        world = self.sim.world
+        frames = self.inbox.pop(0)
+        self.registration.heard(world.now)
+        header, arrays = wire.decode(frames, P.WORKER_INBOX)
+        kind = header["type"]
+        self.task = header["task_id"] if kind == "prepare" else -1
+        actions = self.core.handle(header, arrays)
+        cost = 0.0002
+        if kind == "prepare":
+            cost += self.sim.sample_cost(header["source"], arrays["records"]) * self.slow
+        elif kind == "deliver":
+            cost += 0.00002 * len(arrays["items"])
+        self.busy_until = world.now + cost
+        world.after(cost, self._done, actions)
+
+    def _done(self, actions: list) -> None:
+        if not self.alive:
+            return
+        world = self.sim.world
+        self.task = -1
+        for a in actions:
+            if isinstance(a, W.ToCoordinator):
+                world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays))
+            elif isinstance(a, W.ToRank):
+                world.send(self.address, a.address, wire.encode(a.header, *a.arrays, tail=a.tail), data=True)
+            elif isinstance(a, W.Registered):
+                self.registration.welcomed(a.heartbeat_s)
+            elif isinstance(a, Forgotten):
+                self.registration.forgotten()
+            elif isinstance(a, W.CoordinatorStopping):
+                self.registration.waiting()
+                self.registration.hello_now()
+                self.registration.since = world.now
+            elif isinstance(a, W.Quit):
+                raise Violation(f"worker {self.address} quit: {a.reason}")
+        if self.registration.registered:  # the work counted as a sign of life, as the loop's keep_alive
+            self.registration.spoke(world.now)
+        self._work()
+
+    def die(self) -> None:
+        self.alive = False
+        self.sim.world.close(self.address, self)
+        self.inbox.clear()
+
+    def crash(self) -> None:
+        self.sim.world.log(f"FAULT worker {self.address} crashes (task {self.task})")
+        task = self.task
+        self.die()
+        self.host.worker_died(self, task)
+
+
+def micro_batch_digest(ready: ReadyStep, m: int) -> str:
+    """What the trainer gets of one micro-batch: its pieces' doc keys, offsets and lengths, and a
+    digest of every array."""
+    batch = ready.micro_batch(m)
+    h = hashlib.blake2b(digest_size=12)
+    for key in sorted(batch):
+        value = batch[key]
+        if isinstance(value, np.ndarray):
+            h.update(key.encode())
+            h.update(np.ascontiguousarray(value).tobytes())
+        elif key not in ("plan",):
+            h.update(f"{key}={value!r}".encode())
+    return h.hexdigest()
+
+
+class SimRank:
+    def __init__(self, sim: "Simulation", rank: int, next_step: int, incarnation: int) -> None:
+        self.sim = sim
+        self.rank = rank
+        self.address = f"rank{rank}.{incarnation}"
+        self.core = R.RankCore(rank, next_step, 0, sim.plan_digest, data_address=self.address,
+                               incarnation=incarnation, stop_grace_s=1e9, coordinator_timeout_s=1e9)
+        self.ready: list[Any] = []  # handed to the trainer, in order
+        self.alive = True
+
+    def start(self) -> None:
+        self.sim.world.listen(self.address, self)
+        self._turn()
+
+    def _turn(self) -> None:
+        if not self.alive:
+            return
+        now = self.sim.world.now
+        msg = self.core.registration.due(now)
+        if msg is not None:
+            self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+        self._do(self.core.turn(now))
+        self.sim.world.after(self.core.registration.heartbeat_s / 2, self._turn)
+
+    def receive(self, src: str, dst: str, frames: list) -> None:
+        if not self.alive:
+            return
+        now = self.sim.world.now
+        if src == COORDINATOR:
+            self.core.registration.heard(now)
+            self._do(self.core.on_control(frames, now))
+        else:
+            self.core.on_pieces(frames)
+        self._do(self.core.turn(now))
+
+    def _do(self, actions: list) -> None:
+        world = self.sim.world
+        for a in actions:
+            if isinstance(a, R.Send):
+                world.send(self.address, COORDINATOR, wire.encode(a.header))
+            elif isinstance(a, R.ToTrainer):
+                if isinstance(a.item, BaseException):
+                    raise Violation(f"rank {self.rank} would raise: {a.item}")
+                if isinstance(a.item, End):
+                    raise Violation(f"rank {self.rank}: the stream ended: {a.item.reason}")
+                self.ready.append(a.item)
+                self.sim.trainer.maybe_step()
+            elif isinstance(a, R.CoordinatorStopping):
+                reg = self.core.registration
+                reg.waiting()
+                reg.hello_now()
+                reg.since = world.now
+
+    def consumed(self, step: int) -> None:
+        self._do(self.core.command(["consumed", step, 0.0, -1, []], self.sim.world.now))
+
+    def die(self) -> None:
+        self.alive = False
+        self.sim.world.close(self.address, self)
+
+
+class SimTrainer:
+    """Every rank takes step s together (the gradients' all-reduce), computes, and reports it
+    consumed; a checkpoint every few steps; a restart resumes every rank from the last one."""
+
+    def __init__(self, sim: "Simulation", ranks: list[int], compute_s: float, checkpoint_every: int) -> None:
+        self.sim = sim
+        self.rank_ids = ranks
+        self.compute_s = compute_s
+        self.checkpoint_every = checkpoint_every
+        self.step = 0  # the next step the trainer takes
+        self.checkpoint = 0  # the step its last checkpoint resumes from
+        self.incarnation = 0
+        self.ranks: dict[int, SimRank] = {}
+        self.busy_until = 0.0
+        self.paused_until = 0.0
+        self.stream: dict[tuple[int, int], list[str]] = {}  # (rank, step) -> micro-batch digests, as trained
+        self.trained = 0  # steps taken in all, counting steps taken again after a restart
+
+    def start(self) -> None:
+        self.incarnation += 1
+        self.step = self.checkpoint
+        self.ranks = {r: SimRank(self.sim, r, self.step, self.incarnation * 1000 + r) for r in self.rank_ids}
+        for rank in self.ranks.values():
+            rank.start()
+
+    def maybe_step(self) -> None:
+        world = self.sim.world
+        if world.now < max(self.busy_until, self.paused_until):
+            world.at(max(self.busy_until, self.paused_until), self.maybe_step)
+            return
+        if not self.ranks or any(not r.ready for r in self.ranks.values()):
+            return
+        step, incarnation = self.step, self.incarnation
+        for rank in self.ranks.values():
+            ready = rank.ready.pop(0)
+            if not isinstance(ready, ReadyStep) or ready.step != step:
+                raise Violation(f"rank {rank.rank} was handed step {getattr(ready, 'step', ready)} where the trainer "
+                                f"takes step {step}")
+            digests = [micro_batch_digest(ready, m) for m in range(ready.first, ready.micro_batches)]
+            self.sim.check_step(rank.rank, step, digests)
+            self.stream[(rank.rank, step)] = digests
+        self.busy_until = world.now + self.compute_s
+        world.after(self.compute_s, self._computed, step, incarnation)
+
+    def _computed(self, step: int, incarnation: int) -> None:
+        if incarnation != self.incarnation:
+            return
+        self.trained += 1
+        self.step = step + 1
+        for rank in self.ranks.values():
+            rank.consumed(step)
+        if self.step % self.checkpoint_every == 0:
+            self.checkpoint = self.step
+        self.sim.progress(self.step)
+        self.maybe_step()
+
+    def restart(self, down_s: float) -> None:
+        """Every rank's process ends (a failed node, a preemption); the job restarts from its checkpoint."""
+        if not self.ranks:  # down already: its restart is on its way
+            return
+        self.sim.world.log(f"FAULT trainer restarts from step {self.checkpoint} (was at {self.step})")
+        for rank in self.ranks.values():
+            rank.die()
+        self.ranks = {}
+        self.incarnation += 1
+        self.sim.world.after(down_s, self.start)

@@ -1,0 +1,240 @@
+"""One seed: draw a job and its faults, run it fault-free for the reference stream, run it again
+with the faults, and check the invariants:
+
+- each rank's every step, micro-batch by micro-batch, is the fault-free run's (doc keys,
+  offsets, lengths and the digest of every array the trainer gets), handed over once and in order;
+- the job never stops, and no step is left waiting: once the faults are over, progress resumes
+  within `STALL_S` simulated seconds;
+- the coordinator's books agree (coordinator.validate) after every burst it handles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.sources import open_sources
+from msd_common.spec import JobConfig, parse_job
+
+from . import data
+from .roles import COORDINATOR, SimCoordinator, SimHost, SimTrainer, Violation
+from .world import World
+
+STALL_S = 60.0  # simulated seconds without a step, after the last fault healed, that count as a stall
+FAULT_KINDS = ("worker_crash", "host_lost", "partition", "congestion", "slow_worker", "trainer_restart", "trainer_pause",
+               "coordinator_crash", "coordinator_stop", "coordinator_pause")
+
+
+@dataclass
+class Scenario:
+    seed: int
+    job: dict[str, Any]
+    hosts: list[int]  # worker processes per host
+    compute_s: float
+    checkpoint_every: int
+    delay_s: tuple[float, float]
+    duplicate_p: float
+    slow_every: int  # records whose index % slow_every == the seed's residue take seconds (0: none)
+    faults: list[tuple[float, str, float, float]] = field(default_factory=list)  # (at, kind, pick, seconds)
+
+    def fault_free(self) -> "Scenario":
+        return Scenario(self.seed, self.job, self.hosts, self.compute_s, self.checkpoint_every, (0.0005, 0.001), 0.0,
+                        self.slow_every, [])
+
+
+def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
+    """The seed's job (sources, DP 2 to 16, TP in some, batch shape, look-ahead), its workers, and
+    its faults."""
+    rng = random.Random(seed)
+    names = [n for n in data.SOURCES if rng.random() < 0.7] or [rng.choice(list(data.SOURCES))]
+    dp = rng.choice([2, 2, 4, 4, 8, 8, 16])
+    tp = rng.choice([1, 1, 2]) if dp <= 4 else 1
+    mbs, n_mb = rng.choice([1, 2]), rng.choice([1, 1, 2])
+    job = {
+        "seed": rng.randrange(1 << 20),
+        "sources": {n: data.SOURCES[n] for n in names},
+        "batch": {"seq_len": rng.choice([128, 256, 512]), "micro_batch_size": mbs, "global_batch_size": dp * mbs * n_mb},
+        "topology": {"dp": dp, "tp": tp},
+        "mixture": {"weights": {n: round(rng.uniform(0.1, 1.0), 2) for n in names}},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": rng.choice([4, 8, 16, 32]),
+                    "lookahead_steps": rng.choice([1, 2, 3, 4])},
+    }
+    compute_s = rng.choice([0.01, 0.05, 0.2])
+    s = Scenario(seed, job, [rng.randint(1, 3) for _ in range(rng.randint(1, 3))], compute_s, rng.choice([5, 10, 25]),
+                 (0.0005, rng.choice([0.001, 0.005, 0.05])), rng.choice([0.0, 0.0, 0.05]),
+                 rng.choice([0, 0, 200, 500]))
+    if faults:
+        window = max(2.0, steps * (compute_s + 0.02) * 0.6)
+        for _ in range(rng.randint(1, 6)):
+            s.faults.append((round(rng.uniform(0.3, window), 4), rng.choice(FAULT_KINDS), rng.random(),
+                             round(rng.uniform(0.2, 8.0), 3)))
+        s.faults.sort()
+    return s
+
+
+_opened: dict[tuple, Any] = {}
+
+
+def _job_of(scenario: Scenario) -> tuple[JobConfig, Any]:
+    job = parse_job(scenario.job, "sim-job.yaml", base_dir=data.dataset_dir())
+    key = tuple(sorted(scenario.job["sources"]))
+    if key not in _opened:
+        _opened[key] = open_sources(job)
+    return job, _opened[key]
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, steps: int, reference: dict | None, trace: bool = False) -> None:
+        self.scenario = scenario
+        self.steps = steps
+        self.reference = reference
+        self.job, self.sources = _job_of(scenario)
+        self.plan_digest = None
+        self.world = World(scenario.seed)
+        self.world.delay_s = scenario.delay_s
+        self.world.duplicate_p = scenario.duplicate_p
+        self.verbose = trace
+        self.messages: dict[str, int] = {}
+        self.coordinator = SimCoordinator(self)
+        self.hosts = [SimHost(self, i, procs) for i, procs in enumerate(scenario.hosts)]
+        self.trainer = SimTrainer(self, sorted(self.job.topology.receivers()), scenario.compute_s,
+                                  scenario.checkpoint_every)
+        self.last_progress = 0.0
+        self.healed_at = 0.0  # when the last fault is over
+        rng = random.Random(scenario.seed ^ 0x5EED)
+        self.slow_residue = rng.randrange(max(1, scenario.slow_every))
+
+    # ------------------------------------------------------------------ hooks the roles call
+
+    def count(self, kind: str) -> None:
+        self.messages[kind] = self.messages.get(kind, 0) + 1
+        if self.verbose:
+            self.world.log(f"coordinator sends {kind}")
+
+    def sample_cost(self, source: int, records: np.ndarray) -> float:
+        """Seconds a worker takes over these records: a fraction of a millisecond each, and seconds
+        for the seed's slow records (a property of the data: the same in the fault-free run)."""
+        cost = 0.0003 * len(records)
+        if self.scenario.slow_every:
+            slow = int(np.count_nonzero(records % self.scenario.slow_every == self.slow_residue))
+            cost += 3.0 * slow
+        return cost
+
+    def check_step(self, rank: int, step: int, digests: list[str]) -> None:
+        if self.reference is None:
+            return
+        want = self.reference.get((rank, step))
+        if want is None:
+            return
+        if digests != want:
+            m = next((i for i, (a, b) in enumerate(zip(digests, want)) if a != b), min(len(digests), len(want)))
+            raise Violation(f"rank {rank} step {step}: micro-batch {m} differs from the fault-free run's")
+
+    def progress(self, step: int) -> None:
+        self.last_progress = self.world.now
+        self.world.log(f"step {step - 1} trained")
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        world = self.world
+        logging.getLogger("msd").setLevel(logging.CRITICAL)
+        self.coordinator.start()
+        for host in self.hosts:
+            host.start()
+        self.trainer.start()
+        for at, kind, pick, seconds in self.scenario.faults:
+            world.at(at, self._fault, kind, pick, seconds)
+            self.healed_at = max(self.healed_at, at + seconds)
+        world.after(5.0, self._watchdog)
+        limit = self.healed_at + STALL_S + self.steps * (self.scenario.compute_s + 1.0)
+        error: str | None = None
+        try:
+            done = world.run_until(limit, lambda: self.trainer.step >= self.steps, self.coordinator.validate_if_due)
+            if not done:
+                raise Violation(f"not done by {limit:.0f}s simulated: the trainer is at step {self.trainer.step} of "
+                                f"{self.steps}")
+        except Violation as e:
+            error = str(e)
+            world.log(f"VIOLATION {error}")
+        stream = hashlib.blake2b(digest_size=16)
+        for key in sorted(self.trainer.stream):
+            stream.update(repr((key, self.trainer.stream[key])).encode())
+        digest = hashlib.blake2b((world.digest + stream.hexdigest()).encode(), digest_size=16).hexdigest()
+        return {"seed": self.scenario.seed, "steps": self.trainer.step, "faults": len(self.scenario.faults),
+                "digest": digest, "ok": error is None, "error": error, "sim_s": round(world.now, 3),
+                "events": world.events, "dp": self.job.dp, "ranks": len(self.trainer.rank_ids)}
+
+    def _watchdog(self) -> None:
+        now = self.world.now
+        if now > self.healed_at + STALL_S and now - max(self.last_progress, self.healed_at) > STALL_S:
+            raise Violation(f"stalled: no step trained for {now - max(self.last_progress, self.healed_at):.0f}s "
+                            f"simulated since the faults healed; the trainer waits for step {self.trainer.step}")
+        self.world.after(5.0, self._watchdog)
+
+    def _fault(self, kind: str, pick: float, seconds: float) -> None:
+        world = self.world
+        workers = [w for h in self.hosts for w in h.workers if w.alive]
+        if kind == "worker_crash" and workers:
+            workers[int(pick * len(workers))].crash()
+        elif kind == "host_lost":
+            hosts = [h for h in self.hosts if h.up]
+            if len(hosts) > 1:  # (a job whose only host is lost waits for a new one: a restart below)
+                host = hosts[int(pick * len(hosts))]
+                host.lose()
+                world.after(seconds, self._replace_host, host)
+        elif kind in ("partition", "congestion") and workers:
+            w = workers[int(pick * len(workers))]
+            ways = [(w.address, COORDINATOR), (COORDINATOR, w.address)][:1 + int(pick * 1000) % 2]
+            if int(pick * 10000) % 3 == 0:
+                ways = ways[-1:]
+            for src, dst in ways:
+                if kind == "partition":
+                    world.block(src, dst, world.now + seconds)
+                else:
+                    world.congest(src, dst, world.now + seconds, seconds / 2)
+            world.log(f"FAULT {kind} of {ways} for {seconds:.1f}s")
+        elif kind == "slow_worker" and workers:
+            w = workers[int(pick * len(workers))]
+            w.slow = 1000.0
+            world.log(f"FAULT worker {w.address} slow for {seconds:.1f}s")
+            world.after(seconds, setattr, w, "slow", 1.0)
+        elif kind == "trainer_restart":
+            self.trainer.restart(seconds)
+        elif kind == "trainer_pause":
+            world.log(f"FAULT trainer pauses for {seconds * 4:.1f}s")
+            self.trainer.paused_until = world.now + seconds * 4
+        elif kind == "coordinator_crash" and self.coordinator.up:
+            self.coordinator.crash()
+            world.after(seconds, self.coordinator.start)
+        elif kind == "coordinator_stop" and self.coordinator.up:
+            self.coordinator.stop()
+            world.after(seconds / 4, self.coordinator.start)
+        elif kind == "coordinator_pause" and self.coordinator.up:
+            world.log(f"FAULT coordinator pauses for {seconds:.1f}s")
+            self.coordinator.paused_until = world.now + seconds
+
+    def _replace_host(self, old: SimHost) -> None:
+        host = SimHost(self, old.index, old.procs)
+        host.agent_id = old.agent_id + 1000
+        host.next_pid = old.next_pid + 100
+        self.hosts[self.hosts.index(old)] = host
+        self.world.log(f"host {old.index} is back")
+        host.start()
+
+
+def run_seed(seed: int, steps: int, trace: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The seed's result (JSON-able) and its trace."""
+    scenario = draw(seed, steps)
+    reference_sim = Simulation(scenario.fault_free(), steps, None)
+    reference = reference_sim.run()
+    if not reference["ok"]:
+        result = dict(reference, error=f"the fault-free run failed: {reference['error']}")
+        return result, reference_sim.world.trace
+    sim = Simulation(scenario, steps, reference_sim.trainer.stream, trace)
+    return sim.run(), sim.world.trace
