@@ -15,7 +15,7 @@ VLM_STAMP := $(VLM_VENV)/.installed
 VLM_TORCH := torch==2.14.1 torchvision==0.29.1
 VLM_TRANSFORMERS := transformers==5.24.0
 
-.PHONY: install .venv-vlm demo test test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
+.PHONY: install .venv-vlm demo test lint simulate test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
 
 # tools/install.sh is the one install script: the container image (Dockerfile) runs it too.
 $(STAMP): pyproject.toml setup.py coordinator/_greedy.c coordinator/_whole.c coordinator/_feistel.c msd_common/formats/_lines.c Makefile tools/install.sh
@@ -35,8 +35,18 @@ $(VLM_STAMP): Makefile
 demo: $(STAMP)
 	$(VENV)/bin/msd demo --steps 50 --ranks 2 --workers 2 --json demo-summary.json
 
-test: $(STAMP) $(VLM_STAMP)
+test: $(STAMP) $(VLM_STAMP) lint
 	$(PY) -m pytest -q
+
+# imports and line length ([tool.ruff] in pyproject.toml)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# the deterministic simulation (msd/sim): SEEDS fresh seeds of whole jobs with faults; a failing seed
+# prints its trace and the command that replays it. make test runs a fixed corpus and a few fresh seeds.
+SEEDS ?= 200
+simulate: $(STAMP)
+	$(PY) -m msd.sim --seeds $(SEEDS) --steps 40 --json simulate.json
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -40,11 +40,13 @@ from msd_common.spec import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, PeerGone, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
-from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, FileInstruction, Instruction, Send, Stop,
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine,
+                           CompactJournal, FileInstruction, Instruction, Send, Stop,
                            WriteStatus)
 from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
 from .linger import linger
-from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal, append_quarantine_journal,
+from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal,
+                      append_quarantine_journal,
                       read_mixture_journal,
                       read_quarantine_journal)
 from .relaying import RelayEnvelopes
@@ -62,8 +64,8 @@ log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
 STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
 STATE_DIR_RETRY_MAX_S = 2.0
-SLOW_WRITE_S = 1.0
-GC_NURSERY = 20_000  # allocations between collections of the youngest generation (Python's default: 700)  # a state dir write slower than this is logged
+SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
+GC_NURSERY = 20_000  # allocations between collections of the youngest generation (Python's default: 700)
 
 
 class Coordinator:

@@ -29,8 +29,8 @@ log = logging.getLogger("msd.journal")
 JOURNAL = "steps.journal"
 MIXTURE_JOURNAL = "mixture.journal"
 QUARANTINE_JOURNAL = "quarantine.journal"
-EVAL_JOURNAL = "eval.journal"
-COST_JOURNAL = "cost.journal"  # cost models calibrated as the job ran: at_step, coefficients (calibrate.TERMS)  # one line per evaluation a rank reported: set, step, rank, losses
+EVAL_JOURNAL = "eval.journal"  # one line per evaluation a rank reported: set, step, rank, losses
+COST_JOURNAL = "cost.journal"  # cost models calibrated as the job ran: at_step, coefficients (calibrate.TERMS)
 
 
 def _json_lines(path: str) -> list[bytes]:
@@ -151,7 +151,8 @@ def read_eval_journal(state_dir: str) -> list[dict]:
     """Every evaluation reported, in the order it came: {set, step, rank, losses: {source: loss}}."""
     return _read_entries(state_dir, EVAL_JOURNAL, lambda e: {"set": str(e["set"]), "step": int(e["step"]),
                                                             "rank": int(e["rank"]),
-                                                            "losses": {str(k): float(v) for k, v in e["losses"].items()}})
+                                                            "losses": {str(k): float(v) for k,
+                                                                       v in e["losses"].items()}})
 
 
 def append_cost_journal(state_dir: str, at_step: int, coefficients: Iterable[float], errors: Iterable[float] = (),

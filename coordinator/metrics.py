@@ -41,7 +41,8 @@ class _Totals(Collector):
 
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
-                                     "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {}, "long_docs": {}, "cost": {},
+                                     "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {},
+                                     "long_docs": {}, "cost": {},
                                      "relays": []}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -63,7 +63,8 @@ class PreparePolicy:
         ahead = np.ceil(steps * per_step).astype(np.int64) + task
         return np.where(per_step > 0, ahead, 0)
 
-    def short(self, per_step: np.ndarray, task: np.ndarray, window: np.ndarray, prepared_ahead: np.ndarray) -> np.ndarray:
+    def short(self, per_step: np.ndarray, task: np.ndarray, window: np.ndarray,
+              prepared_ahead: np.ndarray) -> np.ndarray:
         """The sources to refill: those whose records prepared ahead of the cursor fall below
         their window. A source of full tasks is refilled only once it is short by a whole task:
         one full task every prepare_batch records, not a small one every step."""

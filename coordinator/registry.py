@@ -184,7 +184,8 @@ class Registry:
         return gone
 
     def silent(self, now: float, deadline_s: float,
-               host_deadline_s: float | None = None) -> list[tuple[Role, WorkerInfo | TrainerInfo | HostInfo | RelayInfo]]:
+               host_deadline_s: float | None = None) -> list[tuple[Role,
+                                                                   WorkerInfo | TrainerInfo | HostInfo | RelayInfo]]:
         """Peers not heard from for longer than the deadline (host agents: their own deadline)."""
         host_deadline_s = deadline_s if host_deadline_s is None else host_deadline_s
         out: list = [("worker", w) for w in self.workers.values() if now - w.last_seen > deadline_s]

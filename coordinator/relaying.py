@@ -1,6 +1,6 @@
 """The shell's side of relays: their ranks' messages in, the coordinator's messages to them out.
 
-A relay (`msd relay`, trainer_client/relay.py) speaks for the ranks of its host on one
+A relay (`msd relay`, relay/process.py) speaks for the ranks of its host on one
 connection. Up, its `relay_up` carries its ranks' messages; each is checked as if the rank had
 sent it and becomes the same event, from an identity of its own (`relay identity / rank`), so the
 state treats a relayed rank as any other (it knows it by `TrainerInfo.via`). Down, what the state
@@ -50,7 +50,8 @@ class RelayEnvelopes:
             out.append(from_message(peer, at, inner, {}, via=relay))
         out.append(RelayReport(peer=relay, at=at, relay_id=header["relay_id"], ranks=header["ranks"],
                                bytes_in=header["bytes_in"], bytes_out=header["bytes_out"], queued=header["queued"],
-                               late_steps=header["late_steps"], consumed=arrays["consumed"], waited_s=arrays["waited_s"]))
+                               late_steps=header["late_steps"], consumed=arrays["consumed"],
+                               waited_s=arrays["waited_s"]))
         return out
 
     def relayed(self, peer: bytes) -> bool:

@@ -35,7 +35,8 @@ class OpenedSources:
         return OpenedSources(num_records, self.mapped)
 
 
-def open_sources(job: JobConfig, index_here: bool = True, meanwhile: Callable[[], object] | None = None) -> OpenedSources:
+def open_sources(job: JobConfig, index_here: bool = True, meanwhile: Callable[[],
+                                                                              object] | None = None) -> OpenedSources:
     """Open every source once (building missing shard indexes first, in parallel); raises ConfigError
     naming each source that cannot be opened, or that has no records but a weight. With
     index_here False, a JSONL or WebDataset source with a shard this host has no index of is

@@ -30,12 +30,14 @@ from msd_common.spec import JobConfig
 from .balance import imbalance
 from .deliveries import DeliveryBook, address_table
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
-                     PeerGone, Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed, Tick, TrainerBye,
+                     PeerGone, Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed,
+                     Tick, TrainerBye,
                      TrainerHeartbeat, TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from .history import StepHistory
 from .calibration_book import CalibrationBook
 from .evaluation import EvalBook
-from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal, Instruction, Send, Stop,
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine,
+                           CompactJournal, Instruction, Send, Stop,
                            WriteStatus)
 from .lead import PrepareLead
 from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
@@ -64,7 +66,8 @@ ALLOWED_DEATHS = 3
 HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, this) of silence
 
 
-_RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat, RelayReport)  # events that move nothing but a rank's consumed step
+# events that move nothing but a rank's consumed step
+_RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat, RelayReport)
 
 
 def _rows_of(edges: np.ndarray, dps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -926,7 +929,6 @@ class CoordinatorState:
         # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too).
         # The summary in a header is O(1): this rank's costs and the step's balance, never every
         # rank's (that would make each step O(DP^2) to encode).
-        template = P.make(P.STEP_HEADER, step=plan.step, rank=-1, row_len=plan.row_capacity, plan={})
         # as Python floats: indexing a numpy array gives a numpy scalar per rank, slower to pack too
         rank_costs = np.asarray(plan.rank_costs, dtype=np.float64).tolist()
         naive_costs = np.asarray(plan.naive_rank_costs, dtype=np.float64).tolist()
@@ -938,10 +940,8 @@ class CoordinatorState:
             if trainer.via is not None:
                 relayed.setdefault(trainer.via, []).append((rank, d))
                 continue
-            summary = {"max_over_mean": ours, "naive_max_over_mean": naive, "rank_cost": rank_costs[d],
-                       "naive_rank_cost": naive_costs[d]}
-            self._send(trainer.identity, {**template, "rank": rank, "plan": summary}, refs[bounds[d]:bounds[d + 1]],
-                       counts[d])
+            self._send(trainer.identity, P.step_header(plan.step, rank, plan.row_capacity, ours, naive, rank_costs[d],
+                                                       naive_costs[d]), refs[bounds[d]:bounds[d + 1]], counts[d])
         costs = (np.asarray(rank_costs, dtype=np.float64), np.asarray(naive_costs, dtype=np.float64))
         for via, members in relayed.items():
             self._send_relay_step(via, members, plan, refs, counts, edges, costs, (ours, naive))
@@ -1115,7 +1115,8 @@ class CoordinatorState:
         for t in self.registry.trainers.values():
             if t.via is not None:
                 ranks.setdefault(t.via, []).append(t.rank)
-        return [{"relay_id": r.relay_id, "host": r.host, "address": r.address, "ranks": sorted(ranks.get(r.relay_id, [])),
+        return [{"relay_id": r.relay_id, "host": r.host, "address": r.address, "ranks": sorted(ranks.get(r.relay_id,
+                                                                                                         [])),
                  "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "queued": r.queued, "late_steps": r.late_steps}
                 for r in self.registry.relays.values()]
 

@@ -25,7 +25,8 @@ from . import events as E
 from . import instructions as I
 
 MAX_ENTRIES = 100_000
-MAX_BYTES = 4 << 20  # runtime.stimulus_log_mb: a chaos run of a few hundred steps fits; a long run keeps its recent past
+# runtime.stimulus_log_mb: a chaos run of a few hundred steps fits; a long run keeps its recent past
+MAX_BYTES = 4 << 20
 FORMAT = 1
 
 

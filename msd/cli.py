@@ -21,7 +21,7 @@ COMMANDS = {
     "plan": "msd.inspection:plan_command",
     "status": "coordinator.status_view:status",
     "report": "msd.inspection:report",
-    "relay": "trainer_client.relay_cli:relay",
+    "relay": "relay.cli:relay",
     "worker": "worker.cli:worker",
 }
 

@@ -97,7 +97,8 @@ def mix(address: str, at_step: int, timeout_s: float, keys_dir: str | None, weig
                    "join with msd worker.")
 @click.option("--max-worker-procs", default=None, type=click.IntRange(min=1),
               help="With --worker-procs auto: the most worker processes here (default: the CPU count).")
-@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS,
+              help="Log lines of this level and above.")
 def coordinator(config_path: str, bind: str, state_dir: str | None, allow_config_change: bool, standby: bool,
                 metrics_port: int | None, metrics_host: str, worker_procs: str | None, max_worker_procs: int | None,
                 log_level: str) -> None:

@@ -96,7 +96,8 @@ def eval_sets(job: JobConfig, planner, known) -> dict[str, Any]:
         costs = [float((refs[:, 2].astype(np.float64) ** 2).sum() * job.cost.quadratic
                        + refs[:, 2].astype(np.float64).sum() * job.cost.linear) for refs, _, _ in layout.values()]
         out[cfg.name] = {"records": int(len(records)), "tokens": int(lengths[lengths > 0].sum()),
-                         "by_source": {job.sources[s].name: int((sources == s).sum()) for s in np.unique(sources).tolist()},
+                         "by_source": {job.sources[s].name: int((sources == s).sum())
+                                       for s in np.unique(sources).tolist()},
                          "micro_batches_per_rank": micro_batches,
                          "max_over_mean": round(max(costs) / (sum(costs) / len(costs)), 4) if sum(costs) else 1.0}
     return out

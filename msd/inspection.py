@@ -192,12 +192,14 @@ def plan_command(job_file: str, steps: int, dp: int | None, seq_len: int | None,
             click.echo(f"  the stream ends: {st['end']}")
     if measure:
         w = report["workers"]
-        click.echo("reading cost: " + ", ".join(f"{n} {1e6 * s:.2f} us/token" for n, s in w["seconds_per_token"].items()))
+        click.echo("reading cost: " + ", ".join(f"{n} {1e6 * s:.2f} us/token" for n,
+                                                s in w["seconds_per_token"].items()))
         for st in w["stages"]:
             click.echo(f"stage {st['stage']}: {st['worker_seconds_per_step']:.3f} worker-seconds per step -> "
                        f"{st['worker_processes']} worker process(es) at {step_time_s:g} s per step")
     for name, e in report.get("eval", {}).items():
-        click.echo(f"eval set {name}: {e['records']} records ({', '.join(f'{k} {v}' for k, v in e['by_source'].items())}), "
+        click.echo(f"eval set {name}: {e['records']} records "
+                   f"({', '.join(f'{k} {v}' for k, v in e['by_source'].items())}), "
                    f"{e['tokens']} tokens, {e['micro_batches_per_rank']} micro-batch(es) per rank, max/mean rank cost "
                    f"{e['max_over_mean']:.3f}")
     if report["skipped_records"]:

@@ -73,7 +73,8 @@ class LocalLengths:
     def _field(self, source: int, positions: np.ndarray, k: int) -> np.ndarray:
         stream = self.planner.streams[source]
         epochs = self._epochs(source, positions)
-        return np.array([self._read(source, stream.record_at(int(p)), e)[k] for p, e in zip(positions.tolist(), epochs)],
+        return np.array([self._read(source, stream.record_at(int(p)), e)[k] for p, e in zip(positions.tolist(),
+                                                                                            epochs)],
                         dtype=np.int64)
 
     def lengths(self, source: int, records: np.ndarray, epochs: list[int] | None = None) -> np.ndarray:

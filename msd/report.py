@@ -57,7 +57,8 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
         plan = next(replay.plan_from(step))
         balance.append((step, imbalance(plan.rank_costs), imbalance(plan.naive_rank_costs)))
     return {"job": replay.job.path, "digest": replay.job.digest(), "dp": replay.job.dp, "names": names,
-            "steps": mix_steps, "cumulative_distance": cumulative_distance, "realised_share": realised_share, "target_share": target_share,
+            "steps": mix_steps, "cumulative_distance": cumulative_distance, "realised_share": realised_share,
+            "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
             "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
             "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir)}
@@ -241,7 +242,8 @@ def write_report(data: dict[str, Any], out: str) -> None:
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msd report: {e(data['job'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} img{{max-width:100%;height:auto}} td:first-child{{text-align:left}}</style></head>
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} img{{max-width:100%;height:auto}}
+td:first-child{{text-align:left}}</style></head>
 <body>
 <h1>msd report</h1>
 <p>Job <code>{e(data['job'])}</code>, digest <code>{e(data['digest'])}</code>, dp={data['dp']};

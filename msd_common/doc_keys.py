@@ -18,7 +18,8 @@ def doc_key(source: Any, record: Any) -> Any:
         return (source << RECORD_BITS) | record
     import numpy as np
 
-    return (np.asarray(source, dtype=np.uint64) << np.uint64(RECORD_BITS)) | np.asarray(record).astype(np.uint64, copy=False)
+    return (np.asarray(source, dtype=np.uint64) << np.uint64(RECORD_BITS)) | np.asarray(record).astype(np.uint64,
+                                                                                                       copy=False)
 
 
 def split_doc_key(key: Any) -> tuple[Any, Any]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .doc_keys import MAX_SOURCES
-from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES,
+from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS,
+                             DEFAULT_MAX_RECORD_BYTES,
                              DEFAULT_MAX_SAMPLE_S, DEFAULT_PATCH_SIZE)
 from .topology import DEFAULT_ORDER, DELIVERY
 
@@ -62,10 +63,12 @@ KEYS: tuple[Key, ...] = (
     Key(f"{SRC}.format", "jsonl | megatron | parquet | arrow | webdataset", "required", "How the files are read."),
     Key(f"{SRC}.paths", "list of strings (or one string)", "required", "Glob patterns of the shards, relative to "
         "the job file, or URLs (`s3://`, `gs://`, ...). Megatron: the `.bin`/`.idx` prefix or the `.bin` files."),
-    Key(f"{SRC}.text_key", "string", f"text (webdataset: {DEFAULT_CAPTION_KEY})", "JSONL key or Parquet/Arrow column of the text; "
+    Key(f"{SRC}.text_key", "string", f"text (webdataset: {DEFAULT_CAPTION_KEY})",
+        "JSONL key or Parquet/Arrow column of the text; "
         "WebDataset: the key of the caption in a JSON caption entry."),
     Key(f"{SRC}.tokenizer", "string", "byte", "`byte` (bytes as ids 0-255, end of document 256), or the path of a "
-        "Hugging Face `tokenizer.json` or of a directory holding one (and `tokenizer_config.json` with a chat template)."),
+        "Hugging Face `tokenizer.json` or of a directory holding one (and `tokenizer_config.json` with a chat "
+        "template)."),
     Key(f"{SRC}.eod_id", "integer", "the tokenizer's", "End-of-document id appended to every document."),
     Key(f"{SRC}.long_docs", "split | truncate | drop", "split (whole: truncate)", "A document longer than a row: "
         "cut into pieces (`split`), cut to one row (`truncate`), or skipped and counted (`drop`)."),
@@ -76,11 +79,14 @@ KEYS: tuple[Key, ...] = (
     Key(f"{SRC}.tokens_key", "string", "none", "Parquet/Arrow: a list-of-integers column of token ids, used as "
         "stored (no tokenizer)."),
     Key(f"{SRC}.image_token_id", "integer", "none", "Image sources: the placeholder id, one per image patch."),
-    Key(f"{SRC}.max_pixels", "integer", str(DEFAULT_MAX_PIXELS), "Image sources: images are scaled down to at most this many "
+    Key(f"{SRC}.max_pixels", "integer", str(DEFAULT_MAX_PIXELS),
+        "Image sources: images are scaled down to at most this many "
         "pixels."),
-    Key(f"{SRC}.patch_size", "integer", str(DEFAULT_PATCH_SIZE), "Image sources: square patches of this many pixels a side; the same "
+    Key(f"{SRC}.patch_size", "integer", str(DEFAULT_PATCH_SIZE),
+        "Image sources: square patches of this many pixels a side; the same "
         "for every image source of a job."),
-    Key(f"{SRC}.max_record_bytes", "integer", str(DEFAULT_MAX_RECORD_BYTES), "A record with more stored bytes is skipped as poison "
+    Key(f"{SRC}.max_record_bytes", "integer", str(DEFAULT_MAX_RECORD_BYTES),
+        "A record with more stored bytes is skipped as poison "
         "(checked before it is decoded)."),
     Key(f"{SRC}.max_image_pixels", "integer", str(DEFAULT_MAX_IMAGE_PIXELS), "WebDataset and processor sources: an "
         "image whose header declares more pixels skips its record as poison."),

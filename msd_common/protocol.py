@@ -19,7 +19,10 @@ from typing import Any, Callable
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 12  # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved, job_failed to workers, hosts and relays; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays; 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+# 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved,
+# job_failed to workers, hosts and relays; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays;
+# 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
+PROTOCOL_VERSION = 12
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -383,7 +386,8 @@ UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
 
 # trainer -> coordinator
 TRAINER_HELLO = _msg(
-    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(), incarnation=integer(),
+    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(),
+    incarnation=integer(),
     metadata_only=integer(0, 1),  # a middle pipeline stage asking for the packing metadata
     # the coordinator's state before resume_step, from the trainer's checkpoint (None: not carried):
     # a coordinator without a state dir resumes from it
@@ -443,7 +447,8 @@ JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 # extras: a processor's arrays ([name, dtype, row shape, per_token]); extra_rows: [items x extras] rows of each,
 # 0 or the item's length for a per-token one; then a trailing frame per item and extra with rows (its bytes),
 # item after item, extra after extra
-PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts", "<u4"),
+PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts",
+                                                                                                    "<u4"),
               ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), ArraySpec("extra_rows", "<u4"),
               check=_check_pieces, tail=MAX_EXTRA_FRAMES, step=integer(), rank=integer(), dtype=text(8),
               patch_bytes=integer(0, 1 << 24),
@@ -451,7 +456,8 @@ PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens
 
 # relay (one per trainer host, `msd relay`) -> coordinator. data_address: where workers push the pieces of
 # its ranks (one connection per worker process and relay, whatever the number of its ranks)
-# local: the endpoint its ranks reach it at (a relay started again on a host, at the same endpoint, replaces the old one)
+# local: the endpoint its ranks reach it at (a relay started again on a host, at the same endpoint, replaces the old
+# one)
 RELAY_HELLO = _msg("relay_hello", version=integer(), host=text(), data_address=text(), local=text(),
                    incarnation=integer())
 # ranks: the ranks behind it that are alive (their heartbeats stop at the relay); the rest: its counters
@@ -539,6 +545,16 @@ def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType
     if any(spec.dtype is None for spec in kind.arrays) and header["dtype"] not in TOKEN_DTYPES:
         raise ProtocolError(f"{name}: dtype {header['dtype']!r} not one of {TOKEN_DTYPES}")
     return kind
+
+
+def step_header(step: int, rank: int, row_len: int, max_over_mean: float, naive_max_over_mean: float,
+                rank_cost: float, naive_rank_cost: float) -> dict[str, Any]:
+    """A rank's step_header (its recipe and counts follow as arrays): written by the coordinator
+    for a rank it serves directly and by a relay from a relay_step, the same either way. The plan
+    summary is O(1): this rank's costs and the step's balance, never every rank's."""
+    return {"type": STEP_HEADER.name, "step": step, "rank": rank, "row_len": row_len,
+            "plan": {"max_over_mean": max_over_mean, "naive_max_over_mean": naive_max_over_mean,
+                     "rank_cost": rank_cost, "naive_rank_cost": naive_rank_cost}}
 
 
 def make(kind: MessageType, **fields: Any) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 `operator` - as ZeroMQ certificate files (`ROLE.key` public, `ROLE.key_secret` secret) and copies
 the worker, trainer and operator public keys into `DIR/authorized/`. The operator's key is the
 one for tools (`msd mix`, `msd status`): the coordinator takes requests that change the plan only
-from a key whose authorised file is named `operator*.key`; any authorised key may read status. Servers (the coordinator's ROUTER, each
+from a key whose authorised file is named `operator*.key`; any authorised key may read status. Servers (the
+coordinator's ROUTER, each
 trainer's data PULL) accept only clients whose public key is in `authorized/`; clients
 (workers, trainers) know the server's public key. A process outside the job, or one given
 another key set, completes no handshake: it cannot register, send or receive anything.
@@ -110,7 +111,8 @@ def start_authenticator(ctx: zmq.Context, directory: str):
 
 
 _FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the coordinator refused this process's key (it is not among the job's authorised keys)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the coordinator refused this process's key (it is not among the job's authorised "
+                                     "keys)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the two sides disagree on security (one uses CURVE, the other does not)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake failed (a plain peer meeting a CURVE one, or keys "
                                           "of another job)",

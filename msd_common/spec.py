@@ -20,7 +20,8 @@ import orjson
 from .doc_keys import MAX_SOURCES
 from .errors import MsdError
 from .formats.errors import SourceFormatError
-from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_MAX_RECORD_BYTES,
+from .formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS,
+                             DEFAULT_MAX_RECORD_BYTES,
                              DEFAULT_MAX_SAMPLE_S, DEFAULT_PATCH_SIZE)
 from .formats.records import FORMATS
 from .formats.storage import SECRET_KEYS, is_url, store_for
@@ -932,7 +933,8 @@ def _eval_sets(c: _Checker, raw: Any, names: list[str]) -> tuple[EvalSetConfig, 
             elif type(amount) is int and amount >= 1:
                 holdout.append((names.index(src), amount))
             else:
-                c.bad(where, f"expected a share (a number between 0 and 1) or a count (an integer >= 1), got {amount!r}")
+                c.bad(where,
+                      f"expected a share (a number between 0 and 1) or a count (an integer >= 1), got {amount!r}")
         sources = spec.get("sources", [])
         if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
             c.bad(f"{key}.sources", "expected a list of source names")

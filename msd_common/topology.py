@@ -21,7 +21,8 @@ import numpy as np
 AXES = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
 DELIVERY = ("tp_leader", "all")
-METADATA = ("cu_seqlens", "doc_keys", "doc_offsets", "piece_lengths", "pieces_per_row", "num_tokens", "cu_seqlens_padded",
+METADATA = ("cu_seqlens", "doc_keys", "doc_offsets", "piece_lengths", "pieces_per_row", "num_tokens",
+            "cu_seqlens_padded",
             "cp_cu_seqlens", "cp_index")
 FIRST_STAGE = ("tokens", "position_ids", "pixel_patches", "patches_per_image", "image_positions")
 LAST_STAGE = ("labels", "loss_mask")

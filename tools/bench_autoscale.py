@@ -57,7 +57,8 @@ def make_data(root: str, images: int) -> None:
     os.makedirs(os.path.join(root, "images"), exist_ok=True)
     per_shard = 100
     for shard in range(-(-images // per_shard)):
-        write_webdataset(os.path.join(root, "images", f"img-{shard:03d}.tar"), min(per_shard, images - shard * per_shard),
+        write_webdataset(os.path.join(root, "images", f"img-{shard:03d}.tar"), min(per_shard,
+                                                                                   images - shard * per_shard),
                          seed=shard, sizes=(320, 800), formats=("jpg", "jpg", "png", "webp"))
     tok = ByteTokenizer()
     texts = captions()
@@ -170,7 +171,8 @@ def main() -> None:
                     help="the second source: image-text samples, or text through a slow transform")
     ap.add_argument("--transform-ms", type=float, default=2.0, help="--case slow-transform: CPU ms per record")
     ap.add_argument("--data-dir", default=os.path.join(os.environ.get("MSD_CACHE_DIR") or
-                                                       os.path.expanduser("~/.cache/megascale-data"), "bench-autoscale"))
+                                                       os.path.expanduser("~/.cache/megascale-data"),
+                                                       "bench-autoscale"))
     args = ap.parse_args()
     make_data(args.data_dir, args.images)
     runs: dict[str, list[dict]] = {"fixed": [], "adaptive": []}

@@ -192,8 +192,10 @@ def main() -> None:
                     r = measure(mix, lengths, dp, seq_len, slack, args.steps, methods)
                     r["mix"] = mix
                     results.append(r)
-                    print(f"{mix:10s} dp={dp:3d} seq={seq_len:5d} slack={slack}: greedy {r['max_over_mean']['greedy']:.3f}"
-                          f" (LB ratio {r['greedy_over_lower_bound']:.3f}) arrival {r['max_over_mean']['arrival_order']:.3f}"
+                    print(f"{mix:10s} dp={dp:3d} seq={seq_len:5d} slack={slack}: greedy "
+                          f"{r['max_over_mean']['greedy']:.3f}"
+                          f" (LB ratio {r['greedy_over_lower_bound']:.3f}) arrival "
+                          f"{r['max_over_mean']['arrival_order']:.3f}"
                           f" plan {r['plan_ms_greedy']:.1f} ms", file=sys.stderr)
     with_slack = [r for r in results if r["token_slack"] == 0.5 and not r["lower_bound_is_one_piece"]]
     at_512 = [r for r in results if r["dp"] == 512 and r["step_tokens"] == STEP_TOKENS]

@@ -216,7 +216,8 @@ def main() -> None:
     cache = os.path.join(args.data_dir, "cache")
     job = os.path.join(args.data_dir, "job.yaml")
     with open(job, "w") as f:
-        yaml.safe_dump({"seed": 1, "sources": {"text": {"format": "jsonl", "paths": [os.path.join(root, "*.jsonl.zst")]}},
+        yaml.safe_dump({"seed": 1, "sources": {"text": {"format": "jsonl", "paths": [os.path.join(root,
+                                                                                                  "*.jsonl.zst")]}},
                         "batch": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8},
                         "topology": {"dp": 8}, "mixture": {"weights": {"text": 1.0}},
                         "runtime": {"cache_dir": cache, "copies": args.copies}}, f)

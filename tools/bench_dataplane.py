@@ -102,8 +102,6 @@ def run_ours(root: str, prefix: str, steps: int) -> float:
 
 
 def _bare_receiver(address: str, messages: int, assemble: bool, out) -> None:
-    from trainer_client.assemble import assemble_micro_batch
-
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(address)

@@ -12,7 +12,8 @@ Designs (same sources, same weights, same simulated trainer):
   BlendedDataset over S pre-tokenized Megatron sources (memory-mapped), read through a
   DataLoader with W workers and Megatron's sampler order; no attention mask is built (THD).
 - `ours`: one coordinator, W x R / k worker processes in total (k = --k, default 4; or
-  --procs N, or --procs auto: the coordinator sizes them by the work), R DataClients, greedy balance with token_slack 0.5, over the JSONL sources. The coordinator and
+  --procs N, or --procs auto: the coordinator sizes them by the work), R DataClients, greedy balance with token_slack
+  0.5, over the JSONL sources. The coordinator and
   the worker host agent are the `msd coordinator` and `msd worker` commands, started as a user
   starts them (not children of this script, which would carry its imports); with
   --worker-host coordinator, one command: `msd coordinator --worker-procs N|auto` (the host's
@@ -164,7 +165,8 @@ def make_large_data(root: str, sources: int, docs: int) -> tuple[list[str], list
         base_means.append(float(np.mean(token_counts)))
     for s in range(sources):
         family = "long" if s % 2 == 1 else "short"
-        base, base_prefix = os.path.join(root, f"base-{family}.jsonl"), os.path.join(root, f"base-{family}_text_document")
+        base, base_prefix = os.path.join(root, f"base-{family}.jsonl"), os.path.join(root,
+                                                                                     f"base-{family}_text_document")
         for src, dst in ((base, jsonl[s]), (base + INDEX_SUFFIX, jsonl[s] + INDEX_SUFFIX),
                          (base_prefix + ".bin", prefixes[s] + ".bin"), (base_prefix + ".idx", prefixes[s] + ".idx")):
             if os.path.exists(dst):
@@ -399,7 +401,7 @@ def run_point(point: dict, designs: list[str], k: int, args, root: str) -> dict:
 
 
 def data_root(args, point: dict) -> str:
-    name = f"s{point['sources']}x{args.docs_per_source}" if point["sources"] >= LARGE_SOURCES else f"s{point['sources']}"
+    name = f"s{point['sources']}" + (f"x{args.docs_per_source}" if point["sources"] >= LARGE_SOURCES else "")
     return os.path.join(args.data_dir, name)
 
 
@@ -478,7 +480,8 @@ def _processes(g: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The grid as a markdown table (docs/BENCHMARKS.md)."""
-    rows = ["| R | S | context | k (worker processes) | steps/s torch / megatron / ours | data wait (ours) | max/mean cost torch / megatron / ours "
+    rows = ["| R | S | context | k (worker processes) | steps/s torch / megatron / ours | data wait (ours) | max/mean "
+            "cost torch / megatron / ours "
             "| PSS MB torch / megatron / ours | throughput ratio (ideal) | memory ratio |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for g in result["grid"]:
@@ -486,12 +489,14 @@ def markdown(result: dict) -> str:
         get = lambda d, k, f: f.format(g[d][k]) if d in g else "-"  # noqa: E731
         ranks = p["ranks"] if p["workers"] == 4 else f"{p['ranks']}, W = {p['workers']}"  # baselines' workers per rank
         rows.append(
-            f"| {ranks} | {p['sources']} | {p['seq_len'] // 1024}k | {'-' if g.get('fixed_procs') or 'ours' not in g else g['k']} "
+            f"| {ranks} | {p['sources']} | {p['seq_len'] // 1024}k | "
+            f"{'-' if g.get('fixed_procs') or 'ours' not in g else g['k']} "
             f"({_processes(g)}) "
             f"| {get('torch', 'steps_per_s', '{:.2f}')} / {get('megatron', 'steps_per_s', '{:.2f}')} / "
             f"{get('ours', 'steps_per_s', '{:.2f}')} | {get('ours', 'data_wait_share', '{:.1%}')} "
             f"| {get('torch', 'max_over_mean_rank_cost', '{:.3f}')} / "
-            f"{get('megatron', 'max_over_mean_rank_cost', '{:.3f}')} / {get('ours', 'max_over_mean_rank_cost', '{:.3f}')} "
+            f"{get('megatron', 'max_over_mean_rank_cost', '{:.3f}')} / "
+            f"{get('ours', 'max_over_mean_rank_cost', '{:.3f}')} "
             f"| {get('torch', 'loader_pss_mb', '{:.0f}')} / {get('megatron', 'loader_pss_mb', '{:.0f}')} / "
             f"{get('ours', 'loader_pss_mb', '{:.0f}')} "
             + (f"| {g['throughput_ratio']:.3f} ({g['ideal_throughput_ratio']:.3f}) | {g['memory_ratio']:.2f} |"
@@ -522,7 +527,8 @@ def main() -> None:
     ap.add_argument("--docs-per-source", type=int, default=100_000,
                     help=f"documents per source at points of {LARGE_SOURCES} sources or more")
     ap.add_argument("--designs", default="torch,megatron,ours")
-    ap.add_argument("--points", default=None, help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext[xW]: W DataLoader "
+    ap.add_argument("--points", default=None,
+                    help="only these points, e.g. 2x4x32768,8x64x32768 (RxSxcontext[xW]: W DataLoader "
                          "workers per rank of the baselines, 4 unless given)")
     ap.add_argument("--plots", default=None, help="write PNG plots here")
     ap.add_argument("--data-dir", default=os.path.join(os.environ.get("MSD_CACHE_DIR") or

@@ -216,7 +216,8 @@ def summarise(predicted: list[float], measured: list[float]) -> dict:
     p, m = statistics.median(predicted), statistics.median(measured)
     return {"predicted_max_over_mean": round(p, 4), "measured_max_over_mean": round(m, 4),
             "relative_error": round(abs(p - m) / m, 4),
-            "mean_predicted": round(statistics.mean(predicted), 4), "mean_measured": round(statistics.mean(measured), 4),
+            "mean_predicted": round(statistics.mean(predicted), 4), "mean_measured": round(statistics.mean(measured),
+                                                                                           4),
             "per_step_relative_error_median": round(statistics.median(abs(a - b) / b for a, b in
                                                                       zip(predicted, measured)), 4),
             "per_step": [[round(a, 3), round(b, 3)] for a, b in zip(predicted, measured)]}

@@ -204,7 +204,8 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     finally:
         client.close()
         cluster.close()
-    return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds, "samples_per_s_per_worker": got / seconds,
+    return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds,
+            "samples_per_s_per_worker": got / seconds,
             "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
             "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb}}
 
@@ -292,7 +293,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--records", type=int, default=600)
-    ap.add_argument("--samples", type=int, default=400, help="samples timed per throughput round (fewer than --records: no record twice)")
+    ap.add_argument("--samples", type=int, default=400,
+                    help="samples timed per throughput round (fewer than --records: no record twice)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="steps of the balance measurement")
     ap.add_argument("--balance-records", type=int, default=12_000)

@@ -114,7 +114,8 @@ def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: st
                 raise SkipSample()
             arrays = {k: np.asarray(out[k]) for k in ("pixel_values", "image_grid_thw") if k in out}
             patches = len(arrays["pixel_values"]) if "pixel_values" in arrays else 0
-            return Encoded.derive_from(sample, tokens=tokens, mask=np.asarray(out["assistant_masks"])[0].astype(np.uint8),
+            return Encoded.derive_from(sample, tokens=tokens,
+                                       mask=np.asarray(out["assistant_masks"])[0].astype(np.uint8),
                                        arrays=arrays, patches=patches)
 
         def select_samples_to_pack(self, samples: list) -> list[list]:

@@ -106,7 +106,8 @@ def main() -> None:
             for d in order:
                 r = run_once(d, compute_ms, a, corpus, work)
                 runs.append(r)
-                print(f"# {d} {compute_ms:g} ms: wait {100 * r['data_wait_share']:.2f}%, {r['steps_per_s']:.2f} steps/s, "
+                print(f"# {d} {compute_ms:g} ms: wait {100 * r['data_wait_share']:.2f}%, {r['steps_per_s']:.2f} "
+                      f"steps/s, "
                       f"{r['tokens_per_s'] / 1e6:.2f} M tokens/s, PSS {r['loader_pss_mb']:.0f} MB", file=sys.stderr,
                       flush=True)
     table = {}

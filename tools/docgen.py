@@ -76,15 +76,18 @@ def cli_md() -> str:
     out = []
     for name, cmd in commands():
         ctx = click.Context(cmd, info_name=name)
-        out += [f"### `{name}`", "", (cmd.help or "").strip(), "", "```text", f"{name} {' '.join(cmd.collect_usage_pieces(ctx))}", "```", ""]
+        out += [f"### `{name}`", "", (cmd.help or "").strip(), "", "```text",
+                f"{name} {' '.join(cmd.collect_usage_pieces(ctx))}", "```", ""]
         rows = []
         for p in cmd.params:
             if isinstance(p, click.Option):
                 flags = ", ".join(_name(o) for o in p.opts + p.secondary_opts)
                 unset = p.default is None or type(p.default).__name__ == "Sentinel" or p.is_flag
                 default = "" if unset or p.default in ((), "") else f"`{p.default}`"
-                kind = "flag" if p.is_flag else _cell(p.make_metavar(ctx) if hasattr(p, "make_metavar") else p.type.name)
-                rows.append(f"| {flags} | {kind} | {default} | {_cell(p.help or '')}{' (required)' if p.required else ''} |")
+                kind = "flag" if p.is_flag else _cell(p.make_metavar(ctx) if hasattr(p,
+                                                                                     "make_metavar") else p.type.name)
+                rows.append(f"| {flags} | {kind} | {default} | "
+                            f"{_cell(p.help or '')}{' (required)' if p.required else ''} |")
             elif isinstance(p, click.Argument):
                 rows.append(f"| {_name(p.human_readable_name)} | argument | | {_cell(getattr(p, 'doc', '') or '')} |")
         if rows:
@@ -119,7 +122,8 @@ def metric_families() -> list[tuple[str, str, str, str, tuple[str, ...]]]:
 def metrics_md() -> str:
     out = ["| metric | type | labels | served by | meaning |", "|---|---|---|---|---|"]
     for name, kind, doc, process, labels in metric_families():
-        out.append(f"| {_name(name, breaks='_')} | {kind} | {', '.join(f'`{x}`' for x in labels)} | {process} | {_cell(doc)} |")
+        out.append(f"| {_name(name, breaks='_')} | {kind} | {', '.join(f'`{x}`' for x in labels)} | {process} | "
+                   f"{_cell(doc)} |")
     return "\n".join(out) + "\n"
 
 
@@ -138,7 +142,8 @@ def protocol_md() -> str:
            "| message | received by | header fields | array frames |", "|---|---|---|---|"]
     for name, m in sorted(p.ALL_TYPES.items()):
         to = ", ".join(role for role, inbox in inboxes.items() if name in inbox)
-        arrays = ", ".join(f"`{a.name}`" + (f" ({', '.join(a.columns._fields)})" if a.columns else "") for a in m.arrays)
+        arrays = ", ".join(f"`{a.name}`" + (f" ({', '.join(a.columns._fields)})" if a.columns else "")
+                           for a in m.arrays)
         if m.tail:
             arrays += f", then up to {m.tail} more frames (a processor's arrays, one per item and array)"
         out.append(f"| {_name(name)} | {to} | {', '.join(f'`{f}`' for f in m.fields)} | {arrays} |")

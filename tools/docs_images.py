@@ -1,7 +1,9 @@
 """The pictures in the documentation, made again from a real job:
 
-    python tools/docs_images.py --status tcp://127.0.0.1:5555 --out docs/img/status.svg   # msd status, as a terminal shows it
-    python tools/docs_images.py --report STATE_DIR --out docs/img/report.png             # msd report's page at 1280 pixels
+    python tools/docs_images.py --status tcp://127.0.0.1:5555 --out docs/img/status.svg   # msd status, as a terminal
+    shows it
+    python tools/docs_images.py --report STATE_DIR --out docs/img/report.png             # msd report's page at 1280
+    pixels
 
 The report is opened in headless Chromium (tests/browser.py) and cut to its first 1,250 pixels.
 """

@@ -3,9 +3,9 @@ module is for (its docstring's first sentence). tests/unit/test_floors.py checks
 architecture page shows the picture and the module map generated here (tools/docgen.py), so
 neither can drift from the code.
 
-    msd                                   the `msd` command; what composes several roles
-    coordinator   worker   trainer_client the roles: none imports another, nor msd
-    msd_common                            the floor they share
+    msd                                          the `msd` command; what composes several roles
+    coordinator   worker   relay   trainer_client the roles: none imports another, nor msd
+    msd_common                                   the floor they share
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import html
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("msd_common", "coordinator", "worker", "trainer_client", "msd")
+PACKAGES = ("msd_common", "coordinator", "worker", "relay", "trainer_client", "msd")
+ROLES = ("coordinator", "worker", "relay", "trainer_client")
 ALLOWED = {  # what each package may import of the others
     "msd_common": set(),
     "coordinator": {"msd_common"},
     "worker": {"msd_common"},
+    "relay": {"msd_common"},
     "trainer_client": {"msd_common"},
-    "msd": {"msd_common", "coordinator", "worker", "trainer_client"},
+    "msd": {"msd_common", "coordinator", "worker", "relay", "trainer_client"},
 }
 ROLE = {"msd_common": "the floor every role shares", "coordinator": "role: plans, one per job",
-        "worker": "role: reads and makes samples", "trainer_client": "role: in each trainer rank",
+        "worker": "role: reads and makes samples", "relay": "role: one per trainer host",
+        "trainer_client": "role: in each trainer rank",
         "msd": "the msd command: composes roles"}
 
 
@@ -82,14 +85,14 @@ def summary(path: str) -> str:
 
 def floors_svg(graph: dict[str, set[str]]) -> str:
     """The packages as boxes on their floors, an arrow for each package import found in the code."""
-    pos = {"msd": (300, 20), "coordinator": (40, 130), "worker": (300, 130), "trainer_client": (560, 130),
-           "msd_common": (300, 240)}
-    w, h = 200, 56
-    parts = ['<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 800 316" width="100%" style="max-width: 800px" '
+    pos = {"msd": (400, 20), "coordinator": (20, 130), "worker": (270, 130), "relay": (520, 130),
+           "trainer_client": (770, 130), "msd_common": (400, 240)}
+    w, h = 210, 56
+    parts = ['<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 1000 316" width="100%" style="max-width: 1000px" '
              'font-family="Helvetica, Arial, sans-serif" font-size="13">',
              '<defs><marker id="f" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
              'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
-             '<rect width="800" height="316" fill="#fff"/>']
+             '<rect width="1000" height="316" fill="#fff"/>']
     for src in PACKAGES:
         for dst in sorted(graph[src]):
             (x1, y1), (x2, y2) = pos[src], pos[dst]
@@ -104,7 +107,7 @@ def floors_svg(graph: dict[str, set[str]]) -> str:
             parts.append(f'<line x1="{a[0]}" y1="{a[1]}" x2="{b[0]}" y2="{b[1]}" stroke="{colour}" '
                          'marker-end="url(#f)"/>')
     for package, (x, y) in pos.items():
-        fill = "#eef3fd" if package in ("coordinator", "worker", "trainer_client") else "#f4f4f4"
+        fill = "#eef3fd" if package in ROLES else "#f4f4f4"
         parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="{fill}" stroke="#3056c7"/>')
         parts.append(f'<text x="{x + w / 2}" y="{y + 23}" text-anchor="middle" font-weight="bold">{package}/</text>')
         parts.append(f'<text x="{x + w / 2}" y="{y + 42}" text-anchor="middle" fill="#444">'
@@ -119,15 +122,13 @@ def floors_md(root: str = ROOT) -> str:
     out = [floors_svg(graph), "",
            "An arrow is an import found in the code (red: one against the floors; "
            "`tests/unit/test_floors.py` fails on it).", ""]
-    for package in ("msd_common", "coordinator", "worker", "trainer_client", "msd"):
+    for package in ("msd_common", *ROLES, "msd"):
         imports = ", ".join(f"`{p}`" for p in sorted(graph[package])) or "nothing of ours"
         out += [f"#### `{package}/`", "", f"{ROLE[package][0].upper()}{ROLE[package][1:]}; imports {imports}.", "",
                 "| module | what it is for |", "|---|---|"]
         for p, path in modules(root):
             if p == package and not path.endswith("__init__.py"):
                 text = summary(path)
-                if text.startswith("Moved to"):
-                    continue  # an old path kept for a release
                 name = os.path.relpath(path, os.path.join(root, package))
                 # (a module's name is not broken across lines: it is what a reader looks for)
                 out.append(f'| <code style="white-space: nowrap">{name}</code> | {text.replace("|", "/")} |')

@@ -260,7 +260,8 @@ def step_gain(timer: Timer, args: argparse.Namespace, coefficients: dict, deadli
     return {"steps": steps, "msd_step_s_mean": msd / len(steps), "arrival_order_step_s_mean": arrival / len(steps),
             "gain": 1 - msd / arrival,
             "msd_max_over_mean_median": float(np.median([s["msd"]["max_over_mean"] for s in steps])),
-            "arrival_order_max_over_mean_median": float(np.median([s["arrival_order"]["max_over_mean"] for s in steps]))}
+            "arrival_order_max_over_mean_median": float(np.median([s["arrival_order"]["max_over_mean"]
+                                                                   for s in steps]))}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# fit from {fitted['samples']} micro-batches: {fitted['coefficients']} error {fitted['fit_error']} "
           f"(tokens only: {fitted['tokens_only_error']})", file=sys.stderr)
     gain = step_gain(timer, args, fitted["coefficients"], end - 10)
-    result = {"benchmark": "gpu_costs", "command": "python tools/gpu_costs.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"benchmark": "gpu_costs",
+              "command": "python tools/gpu_costs.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
               "settings": {k: v for k, v in vars(args).items() if k != "json"},

@@ -29,7 +29,8 @@ def main() -> None:
         for i, batch in enumerate(batches(client)):
             tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
             psp = batch["packed_seq_params"]
-            print(f"micro-batch {i}: tokens {tuple(tokens.shape)}, {int(loss_mask.sum())} loss tokens, "
+            print(f"micro-batch {i}: tokens and labels {tuple(tokens.shape)}/{tuple(labels.shape)}, "
+                  f"{int(loss_mask.sum())} loss tokens, "
                   f"{len(psp['cu_seqlens_q']) - 1} segments, longest {psp['max_seqlen_q']}")
             if client.next_step >= args.steps:
                 break

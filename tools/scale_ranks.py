@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from msd_common import protocol as P  # noqa: E402
 from msd_common import wire  # noqa: E402
 from msd_common.topology import Topology  # noqa: E402
-from trainer_client.relay import step_headers  # noqa: E402
+from relay.core import step_headers  # noqa: E402
 from trainer_client.receiving import End, Forgotten, ReceivingState, Welcomed  # noqa: E402
 from msd_common.session import Registration  # noqa: E402
 from msd_common.sockets import make_socket, send_nowait, waiting  # noqa: E402
@@ -125,7 +125,7 @@ class LightRank:
 
 class SimRelay:
     """A trainer host's relay, simulated where it meets its ranks (in-process) and real where it
-    meets the coordinator and the workers (trainer_client/relay.py's protocol): one hello and one
+    meets the coordinator and the workers (relay/process.py's protocol): one hello and one
     heartbeat for the host, its ranks' `consumed` of a step gathered in one relay_up."""
 
     def __init__(self, ctx: zmq.Context, coordinator: str, index: int) -> None:
@@ -193,7 +193,8 @@ class SimRelay:
             self.queue, self.consumed = [], []
 
     def _up(self, messages: list[dict], consumed: list[tuple[int, int]]) -> None:
-        send_nowait(self.control, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=messages, ranks=sorted(self.ranks),
+        send_nowait(self.control, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=messages,
+                                         ranks=sorted(self.ranks),
                                          bytes_in=0, bytes_out=0, queued=0, late_steps=0),
                     np.array(consumed, dtype=np.int64).reshape(-1, 2), np.zeros(len(consumed)))
         self.registration.spoke(time.monotonic())

@@ -16,7 +16,8 @@ from msd_common.protocol import PROTOCOL_VERSION
 if TYPE_CHECKING:
     from .client import DataClient
 
-__all__ = ["CoordinatorStoppedError", "DataClient", "JobFailedError", "MsdError", "PeerLostError", "ProtocolError", "RejectedError",
+__all__ = ["CoordinatorStoppedError", "DataClient", "JobFailedError", "MsdError", "PeerLostError", "ProtocolError",
+           "RejectedError",
            "PROTOCOL_VERSION"]
 
 

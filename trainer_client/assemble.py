@@ -27,7 +27,8 @@ from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
 
-FIELD_BYTES = 8 + 8 + 4  # per token of a micro-batch: int64 label and position id, float32 loss mask (after its int64 token)
+# per token of a micro-batch: int64 label and position id, float32 loss mask (after its int64 token)
+FIELD_BYTES = 8 + 8 + 4
 
 
 RAMP_MIN_SEGMENT = 1024  # mean tokens per segment from which position ids are copied from a ramp

@@ -26,7 +26,8 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "is `batch.pad_id`."),
     BatchKey("position_ids", "int64", "[B, L]; [3, B, L] for mrope", "first pipeline stage", "Positions, restarting "
              "at 0 with each document piece. For a job whose processor uses multimodal rotary positions (Qwen2-VL, "
-             "Qwen2.5-VL, Qwen3-VL: `client.batch_shape[\"rope\"] == \"mrope\"`): the model's temporal, height and width rows, as its "
+             "Qwen2.5-VL, Qwen3-VL: `client.batch_shape[\"rope\"] == \"mrope\"`): the model's temporal, height and "
+             "width rows, as its "
              "`get_rope_index` gives them for each conversation; a text piece has its plain positions on all three."),
     BatchKey("labels", "int64", "[B, L]", "last pipeline stage", "The next token within the same document; "
              "`pad_id` elsewhere."),
@@ -69,7 +70,8 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("cu_seqlens_padded", "int32", "[S + 1]", "cp > 1", "Segment boundaries with each segment padded to a "
              "multiple of 2 x cp (rows are flattened to `[1, n]`)."),
     BatchKey("cp_cu_seqlens", "int32", "[S + 1]", "cp > 1", "This context-parallel rank's share of each segment."),
-    BatchKey("cp_index", "int64", "[n]", "cp > 1", "Position of each of this rank's tokens in the unsplit flattened micro-batch (-1: padding)."),
+    BatchKey("cp_index", "int64", "[n]", "cp > 1",
+             "Position of each of this rank's tokens in the unsplit flattened micro-batch (-1: padding)."),
 )
 
 

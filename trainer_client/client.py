@@ -29,7 +29,7 @@ from msd_common.errors import MsdError, PeerLostError, RejectedError
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
-from .relay import default_endpoint, rank_endpoint
+from msd_common.relay_endpoints import default_endpoint, rank_endpoint
 from .rank_core import Action, CoordinatorStopping, RankCore, Send, ToEvals, ToStateReplies, ToTrainer
 from .receiving import End, ReadyStep, ReceivingState, for_rank
 from msd_common.session import WAITING_HINT, PeerLoop, check_address, split_addresses

@@ -21,7 +21,8 @@ from msd_common.cli_params import LOG_LEVELS, coordinator_addresses
 @click.option("--metrics-port", type=int, default=None,
               help="Serve the worker processes' Prometheus metrics on this port (/metrics), one target per host.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Interface the metrics server binds.")
-@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS,
+              help="Log lines of this level and above.")
 def worker(address: str, procs: str, max_procs: int | None, keys_dir: str | None, metrics_port: int | None,
            metrics_host: str, log_level: str) -> None:
     """Run a worker host agent with N worker processes (or a number the coordinator sets)."""

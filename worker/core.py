@@ -364,7 +364,8 @@ class WorkerCore:
                     log.error("source %s: %s; this worker cannot serve the job, stopping", spec.name, e)
                     return [Quit(f"cannot import transform {spec.transform}")]
                 if spec.transform_hash and mine != spec.transform_hash:
-                    log.error("source %s: transform %s on this host (code %s) differs from the coordinator's (code %s); "
+                    log.error("source %s: transform %s on this host (code %s) differs from the coordinator's (code "
+                              "%s); "
                               "this worker cannot serve the job, stopping", spec.name, spec.transform, mine,
                               spec.transform_hash)
                     return [Quit(f"transform {spec.transform} differs from the coordinator's")]

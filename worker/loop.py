@@ -1,7 +1,8 @@
 """One worker process: a plain synchronous loop around a poller (msd_common.session.PeerLoop).
 
 It owns the sockets and nothing else: the control DEALER to the coordinator and one PUSH per
-trainer data address (`outbox.py`: sends that never block, a backlog per rank). Messages from the coordinator go to `WorkerCore.handle` (worker/core.py),
+trainer data address (`outbox.py`: sends that never block, a backlog per rank). Messages from the coordinator go to
+`WorkerCore.handle` (worker/core.py),
 and the loop carries out the actions it returns. The process may be killed at any moment; it
 exits when its host agent dies.
 """
@@ -24,7 +25,7 @@ from msd_common.logs import setup_logging
 from msd_common.session import PeerLoop, Registration
 from msd_common.sockets import make_socket, raise_fd_limit, send_nowait
 
-from .readers import storage
+from msd_common.formats import storage
 from .core import (Action, CoordinatorStopping, Forgotten, Quit, Registered, ReleaseRank, ToCoordinator, ToRank,
                    WorkerCore)
 from .metrics import prepared_tokens, worker_metrics

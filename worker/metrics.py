@@ -67,7 +67,7 @@ class WorkerMetrics:
             if send_waits > waits_then:
                 self.send_waits.inc(send_waits - waits_then)
         self._last = (now, busy_s, send_waits)
-        from .readers.storage import totals
+        from msd_common.formats.storage import totals
 
         current = totals()
         for counter, value, before in zip((self.storage_bytes, self.storage_requests, self.storage_retries), current,

@@ -15,7 +15,8 @@ from typing import Callable
 import numpy as np
 
 
-from msd_common.formats.limits import DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS, DEFAULT_PATCH_SIZE
+from msd_common.formats.limits import (DEFAULT_CAPTION_KEY, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_PIXELS,
+                                       DEFAULT_PATCH_SIZE)
 
 __all__ = ["DEFAULT_CAPTION_KEY", "DEFAULT_MAX_PIXELS", "DEFAULT_PATCH_SIZE", "ImageError", "fit", "to_patches",
            "patches_of_array"]

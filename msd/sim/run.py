@@ -26,7 +26,8 @@ from .roles import COORDINATOR, SimCoordinator, SimHost, SimTrainer, Violation
 from .world import World
 
 STALL_S = 60.0  # simulated seconds without a step, after the last fault healed, that count as a stall
-FAULT_KINDS = ("worker_crash", "host_lost", "partition", "congestion", "slow_worker", "trainer_restart", "trainer_pause",
+FAULT_KINDS = ("worker_crash", "host_lost", "partition", "congestion", "slow_worker", "trainer_restart",
+               "trainer_pause",
                "coordinator_crash", "coordinator_stop", "coordinator_pause")
 
 
@@ -58,7 +59,8 @@ def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
     job = {
         "seed": rng.randrange(1 << 20),
         "sources": {n: data.SOURCES[n] for n in names},
-        "batch": {"seq_len": rng.choice([128, 256, 512]), "micro_batch_size": mbs, "global_batch_size": dp * mbs * n_mb},
+        "batch": {"seq_len": rng.choice([128, 256, 512]), "micro_batch_size": mbs,
+                  "global_batch_size": dp * mbs * n_mb},
         "topology": {"dp": dp, "tp": tp},
         "mixture": {"weights": {n: round(rng.uniform(0.1, 1.0), 2) for n in names}},
         "runtime": {"heartbeat_s": 0.5, "prepare_batch": rng.choice([4, 8, 16, 32]),

@@ -28,7 +28,8 @@ def _stdlib_sources(limit: int = MAX_FILES) -> list[tuple[str, str]]:
     root = sysconfig.get_paths()["stdlib"]
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idlelib", "__pycache__"))
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idlelib",
+                                                              "__pycache__"))
         found.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
     out = []
     for path in sorted(found)[:limit]:

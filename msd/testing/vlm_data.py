@@ -150,7 +150,8 @@ def write_gemma3_processor(path: str, vocab_size: int = 600, pan_and_scan: bool 
     special tokens, and TRL's gemma3 training template."""
     os.makedirs(path, exist_ok=True)
     train_bpe(GEMMA3_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+              "pad_token": "<pad>",
               "add_bos_token": False, "model_max_length": 1 << 20,
               "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                        "image_token": "<image_soft_token>"}}

@@ -1,7 +1,8 @@
 """JSONL shards (.jsonl, .jsonl.gz, .jsonl.zst) with a cached line-offset index for direct access.
 
 The index is built by one scan and saved beside the shard as `<shard>.msdidx.npy`, or under the
-cache dir when the data dir is read-only or the job names one (`runtime.cache_dir`). It records the shard's size and mtime and is rebuilt
+cache dir when the data dir is read-only or the job names one (`runtime.cache_dir`). It records the shard's size and
+mtime and is rebuilt
 when they change. Compressed streams cannot be seeked, so a compressed shard is decompressed once
 into the same place (`<name>.msd.jsonl`) and read from there: disk traded for random access. With
 `runtime.copies: seekable` the copy is written instead in the Zstandard seekable format
@@ -403,7 +404,8 @@ class JsonlShard:
         # Lines are read with pread, not through a memory map: a worker touches a few lines of
         # many shards, and mapped pages would count in its resident memory (shared page cache).
         self.offsets = self._load_index(_sidecar_path(shard, INDEX_SUFFIX, cache_dir), stamp,
-                                        (lambda: found) if found is not None else (lambda: _scan_offsets(self.path, self.seekable)))
+                                        (lambda: found) if found is not None else (lambda: _scan_offsets(self.path,
+                                                                                                         self.seekable)))
 
     def _open_remote(self, cache_dir: str | None, storage: dict[str, Any] | None, cache_bytes: int | None,
                      copies: str = "plain") -> None:

@@ -58,7 +58,8 @@ class SourceRecords:
             self.shards = [JsonlShard(p, cache_dir, storage, cache_bytes, copies=copies) for p in files]
         elif fmt in TABLES:
             column = None if whole_records else (tokens_key or self.text_key)
-            self.shards = [ArrowShard(p, column, storage, cache_dir) if fmt == "arrow" else ParquetShard(p, column, storage)
+            self.shards = [ArrowShard(p, column, storage, cache_dir) if fmt == "arrow" else ParquetShard(p, column,
+                                                                                                         storage)
                            for p in files]
         elif fmt == "webdataset":
             self.shards = [WebDatasetShard(p, cache_dir, storage) for p in files]

@@ -72,7 +72,8 @@ def scan(path: str, fileobj: Any = None) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     try:
-        with (tarfile.open(fileobj=fileobj, mode="r|") if fileobj is not None else tarfile.open(path, mode="r:")) as tar:
+        with (tarfile.open(fileobj=fileobj, mode="r|") if fileobj is not None else tarfile.open(path,
+                                                                                                mode="r:")) as tar:
             for m in tar:
                 if not m.isfile():
                     continue

@@ -316,7 +316,8 @@ class Cluster:
                 steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
         if security.get("readOnlyRootFilesystem"):
             steps.append("mount -o remount,bind,ro /")
-        drop = "--inh-caps=-all --bounding-set=-all" if "ALL" in security.get("capabilities", {}).get("drop", []) else ""
+        drop = "--inh-caps=-all --bounding-set=-all" if "ALL" in security.get("capabilities", {}).get("drop",
+                                                                                                      []) else ""
         nnp = "--no-new-privs" if security.get("allowPrivilegeEscalation") is False else ""
         group_flag = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
         steps.append(f"exec setpriv --reuid={uid} --regid={gid} {group_flag} {drop} {nnp} -- "

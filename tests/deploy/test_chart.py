@@ -65,7 +65,8 @@ def _pod_checks(obj):
     """The objects of kinds the Kubernetes schemas do not cover, as the core objects they embed:
     a JobSet's Jobs, a PyTorchJob's pods (their templates are what the chart writes)."""
     if obj["kind"] == "JobSet":
-        return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": r["name"]}, "spec": r["template"]["spec"]}
+        return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": r["name"]},
+                 "spec": r["template"]["spec"]}
                 for r in obj["spec"]["replicatedJobs"]]
     if obj["kind"] == "PyTorchJob":
         return [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role}, "spec": r["template"]["spec"]}

@@ -143,8 +143,10 @@ def test_rendered_pods_run_the_job_through_a_worker_and_a_coordinator_lost(image
         "data": {"mountPath": data, "volume": {"hostPath": {"path": data, "type": "Directory"}}},
         "coordinator": {"standby": True},
         # one CPU pod, and a worker sidecar in each trainer pod (the paper's deployment)
-        "workers": {"deployment": {"replicas": 1}, "procs": 1, "maxProcs": 1, "sidecar": {"enabled": True, "maxProcs": 1}},
-        "trainer": {"kind": "jobset", "image": "msd:test", "command": [os.path.join(image, "bin", "python"), trainer_script], "args": [],
+        "workers": {"deployment": {"replicas": 1}, "procs": 1, "maxProcs": 1, "sidecar": {"enabled": True,
+                                                                                          "maxProcs": 1}},
+        "trainer": {"kind": "jobset", "image": "msd:test", "command": [os.path.join(image, "bin", "python"),
+                                                                       trainer_script], "args": [],
                     "nodes": NODES, "procsPerNode": PER_NODE, "resources": {},
                     "env": [{"name": "MSD_TEST_STEPS", "value": str(STEPS)},
                             {"name": "MSD_TEST_RESULTS", "value": results},

@@ -13,7 +13,7 @@ import numpy as np
 from msd_common.spec import load_job
 from msd.testing.local import LocalJob
 from msd_common.doc_keys import split_doc_key
-from worker.readers import open_source
+from worker.samples import open_source
 
 SPAWN = mp.get_context("spawn")
 

@@ -2,7 +2,6 @@
 gives; the coordinator fits it, adopts it from a step not yet planned, journals it, shows it, and
 `msd manifest` replays exactly the stream that was served; `msd plan --cost-from` plans with it."""
 
-import os
 import time
 
 import orjson

@@ -33,7 +33,8 @@ def _valid_samples():
         wire.encode(P.make(P.PIECES, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[]), items,
                     np.zeros(3, "<u2"), np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4")),
         wire.encode(P.make(P.HOST_HEARTBEAT, agent_id=1, procs=2, pids=[])),
-        wire.encode(P.make(P.WORKER_EXITED, agent_id=1, pid=2, exitcode=-9, task_id=3, source=-1, record=-1, overran_s=0.0)),
+        wire.encode(P.make(P.WORKER_EXITED, agent_id=1, pid=2, exitcode=-9, task_id=3, source=-1, record=-1,
+                           overran_s=0.0)),
         wire.encode(P.make(P.STATE_REQUEST, rank=0, step=1)),
         wire.encode(P.make(P.STEP_HEADER, step=1, rank=0, row_len=8, plan={}), items[:, 1:], np.array([1], "<u4")),
     ]

@@ -159,7 +159,8 @@ def test_plan_reports_mix_balance_what_ifs_and_workers_needed(dataset_dir, tmp_p
               {"ramp_steps": 10, "weights": {"web": 0.2, "code": 0.2, "long": 0.6}}]
     path = write_job(dataset_dir, job_dict(mixture=stages), "plan.yaml")
     png = tmp_path / "plan.png"
-    r = CliRunner().invoke(main, ["plan", path, "--steps", "30", "--dp", "4", "--seq-len", "2048", "--json", "--measure",
+    r = CliRunner().invoke(main, ["plan", path, "--steps", "30", "--dp", "4", "--seq-len", "2048", "--json",
+                                  "--measure",
                                   "--step-time", "0.001", "--plot", str(png)])
     assert r.exit_code == 0, r.output
     report = orjson.loads(r.output)

@@ -33,7 +33,8 @@ def test_the_coordinator_and_workers_serve_prometheus_metrics_of_the_running_job
     address, metrics_port, worker_port = f"tcp://127.0.0.1:{free_port()}", free_port(), free_port()
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     procs = [subprocess.Popen([msd, "coordinator", "--config", path, "--bind", address, "--metrics-port",
-                               str(metrics_port), "--state-dir", str(tmp_path / "state")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                               str(metrics_port), "--state-dir", str(tmp_path / "state")], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL),
              subprocess.Popen([msd, "worker", "--coordinator", address, "--procs", "2", "--metrics-port",
                                str(worker_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:

@@ -8,7 +8,7 @@ from msd_common.spec import load_job
 from msd.testing.multimodal_data import captions, write_parquet, write_webdataset
 from tests.conftest import write_job
 from msd_common.doc_keys import doc_key, split_doc_key
-from worker.readers import open_source
+from worker.samples import open_source
 
 from .harness import check_content, run_job
 

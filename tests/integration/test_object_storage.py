@@ -201,7 +201,7 @@ def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetche
                                                                                          copies):
     """With runtime.copies: seekable the cached copies are in the Zstandard seekable format, and
     the same bound holds as many of them as of plain copies three times their size."""
-    from worker.readers import open_source
+    from worker.samples import open_source
     from msd_common.formats.jsonl import JsonlShard
 
     local = tmp_path / "local"
@@ -238,7 +238,7 @@ def test_compressed_shards_stay_within_cache_bytes_and_evicted_copies_are_fetche
 def test_arrow_and_pre_tokenized_parquet_from_a_bucket_read_as_local(tmp_path, monkeypatch):
     import datasets
 
-    from worker.readers import open_source
+    from worker.samples import open_source
 
     local = tmp_path / "local"
     texts = captions()[:200]
@@ -381,7 +381,7 @@ def test_a_transform_gets_every_entry_of_a_webdataset_sample_from_a_bucket(tmp_p
     import tarfile
 
     from msd_common.spec import _expand
-    from worker.readers import open_source
+    from worker.samples import open_source
 
     local = tmp_path / "local"
     local.mkdir()

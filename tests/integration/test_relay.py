@@ -2,7 +2,6 @@
 them get exactly the stream of the direct path, a piece their host's ranks share crosses once, a
 relay killed and started again loses nothing, and one that does not come back is named."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -148,7 +147,8 @@ def _run_with_a_rank_restarted(cluster: LocalJob, ranks: int, steps: int, relays
     deadline = time.monotonic() + timeout_s
     try:
         while len(done) < ranks:
-            assert time.monotonic() < deadline, f"not done in {timeout_s}s: {({r: len(b) for r, b in received.items()})}"
+            counts = {r: len(b) for r, b in received.items()}
+            assert time.monotonic() < deadline, f"not done in {timeout_s}s: {counts}"
             try:
                 kind, r, payload = out.get(timeout=0.5)
             except Exception:

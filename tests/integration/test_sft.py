@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import orjson

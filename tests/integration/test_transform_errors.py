@@ -47,7 +47,8 @@ def test_a_transform_sees_each_records_epoch_even_when_epochs_are_prepared_toget
 
     (tmp_path / "epoch_mod.py").write_text(
         "from worker.transforms import Sample\n"
-        "def f(record, ctx):\n    return Sample([1 + ctx.record, 100 + ctx.epoch, 50 + int(ctx.rng.integers(0, 40))])\n")
+        "def f(record, ctx):\n"
+        "    return Sample([1 + ctx.record, 100 + ctx.epoch, 50 + int(ctx.rng.integers(0, 40))])\n")
     (tmp_path / "five.jsonl").write_bytes(b"".join(orjson.dumps({"text": str(i)}) + b"\n" for i in range(5)))
     job = {"seed": 3, "sources": {"five": {"format": "jsonl", "paths": ["five.jsonl"], "transform": "epoch_mod:f",
                                            "packing": "whole"}},

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from msd_common.spec import JobConfig
-from coordinator.events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, Prepared, Tick, TrainerBye, TrainerHeartbeat,
+from coordinator.events import (Consumed, Delivered, Event, HostHeartbeat, HostHello, Prepared, Tick, TrainerBye,
+                                TrainerHeartbeat,
                                 TrainerHello, WorkerExited, WorkerHeartbeat, WorkerHello)
 from coordinator.history import StepHistory
 from coordinator.instructions import Instruction, Send
@@ -19,7 +20,7 @@ from coordinator.state import CoordinatorState
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key, split_doc_key
 from msd_common.protocol import DELIVER_ITEM
-from worker.readers import open_source
+from worker.samples import open_source
 
 
 @dataclass
@@ -128,7 +129,8 @@ class Driver:
         beats += [TrainerHeartbeat(at=self.now, peer=r.peer, rank=r.rank) for r in self.ranks.values()]
         if self.host_peer is not None:
             beats.append(HostHeartbeat(at=self.now, peer=self.host_peer, agent_id=1, procs=len(self.workers),
-                                       pids=[w.pid for w in self.workers.values() if w.alive and w.busy_until > self.now]))
+                                       pids=[w.pid for w in self.workers.values()
+                                             if w.alive and w.busy_until > self.now]))
         events, self.pending = self.pending, []
         return self.handle(*events, *beats, Tick(at=self.now))
 

@@ -20,7 +20,8 @@ def _pair(tmp_path, name, template):
     from transformers import AutoTokenizer
 
     path = write_tokenizer_dir(str(tmp_path / name), template=template)
-    return ChatTemplate(path, Tokenizer.from_file(os.path.join(path, "tokenizer.json"))), AutoTokenizer.from_pretrained(path)
+    return ChatTemplate(path, Tokenizer.from_file(os.path.join(path,
+                                                               "tokenizer.json"))), AutoTokenizer.from_pretrained(path)
 
 
 @pytest.mark.parametrize("name", ["llama3_training.jinja", "qwen3_training.jinja", "phi3_training.jinja"])

@@ -1,4 +1,5 @@
-"""Errors that say what to do. An address msd cannot use is refused at once, saying what form it takes (issue 61, tried as a new
+"""Errors that say what to do. An address msd cannot use is refused at once, saying what form it takes (issue 61, tried
+as a new
 user would: `DataClient("127.0.0.1:5999")` put a ZMQError traceback in the I/O thread and then
 waited 300 s blaming a missing coordinator; `msd worker` and `msd coordinator --bind` printed about
 30 lines of traceback)."""

@@ -6,7 +6,6 @@ from coordinator import evaluation
 from msd_common.spec import parse_job
 from coordinator.holdout import Holdout, record_hash
 from tests.conftest import job_dict
-from msd_common import protocol as P
 
 
 def _job(dataset_dir, eval_sets):

@@ -35,7 +35,8 @@ def portable_digest(job) -> str:
     absolute paths of shards and tokenizers, so it differs between checkouts)."""
     text = orjson.dumps(job.stream_definition(), option=orjson.OPT_SORT_KEYS).decode()
     text = text.replace(os.path.abspath(CONFIGS), "CONFIGS")
-    assert job.digest() == hashlib.sha256(orjson.dumps(job.stream_definition(), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    assert job.digest() == hashlib.sha256(orjson.dumps(job.stream_definition(),
+                                                       option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

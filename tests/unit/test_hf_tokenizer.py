@@ -3,7 +3,7 @@ import pytest
 
 from msd_common.spec import ConfigError, parse_job
 from tests.conftest import job_dict, train_tokenizer
-from worker.readers import open_source
+from worker.samples import open_source
 
 TEXTS = ["the coordinator plans every global batch", "workers tokenize each sample once", "ünïcode λ text"] * 20
 

@@ -143,14 +143,16 @@ def test_an_image_that_fails_at_delivery_sends_its_sample_blank_with_nothing_to_
     from worker.core import ToRank
 
     core, records = _processor_core(tmp_path)
-    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([0, 1], dtype=np.uint64)})
+    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0),
+                          {"records": np.array([0, 1], dtype=np.uint64)})
     assert reply.header["skipped"] == []
     spoiled, good = core.cache[doc_key(0, 0)], core.cache[doc_key(0, 1)]
     assert spoiled.processed.pending is not None and good.processed.pending is not None
     grids = spoiled.processed.pending.plan.arrays["image_grid_thw"]
     spoiled.processed.pending.files[0] = spoiled.processed.pending.files[0][:40]  # cut after prepare
     items = np.array([[0, 0, doc_key(0, 0), 0, spoiled.length], [0, 1, doc_key(0, 1), 0, good.length]], np.uint64)
-    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=3, step=0, addresses=["tcp://r"]),
+    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=3, step=0,
+                                 addresses=["tcp://r"]),
                           {"items": items, "release": np.zeros(0, np.uint64), "targets": np.array([[0, 0]], np.uint64)})
     [message] = [a for a in actions if isinstance(a, ToRank)]
     mask = message.arrays[4]

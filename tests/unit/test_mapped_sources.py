@@ -49,6 +49,7 @@ def test_worker_that_cannot_open_a_mapped_source_stops(tmp_path, caplog):
     core = WorkerCore()
     spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
     with caplog.at_level(logging.ERROR, logger="msd.worker"):
-        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"seed": 0, "sources": [spec]}, count=[]), {})
+        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"seed": 0, "sources": [spec]},
+                                     count=[]), {})
     assert actions == [Quit("cannot open source code")]
     assert "cannot open source code" in caplog.text

@@ -48,7 +48,8 @@ def test_the_adapter_fills_megatron_cores_own_packed_seq_params_as_te_expects_th
     for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
         assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == batch["tokens"].numel()  # TE: int32, whole batch
         assert (cu[1:] >= cu[:-1]).all()
-    assert params.max_seqlen_q == params.max_seqlen_kv == int((params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).max())
+    longest = int((params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).max())
+    assert params.max_seqlen_q == params.max_seqlen_kv == longest
 
     # context parallelism (cp=2): TE's THD attention wants every padded segment divisible by 2*cp
     shared = cp_share(_batch(), cp=2, cp_rank=0, pad_id=257)

@@ -42,7 +42,8 @@ def test_a_large_index_opens_on_a_sample_and_a_bad_length_is_named_where_it_is_r
     index = MegatronIndex(prefix)  # the sample misses the bad entry: opening does not read it all
     assert len(index) == n
     assert index.lengths_of(np.array([0, 7, n - 1])).tolist() == [9, 9, 9]
-    with pytest.raises(SourceFormatError, match=f"{os.path.basename(prefix)}.idx: document {bad} has a negative length"):
+    with pytest.raises(SourceFormatError,
+                       match=f"{os.path.basename(prefix)}.idx: document {bad} has a negative length"):
         index.lengths_of(np.array([3, bad]))
 
 

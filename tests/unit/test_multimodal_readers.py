@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from msd.testing.multimodal_data import write_parquet, write_webdataset
-from worker.readers import RecordError, SourceFormatError, open_source
+from msd_common.formats.errors import RecordError, SourceFormatError
+from worker.samples import open_source
 from worker.vision import fit, to_patches
 
 

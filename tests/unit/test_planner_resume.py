@@ -7,7 +7,7 @@ from coordinator.plan import Planner, PlannerState
 from coordinator.sources import open_sources
 from tests.conftest import job_dict
 from tests.resume_harness import check_save_load
-from worker.readers import open_source
+from worker.samples import open_source
 
 
 class TrueLengths:

@@ -93,7 +93,8 @@ def test_bytes_structs_the_images_list_and_llava_form_give_the_same_sample(made)
         _same(other, expected)
 
     # LLaVA: {"from", "value"} turns, <image> in the text, the record's `image`
-    turns = [{"from": "human", "value": "<image>\nwhat is in the picture?"}, {"from": "gpt", "value": "noise, in colour"}]
+    turns = [{"from": "human", "value": "<image>\nwhat is in the picture?"}, {"from": "gpt",
+                                                                              "value": "noise, in colour"}]
     _same(_made(chat, {"conversations": turns, "image": image_part["image"]}, data), expected)
 
 
@@ -219,7 +220,8 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
     messages = [{"role": m["role"], "content": [{"type": p["type"], "text": p.get("text")} for p in m["content"]]}
                 for m in record["messages"]]
     pq.write_table(pa.table({"messages": [messages, messages],
-                             "images": [[{"bytes": raw, "path": "a.png"}], [{"bytes": b"not an image", "path": None}]]}),
+                             "images": [[{"bytes": raw, "path": "a.png"}], [{"bytes": b"not an image",
+                                                                             "path": None}]]}),
                    tmp_path / "vqa.parquet")
     job = {"seed": 1, "sources": {"vqa": {"format": "parquet", "paths": [str(tmp_path / "vqa.parquet")],
                                           "processor": proc}},

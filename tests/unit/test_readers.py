@@ -5,7 +5,8 @@ import struct
 import numpy as np
 import pytest
 
-from worker.readers import RecordError, SourceFormatError, open_source
+from msd_common.formats.errors import RecordError, SourceFormatError
+from worker.samples import open_source
 from msd_common.formats.jsonl import JsonlShard
 from msd_common.formats.megatron import MAGIC, MegatronIndex, write_megatron
 from msd_common.tokenizer import ByteTokenizer
@@ -83,7 +84,8 @@ def test_read_only_data_dir_puts_the_index_in_the_cache_dir(tmp_path, monkeypatc
 
 
 def test_source_reader_tokens_and_bad_records(dataset_dir):
-    spec = {"name": "web", "format": "jsonl", "files": [f"{dataset_dir}/web/web-0.jsonl", f"{dataset_dir}/web/web-1.jsonl"],
+    spec = {"name": "web", "format": "jsonl", "files": [f"{dataset_dir}/web/web-0.jsonl",
+                                                        f"{dataset_dir}/web/web-1.jsonl"],
             "text_key": "text", "tokenizer": "byte"}
     reader = open_source(spec)
     assert reader.num_records == 120
@@ -121,4 +123,5 @@ def test_megatron_gather_equals_slicing_documents(tmp_path):
     np.testing.assert_array_equal(reader.gather(recs, offs, lens), expected)  # across both shards
     one = recs < 30
     np.testing.assert_array_equal(reader.gather(recs[one], offs[one], lens[one]),
-                                  np.concatenate([docs[r][o: o + n] for r, o, n in zip(recs[one], offs[one], lens[one])]))
+                                  np.concatenate([docs[r][o: o + n] for r, o, n in zip(recs[one], offs[one],
+                                                                                       lens[one])]))

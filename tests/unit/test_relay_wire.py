@@ -9,7 +9,7 @@ from coordinator.relaying import RelayEnvelopes, relay_down, relayed_identity
 from msd_common import protocol as P
 from msd_common import wire
 from msd_common.errors import ProtocolError
-from trainer_client.relay import step_headers
+from relay.core import step_headers
 
 
 def _split(frames: list) -> list[tuple[int, dict, dict]]:

@@ -9,8 +9,9 @@ import pytest
 
 from msd_common.spec import ConfigError, parse_job
 from tests.conftest import job_dict
-from worker.readers import RecordError, open_source
-from worker.transforms import Sample, record_rng
+from msd_common.formats.errors import RecordError
+from worker.samples import open_source
+from worker.transforms import record_rng
 
 MODULE = '''
 import numpy as np

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.plan import LENGTH, OFFSET, POSITION, SOURCE, Planner
 from tests.conftest import job_dict
-from tests.unit.test_plan import COUNTS, Known, _job, _lengths
+from tests.unit.test_plan import COUNTS, Known, _lengths
 
 
 def _whole_job(dataset_dir, long_docs=None, weights=None, **extra):

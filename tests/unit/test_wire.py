@@ -66,7 +66,8 @@ def test_array_frames_are_checked():
         wire.decode(bad, P.TRAINER_CONTROL_INBOX)
     # record index beyond 48 bits
     with pytest.raises(ProtocolError, match="48 bits"):
-        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0, worker_id=0), np.array([1 << 50], "<u8"), np.zeros(1, "<u4")),
+        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0, worker_id=0), np.array([1 << 50], "<u8"),
+                            np.zeros(1, "<u4")),
                     P.WORKER_INBOX)
 
 

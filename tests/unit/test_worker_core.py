@@ -7,7 +7,7 @@ from msd_common.spec import parse_job
 from msd_common import protocol as P
 from msd_common.doc_keys import doc_key
 from worker.core import CacheEntry, Forgotten, Registered, ToCoordinator, ToRank, WorkerCore
-from worker.readers import open_source
+from worker.samples import open_source
 
 
 def _welcomed(dataset_dir):
@@ -34,7 +34,8 @@ def test_prepare_caches_typed_entries_and_answers_lengths_and_skips(dataset_dir)
 
 def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(dataset_dir):
     core, job = _welcomed(dataset_dir)
-    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 5], dtype=np.uint64)})
+    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 5],
+                                                                                                            dtype=np.uint64)})
     assert core.cache[doc_key(0, 5)].copies == 2  # two stream positions hold the same record
     key, n = doc_key(0, 5), core.cache[doc_key(0, 5)].length
     mapped = doc_key(1, 2)
@@ -57,7 +58,8 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
     each rank's message holds its rows grouped by source, in row order within a source, and a
     piece beyond its document is left out of its own rank's message only."""
     core, job = _welcomed(dataset_dir)
-    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 7], dtype=np.uint64)})
+    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 7],
+                                                                                                            dtype=np.uint64)})
     web, code = (open_source(job.worker_job().sources[i]) for i in (0, 1))
     w5, w7, c2, c3 = web.read(5), web.read(7), code.read(2), code.read(3)
     items = np.array([[1, 0, doc_key(1, 3), 2, 3],            # rank 1, mapped
@@ -81,14 +83,17 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
 def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(dataset_dir):
     core, _ = _welcomed(dataset_dir)
     items = np.array([[0, 0, doc_key(0, 9), 0, 4]], dtype=np.uint64)  # never prepared here
-    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=1, step=0, addresses=["tcp://a"]),
+    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=1, step=0,
+                                 addresses=["tcp://a"]),
                           {"items": items, "release": np.zeros(0, dtype=np.uint64),
                            "targets": np.array([[0, 0]], dtype=np.uint64)})
     assert not [a for a in actions if isinstance(a, ToRank)] and actions[-1].header["type"] == "delivered"
-    core.handle(P.make(P.PREPARE, task_id=2, source=0, worker_id=core.worker_id or 0), {"records": np.array([1], dtype=np.uint64)})
+    core.handle(P.make(P.PREPARE, task_id=2, source=0, worker_id=core.worker_id or 0), {"records": np.array([1],
+                                                                                                            dtype=np.uint64)})
     assert core.handle(P.make(P.UNKNOWN_PEER, reason="restarted"), {}) == [Forgotten()]
     assert core.cache == {} and core.worker_id is None
-    assert core.handle(P.make(P.PREPARE, task_id=3, source=0, worker_id=core.worker_id or 0), {"records": np.array([1], dtype=np.uint64)}) == []
+    records = {"records": np.array([1], dtype=np.uint64)}
+    assert core.handle(P.make(P.PREPARE, task_id=3, source=0, worker_id=core.worker_id or 0), records) == []
 
 
 def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_dir):
@@ -132,7 +137,8 @@ def test_any_error_while_reading_one_record_is_a_skip_naming_the_record(dataset_
     for error in (MemoryError(), ValueError("tokenizer blew up")):
         core.cache.clear()
         core.readers[0] = _FailsOn(real, 7, error)
-        [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([6, 7, 8], dtype=np.uint64)})
+        [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0),
+                              {"records": np.array([6, 7, 8], dtype=np.uint64)})
         [(i, reason, kind)] = reply.header["skipped"]
         assert (i, kind) == (1, "error")
         assert "web-0.jsonl:8" in reason and type(error).__name__ in reason

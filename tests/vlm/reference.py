@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import json
-import torch
+import torch  # noqa: F401  (loaded before transformers, as the trainer does)
 from transformers import AutoImageProcessor, AutoProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 

@@ -1,4 +1,4 @@
-"""`msd relay`: one per trainer host, beside the trainer (trainer_client/relay.py)."""
+"""`msd relay`: one per trainer host, beside the trainer (relay/process.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from msd_common.cli_params import LOG_LEVELS, coordinator_addresses
 @click.option("--port", type=int, default=0, help="The port workers reach this relay at (default: a free one).")
 @click.option("--keys", "keys_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="The job's key directory when it sets security.curve: the relay speaks with the trainer key.")
-@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS, help="Log lines of this level and above.")
+@click.option("--log-level", default="INFO", show_default=True, type=LOG_LEVELS,
+              help="Log lines of this level and above.")
 def relay(address: str, host: str, local: str | None, bind_host: str | None, port: int, keys_dir: str | None,
           log_level: str) -> None:
     """Serve this host's trainer ranks: one data connection from each worker process for all of
@@ -30,6 +31,6 @@ def relay(address: str, host: str, local: str | None, bind_host: str | None, por
     from msd_common.logs import setup_logging
 
     setup_logging(log_level, "relay")
-    from .relay import serve
+    from .process import serve
 
     serve(address, host=host, local=local, bind_host=bind_host, port=port, keys_dir=keys_dir)

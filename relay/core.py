@@ -1,0 +1,347 @@
+"""A relay's decisions, without sockets or clocks: `RelayCore` takes its local ranks' messages, the
+coordinator's, the workers' pieces and the time, and returns what to send where. The relay
+process (`relay/process.py`) carries the actions out; the simulation (`msd.sim`) runs the same
+core under simulated time.
+
+What it decides: which local ranks a DP rank's pieces go to; when a step's `consumed` of the
+host's ranks go up together (at most `hold_s` apart); what it says for its ranks (one heartbeat,
+`relay_up`) and to them (their step headers from `relay_step`, the coordinator's `relay_down`);
+what a coordinator's stop, refusal or failure means for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from msd_common import protocol as P
+from msd_common import wire
+from msd_common.errors import ProtocolError
+from msd_common.session import Registration
+from msd_common.topology import Topology
+
+log = logging.getLogger("msd.relay")
+
+HOLD_S = 0.05  # a step's `consumed` waits this long at most for the host's other ranks before it goes up
+STOP_AFTER_S = 2.0  # after the coordinator's shutdown, what it sent its ranks still goes out
+RANK_LOST_BEATS = 3  # a local rank silent this many heartbeats is no longer reported alive
+
+
+@dataclass(frozen=True, slots=True)
+class ToCoordinator:
+    header: dict[str, Any]
+    arrays: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToRank:
+    """Frames to a local rank's control socket (its identity at the relay's ROUTER)."""
+
+    identity: bytes
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class ToData:
+    """A pieces message to a local rank's data socket (the frames as received: not copied)."""
+
+    address: str
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseData:
+    """The local rank at this data address is gone: drop what waits for it."""
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveOn:
+    """The coordinator stops and a standby takes over: hello to the next address."""
+
+
+Action = ToCoordinator | ToRank | ToData | ReleaseData | MoveOn
+
+
+@dataclass
+class LocalRank:
+    rank: int
+    identity: bytes  # its control socket at the relay's ROUTER
+    data: str  # its data socket (ipc)
+    last_seen: float
+    dp: int = -1  # its data-parallel rank, once the topology is known
+
+
+class RelayCore:
+    def __init__(self, data_address: str, local: str, host: str, incarnation: int, hold_s: float = HOLD_S,
+                 standbys: bool = False) -> None:
+        """data_address: where workers push this host's pieces; local: where its ranks reach it;
+        standbys: the relay was given several coordinator addresses."""
+        self.data_address = data_address
+        self.hold_s = hold_s
+        self.standbys = standbys
+        self.relay_id: int | None = None
+        self.topology: Topology | None = None
+        self.ranks: dict[int, LocalRank] = {}
+        self.rank_of: dict[bytes, int] = {}  # control identity -> rank
+        self._by_dp: dict[int, list[str]] | None = None  # dp -> data addresses of its local ranks
+        self.up_queue: list[dict[str, Any]] = []  # ranks' messages waiting for the next relay_up
+        self.consumed: list[dict[str, Any]] = []  # and their plain `consumed` (its table)
+        self.held: dict[int, dict[int, dict]] = {}  # step -> rank -> its `consumed`, until the host's are in
+        self.held_since: dict[int, float] = {}
+        self.bytes_in = self.bytes_out = 0  # pieces from workers, and to local ranks (fanned out)
+        self.late_steps = 0  # steps whose `consumed` went up without every local rank's (one was late)
+        self.dropped = 0  # pieces for a rank that is not here
+        self.queued = 0  # pieces waiting in the shell's outbox (reported; the shell sets it)
+        self.running = True
+        self.refused: str | None = None  # why the coordinator refused our connection (CURVE keys)
+        self.stop_at: float | None = None  # the job has ended: serve until then, then stop
+        self.now = 0.0
+        self.registration = Registration(
+            lambda: P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host=host, data_address=data_address,
+                           local=local, incarnation=incarnation),
+            self._heartbeat)
+
+    def _heartbeat(self) -> dict[str, Any]:
+        return P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id if self.relay_id is not None else 0,
+                      **self._counters(self.now))
+
+    def _counters(self, now: float) -> dict[str, Any]:
+        """What the relay says of itself in every heartbeat and relay_up: the ranks it still hears."""
+        alive = [r.rank for r in self.ranks.values()
+                 if now - r.last_seen < RANK_LOST_BEATS * self.registration.heartbeat_s]
+        return dict(ranks=alive, bytes_in=self.bytes_in, bytes_out=self.bytes_out, queued=self.queued,
+                    late_steps=self.late_steps)
+
+    def due(self, now: float) -> dict[str, Any] | None:
+        """The hello or heartbeat due now, if one is."""
+        self.now = now
+        return self.registration.due(now)
+
+    def turn(self, now: float) -> list[Action]:
+        """Once per turn: steps whose `consumed` may go up, and the ranks' gathered messages."""
+        self.now = now
+        if self.stop_at is not None and now >= self.stop_at:
+            self.running = False
+        self._release_held(now)
+        if not ((self.up_queue or self.consumed) and self.registration.registered):
+            return []
+        rows = np.array([(m["rank"], m["step"]) for m in self.consumed], dtype=np.int64).reshape(-1, 2)
+        waits = np.array([m["waited_s"] for m in self.consumed], dtype=np.float64)
+        out = [ToCoordinator(P.make(P.RELAY_UP, relay_id=self.relay_id, messages=self.up_queue,
+                                    **self._counters(now)), (rows, waits))]
+        self.registration.spoke(now)  # it says what a heartbeat says: one message a step per host
+        self.up_queue, self.consumed = [], []
+        return out
+
+    def refuse(self, reason: str) -> list[Action]:
+        """The coordinator will never talk to this relay (a CURVE handshake it refused): its ranks
+        are told why, and ranks that come later too."""
+        self.refused = reason
+        return self._to_all_ranks(P.make(P.REJECT, reason=reason))
+
+    # ------------------------------------------------------------------ the ranks' messages
+
+    def on_local(self, identity: bytes, frames: list, now: float) -> list[Action]:
+        try:
+            msg, _ = wire.decode(frames, P.TRAINER_UP)
+        except ProtocolError as e:
+            log.warning("relay: dropped a message from a local rank: %s", e)
+            return []
+        kind = msg["type"]
+        if kind == "trainer_hello":
+            return self._on_hello(identity, msg, now)
+        rank = self.rank_of.get(identity)
+        if rank is None or rank != msg["rank"]:  # a rank speaks for itself only
+            return [self._to_rank(identity, P.make(P.UNKNOWN_PEER,
+                                                   reason="this relay does not know this rank: say hello"))]
+        self.ranks[rank].last_seen = now
+        if kind == "trainer_heartbeat":
+            return [self._to_rank(identity, P.make(P.ALIVE))]
+        if kind == "consumed":
+            self.held.setdefault(msg["step"], {})[rank] = msg
+            self.held_since.setdefault(msg["step"], now)
+            return []
+        out: list[Action] = []
+        if kind == "trainer_bye":
+            out += self._forget_rank(rank)
+        self.up_queue.append(msg)
+        return out
+
+    def _on_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Action]:
+        rank = msg["rank"]
+        if self.refused is not None:  # a rank that comes after the refusal hears it too
+            return [self._to_rank(identity, P.make(P.REJECT, reason=self.refused))]
+        out: list[Action] = []
+        old = self.ranks.get(rank)
+        if old is not None and old.identity != identity:  # the rank's process started again on this host
+            log.info("relay: rank %d said hello again from a new process", rank)
+            out += self._forget_rank(rank)
+        if old is None or old.identity != identity or old.data != msg["data_address"]:
+            self.ranks[rank] = LocalRank(rank, identity, msg["data_address"], now, self._dp(rank))
+            self.rank_of[identity] = rank
+            self._by_dp = None
+        self.ranks[rank].last_seen = now
+        out.append(self._to_rank(identity, P.make(P.ALIVE)))  # the relay is here (the welcome comes later)
+        # a rank says hello every 2 s until welcomed: while no coordinator answers, only its last one waits
+        self.up_queue = [m for m in self.up_queue if not (m["type"] == "trainer_hello" and m["rank"] == rank)]
+        self.up_queue.append({**msg, "data_address": self.data_address})  # workers reach it through us
+        return out
+
+    def _forget_rank(self, rank: int) -> list[Action]:
+        gone = self.ranks.pop(rank, None)
+        if gone is None:
+            return []
+        self.rank_of.pop(gone.identity, None)
+        self._by_dp = None
+        for held in self.held.values():
+            held.pop(rank, None)
+        return [ReleaseData(gone.data)]
+
+    def _release_held(self, now: float) -> None:
+        """A step's `consumed` go up once every local rank's is in (or the wait is over: a late rank's
+        goes up on its own when it comes)."""
+        if not self.held:
+            return
+        live = {r.rank for r in self.ranks.values()
+                if now - r.last_seen < RANK_LOST_BEATS * self.registration.heartbeat_s}
+        for step in sorted(self.held):
+            held = self.held[step]
+            complete = live <= held.keys()
+            if complete or now - self.held_since[step] > self.hold_s:
+                if not complete:
+                    self.late_steps += 1
+                for r in sorted(held):  # with compute times (balance.calibrate): a message of its own
+                    (self.consumed if held[r]["compute_step"] < 0 else self.up_queue).append(held[r])
+                del self.held[step], self.held_since[step]
+
+    @staticmethod
+    def _to_rank(identity: bytes, header: dict[str, Any]) -> ToRank:
+        return ToRank(identity, wire.encode(header))
+
+    def _to_all_ranks(self, header: dict[str, Any]) -> list[Action]:
+        frames = wire.encode(header)
+        return [ToRank(r.identity, frames) for r in self.ranks.values()]
+
+    # ------------------------------------------------------------------ the coordinator's messages
+
+    def on_up(self, frames: list, now: float) -> list[Action]:
+        try:
+            msg, arrays = wire.decode(frames, P.RELAY_INBOX)
+        except ProtocolError as e:
+            log.warning("relay: dropped a message from the coordinator: %s", e)
+            return []
+        kind = msg["type"]
+        if kind == "relay_down":
+            return self._fan_out_control(msg["parts"], arrays["blob"])
+        if kind == "relay_step":
+            return [ToRank(self.ranks[rank].identity, frames) for rank, frames in step_headers(msg, arrays)
+                    if rank in self.ranks]
+        if kind == "relay_welcome":
+            again = self.relay_id is not None
+            self.registration.welcomed(float(msg["heartbeat_s"]))
+            self.relay_id = msg["relay_id"]
+            self.topology = Topology(**msg["topology"])
+            for r in self.ranks.values():
+                r.dp = self._dp(r.rank)
+            self._by_dp = None
+            log.info("relay %d: welcomed by the coordinator", self.relay_id)
+            if again:  # a coordinator that does not know our ranks: they say hello again, through us
+                return self._to_all_ranks(P.make(P.UNKNOWN_PEER, reason="the relay registered again"))
+            return []
+        if kind == "unknown_peer":
+            log.warning("relay: the coordinator does not know this relay (%s); registering again", msg["reason"])
+            self.registration.forgotten()
+            self.up_queue = [m for m in self.up_queue if m["type"] == "trainer_hello"]
+            self.consumed = []
+            self.held.clear()
+            self.held_since.clear()
+            return []
+        if kind == "reject":
+            log.error("relay: the coordinator refused this relay: %s", msg["reason"])
+            self.running = False
+            return self._to_all_ranks(P.make(P.REJECT, reason=f"the relay was refused: {msg['reason']}"))
+        if kind == "shutdown":  # its ranks are told through it (relay_down)
+            if self.standbys:  # a standby takes over: the relay carries on with it
+                log.warning("relay: the coordinator is stopping (%s); moving on to the next address", msg["reason"])
+                return [MoveOn()]
+            log.info("relay: the coordinator stops (%s)", msg["reason"])  # what it sent its ranks still goes out
+            self.stop_at = now + STOP_AFTER_S
+            return []
+        if kind == "job_failed" and self.stop_at is None:  # a failed job's coordinator answers whatever we say
+            log.error("relay: the job failed: %s", msg["reason"])
+            self.stop_at = now + STOP_AFTER_S
+            return self._to_all_ranks(P.make(P.JOB_FAILED, reason=msg["reason"]))
+        return []
+
+    def _fan_out_control(self, parts: list, blob: Any) -> list[Action]:
+        view = memoryview(blob).cast("B") if len(blob) else memoryview(b"")
+        at = 0
+        out: list[Action] = []
+        for rank, header, sizes in parts:
+            frames = [msgpack.packb(header, use_bin_type=True)]
+            for n in sizes:
+                frames.append(view[at:at + n])
+                at += n
+            if at > len(view):
+                log.warning("relay: relay_down of %d bytes is shorter than its parts; the rest dropped", len(view))
+                return out
+            r = self.ranks.get(rank)
+            if r is not None:
+                out.append(ToRank(r.identity, frames))
+        return out
+
+    # ------------------------------------------------------------------ the workers' pieces
+
+    def _dp(self, rank: int) -> int:
+        return self.topology.coords(rank).dp if self.topology is not None else -1
+
+    def on_data(self, frames: list, header_bytes: Any = None) -> list[Action]:
+        """A pieces message from a worker: to every local rank of its DP rank (header_bytes: its
+        first frame's buffer, where the shell has it without a copy)."""
+        size = sum(len(f) for f in frames)
+        self.bytes_in += size
+        try:
+            header = wire.unpack_header(frames[0] if header_bytes is None else header_bytes)
+            rank = header["rank"]
+            if header.get("type") != "pieces" or type(rank) is not int:
+                raise ProtocolError("not a pieces message")
+        except (ProtocolError, KeyError, TypeError) as e:
+            log.warning("relay: dropped a data message: %s", e)
+            return []
+        targets = self._targets(rank)
+        if not targets:
+            self.dropped += 1
+            return []
+        self.bytes_out += size * len(targets)
+        return [ToData(address, frames) for address in targets]  # the same frames to each: zmq shares them
+
+    def _targets(self, rank: int) -> list[str]:
+        """The data addresses of the local ranks that get `rank`'s pieces: those of its DP rank."""
+        if self.topology is None:
+            return []
+        if self._by_dp is None:
+            self._by_dp = {}
+            for r in sorted(self.ranks.values(), key=lambda r: r.rank):
+                self._by_dp.setdefault(r.dp, []).append(r.data)
+        return self._by_dp.get(self._dp(rank), [])
+
+
+def step_headers(msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[tuple[int, list]]:
+    """The step_header of each rank a relay_step names, as the coordinator would send it directly:
+    (rank, frames)."""
+    counts = arrays["counts"].reshape(len(msg["dps"]), -1)
+    ends = np.cumsum(msg["piece_counts"]).tolist()
+    starts = [0, *ends[:-1]]
+    costs, naive = msg["rank_costs"], msg["naive_costs"]
+    out = []
+    for rank, i in msg["ranks"]:
+        header = P.step_header(msg["step"], rank, msg["row_len"], msg["max_over_mean"], msg["naive_max_over_mean"],
+                               costs[i], naive[i])
+        out.append((rank, wire.encode(header, arrays["pieces"][starts[i]:ends[i]], counts[i])))
+    return out
