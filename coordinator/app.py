@@ -40,20 +40,16 @@ from msd_common.spec import JobConfig
 from .cursor import COMPILED as PERMUTATION_COMPILED
 from .events import Event, PeerGone, Shutdown, Tick, TrainerHello, from_message
 from .history import StepHistory
-from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine,
-                           CompactJournal, FileInstruction, Instruction, Send, Stop,
-                           WriteStatus)
+from .instructions import FileInstruction, Instruction, Send, Stop, WriteStatus
 from .lease import SELF_FENCE_BEATS, Lease, LeaseLost
 from .linger import linger
-from .journal import (JournalFile, append_cost_journal, append_eval_journal, read_cost_journal, append_mixture_journal,
-                      append_quarantine_journal,
-                      read_mixture_journal,
-                      read_quarantine_journal)
 from .relaying import RelayEnvelopes
 from .router import Router
 from .sources import OpenedSources
 from .state import CoordinatorState
-from .statedir import check_job_change, write_state_file, write_status
+from .state_dir_writer import StateDirWriter, restore
+from .state_status import RecentWarnings
+from .statedir import write_state_file
 from .status_view import status_line
 from .stimulus import StimulusLog
 
@@ -62,9 +58,6 @@ if TYPE_CHECKING:  # imported where a job serves metrics: prometheus-client is 3
 
 log = logging.getLogger("msd.coordinator")
 MAX_BURST = 256  # messages handled before the next planning pass
-STATE_DIR_RETRY_S = 1.0  # a failed state dir write is tried again after this, doubling up to the max
-STATE_DIR_RETRY_MAX_S = 2.0
-SLOW_WRITE_S = 1.0  # a state dir write slower than this is logged
 GC_NURSERY = 20_000  # allocations between collections of the youngest generation (Python's default: 700)
 
 
@@ -81,15 +74,10 @@ class Coordinator:
         self.lease = lease
         self.bind = bind
         self.state_dir = state_dir
-        changed = check_job_change(state_dir, job, allow_config_change)
-        self.journal = JournalFile(state_dir, job.digest()) if state_dir else None
-        loaded = self.journal.load(accept_changed_job=changed) if self.journal else []
-        if changed and loaded:  # the entries of the old job: keep its last state, under this digest
-            loaded = loaded[-1:]
-            self.journal.compact(loaded[0])
-        mixture = read_mixture_journal(state_dir)
-        quarantined = read_quarantine_journal(state_dir)
-        costs = read_cost_journal(state_dir)
+        restored = restore(state_dir, job, allow_config_change)
+        self.journal = restored.journal
+        loaded, mixture, quarantined, costs = restored.loaded, restored.mixture, restored.quarantined, restored.costs
+        self.files = StateDirWriter(state_dir, self.journal, lease, metrics, self._status)
         self.state = CoordinatorState(job, sources, StepHistory(state_dir is not None, loaded), mixture, quarantined,
                                       costs)
         self.stimuli = StimulusLog({"job_path": os.path.abspath(job.path), "num_records": list(sources.num_records),
@@ -105,17 +93,15 @@ class Coordinator:
         self.address: str | None = None
         self._backlog: collections.deque[Instruction] = collections.deque()  # waiting behind file work
         self.lease_lost = False
-        self.state_dir_stalled_since: float | None = None  # a state dir write keeps failing since then
-        self.slowest_write_s = 0.0
         self._drain_task: asyncio.Task | None = None
         self._readable: asyncio.Event | None = None  # set when the ROUTER may have messages (_receive_loop)
         # ZAP user ids of the operator keys (a CURVE job): the only ones whose control requests count
         self.operators = security.operator_ids(job.curve_keys) if job.curve_keys else None
         self._names = [s.name for s in job.sources]
-        self.journaled_step = -1  # the last step whose planner state is durable in the journal
         self.relays = RelayEnvelopes()
         self._relay_flush_due = False
-        self._gone_peers: list[bytes] = []  # sends found their connection gone (EHOSTUNREACH)
+        # sends that found their connection gone (EHOSTUNREACH), or dropped a message (high-water mark)
+        self._gone_peers: list[tuple[bytes, bool]] = []
         self.warnings = RecentWarnings()
         logging.getLogger("msd").addHandler(self.warnings)
 
@@ -163,7 +149,7 @@ class Coordinator:
             loops.append(stopped)
             await asyncio.gather(*loops, return_exceptions=True)
             if self.lease is not None and not self.failed and not self.lease_lost and \
-                    self.state_dir_stalled_since is None:
+                    self.files.stalled_since is None:
                 # A clean stop (SIGTERM) gives the lease up before it tells the peers, so that a
                 # standby takes over at once, not after heartbeats of silence (faster than a crash)
                 await self._drained()
@@ -171,7 +157,7 @@ class Coordinator:
                 self.lease = None
             if not self.lease_lost:  # the peers are another coordinator's now
                 self._handle([Shutdown(at=time.monotonic(), reason="coordinator stopping", failed=self.failure or "")])
-            if self.state_dir_stalled_since is not None and self._drain_task is not None:
+            if self.files.stalled_since is not None and self._drain_task is not None:
                 # The disk is still full: what waits for it is dropped (the ranks resume from the
                 # journal, which holds every step that went out), and the peers are told directly.
                 log.error("stopping with %d instructions still waiting for the state dir", len(self._backlog))
@@ -260,16 +246,12 @@ class Coordinator:
         if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
             self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
             return
-        if header["type"] in P.CONTROL_REQUESTS and self.operators is not None:
-            user = frames[1].get("User-Id")
-            if user not in self.operators:
-                log.warning("refused %s from a key that is not an operator's (%s...)", header["type"], user[:8])
-                if self.metrics is not None:
-                    self.metrics.dropped.inc()
-                self._do(Send(identity, P.make(P.MIX_REPLY, ok=0, at_step=int(header.get("at_step", 0)),
-                                               reason="changes to the plan are taken only from an operator key "
-                                                      "(msd keys generate makes one; pass --keys)")))
-                return
+        refusal = security.operator_refusal(self.operators, header, frames[1])
+        if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.dropped.inc()
+            self._do(Send(identity, refusal))
+            return
         try:
             burst.append(from_message(identity, time.monotonic(), header, arrays))
         except Exception:  # a message decode accepted but that makes no event: a bug, not the peer's
@@ -310,7 +292,7 @@ class Coordinator:
             await asyncio.sleep(self.state.heartbeat_s)
             self._handle([Tick(at=time.monotonic())])
             if self.metrics is not None:
-                self.metrics.update(self.state, self.journaled_step if self.journal is not None else None)
+                self.metrics.update(self.state, self.files.journaled_step if self.journal is not None else None)
 
     def _handle(self, burst: list[Event]) -> None:
         started = time.perf_counter()
@@ -349,7 +331,7 @@ class Coordinator:
             ins = self._backlog[0]
             try:
                 if isinstance(ins, FileInstruction) and self.state_dir is not None:
-                    await self._file_work_until_done(ins)
+                    await self.files.until_done(ins)
                 else:
                     self._do(ins)
             except LeaseLost as e:  # a journal write found another holder's token (fenced) before a renewal did
@@ -380,76 +362,19 @@ class Coordinator:
             else:
                 self.stop()
 
-    async def _file_work_until_done(self, ins: FileInstruction) -> None:
-        """Do one file instruction in a thread. A disk that is full or failing (OSError) is waited
-        out, not a reason to stop: the write is tried again (each write is all or nothing) and
-        everything after it waits, so no step goes out that is not journaled, and the plan stops
-        at the look-ahead since nothing is consumed meanwhile. A status write is skipped."""
-        delay = STATE_DIR_RETRY_S
-        while True:
-            started = time.monotonic()
-            try:
-                await asyncio.to_thread(self._file_work, ins)
-            except OSError as e:
-                if isinstance(ins, WriteStatus):
-                    log.warning("status.json not written (%s)", e)
-                    return
-                if self.state_dir_stalled_since is None:
-                    self.state_dir_stalled_since = time.monotonic()
-                log.error("state dir %s: %s failed (%s); nothing more goes out until it succeeds (trying again "
-                          "in %.0fs; free space there?)", self.state_dir, type(ins).__name__, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, STATE_DIR_RETRY_MAX_S)
-                continue
-            took = time.monotonic() - started
-            if self.metrics is not None:
-                self.metrics.journal.labels(type(ins).__name__).observe(took)
-            if self.state_dir_stalled_since is not None:
-                log.warning("state dir %s writable again after %.1fs; carrying on", self.state_dir,
-                            time.monotonic() - self.state_dir_stalled_since)
-                self.state_dir_stalled_since = None
-            elif took > SLOW_WRITE_S:
-                log.warning("state dir %s: %s took %.1fs (a slow disk holds back every step)", self.state_dir,
-                            type(ins).__name__, took)
-            self.slowest_write_s = max(self.slowest_write_s, took)
-            return
-
-    def _file_work(self, ins: FileInstruction) -> None:
-        """Runs in a thread. Journal writes are fenced: only the lease's holder writes."""
-        if self.lease is not None and not isinstance(ins, WriteStatus):
-            self.lease.check()
-        if isinstance(ins, AppendJournal):
-            self.journal.append(ins.states)
-            self.journaled_step = max(self.journaled_step, max(int(st["next_step"]) for st in ins.states) - 1)
-        elif isinstance(ins, CompactJournal):
-            self.journal.compact(ins.state)
-            self.journaled_step = max(self.journaled_step, int(ins.state["next_step"]) - 1)
-        elif isinstance(ins, AppendMixture):
-            append_mixture_journal(self.state_dir, ins.at_step, ins.weights)
-        elif isinstance(ins, AppendQuarantine):
-            append_quarantine_journal(self.state_dir, ins.source, ins.record, ins.reason)
-        elif isinstance(ins, AppendCostChange):
-            append_cost_journal(self.state_dir, ins.at_step, ins.coefficients, ins.errors, ins.evidence)
-        elif isinstance(ins, AppendEvalLoss):
-            append_eval_journal(self.state_dir, ins.set, ins.step, ins.rank, ins.losses)
-        elif isinstance(ins, WriteStatus):
-            status = self._status(ins.status)
-            log.info("%s", status_line(status))
-            write_status(self.state_dir, status)
-
     def status(self) -> dict[str, Any]:
         """A snapshot for `msd status`: the state's status, the shell's, the recent warnings."""
-        planned = self.state.planner.state.next_step - 1
-        journal = ({"journaled_step": self.journaled_step, "journal_lag_steps": max(0, planned - self.journaled_step)}
+        planned, journaled = self.state.planner.state.next_step - 1, self.files.journaled_step
+        journal = ({"journaled_step": journaled, "journal_lag_steps": max(0, planned - journaled)}
                    if self.journal is not None else {})
         snapshot = {**self._status(self.state.status()), **journal, "warnings": list(self.warnings.recent)}
         return orjson.loads(orjson.dumps(snapshot, option=orjson.OPT_NON_STR_KEYS))  # msgpack maps keyed by str
 
     def _status(self, status: dict[str, Any]) -> dict[str, Any]:
-        stalled = self.state_dir_stalled_since
+        stalled = self.files.stalled_since
         return {"time": time.time(), "messages_received": self.messages_received,
                 "state_dir_stalled_s": round(time.monotonic() - stalled, 1) if stalled is not None else 0.0,
-                "slowest_state_dir_write_s": round(self.slowest_write_s, 3),
+                "slowest_state_dir_write_s": round(self.files.slowest_write_s, 3),
                 "instructions_waiting": len(self._backlog), **status}
 
     def _send(self, ins: Send) -> None:
@@ -468,19 +393,19 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.message(self.metrics.sent, ins.header["type"])
 
-    def _gone(self, peer: bytes) -> None:
+    def _gone(self, peer: bytes, dropped: bool = False) -> None:
         """A peer's connection is gone: the state hears it as an event, once this pass is done."""
         if not self._gone_peers:
             try:
                 asyncio.get_running_loop().call_soon(self._handle_gone)
             except RuntimeError:  # no loop: the coordinator is stopping
                 return
-        self._gone_peers.append(peer)
+        self._gone_peers.append((peer, dropped))
 
     def _handle_gone(self) -> None:
         peers, self._gone_peers = self._gone_peers, []
         if not self.stopped.is_set():
-            self._handle([PeerGone(at=time.monotonic(), peer=p) for p in dict.fromkeys(peers)])
+            self._handle([PeerGone(at=time.monotonic(), peer=p, dropped=d) for p, d in dict.fromkeys(peers)])
 
     def _flush_relays(self) -> None:
         self._relay_flush_due = False
@@ -492,7 +417,9 @@ class Coordinator:
         try:
             send_frames_nowait(self.sock, [peer, *frames])
         except zmq.Again:
-            log.error("send of %s dropped: peer %s is not reading (high-water mark)", kind, peer.hex())
+            log.error("send of %s dropped: peer %s is not reading (high-water mark); it registers again", kind,
+                      peer.hex())
+            self._gone(peer, dropped=True)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 log.info("send of %s to %s: peer has disconnected", kind, peer.hex())
@@ -520,18 +447,3 @@ class Coordinator:
         except Exception:
             log.exception("could not write the stimulus log to %s", path)
         self.stop()
-
-
-class RecentWarnings(logging.Handler):
-    """The last warnings and errors of this process, for `msd status`."""
-
-    def __init__(self, keep: int = 20) -> None:
-        super().__init__(logging.WARNING)
-        self.recent: collections.deque[str] = collections.deque(maxlen=keep)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.recent.append(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} "
-                               f"{record.levelname} {record.getMessage()}")
-        except Exception:  # noqa: BLE001 - a log line must never break the coordinator
-            pass

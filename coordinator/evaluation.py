@@ -363,15 +363,19 @@ class EvalBook:
 
     # ------------------------------------------------------------------ reports
 
-    def report(self, name: str, step: int, losses: Any) -> dict[str, float] | None:
-        """A rank's mean loss per source: kept for status and metrics; None if unusable."""
+    def report(self, name: str, step: int, losses: Any, rank: int = -1) -> dict[str, float] | None:
+        """A rank's mean loss per source: kept for status and metrics (and logged); None if unusable."""
         if name not in self.by_name or not isinstance(losses, dict):
+            log.warning("rank %d: eval report for set %r dropped (unknown set, or losses not a mapping of "
+                        "source -> number)", rank, name)
             return None
         clean = {str(k): float(v) for k, v in losses.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))}
         mine = self.losses.setdefault(name, {})
         for source, loss in clean.items():
             mine[source] = (step, loss)
+        log.info("eval %s at step %d (rank %d): %s", name, step, rank,
+                 ", ".join(f"{k} {v:.4f}" for k, v in sorted(clean.items())))
         return clean
 
     def status(self) -> dict[str, Any]:

@@ -46,7 +46,10 @@ class Shutdown(Event):
 class PeerGone(PeerEvent):
     """A send to this peer found its connection gone (EHOSTUNREACH: the process died or its socket
     closed; a peer that reconnects comes back with another identity): no need to wait for three
-    heartbeats of silence."""
+    heartbeats of silence. dropped: the connection is there, but a message to it was dropped (its
+    queue full): the peer would wait for it for good, so it registers again."""
+
+    dropped: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from msd_common import health
+from .state_status import data_wait, target_so_far_share
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -201,12 +202,12 @@ class CoordinatorMetrics:
             for kind, n in state.skipped_by_kind[source.index].items():
                 skipped[(source.name, kind)] = n
         names = [source.name for source in state.job.sources]
-        self.totals.copy = {"skipped": skipped, "wait": {str(r): w for r, w in state.data_wait().items()},
+        self.totals.copy = {"skipped": skipped, "wait": {str(r): w for r, w in data_wait(state).items()},
                             "delivered": dict(self._delivered), "reprepared": state.prep.reprepared,
                             "consumed": {str(r): t.consumed for r, t in reg.trainers.items()},
                             "target": dict(zip(names, weights)),
                             "realised": {name: n / total for name, n in zip(names, delivered)},
-                            "target_so_far": state.target_so_far_share(),
+                            "target_so_far": target_so_far_share(state),
                             "eval_loss": {(name, source): loss for name, by_source in state.eval.losses.items()
                                           for source, (_, loss) in by_source.items()},
                             "long_docs": {(src.name, kind): n for src in state.job.sources

@@ -1,6 +1,10 @@
-"""`msd mix`: ask a running coordinator to use new mixture weights from a later step on."""
+"""`msd mix`: ask a running coordinator to use new mixture weights from a later step on; and the
+coordinator's check of such a request (`check_weights`)."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 from msd_common import protocol as P
 
@@ -31,3 +35,26 @@ def request_mix(address: str, at_step: int, weights: dict[str, float], timeout_s
     except NoAnswer as e:
         return False, str(e)
     return bool(reply["ok"]), reply["reason"]
+
+
+def check_weights(names: list[str], next_step: int, at_step: int, raw: Any) -> tuple[list[float] | None, str]:
+    """A mix_request's weights as a list in source order, or None and what is wrong with them (every
+    problem, named): a map of known source names to finite weights >= 0, not all zero, from a step
+    not planned yet."""
+    problems = []
+    if not isinstance(raw, dict) or not raw:
+        problems.append("weights: expected a non-empty map of source name -> weight")
+        raw = {}
+    for name, w in raw.items():
+        if name not in names:
+            problems.append(f"{name}: unknown source (sources: {', '.join(names)})")
+        elif type(w) not in (int, float) or not math.isfinite(w) or w < 0:
+            problems.append(f"{name}: weight must be a finite number >= 0, got {w!r}")
+    if not problems and sum(raw.values()) <= 0:
+        problems.append("weights: all zero")
+    if at_step < next_step:
+        problems.append(f"step {at_step} is already planned (the plan stands at step {next_step}); choose a later "
+                        "step")
+    if problems:
+        return None, "; ".join(problems)
+    return [float(raw.get(name, 0.0)) for name in names], ""

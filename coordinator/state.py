@@ -17,18 +17,15 @@ any later send), then the steps are dispatched and more records are asked for.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable
 
 import numpy as np
 
 from msd_common import protocol as P
-from msd_common.doc_keys import doc_key
-from msd_common.protocol import DELIVER_ITEM
 from msd_common.spec import JobConfig
 
 from .balance import imbalance
-from .deliveries import DeliveryBook, address_table
+from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
                      PeerGone, Prepared, RelayReport, RelayHeartbeat, RelayHello, Shutdown, StateRequest, TaskFailed,
                      Tick, TrainerBye,
@@ -36,18 +33,23 @@ from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHe
 from .history import StepHistory
 from .calibration_book import CalibrationBook
 from .evaluation import EvalBook
-from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, AppendQuarantine,
-                           CompactJournal, Instruction, Send, Stop,
-                           WriteStatus)
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, CompactJournal,
+                           Instruction, Send, Stop, WriteStatus)
+from .layout import StepLayout
 from .lead import PrepareLead
-from .plan import LENGTH, OFFSET, POSITION, RECORD, SOURCE, NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
+from .mix import check_weights
+from .plan import NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY
 from .preparation import PreparationBook
+from . import resume
+from .relay_book import RelayBook
 from .registry import HostInfo, RelayInfo, Registry, TrainerInfo, WorkerInfo
+from .skips import SkipBook
+from .state_status import relay_status, status_of
 from .sources import OpenedSources
 from .tasks import TaskBook
 from .welcome import host_scale, version_refusal, worker_welcome
-from .workforce import Workforce
+from .workforce import Workforce, retire_idle
 
 log = logging.getLogger("msd.coordinator")
 
@@ -60,23 +62,11 @@ _EVENTS_OF: dict[str, tuple[type, ...]] = {
 }
 _ID_FIELD = {"worker": "worker_id", "trainer": "rank", "host": "agent_id", "relay": "relay_id"}
 FORGET_EVERY_STEPS = 32  # position-table entries nothing refers to are dropped this often
-# A record is quarantined when this many worker processes died working on it (the first try and
-# two retries, each on another worker): it kills whatever reads it, so it is skipped from then on.
-ALLOWED_DEATHS = 3
 HOST_BEAT_MIN_S = 1.0  # host agents are forgotten after 3 x max(heartbeat_s, this) of silence
 
 
 # events that move nothing but a rank's consumed step
 _RANK_REPORTS = (Consumed, TrainerHeartbeat, RelayHeartbeat, RelayReport)
-
-
-def _rows_of(edges: np.ndarray, dps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The plan's piece rows of each DP rank in `dps`, one after another (edges: where each DP rank's
-    rows start), and each row's index within its DP rank's recipe."""
-    starts = edges[dps]
-    sizes = edges[dps + 1] - starts
-    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return within + np.repeat(starts, sizes), within
 
 
 class CoordinatorState:
@@ -99,7 +89,6 @@ class CoordinatorState:
         self.calibration = CalibrationBook(job, self.planner, self._dp_rank, cost_changes)
         self.topology = job.topology
         self.receivers = set(job.topology.receivers())  # global ranks that get data
-        self._dp_of: dict[int, int] = {}  # global rank -> its data-parallel rank (coords, computed once)
         self.planned: list[tuple[int, float, float, list[int]]] = []  # see handle()
         self.digest = job.digest()
         self.rope = job.rope  # read once: the processor directory's JSON
@@ -109,12 +98,17 @@ class CoordinatorState:
         n = len(job.sources)
         self.tasks = TaskBook()
         self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
-        self.quarantined: dict[int, set[int]] = {}  # source -> records never handed to a worker again
+        self.skips = SkipBook(job, history.durable)  # skipped records, transform errors, quarantine
+        self.quarantined = self.skips.quarantined  # source -> records never handed to a worker again
         self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         # what is known of every stream position, and preparing it ahead of the plan
         self.prep = PreparationBook(job, self.planner, sources, self.tasks, self.registry, self.workforce, self.lead,
-                                    self.quarantined, self._send, self._count_skip, self._epochs, lambda: self.clock)
+                                    self.quarantined, self._send, self.skips.count,
+                                    lambda s, positions: self.layout.epochs(s, positions), lambda: self.clock)
         self.tables = self.prep.tables  # (the same object: read here by planning, dispatch and rewinds)
+        self.deliveries = DeliveryBook()
+        self.relay_book = RelayBook(self.registry, job.topology, self.heartbeat_s)
+        self.layout = StepLayout(job.topology, self.registry, self.tables, self.deliveries, self.planner.num_records)
         self.mapped = self.prep.mapped
         self.history = history
         self._journal_lines: list[dict] = []  # states recorded, not yet in an AppendJournal
@@ -134,14 +128,12 @@ class CoordinatorState:
         else:
             self._record(self.planner.state)
         self.prep.reset_tables()
-        self.skipped_by_kind: list[dict[str, int]] = [{} for _ in range(n)]  # per source: kind -> count
-        self.transform_errors: dict[int, int] = {}  # per source: consecutive transform errors so far
+        self.skipped_by_kind = self.skips.by_kind  # per source: kind -> count
         for name, record in quarantined:
-            if not self._replay_quarantine(name, record):
+            if not self.skips.replay(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
         self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology, self._send,
                              lambda: self.registry.workers, lambda: self.registry.trainers)
-        self.deliveries = DeliveryBook()
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         # seconds each rank that left had waited for data: status and metrics keep the run's waits
         self.departed_wait: dict[int, float] = {}
@@ -258,98 +250,18 @@ class CoordinatorState:
                  f", auto up to {host.max_procs}" if host.auto else "")
         self._scale(host, host.procs, [], "registered")
 
-    def _trainer_refusal(self, ev: TrainerHello) -> str | None:
-        rank, next_step = ev.rank, self.planner.state.next_step
-        if ev.version != P.PROTOCOL_VERSION:
-            return f"protocol version {ev.version} != {P.PROTOCOL_VERSION}"
-        if rank >= self.topology.world_size:
-            return f"rank {rank} out of range: the topology has {self.topology.world_size} ranks"
-        if not self.topology.fields(rank, want_metadata=bool(ev.metadata_only)):
-            return (f"rank {rank} {self.topology.coords(rank)} receives no data (delivery "
-                    f"{self.topology.delivery!r}, pp {self.topology.pp}): it needs no DataClient "
-                    "(a middle pipeline stage may ask for the metadata: metadata_only=True)")
-        carried = self._carried_problem(ev)
-        if self.adopted is not None and ev.resume_step == self.adopted[0] and ev.carried is not None \
-                and ev.carried != self.adopted[1]:
-            return (f"the coordinator state of rank {rank}'s checkpoint for step {ev.resume_step} differs from the one "
-                    "the first rank brought: the ranks' checkpoints are not of the same run or step")
-        if next_step < ev.resume_step <= self.planned_until:
-            return None  # the plan was rewound for a rank further back: it comes to this step again
-        if ev.resume_step > next_step:
-            if self.fresh and next_step == 0 and carried is None:
-                return None  # the plan starts from the state this rank brings (_adopt)
-            why = carried or "its checkpoint does not carry the coordinator's state"
-            return (f"cannot resume at step {ev.resume_step}: the plan stands at step {next_step} ({why}; start the "
-                    "coordinator with the run's --state-dir)")
-        if ev.resume_step < next_step and self._state_before(ev) is None:
-            return (f"cannot resume at step {ev.resume_step}: the coordinator keeps steps from "
-                    f"{self.history.oldest} on (the journal was compacted)")
-        return None
-
-    def _carried_problem(self, ev: TrainerHello) -> str | None:
-        """Why the coordinator state a rank brought cannot be used (None: it can)."""
-        c = ev.carried
-        if c is None:
-            return "its checkpoint does not carry the coordinator's state"
-        try:
-            if c["digest"] != self.digest:
-                return f"the carried state is of plan digest {c['digest']}, this job's is {self.digest}"
-            if PlannerState.from_json(c["planner"]).next_step != ev.resume_step:
-                return "the carried state is not of the resume step"
-            for at, w in c["mixture_changes"]:
-                if len(w) != len(self.job.sources) or int(at) < 0:
-                    return "the carried mixture changes do not fit this job's sources"
-            for at, coefficients in c.get("cost_changes", []):
-                if int(at) < 0 or len(coefficients) != 5:
-                    return "the carried cost models are malformed"
-            [(str(name), int(record)) for name, record in c["quarantined"]]
-        except (KeyError, TypeError, ValueError) as e:
-            return f"the carried state is malformed ({e!r})"
-        return None
-
-    def _state_before(self, ev: TrainerHello) -> PlannerState | None:
-        state = self.history.state_before(ev.resume_step, ev.journaled_state)
-        if state is None and self._carried_problem(ev) is None:  # older than what memory and journal hold
-            state = PlannerState.from_json(ev.carried["planner"])
-        return state
-
     def _on_relay_hello(self, ev: RelayHello) -> None:
-        refusal = version_refusal(ev.version, f"relay on {ev.host}")
-        if refusal is not None:
-            self._send(ev.peer, refusal)
-            return
-        known = self.registry.relay_at(ev.peer)
-        if known is not None and (known.incarnation, known.address) == (ev.incarnation, ev.data_address):
-            # the same relay saying hello again before our welcome reached it: its ranks stay
-            known.last_seen = ev.at
-            self._send(ev.peer, P.make(P.RELAY_WELCOME, relay_id=known.relay_id, heartbeat_s=self.heartbeat_s,
-                                       topology=self.topology._asdict()))
-            return
-        if ev.peer in self.registry:
-            self._forget_peer(ev.peer, "re-registered")
-        for old in [r for r in self.registry.relays.values() if (r.host, r.local) == (ev.host, ev.local)]:
-            # the host's relay started again (its ranks come back through the new one at once)
-            self._forget_peer(old.identity, "replaced by a new relay on its host")
-        relay = self.registry.add_relay(ev.peer, ev.host, ev.data_address, ev.local, ev.at)
-        relay.incarnation = ev.incarnation
-        log.info("relay %d registered on %s, data address %s", relay.relay_id, ev.host, ev.data_address)
-        self._send(ev.peer, P.make(P.RELAY_WELCOME, relay_id=relay.relay_id, heartbeat_s=self.heartbeat_s,
-                                   topology=self.topology._asdict()))
+        answer = self.relay_book.answer(ev)
+        if answer is None:  # a relay to admit: what it replaces is forgotten first (with its ranks)
+            for identity, why in self.relay_book.replaced(ev):
+                self._forget_peer(identity, why)
+            answer = self.relay_book.admit(ev)
+        self._emit(answer)
 
     def _on_relay_heartbeat(self, ev: RelayHeartbeat, relay: RelayInfo) -> None:
         """One heartbeat for the relay and every rank behind it that it still hears (answered)."""
-        self._relay_counters(ev, relay)
+        self.relay_book.counters(ev, relay)
         self._alive(ev, relay)
-
-    def _relay_counters(self, ev: RelayHeartbeat, relay: RelayInfo) -> None:
-        relay.ranks = [int(r) for r in ev.ranks]
-        relay.bytes_in, relay.bytes_out, relay.queued, relay.late_steps = (ev.bytes_in, ev.bytes_out, ev.queued,
-                                                                            ev.late_steps)
-        trainers = self.registry.trainers
-        for r in relay.ranks:
-            t = trainers.get(r)
-            if t is not None and t.via == relay.relay_id:
-                t.last_seen = ev.at
 
     def _on_trainer_hello(self, ev: TrainerHello) -> None:
         rank = ev.rank
@@ -360,7 +272,7 @@ class CoordinatorState:
                 self._send(ev.via, P.make(P.UNKNOWN_PEER, reason="relay not registered: send a relay_hello first"))
                 return
             relay.last_seen = ev.at
-        reason = self._trainer_refusal(ev)
+        reason = resume.refusal(self, ev)
         if reason:
             log.warning("trainer rank %d rejected: %s", rank, reason, extra={"rank": rank, "peer": ev.peer.hex()})
             self._send(ev.peer, P.make(P.REJECT, reason=reason))
@@ -384,9 +296,9 @@ class CoordinatorState:
             self._welcome(ev.peer, rank)
             return
         if ev.resume_step > max(self.planner.state.next_step, self.planned_until):
-            self._adopt(ev)
+            self._out.extend(resume.adopt(self, ev))
         elif ev.resume_step < self.planner.state.next_step:
-            self._rewind(ev.resume_step, self._state_before(ev).to_json())
+            self._rewind(ev.resume_step, resume.state_before(self, ev).to_json())
         if self.registry.lookup(ev.peer) not in (None, ("trainer", rank)):
             self._forget_peer(ev.peer, "re-registered")
         self.registry.add_trainer(TrainerInfo(rank, ev.peer, address, ev.at, ev.resume_step - 1,
@@ -416,32 +328,18 @@ class CoordinatorState:
 
     def _on_mix_request(self, ev: MixRequest) -> None:
         """New weights from a later step on (msd mix): checked, journaled, then answered."""
-        at_step, raw = ev.at_step, ev.weights
         names = [s.name for s in self.job.sources]
-        problems = []
-        if not isinstance(raw, dict) or not raw:
-            problems.append("weights: expected a non-empty map of source name -> weight")
-            raw = {}
-        for name, w in raw.items():
-            if name not in names:
-                problems.append(f"{name}: unknown source (sources: {', '.join(names)})")
-            elif type(w) not in (int, float) or not math.isfinite(w) or w < 0:
-                problems.append(f"{name}: weight must be a finite number >= 0, got {w!r}")
-        if not problems and sum(raw.values()) <= 0:
-            problems.append("weights: all zero")
-        if at_step < self.planner.state.next_step:
-            problems.append(f"step {at_step} is already planned (the plan stands at step "
-                            f"{self.planner.state.next_step}); choose a later step")
-        if problems:
-            self._send(ev.peer, P.make(P.MIX_REPLY, ok=0, reason="; ".join(problems), at_step=at_step))
+        weights, problems = check_weights(names, self.planner.state.next_step, ev.at_step, ev.weights)
+        if weights is None:
+            self._send(ev.peer, P.make(P.MIX_REPLY, ok=0, reason=problems, at_step=ev.at_step))
             return
-        weights = [float(raw.get(name, 0.0)) for name in names]
         if self.history.durable:  # durable before the answer, and before any step planned with it goes out
-            self._out.append(AppendMixture(at_step, tuple(weights)))
-        self.planner.set_weights(at_step, weights)
-        self.mixture_changes.append((at_step, weights))
-        log.warning("mixture changed from step %d: %s", at_step, dict(zip(names, weights)), extra={"step": at_step})
-        self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=at_step))
+            self._out.append(AppendMixture(ev.at_step, tuple(weights)))
+        self.planner.set_weights(ev.at_step, weights)
+        self.mixture_changes.append((ev.at_step, weights))
+        log.warning("mixture changed from step %d: %s", ev.at_step, dict(zip(names, weights)),
+                    extra={"step": ev.at_step})
+        self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=ev.at_step))
 
     # ------------------------------------------------------------------ messages of registered peers
 
@@ -509,43 +407,24 @@ class CoordinatorState:
         trainer.waited_s = max(trainer.waited_s, waited_s)
 
     def _on_relay_report(self, ev: RelayReport, relay: RelayInfo) -> None:
-        """A relay_up's report: the relay's counters, and the `consumed` of its ranks, each as its own
-        message would be (for the ranks registered through this relay only)."""
-        self._relay_counters(ev, relay)
-        trainers = self.registry.trainers
-        rows = ev.consumed
-        for rank, step, waited in zip(rows[:, 0].tolist(), rows[:, 1].tolist(), ev.waited_s.tolist()):
-            t = trainers.get(rank)
-            if t is None or t.via != relay.relay_id:
-                continue
-            self._consumed(t, step, waited)
+        """A relay_up's report: the relay's counters, and the `consumed` of its ranks."""
+        for trainer, step, waited in self.relay_book.consumed(ev, relay):
+            self._consumed(trainer, step, waited)
         self.lead.consumed(ev.at, self.registry.slowest())
 
     def _dp_rank(self, rank: int) -> int:
-        """A global rank's data-parallel rank (its coordinates, computed once)."""
-        d = self._dp_of.get(rank)
-        if d is None:
-            d = self._dp_of[rank] = self.topology.coords(rank).dp
-        return d
-
-    def target_so_far_share(self) -> dict[str, float]:
-        """Each source's share of every token so far as the mixture asked for it (changes and ramps included)."""
-        target = self.planner.state.target
-        total = sum(target) or 1
-        return {src.name: t / total for src, t in zip(self.job.sources, target)}
-
-    def data_wait(self) -> dict[int, float]:
-        """Seconds each rank waited for data over the run (ranks that left included)."""
-        waits = dict(self.departed_wait)
-        for r, t in self.registry.trainers.items():
-            waits[r] = max(waits.get(r, 0.0), t.waited_s)
-        return dict(sorted(waits.items()))
+        return self.layout.dp_rank(rank)
 
     def _on_peer_gone(self, ev: PeerGone) -> None:
         """A rank or relay whose connection is gone is forgotten now. Not a worker: its host agent
         reports its exit with the task it died on (what narrows a poison record down), and a worker
         forgotten first would have its task handed on whole."""
         who = self.registry.lookup(ev.peer)
+        if who is not None and ev.dropped:  # it would wait for that message for good (session.LOST_MESSAGES)
+            log.warning("%s %d: a message to it was dropped; forgotten, it registers again", *who)
+            self._forget_peer(ev.peer, "a message to it was dropped")
+            self._send(ev.peer, P.make(P.UNKNOWN_PEER, reason="a message to this peer was dropped: say hello again"))
+            return
         if who is None or who[0] not in ("trainer", "relay"):
             return
         log.warning("%s %d: its connection is gone; forgotten", *who)
@@ -559,14 +438,8 @@ class CoordinatorState:
         self.eval.request(ev.rank, ev.set, ev.pass_no, ev.peer)
 
     def _on_eval_report(self, ev: EvalReport, trainer: TrainerInfo) -> None:
-        losses = self.eval.report(ev.set, ev.step, ev.losses)
-        if losses is None:
-            log.warning("rank %d: eval report for set %r dropped (unknown set, or losses not a mapping of "
-                        "source -> number)", ev.rank, ev.set)
-            return
-        log.info("eval %s at step %d (rank %d): %s", ev.set, ev.step, ev.rank,
-                 ", ".join(f"{k} {v:.4f}" for k, v in sorted(losses.items())))
-        if self.history.durable:
+        losses = self.eval.report(ev.set, ev.step, ev.losses, ev.rank)
+        if losses is not None and self.history.durable:
             self._out.append(AppendEvalLoss(ev.set, ev.step, ev.rank, tuple(sorted(losses.items()))))
 
     def _on_prepared(self, ev: Prepared, worker: WorkerInfo) -> None:
@@ -586,41 +459,20 @@ class CoordinatorState:
             self.prep.issue(s, task.positions)
             return
         for _, reason, kind in ev.skipped:
-            self._count_skip(s, kind)
+            self.skips.count(s, kind)
             log.warning("source %s: record skipped (%s): %s (%d skipped so far)", self.job.sources[s].name, kind,
-                        reason.split("\n", 1)[0], self._skipped(s), extra={"source": self.job.sources[s].name})
-        if self.job.sources[s].transform and self._transform_failing(s, ev.skipped, len(task.positions)):
+                        reason.split("\n", 1)[0], self.skips.skipped(s), extra={"source": self.job.sources[s].name})
+        failure = self.skips.transform_failure(s, ev.skipped, len(task.positions)) \
+            if self.job.sources[s].transform else None
+        if failure is not None:  # the transform is broken, not the data: the job stops, naming it
+            log.critical("%s", failure, extra={"source": self.job.sources[s].name})
+            self.failed, self.failure = True, failure
+            self._out.append(Stop(failure, failed=True))
             return
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self.lead.task_done(s, ev.at - task.assigned_at)
         self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches, ev.patch_squares)
-
-    def _transform_failing(self, s: int, skipped: list, n_records: int) -> bool:
-        """Count a source's consecutive transform errors (in task order); at max_transform_errors
-        the transform is broken, not the data: stop the job naming the source, the record and
-        the last traceback."""
-        errors = {i: reason for i, reason, kind in skipped if kind == "transform_error"}
-        run = self.transform_errors.get(s, 0)
-        for i in range(n_records):
-            run = run + 1 if i in errors else 0
-            if run >= self.job.sources[s].max_transform_errors:
-                src = self.job.sources[s]
-                reason = (f"source {src.name!r}: {run} consecutive records failed in transform {src.transform} "
-                          f"(max_transform_errors: {src.max_transform_errors}); the last: {errors[i]}")
-                log.critical("%s", reason, extra={"source": src.name})
-                self.failed = True
-                self.failure = reason
-                self._out.append(Stop(reason, failed=True))
-                return True
-        self.transform_errors[s] = run
-        return False
-
-    def _skipped(self, s: int) -> int:
-        return sum(self.skipped_by_kind[s].values())
-
-    def _count_skip(self, s: int, kind: str, n: int = 1) -> None:
-        self.skipped_by_kind[s][kind] = self.skipped_by_kind[s].get(kind, 0) + n
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
         if self.eval.owns(ev.task_id):
@@ -635,9 +487,9 @@ class CoordinatorState:
     def _on_delivered(self, ev: Delivered, worker: WorkerInfo) -> None:
         for s, record, reason, kind in ev.failed:  # planned, then its image pass failed: no loss on it
             if s < len(self.job.sources):
-                self._count_skip(s, kind)
+                self.skips.count(s, kind)
                 log.warning("source %s: record %d delivered with nothing to train on (%s): %s (%d skipped so far)",
-                            self.job.sources[s].name, record, kind, reason.split("\n", 1)[0], self._skipped(s),
+                            self.job.sources[s].name, record, kind, reason.split("\n", 1)[0], self.skips.skipped(s),
                             extra={"source": self.job.sources[s].name, "record": record})
         d = self.deliveries.acknowledge(ev.delivery_id, worker.worker_id)
         if d is None:
@@ -707,19 +559,13 @@ class CoordinatorState:
                      host.host, host.procs, procs, 100 * self.workforce.last_wait, 100 * self.workforce.last_busy)
             host.procs = procs
             self._scale(host, procs, [], "trainers wait for data")
-        for host in reg.hosts.values():
-            for wid in sorted(host.retiring):
-                w = reg.workers.get(wid)
-                if w is None:  # died meanwhile: its agent restarts it, so the count stays
-                    host.retiring.discard(wid)
-                elif not (self.tasks.in_flight(wid) or self.deliveries.holds(wid)
-                          or any(t.count_held(wid) for t in self.tables)):
-                    host.retiring.discard(wid)
-                    host.procs -= 1
-                    log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
-                             host.procs)
-                    self._scale(host, host.procs, [w.pid], "idle")
-                    reg.remove(w.identity)
+        def holds(wid: int) -> bool:
+            return bool(self.tasks.in_flight(wid) or self.deliveries.holds(wid)
+                        or any(t.count_held(wid) for t in self.tables))
+
+        for host, worker in retire_idle(reg.hosts, reg.workers, holds):
+            self._scale(host, host.procs, [worker.pid], "idle")
+            reg.remove(worker.identity)
 
     def _scale(self, host: HostInfo, procs: int, retire: list[int], reason: str) -> None:
         """Tell a host agent its process count (and which emptied workers to stop)."""
@@ -777,37 +623,19 @@ class CoordinatorState:
 
     def _blame(self, task_id: int, worker_id: int) -> None:
         """A worker died working on this task: narrow it down to one record, and quarantine a
-        record that has killed ALLOWED_DEATHS workers (each try on another worker)."""
+        record that has killed skips.ALLOWED_DEATHS workers (each try on another worker)."""
         task = self.tasks.get(task_id)
         if task is None or worker_id not in task.workers:
             return
-        task.deaths += 1
-        name = self.job.sources[task.source].name
-        if task.worker_id is not None:  # handed to another worker already: judged when that one is done
-            return
-        if len(task.positions) > 1:
-            log.warning("worker %d died working on %d records of source %s; trying them one by one", worker_id,
-                        len(task.positions), name, extra={"worker_id": worker_id})
+        single = int(self.tables[task.source].records(task.positions)[0]) \
+            if task.worker_id is None and len(task.positions) == 1 else None
+        verdict, writes = self.skips.death(task, worker_id, single)
+        if verdict == "split":
             self.tasks.split(task)
-            return
-        record = int(self.tables[task.source].records(task.positions)[0])
-        if task.deaths < ALLOWED_DEATHS:
-            log.warning("worker %d died working on record %d of source %s (%d of %d allowed deaths); trying another "
-                        "worker", worker_id, record, name, task.deaths, ALLOWED_DEATHS, extra={"worker_id": worker_id})
-            return
-        self._quarantine(task.source, record, f"{task.deaths} worker processes died reading it")
+        self._out.extend(writes)
 
     def _quarantine(self, s: int, record: int, reason: str) -> None:
-        """A poison record: skipped from now on (settled as length 0 wherever it is drawn), and
-        journaled before any step planned without it."""
-        if record in self.quarantined.get(s, ()):
-            return
-        name = self.job.sources[s].name
-        log.error("source %s: record %d quarantined: %s; it is skipped from now on", name, record, reason,
-                  extra={"source": name, "record": record})
-        self.quarantined.setdefault(s, set()).add(record)
-        if self.history.durable:
-            self._out.append(AppendQuarantine(name, record, reason))
+        self._out.extend(self.skips.quarantine(s, record, reason))
 
     def _reissue_orphans(self) -> None:
         """Send deliveries of dead workers again, once every record they read has a live holder
@@ -819,7 +647,7 @@ class CoordinatorState:
             if d.needs() & self.prep.reprepare:
                 return
             self.deliveries.replaced(d)
-            self._send_deliveries(d.step, d.items, d.positions, d.release)
+            self._emit(self.layout.deliver(d.step, d.items, d.positions, d.release))
 
     # ------------------------------------------------------------------ prepare-ahead
 
@@ -918,111 +746,11 @@ class CoordinatorState:
         if plan.step % 100 == 0:
             log.info("step %d planned: max/mean rank cost %.3f (arrival order: %.3f)", plan.step, ours, naive,
                      extra={"step": plan.step})
-        t = plan.pieces
-        refs = np.column_stack([doc_key(t[:, SOURCE], t[:, RECORD]), t[:, OFFSET].astype(np.uint64),
-                                t[:, LENGTH].astype(np.uint64)])  # protocol.RECIPE_PIECE rows
-        bounds = np.searchsorted(plan.rank, np.arange(self.job.dp + 1)).tolist()
-        counts = np.zeros((self.job.dp, plan.rows_per_rank), dtype=np.int64)  # pieces per sequence of each rank
-        np.add.at(counts, (plan.rank, plan.row), 1)
-        trainers = self.registry.trainers
-        ranks = sorted(self.receivers | (trainers.keys() - self.receivers))
-        # global ranks; each gets its DP rank's part of the plan (optional metadata-only stages too).
-        # The summary in a header is O(1): this rank's costs and the step's balance, never every
-        # rank's (that would make each step O(DP^2) to encode).
-        # as Python floats: indexing a numpy array gives a numpy scalar per rank, slower to pack too
-        rank_costs = np.asarray(plan.rank_costs, dtype=np.float64).tolist()
-        naive_costs = np.asarray(plan.naive_rank_costs, dtype=np.float64).tolist()
-        relayed: dict[int, list] = {}  # relay -> [(rank, DP rank)]: one relay_step each
-        edges = np.asarray(bounds, dtype=np.int64)
-        for rank in ranks:
-            d = self._dp_rank(rank)
-            trainer = trainers[rank]
-            if trainer.via is not None:
-                relayed.setdefault(trainer.via, []).append((rank, d))
-                continue
-            self._send(trainer.identity, P.step_header(plan.step, rank, plan.row_capacity, ours, naive, rank_costs[d],
-                                                       naive_costs[d]), refs[bounds[d]:bounds[d + 1]], counts[d])
-        costs = (np.asarray(rank_costs, dtype=np.float64), np.asarray(naive_costs, dtype=np.float64))
-        for via, members in relayed.items():
-            self._send_relay_step(via, members, plan, refs, counts, edges, costs, (ours, naive))
-        # DELIVER_ITEM rows: every piece once per global rank that receives its DP rank's part, and
-        # once per relay for all its ranks of one DP rank (it passes them on to each)
-        ranks = self._delivery_ranks(ranks)
-        dps = np.array([self._dp_of[r] for r in ranks], dtype=np.int64)
-        piece, within = _rows_of(edges, dps)
-        sizes = edges[dps + 1] - edges[dps]
-        items = np.column_stack([np.repeat(np.array(ranks, dtype=np.uint64), sizes), within.astype(np.uint64),
-                                 refs[piece]])
-        self._send_deliveries(plan.step, items, t[piece][:, [SOURCE, POSITION]], plan.finished)
+        self._emit(self.layout.step(plan, (ours, naive)))
 
-    def _send_relay_step(self, via: int, members: list[tuple[int, int]], plan: StepPlan, refs: np.ndarray,
-                         counts: np.ndarray, edges: np.ndarray, costs: tuple[np.ndarray, np.ndarray],
-                         balance: tuple[float, float]) -> None:
-        """The step's recipes of a relay's ranks, each DP rank's once (the relay writes their step_headers)."""
-        dps = sorted({d for _, d in members})
-        index = {d: i for i, d in enumerate(dps)}
-        at = np.asarray(dps, dtype=np.int64)
-        sizes = edges[at + 1] - edges[at]
-        rows = _rows_of(edges, at)[0] if dps[-1] - dps[0] + 1 != len(dps) else slice(edges[dps[0]], edges[dps[-1] + 1])
-        header = P.make(P.RELAY_STEP, step=plan.step, row_len=plan.row_capacity, dps=dps,
-                        ranks=[[r, index[d]] for r, d in members], piece_counts=sizes.tolist(),
-                        rank_costs=costs[0][at].tolist(), naive_costs=costs[1][at].tolist(), max_over_mean=balance[0],
-                        naive_max_over_mean=balance[1])
-        contiguous = dps[-1] - dps[0] + 1 == len(dps)  # a host of consecutive DP ranks: slices, no gather
-        self._send(self.registry.relays[via].identity, header, refs[rows],
-                   counts[dps[0]:dps[-1] + 1] if contiguous else counts[at])
-
-    def _delivery_ranks(self, ranks: list[int]) -> list[int]:
-        """The ranks pieces are addressed to: a direct rank itself; behind a relay, the lowest of
-        its ranks of each DP rank (the relay passes them on to the others)."""
-        trainers = self.registry.trainers
-        out, seen = [], set()
-        for r in ranks:
-            t = trainers.get(r)
-            if t is None or t.via is None:
-                out.append(r)
-                continue
-            key = (t.via, self._dp_of[r])
-            if key not in seen:
-                seen.add(key)
-                out.append(r)
-        return out
-
-    def _holders(self, positions: np.ndarray) -> np.ndarray:
-        """The worker holding each [source, position] row's prepared copy."""
-        owners = self.tables.holders(positions)
-        if (owners == NOBODY).any():
-            missing = positions[owners == NOBODY][0].tolist()
-            raise RuntimeError(f"no worker holds source {missing[0]} position {missing[1]}")
-        return owners
-
-    def _send_deliveries(self, step: int, items: np.ndarray, positions: np.ndarray, release: np.ndarray) -> None:
-        """One DELIVER per worker holding any of the pieces: payloads go worker -> rank directly.
-        items: DELIVER_ITEM rows; positions and release: [source, position] rows (of each item's
-        record; of prepared copies used up after this step)."""
-        owners, release_owners = self._holders(positions), self._holders(release)
-        trainers, workers = self.registry.trainers, self.registry.workers
-        for wid in np.union1d(owners, release_owners).tolist():
-            mask = owners == wid
-            mine = items[mask]
-            rel = release[release_owners == wid]
-            ranks = np.unique(mine[:, DELIVER_ITEM.rank]).tolist()
-            d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
-            addresses, targets = address_table(ranks, trainers)
-            header = P.make(P.DELIVER, worker_id=wid, delivery_id=d.delivery_id, step=step, addresses=addresses)
-            release_keys = doc_key(rel[:, 0], self.tables.records(rel))
-            self._send(workers[wid].identity, header, mine, release_keys, self._epochs_of(positions[mask]),
-                       self._epochs_of(rel), targets)
-
-    def _epochs(self, s: int, positions: np.ndarray) -> np.ndarray:
-        """The pass over source s that each stream position falls in (a transform's ctx.epoch)."""
-        return (np.asarray(positions, dtype=np.int64) // max(1, self.planner.num_records[s])).astype(np.uint32)
-
-    def _epochs_of(self, rows: np.ndarray) -> np.ndarray:
-        """Epochs of [source, position] rows."""
-        counts = np.maximum(np.asarray(self.planner.num_records, dtype=np.int64), 1)
-        return (rows[:, 1].astype(np.int64) // counts[rows[:, 0].astype(np.int64)]).astype(np.uint32) if len(rows) \
-            else np.zeros(0, np.uint32)
+    def _emit(self, sends: list[Send]) -> None:
+        self.messages_sent += len(sends)
+        self._out.extend(sends)
 
     # ------------------------------------------------------------------ resume
 
@@ -1052,116 +780,18 @@ class CoordinatorState:
         self.eval.reset()
         self.prep.reset_tables()
 
-    def _adopt(self, ev: TrainerHello) -> None:
-        """A coordinator with no state of its own (no state dir, or an empty one) resumes from the
-        state a resuming rank's checkpoint carries; every other rank must bring the same one."""
-        c = ev.carried
-        state = PlannerState.from_json(c["planner"])
-        log.warning("no state of an earlier run here: resuming from the state rank %d brought for step %d",
-                    ev.rank, state.next_step)
-        self.fresh = False
-        self.adopted = (ev.resume_step, c)
-        for at, weights in c["mixture_changes"]:
-            self._replay_mixture_change(int(at), weights)
-            if self.history.durable:
-                self._out.append(AppendMixture(int(at), tuple(weights)))
-        for at, coefficients in c.get("cost_changes", []):
-            if self.calibration.replay(int(at), coefficients) and self.history.durable:
-                self._out.append(AppendCostChange(int(at), tuple(float(x) for x in coefficients)))
-        for name, record in c["quarantined"]:
-            if self._replay_quarantine(name, int(record)) and self.history.durable:
-                self._out.append(AppendQuarantine(name, int(record), "carried by a trainer's checkpoint"))
-        j = self.history.restart_from(state)
-        if self.history.durable:  # the journal holds this state alone from now on
-            self._journal_lines.clear()
-            self._compact_to = j
-        self._restart_plan(state)
-
     def _replay_mixture_change(self, at_step: int, weights: list[float]) -> None:
         """A mixture change made earlier in the run (the mixture journal, a carried state)."""
         self.planner.set_weights(at_step, weights, replaying=True)
         self.mixture_changes.append((at_step, list(weights)))
 
-    def _replay_quarantine(self, name: str, record: int) -> bool:
-        """A record quarantined earlier in the run; False if this job has no such source."""
-        source = next((src.index for src in self.job.sources if src.name == name), None)
-        if source is None:
-            return False
-        self.quarantined.setdefault(source, set()).add(record)
-        return True
-
-    def _carried_state(self, step: int) -> dict | None:
-        state = self.history.state_before(step)
-        if state is None:
-            return None
-        return {"digest": self.digest, "planner": state.to_json(),
-                "mixture_changes": [[at, list(w)] for at, w in self.mixture_changes],
-                "cost_changes": [[at, list(c)] for at, c in self.calibration.changes],
-                "quarantined": [[self.job.sources[s].name, r] for s, rs in sorted(self.quarantined.items())
-                                for r in sorted(rs)]}
-
     def _on_state_request(self, ev: StateRequest, trainer: TrainerInfo) -> None:
-        state = self._carried_state(ev.step)
-        reason = "" if state is not None else (f"step {ev.step} is not among the steps kept in memory "
-                                               f"({self.history.oldest}..{self.planner.state.next_step})")
-        self._send(ev.peer, P.make(P.STATE_REPLY, step=ev.step, ok=int(state is not None), reason=reason,
-                                   state=state))
+        self._emit([resume.state_reply(self, ev)])
 
     # ------------------------------------------------------------------ status
 
     def relay_status(self) -> list[dict[str, Any]]:
-        """Each relay: its host, its data address, the ranks registered through it, its counters."""
-        ranks: dict[int, list[int]] = {}
-        for t in self.registry.trainers.values():
-            if t.via is not None:
-                ranks.setdefault(t.via, []).append(t.rank)
-        return [{"relay_id": r.relay_id, "host": r.host, "address": r.address, "ranks": sorted(ranks.get(r.relay_id,
-                                                                                                         [])),
-                 "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "queued": r.queued, "late_steps": r.late_steps}
-                for r in self.registry.relays.values()]
+        return relay_status(self)
 
     def status(self) -> dict[str, Any]:
-        step = self.planner.state.next_step
-        delivered = self.planner.state.delivered
-        total = sum(delivered) or 1
-        names = [s.name for s in self.job.sources]
-        hosts: dict[str, list] = {}
-        for w in self.registry.workers.values():
-            host = self.registry.hosts.get(w.agent)
-            hosts.setdefault(host.host if host else "?", []).append(
-                {"worker_id": w.worker_id, "pid": w.pid, "busy_share": round(w.busy_share, 3)})
-        return {
-            "long_docs": {src.name: dict(self.prep.long_docs[src.index]) for src in self.job.sources
-                          if self.prep.long_docs[src.index]},
-            "eval": self.eval.status(),
-            "cost_model": self.calibration.status(self.planner.state.next_step),
-            "job": self.job.path,
-            "digest": self.digest,
-            "dp": self.job.dp,
-            "target_share": dict(zip(names, (round(w, 6) for w in self.planner.weights_at(step)))),
-            "realised_share": {n: round(d / total, 6) for n, d in zip(names, delivered)},
-            # what the mixture asked of every token so far (its changes and ramps included), to
-            # compare realised_share with: target_share is only the weight of the step planned now
-            "target_so_far_share": {n: round(share, 6) for n, share in self.target_so_far_share().items()},
-            "data_wait_s": {r: round(w, 3) for r, w in self.data_wait().items()},
-            "workers_by_host": hosts,
-            "events_handled": self.events_handled,
-            "messages_sent": self.messages_sent,
-            "next_step": step,
-            "consumed": {r: t.consumed for r, t in self.registry.trainers.items()},
-            "relays": self.relay_status(),
-            "last_consumed_step": self.last_consumed_step,
-            "workers": len(self.registry.workers),
-            "worker_backlog": sum(w.backlog for w in self.registry.workers.values()),
-            "worker_send_waits": sum(w.send_waits for w in self.registry.workers.values()),
-            "tasks_in_flight": len(self.tasks),
-            "prepare_ahead_steps": dict(zip(names, (round(float(n), 2) for n in self.lead.steps_ahead()))),
-            "step_s": None if self.lead.step_s is None else round(self.lead.step_s, 4),
-            "records_reprepared": self.prep.reprepared,
-            "deliveries": self.deliveries.counts(),
-            "skipped": {s.name: self._skipped(s.index) for s in self.job.sources},
-            "skipped_by_kind": {s.name: dict(self.skipped_by_kind[s.index]) for s in self.job.sources},
-            "quarantined": {self.job.sources[s].name: sorted(r) for s, r in self.quarantined.items()},
-            **self.workforce.status(self.registry.hosts, [s.name for s in self.job.sources],
-                                    self.planner.weights_at(step), self.job.step_tokens_at(step)),
-        }
+        return status_of(self)

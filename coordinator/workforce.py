@@ -199,3 +199,22 @@ class Workforce:
             "trainers_waiting": round(self.last_wait, 3),
             "workers_needed": self.needed,
         }
+
+
+def retire_idle(hosts: dict, workers: dict, holds: Callable[[int], bool]) -> list[tuple[Any, Any]]:
+    """Workers marked for retiring (a host scaled down) that hold nothing any more: (host, worker) of
+    each to stop now, taken off its host's count. One that died meanwhile is no longer retiring
+    (its agent restarts it, so the count stays)."""
+    out = []
+    for host in hosts.values():
+        for wid in sorted(host.retiring):
+            w = workers.get(wid)
+            if w is None:
+                host.retiring.discard(wid)
+            elif not holds(wid):
+                host.retiring.discard(wid)
+                host.procs -= 1
+                log.info("worker host %s: worker %d holds nothing; stopping it (%d processes)", host.host, wid,
+                         host.procs)
+                out.append((host, w))
+    return out

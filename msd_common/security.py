@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import NamedTuple
+import logging
+from typing import Any, NamedTuple
 
 import zmq
 import zmq.auth
@@ -140,6 +141,7 @@ class HandshakeWatch:
         self.failures = 0
         self.last_failure = ""
         self._handshook = False  # the current connection completed its handshake
+        self._broken = False  # a connection that had completed its handshake closed since broke() was asked
 
     def refused(self) -> str | None:
         """Read the pending events; the reason if the peer has refused us REFUSED_AFTER times in a row."""
@@ -158,9 +160,36 @@ class HandshakeWatch:
                 if not self._handshook:
                     self.failures += 1
                     self.last_failure = self.last_failure or _CLOSED_IN_HANDSHAKE
+                else:
+                    self._broken = True
                 self._handshook = False
         return self.last_failure if self.failures >= REFUSED_AFTER else None
+
+    def broke(self) -> bool:
+        """Whether a connection that was up has closed since the last call (after refused() read the
+        events). ZeroMQ reconnects by itself, but what was on its way in either direction is lost:
+        the peer says hello again (session.LOST_MESSAGES), and the coordinator re-sends what it had
+        in flight."""
+        broken, self._broken = self._broken, False
+        return broken
 
     def close(self) -> None:
         self._sock.disable_monitor()
         self.socket.close(linger=0)
+
+
+def operator_refusal(operators: set | None, header: dict[str, Any], frame: Any) -> dict[str, Any] | None:
+    """The answer to a control request (msd mix) from a key that is not an operator's, in a CURVE
+    job (operators: the ZAP user ids of the operator keys; None: not a CURVE job); None: served."""
+    from . import protocol as P
+
+    if operators is None or header["type"] not in P.CONTROL_REQUESTS:
+        return None
+    user = frame.get("User-Id")
+    if user in operators:
+        return None
+    logging.getLogger("msd.coordinator").warning("refused %s from a key that is not an operator's (%s...)",
+                                                 header["type"], user[:8])
+    return P.make(P.MIX_REPLY, ok=0, at_step=int(header.get("at_step", 0)),
+                  reason="changes to the plan are taken only from an operator key (msd keys generate makes one; "
+                         "pass --keys)")

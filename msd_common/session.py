@@ -23,6 +23,11 @@ from .sockets import send_nowait
 log = logging.getLogger("msd.session")
 
 HELLO_RETRY_S = 2.0
+# Why a peer says hello again by itself: its connection to the coordinator broke (ZeroMQ reconnects,
+# but what was on its way is lost) or a message of its own was dropped (the queue to the coordinator
+# full). Nothing else would tell either side: the coordinator would wait for an answer, or the peer
+# for work, that never comes (found by msd.sim, issue 58). Registering again re-sends what was in flight.
+LOST_MESSAGES = "messages to or from the coordinator were lost"
 LOST_AFTER_BEATS = 3  # silence (in heartbeats) after which the coordinator is taken for gone
 # A peer waiting for its first welcome says so after this long, then at doubling intervals up to
 # WAITING_REPORT_MAX_S: ranks and workers often start before the coordinator, so waiting is right,

@@ -21,13 +21,13 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common import wire
 from msd_common.errors import ProtocolError
-from msd_common.session import Registration
+from msd_common.session import LOST_MESSAGES, Registration
 from msd_common.topology import Topology
 
 log = logging.getLogger("msd.relay")
 
 HOLD_S = 0.05  # a step's `consumed` waits this long at most for the host's other ranks before it goes up
-STOP_AFTER_S = 2.0  # after the coordinator's shutdown, what it sent its ranks still goes out
+STOP_AFTER_S = 2.0  # after a failed job's job_failed, what the relay passes on to its ranks still goes out
 RANK_LOST_BEATS = 3  # a local rank silent this many heartbeats is no longer reported alive
 
 
@@ -62,7 +62,7 @@ class ReleaseData:
 
 @dataclass(frozen=True, slots=True)
 class MoveOn:
-    """The coordinator stops and a standby takes over: hello to the next address."""
+    """The coordinator stops: hello to the next address (a standby), or again to this one."""
 
 
 Action = ToCoordinator | ToRank | ToData | ReleaseData | MoveOn
@@ -102,9 +102,10 @@ class RelayCore:
         self.refused: str | None = None  # why the coordinator refused our connection (CURVE keys)
         self.stop_at: float | None = None  # the job has ended: serve until then, then stop
         self.now = 0.0
+        self.incarnation = incarnation
         self.registration = Registration(
             lambda: P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host=host, data_address=data_address,
-                           local=local, incarnation=incarnation),
+                           local=local, incarnation=self.incarnation),
             self._heartbeat)
 
     def _heartbeat(self) -> dict[str, Any]:
@@ -138,6 +139,14 @@ class RelayCore:
         self.registration.spoke(now)  # it says what a heartbeat says: one message a step per host
         self.up_queue, self.consumed = [], []
         return out
+
+    def connection_lost(self, why: str) -> None:
+        """Messages to or from the coordinator were lost (session.LOST_MESSAGES): the relay registers
+        again; the coordinator forgets its ranks, and they say hello again through it (told at the
+        welcome), each from the step it needs."""
+        log.warning("relay: %s (%s); registering again", LOST_MESSAGES, why)
+        self.incarnation += 1  # a new one: the coordinator forgets the old, and what its ranks were sent
+        self.registration.forgotten()
 
     def refuse(self, reason: str) -> list[Action]:
         """The coordinator will never talk to this relay (a CURVE handshake it refused): its ranks
@@ -267,12 +276,12 @@ class RelayCore:
             self.running = False
             return self._to_all_ranks(P.make(P.REJECT, reason=f"the relay was refused: {msg['reason']}"))
         if kind == "shutdown":  # its ranks are told through it (relay_down)
-            if self.standbys:  # a standby takes over: the relay carries on with it
-                log.warning("relay: the coordinator is stopping (%s); moving on to the next address", msg["reason"])
-                return [MoveOn()]
-            log.info("relay: the coordinator stops (%s)", msg["reason"])  # what it sent its ranks still goes out
-            self.stop_at = now + STOP_AFTER_S
-            return []
+            # The coordinator stops, never the job: a standby (the next address) or a coordinator
+            # restarted at this one takes over, and the relay carries on with it. (Until issue 58 a
+            # relay with one address exited 2 s after a shutdown: a coordinator's graceful restart
+            # left its ranks without a relay; found by msd.sim, seed 309.)
+            log.warning("relay: the coordinator is stopping (%s); waiting for a coordinator to serve", msg["reason"])
+            return [MoveOn()]
         if kind == "job_failed" and self.stop_at is None:  # a failed job's coordinator answers whatever we say
             log.error("relay: the job failed: %s", msg["reason"])
             self.stop_at = now + STOP_AFTER_S

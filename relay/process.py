@@ -131,6 +131,7 @@ class Relay:
             elif isinstance(a, ToCoordinator):
                 if not send_nowait(self.up, a.header, *a.arrays):
                     log.warning("relay: coordinator not reading; %s dropped", a.header["type"])
+                    self.core.connection_lost(f"{a.header['type']} dropped")
             elif isinstance(a, ReleaseData):
                 self.outbox.release(a.address)
             elif isinstance(a, MoveOn):
@@ -138,6 +139,8 @@ class Relay:
 
     def _on_handshake(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()
+        if handshakes.broke():
+            self.core.connection_lost(f"the connection to {self.loop.address} broke")
         if reason is not None:  # the coordinator will never talk to this relay: its ranks are told why
             why = (f"the coordinator at {self.loop.address} refused the relay's connection ({reason}); the job sets "
                    f"security.curve? {'check' if self.keys_dir else 'give the relay'} --keys, the job's key directory")

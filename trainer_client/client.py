@@ -533,6 +533,7 @@ class _Receiver:
             if isinstance(a, Send):
                 if not send_nowait(self.control, a.header):
                     log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, a.header["type"])
+                    self.core.connection_lost(f"{a.header['type']} dropped")
             elif isinstance(a, ToTrainer):
                 self.c._queue.put(a.item)
             elif isinstance(a, ToEvals):
@@ -551,6 +552,8 @@ class _Receiver:
 
     def _on_handshake(self, _: zmq.Socket) -> None:
         reason = self.handshakes.refused()
+        if self.handshakes.broke():
+            self.core.connection_lost(f"the connection to {self.loop.address} broke")
         if reason is not None:  # the coordinator will never talk to this client: say so, and stop
             hint = "pass keys_dir= the job's key directory" if not self.c.keys_dir else "check keys_dir="
             self.c._queue.put(RejectedError(f"rank {self.c.rank}: {self.c.coordinator}: {reason}; the job sets "

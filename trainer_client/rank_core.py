@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from msd_common import protocol as P
 from msd_common.errors import CoordinatorStoppedError, PeerLostError
-from msd_common.session import LOST_AFTER_BEATS, Forgotten, Registration
+from msd_common.session import LOST_AFTER_BEATS, LOST_MESSAGES, Forgotten, Registration
 from .receiving import EvalReady, ReceivingState, StateReply, Stopping, Welcomed
 
 import logging
@@ -79,10 +79,12 @@ class RankCore:
         self.eval_asked: tuple[str, int] | None = None  # the eval pass asked for and not in yet
         self.stopping: tuple[float, str] | None = None  # (when, why) the coordinator said it stops
         self.silence_told = False  # the coordinator's silence was logged (once per silence)
+        self.welcomed = False  # a coordinator has served this rank (its silence counts from then on)
+        self.incarnation = incarnation
         self.registration = Registration(
             lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=rank, data_address=data_address,
-                           resume_step=self.state.step, incarnation=incarnation, metadata_only=int(metadata_only),
-                           carried=carried_for(self.state.step)),
+                           resume_step=self.state.step, incarnation=self.incarnation,
+                           metadata_only=int(metadata_only), carried=carried_for(self.state.step)),
             lambda: P.make(P.TRAINER_HEARTBEAT, rank=rank))
 
     # ------------------------------------------------------------------ in
@@ -99,6 +101,7 @@ class RankCore:
                     log.warning("rank %d: a coordinator serves this rank again (%.1fs after the stop)", self.rank,
                                 now - self.stopping[0])
                 self.stopping = None
+                self.welcomed = True
                 self.registration.welcomed(item.heartbeat_s)
                 if self.eval_asked is not None:  # asked of a coordinator that forgot us (a restart): again
                     name, pass_no = self.eval_asked
@@ -137,6 +140,16 @@ class RankCore:
                 return [Send(P.make(P.TRAINER_BYE, rank=self.rank))]
         return []
 
+    def connection_lost(self, why: str) -> None:
+        """Messages to or from the coordinator were lost (session.LOST_MESSAGES): a step header, a
+        `consumed`. The rank says hello again as a new incarnation, so that the coordinator plans
+        again from the step it needs and re-sends what was in flight (what it has comes again as
+        duplicates, dropped)."""
+        log.warning("rank %d: %s (%s); registering again from step %d", self.rank, LOST_MESSAGES, why,
+                    self.state.step)
+        self.incarnation += 1
+        self.registration.forgotten()
+
     # ------------------------------------------------------------------ each turn
 
     def turn(self, now: float) -> list[Action]:
@@ -171,7 +184,7 @@ class RankCore:
                     f"{self.stop_grace_s:.0f}s (tried {', '.join(self.addresses())}); the stream did not end: resume "
                     "from the last checkpoint once a coordinator serves the job again")
             return None
-        if self.via_relay or not reg.registered:
+        if self.via_relay or not self.welcomed:  # (before the first welcome, next()'s timeout_s counts)
             return None
         quiet = now - max(reg.last_heard, reg.since)
         if quiet <= LOST_AFTER_BEATS * reg.heartbeat_s:

@@ -25,7 +25,7 @@ from msd_common.errors import ProtocolError
 from msd_common.formats import indexing
 from msd_common.formats.errors import RecordError
 from msd_common.protocol import DELIVER_ITEM
-from msd_common.session import Forgotten
+from msd_common.session import LOST_MESSAGES, Forgotten
 from msd_common.usercode import TransformImportError, code_hash
 from msd_common.worker_job import SourceSpec, WorkerJob
 
@@ -602,6 +602,15 @@ class WorkerCore:
             log.warning("source %s: record delivered with nothing to train on: %s", reader.name, reason,
                         extra={"source": reader.name, "record": int(record[0])})
             self.delivery_failures.append([int(source[0]), int(record[0]), reason[:P.MAX_STR_LEN], kind])
+
+    def connection_lost(self, why: str) -> list[Action]:
+        """Messages to or from the coordinator were lost (session.LOST_MESSAGES): whatever we hold
+        may be counted wrong by the coordinator's books, so start clean and register again."""
+        if self.worker_id is not None:
+            log.warning("worker %d: %s (%s); registering again", self.worker_id, LOST_MESSAGES, why)
+        self.worker_id = None
+        self.cache.clear()
+        return [Forgotten()]
 
     def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> dict[str, Any]:
         return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,

@@ -153,8 +153,9 @@ class HostAgent:
                 and s.process.working_on().started_ns > 0]
 
     def _report(self, msg: dict) -> None:
-        if self.control is not None:
-            send_nowait(self.control, msg)
+        if self.control is not None and not send_nowait(self.control, msg) and self.registration is not None:
+            log.warning("coordinator not reading; %s dropped; registering this host again", msg["type"])
+            self.registration.forgotten()
 
     def _scale(self, procs: int, retire: list[int], reason: str) -> None:
         procs = max(self.min_procs, min(self.max_procs, procs))
@@ -232,6 +233,9 @@ class HostAgent:
 
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()
+        if handshakes.broke() and self.registration is not None:  # (LOST_MESSAGES) a worker's exit report, maybe
+            log.warning("the connection to the coordinator broke; registering this host again")
+            self.registration.forgotten()
         if reason is not None:
             log.error("the coordinator at %s refuses this host: %s; check --keys; stopping", self.coordinator, reason)
             self.refused = reason

@@ -101,6 +101,9 @@ class Worker:
 
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()
+        if handshakes.broke():
+            for action in self.core.connection_lost("the connection to the coordinator broke"):
+                self._do(action, time.perf_counter())
         if reason is not None:
             log.error("the coordinator refuses this worker: %s; check --keys; stopping", reason)
             self.running = False
@@ -153,6 +156,8 @@ class Worker:
                 header = {**header, "busy_s": time.perf_counter() - started}
             if not send_nowait(self.control, header, *action.arrays):
                 log.warning("coordinator not reading; %s dropped", header["type"])
+                for lost in self.core.connection_lost(f"{header['type']} dropped"):
+                    self._do(lost, started)
         elif isinstance(action, ToRank):
             if self.metrics is not None:
                 self.metrics.pieces.inc(len(action.arrays[0]))

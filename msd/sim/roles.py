@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.events import Shutdown, Tick, from_message
+from coordinator.events import PeerGone, Shutdown, Tick, from_message
 from coordinator.history import StepHistory
+from coordinator.relaying import RelayEnvelopes
 from coordinator.instructions import (AppendCostChange, AppendJournal, AppendMixture, AppendQuarantine, CompactJournal,
                                       Send, Stop)
 from coordinator.state import CoordinatorState
@@ -28,6 +29,7 @@ from msd_common import protocol as P
 from msd_common import wire
 from msd_common.errors import ProtocolError
 from msd_common.session import Forgotten, Registration
+from relay import core as RC
 from trainer_client import rank_core as R
 from trainer_client.receiving import End, ReadyStep
 from worker import core as W
@@ -54,6 +56,7 @@ class SimCoordinator:
         self.generation = 0
         self.paused_until = 0.0
         self.dirty = False  # a burst was handled since the books were last validated
+        self.dropped: list[bytes] = []  # peers a send to found its queue full (the shell's PeerGone)
 
     def start(self) -> None:
         sim = self.sim
@@ -61,6 +64,7 @@ class SimCoordinator:
         self.state = CoordinatorState(sim.job, sim.sources, StepHistory(True, list(self.journal)), list(self.mixture),
                                       list(self.quarantine), list(self.costs))
         self.inbox = []
+        self.envelopes = RelayEnvelopes()  # as the shell (app.py): relayed ranks' messages in and out
         sim.world.listen(COORDINATOR, self)
         sim.world.log(f"coordinator {self.generation} starts (journal of {len(self.journal)} states)")
         self._tick(self.generation)
@@ -95,7 +99,10 @@ class SimCoordinator:
                 header, arrays = wire.decode(frames, P.COORDINATOR_INBOX)
             except ProtocolError as e:
                 raise Violation(f"the coordinator could not decode a message from {src}: {e}") from e
-            events.append(from_message(src.encode(), world.now, header, arrays))
+            if header["type"] == P.RELAY_UP.name:
+                events.extend(self.envelopes.unpack(src.encode(), world.now, header, arrays))
+            else:
+                events.append(from_message(src.encode(), world.now, header, arrays))
         self._execute(self.state.handle(*events))
 
     def _execute(self, instructions: list) -> None:
@@ -103,8 +110,14 @@ class SimCoordinator:
         self.dirty = True
         for ins in instructions:
             if isinstance(ins, Send):
-                world.send(COORDINATOR, ins.peer.decode(), wire.encode(ins.header, *ins.arrays))
                 self.sim.count(ins.header["type"])
+                if self.envelopes.relayed(ins.peer):  # to a rank behind a relay: one relay_down per burst
+                    self.envelopes.add(ins.peer, ins.header, ins.arrays)
+                    continue
+                if self.envelopes.waiting_for(ins.peer):  # what it is to pass on goes first
+                    for relay, frames in self.envelopes.take(ins.peer):
+                        self._send(relay, frames)
+                self._send(ins.peer, wire.encode(ins.header, *ins.arrays))
             elif isinstance(ins, AppendJournal):  # durable before anything after it goes out
                 self.journal.extend(ins.states)
             elif isinstance(ins, CompactJournal):
@@ -119,6 +132,20 @@ class SimCoordinator:
                 if ins.failed or (self.state is not None and self.state.failed):
                     raise Violation(f"the coordinator stopped the job: {ins.reason}")
                 world.log(f"coordinator stops: {ins.reason}")
+        for relay, frames in self.envelopes.take():
+            self._send(relay, frames)
+
+    def _send(self, peer: bytes, frames: list) -> None:
+        if not self.sim.world.send(COORDINATOR, peer.decode(), frames):
+            if not self.dropped:
+                self.sim.world.after(0.0, self._gone, self.generation)
+            self.dropped.append(peer)
+
+    def _gone(self, generation: int) -> None:
+        peers, self.dropped = self.dropped, []
+        if generation == self.generation and self.state is not None:
+            self._execute(self.state.handle(*[PeerGone(at=self.sim.world.now, peer=p, dropped=True)
+                                              for p in dict.fromkeys(peers)]))
 
     def validate_if_due(self) -> None:
         if self.dirty and self.state is not None:
@@ -182,8 +209,15 @@ class SimHost:
         now = self.sim.world.now
         msg = self.registration.due(now)
         if msg is not None:
-            self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+            self.send(msg)
         self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
+
+    def send(self, msg: dict) -> None:
+        if not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
+            self.connection_lost()
+
+    def connection_lost(self) -> None:
+        self.registration.forgotten()
 
     def receive(self, src: str, dst: str, frames: list) -> None:
         header, _ = wire.decode(frames, P.HOST_INBOX)
@@ -203,9 +237,8 @@ class SimHost:
         self.workers.remove(worker)
         if not self.up:
             return
-        self.sim.world.send(self.address, COORDINATOR, wire.encode(P.make(
-            P.WORKER_EXITED, agent_id=self.agent_id, pid=worker.pid, exitcode=-9, task_id=task_id, source=-1,
-            record=-1, overran_s=0.0)))
+        self.send(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=worker.pid, exitcode=-9, task_id=task_id,
+                         source=-1, record=-1, overran_s=0.0))
         self.sim.world.after(0.05, self.spawn)
 
     def lose(self) -> None:
@@ -246,9 +279,13 @@ class SimWorker:
         now = self.sim.world.now
         if now >= self.busy_until:
             msg = self.registration.due(now)
-            if msg is not None:
-                self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+            if msg is not None and not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
+                self.connection_lost(f"{msg['type']} dropped")
         self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
+
+    def connection_lost(self, why: str = "the connection broke") -> None:
+        if self.alive:
+            self._apply(self.core.connection_lost(why))
 
     def receive(self, src: str, dst: str, frames: list) -> None:
         self.inbox.append(frames)
@@ -277,11 +314,18 @@ class SimWorker:
     def _done(self, actions: list) -> None:
         if not self.alive:
             return
-        world = self.sim.world
         self.task = -1
+        self._apply(actions)
+        if self.registration.registered:  # the work counted as a sign of life, as the loop's keep_alive
+            self.registration.spoke(self.sim.world.now)
+        self._work()
+
+    def _apply(self, actions: list) -> None:
+        world = self.sim.world
         for a in actions:
             if isinstance(a, W.ToCoordinator):
-                world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays))
+                if not world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays)):
+                    self._apply(self.core.connection_lost(f"{a.header['type']} dropped"))
             elif isinstance(a, W.ToRank):
                 world.send(self.address, a.address, wire.encode(a.header, *a.arrays, tail=a.tail), data=True)
             elif isinstance(a, W.Registered):
@@ -294,9 +338,6 @@ class SimWorker:
                 self.registration.since = world.now
             elif isinstance(a, W.Quit):
                 raise Violation(f"worker {self.address} quit: {a.reason}")
-        if self.registration.registered:  # the work counted as a sign of life, as the loop's keep_alive
-            self.registration.spoke(world.now)
-        self._work()
 
     def die(self) -> None:
         self.alive = False
@@ -326,12 +367,15 @@ def micro_batch_digest(ready: ReadyStep, m: int) -> str:
 
 
 class SimRank:
-    def __init__(self, sim: "Simulation", rank: int, next_step: int, incarnation: int) -> None:
+    def __init__(self, sim: "Simulation", rank: int, next_step: int, incarnation: int, via: str | None) -> None:
+        """via: the address of the relay of its host (None: it talks to the coordinator itself)."""
         self.sim = sim
         self.rank = rank
         self.address = f"rank{rank}.{incarnation}"
+        self.control = via or COORDINATOR
         self.core = R.RankCore(rank, next_step, 0, sim.plan_digest, data_address=self.address,
-                               incarnation=incarnation, stop_grace_s=1e9, coordinator_timeout_s=1e9)
+                               incarnation=incarnation, stop_grace_s=1e9, coordinator_timeout_s=1e9,
+                               via_relay=via is not None, relay_timeout_s=1e9)
         self.ready: list[Any] = []  # handed to the trainer, in order
         self.alive = True
 
@@ -344,8 +388,8 @@ class SimRank:
             return
         now = self.sim.world.now
         msg = self.core.registration.due(now)
-        if msg is not None:
-            self.sim.world.send(self.address, COORDINATOR, wire.encode(msg))
+        if msg is not None and not self.sim.world.send(self.address, self.control, wire.encode(msg)):
+            self.connection_lost(f"{msg['type']} dropped")
         self._do(self.core.turn(now))
         self.sim.world.after(self.core.registration.heartbeat_s / 2, self._turn)
 
@@ -353,7 +397,7 @@ class SimRank:
         if not self.alive:
             return
         now = self.sim.world.now
-        if src == COORDINATOR:
+        if src == self.control:
             self.core.registration.heard(now)
             self._do(self.core.on_control(frames, now))
         else:
@@ -364,7 +408,8 @@ class SimRank:
         world = self.sim.world
         for a in actions:
             if isinstance(a, R.Send):
-                world.send(self.address, COORDINATOR, wire.encode(a.header))
+                if not world.send(self.address, self.control, wire.encode(a.header)):
+                    self.connection_lost(f"{a.header['type']} dropped")
             elif isinstance(a, R.ToTrainer):
                 if isinstance(a.item, BaseException):
                     raise Violation(f"rank {self.rank} would raise: {a.item}")
@@ -377,6 +422,10 @@ class SimRank:
                 reg.waiting()
                 reg.hello_now()
                 reg.since = world.now
+
+    def connection_lost(self, why: str = "the connection broke") -> None:
+        if self.alive:
+            self.core.connection_lost(why)
 
     def consumed(self, step: int) -> None:
         self._do(self.core.command(["consumed", step, 0.0, -1, []], self.sim.world.now))
@@ -407,7 +456,8 @@ class SimTrainer:
     def start(self) -> None:
         self.incarnation += 1
         self.step = self.checkpoint
-        self.ranks = {r: SimRank(self.sim, r, self.step, self.incarnation * 1000 + r) for r in self.rank_ids}
+        self.ranks = {r: SimRank(self.sim, r, self.step, self.incarnation * 1000 + r, self.sim.relay_of(r))
+                      for r in self.rank_ids}
         for rank in self.ranks.values():
             rank.start()
 
@@ -451,4 +501,77 @@ class SimTrainer:
             rank.die()
         self.ranks = {}
         self.incarnation += 1
+        self.sim.world.after(down_s, self.start)
+
+
+class SimRelay:
+    """A trainer host's relay: `relay.core.RelayCore` at `relay<i>` (its ranks' endpoint and its
+    identity at the coordinator) and `relay<i>.data` (where workers push the host's pieces)."""
+
+    def __init__(self, sim: "Simulation", index: int) -> None:
+        self.sim = sim
+        self.index = index
+        self.address = f"relay{index}"
+        self.data = f"relay{index}.data"
+        self.generation = 0
+        self.core: RC.RelayCore | None = None
+
+    def start(self) -> None:
+        self.generation += 1
+        self.core = RC.RelayCore(self.data, self.address, self.address, 7000 + self.index * 100 + self.generation)
+        self.sim.world.listen(self.address, self)
+        self.sim.world.listen(self.data, self)
+        self._turn(self.generation)
+
+    def _turn(self, generation: int) -> None:
+        if generation != self.generation or self.core is None:
+            return
+        now = self.sim.world.now
+        msg = self.core.due(now)
+        if msg is not None and not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
+            self.connection_lost(f"{msg['type']} dropped")
+        self._do(self.core.turn(now))
+        self.sim.world.after(self.core.registration.heartbeat_s / 4, self._turn, generation)
+
+    def connection_lost(self, why: str = "the connection broke") -> None:
+        if self.core is not None:
+            self.core.connection_lost(why)
+
+    def receive(self, src: str, dst: str, frames: list) -> None:
+        if self.core is None:
+            return
+        now = self.sim.world.now
+        if dst == self.data:
+            self._do(self.core.on_data(frames))
+        elif src == COORDINATOR:
+            self.core.registration.heard(now)
+            self._do(self.core.on_up(frames, now))
+        else:
+            self._do(self.core.on_local(src.encode(), frames, now))
+        self._do(self.core.turn(now))
+
+    def _do(self, actions: list) -> None:
+        world = self.sim.world
+        for a in actions:
+            if isinstance(a, RC.ToCoordinator):
+                if not world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays)):
+                    self.connection_lost(f"{a.header['type']} dropped")
+            elif isinstance(a, RC.ToRank):
+                world.send(self.address, a.identity.decode(), a.frames)
+            elif isinstance(a, RC.ToData):
+                world.send(self.data, a.address, a.frames)
+            elif isinstance(a, RC.MoveOn):  # one coordinator address: hello there until one serves
+                reg = self.core.registration
+                reg.waiting()
+                reg.hello_now()
+                reg.since = world.now
+        if not self.core.running:
+            raise Violation(f"relay {self.index} stopped")
+
+    def crash(self, down_s: float) -> None:
+        self.sim.world.log(f"FAULT relay {self.index} crashes")
+        self.sim.world.close(self.address, self)
+        self.sim.world.close(self.data, self)
+        self.core = None
+        self.generation += 1
         self.sim.world.after(down_s, self.start)

@@ -22,13 +22,12 @@ from coordinator.sources import open_sources
 from msd_common.spec import JobConfig, parse_job
 
 from . import data
-from .roles import COORDINATOR, SimCoordinator, SimHost, SimTrainer, Violation
+from .roles import COORDINATOR, SimCoordinator, SimHost, SimRelay, SimTrainer, Violation
 from .world import World
 
 STALL_S = 60.0  # simulated seconds without a step, after the last fault healed, that count as a stall
-FAULT_KINDS = ("worker_crash", "host_lost", "partition", "congestion", "slow_worker", "trainer_restart",
-               "trainer_pause",
-               "coordinator_crash", "coordinator_stop", "coordinator_pause")
+FAULT_KINDS = ("worker_crash", "host_lost", "partition", "queue_full", "congestion", "slow_worker", "trainer_restart",
+               "trainer_pause", "coordinator_crash", "coordinator_stop", "coordinator_pause", "relay_crash")
 
 
 @dataclass
@@ -42,10 +41,11 @@ class Scenario:
     duplicate_p: float
     slow_every: int  # records whose index % slow_every == the seed's residue take seconds (0: none)
     faults: list[tuple[float, str, float, float]] = field(default_factory=list)  # (at, kind, pick, seconds)
+    ranks_per_relay: int = 0  # trainer ranks per host behind a relay (0: no relays)
 
     def fault_free(self) -> "Scenario":
         return Scenario(self.seed, self.job, self.hosts, self.compute_s, self.checkpoint_every, (0.0005, 0.001), 0.0,
-                        self.slow_every, [])
+                        self.slow_every, [], self.ranks_per_relay)
 
 
 def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
@@ -55,13 +55,15 @@ def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
     names = [n for n in data.SOURCES if rng.random() < 0.7] or [rng.choice(list(data.SOURCES))]
     dp = rng.choice([2, 2, 4, 4, 8, 8, 16])
     tp = rng.choice([1, 1, 2]) if dp <= 4 else 1
+    relays = rng.random() < 0.4
+    delivery = "all" if tp > 1 and relays and rng.random() < 0.5 else "tp_leader"
     mbs, n_mb = rng.choice([1, 2]), rng.choice([1, 1, 2])
     job = {
         "seed": rng.randrange(1 << 20),
         "sources": {n: data.SOURCES[n] for n in names},
         "batch": {"seq_len": rng.choice([128, 256, 512]), "micro_batch_size": mbs,
                   "global_batch_size": dp * mbs * n_mb},
-        "topology": {"dp": dp, "tp": tp},
+        "topology": {"dp": dp, "tp": tp, "delivery": delivery},
         "mixture": {"weights": {n: round(rng.uniform(0.1, 1.0), 2) for n in names}},
         "runtime": {"heartbeat_s": 0.5, "prepare_batch": rng.choice([4, 8, 16, 32]),
                     "lookahead_steps": rng.choice([1, 2, 3, 4])},
@@ -69,7 +71,7 @@ def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
     compute_s = rng.choice([0.01, 0.05, 0.2])
     s = Scenario(seed, job, [rng.randint(1, 3) for _ in range(rng.randint(1, 3))], compute_s, rng.choice([5, 10, 25]),
                  (0.0005, rng.choice([0.001, 0.005, 0.05])), rng.choice([0.0, 0.0, 0.05]),
-                 rng.choice([0, 0, 200, 500]))
+                 rng.choice([0, 0, 200, 500]), ranks_per_relay=rng.choice([2, 4, 8]) if relays else 0)
     if faults:
         window = max(2.0, steps * (compute_s + 0.02) * 0.6)
         for _ in range(rng.randint(1, 6)):
@@ -104,14 +106,20 @@ class Simulation:
         self.messages: dict[str, int] = {}
         self.coordinator = SimCoordinator(self)
         self.hosts = [SimHost(self, i, procs) for i, procs in enumerate(scenario.hosts)]
-        self.trainer = SimTrainer(self, sorted(self.job.topology.receivers()), scenario.compute_s,
-                                  scenario.checkpoint_every)
+        ranks = sorted(self.job.topology.receivers())
+        per = scenario.ranks_per_relay
+        self.relays = [SimRelay(self, i) for i in range(-(-self.job.topology.world_size // per))] if per else []
+        self.trainer = SimTrainer(self, ranks, scenario.compute_s, scenario.checkpoint_every)
         self.last_progress = 0.0
         self.healed_at = 0.0  # when the last fault is over
         rng = random.Random(scenario.seed ^ 0x5EED)
         self.slow_residue = rng.randrange(max(1, scenario.slow_every))
 
     # ------------------------------------------------------------------ hooks the roles call
+
+    def relay_of(self, rank: int) -> str | None:
+        """The address of the relay of the rank's host (ranks_per_relay ranks a host), if relays serve."""
+        return self.relays[rank // self.scenario.ranks_per_relay].address if self.relays else None
 
     def count(self, kind: str) -> None:
         self.messages[kind] = self.messages.get(kind, 0) + 1
@@ -149,6 +157,8 @@ class Simulation:
         self.coordinator.start()
         for host in self.hosts:
             host.start()
+        for relay in self.relays:
+            relay.start()
         self.trainer.start()
         for at, kind, pick, seconds in self.scenario.faults:
             world.at(at, self._fault, kind, pick, seconds)
@@ -190,17 +200,27 @@ class Simulation:
                 host = hosts[int(pick * len(hosts))]
                 host.lose()
                 world.after(seconds, self._replace_host, host)
-        elif kind in ("partition", "congestion") and workers:
-            w = workers[int(pick * len(workers))]
-            ways = [(w.address, COORDINATOR), (COORDINATOR, w.address)][:1 + int(pick * 1000) % 2]
-            if int(pick * 10000) % 3 == 0:
-                ways = ways[-1:]
-            for src, dst in ways:
-                if kind == "partition":
+        elif kind in ("partition", "queue_full", "congestion"):
+            peers = [*workers, *[h for h in self.hosts if h.up], *self.trainer.ranks.values(),
+                     *[r for r in self.relays if r.core is not None]]
+            if not peers:
+                return
+            peer = peers[int(pick * len(peers))]
+            if kind == "partition":  # the connection breaks: what is on its way is lost; ZeroMQ reconnects
+                world.log(f"FAULT connection of {peer.address} to the coordinator broken for {seconds:.1f}s")
+                for src, dst in ((peer.address, COORDINATOR), (COORDINATOR, peer.address)):
                     world.block(src, dst, world.now + seconds)
-                else:
+                world.after(seconds, peer.connection_lost)  # its monitor saw the connection close
+            elif kind == "queue_full":  # one side's queue to the other is full: its sends are dropped
+                ways = [(peer.address, COORDINATOR), (COORDINATOR, peer.address)]
+                src, dst = ways[int(pick * 1000) % 2]
+                world.log(f"FAULT {src}'s queue to {dst} full for {seconds / 4:.1f}s")
+                world.block(src, dst, world.now + seconds / 4, visible=True)
+            else:
+                ways = [(peer.address, COORDINATOR), (COORDINATOR, peer.address)][:1 + int(pick * 1000) % 2]
+                for src, dst in ways:
                     world.congest(src, dst, world.now + seconds, seconds / 2)
-            world.log(f"FAULT {kind} of {ways} for {seconds:.1f}s")
+                world.log(f"FAULT congestion of {ways} for {seconds:.1f}s")
         elif kind == "slow_worker" and workers:
             w = workers[int(pick * len(workers))]
             w.slow = 1000.0
@@ -217,6 +237,10 @@ class Simulation:
         elif kind == "coordinator_stop" and self.coordinator.up:
             self.coordinator.stop()
             world.after(seconds / 4, self.coordinator.start)
+        elif kind == "relay_crash" and self.relays:
+            relay = self.relays[int(pick * len(self.relays))]
+            if relay.core is not None:
+                relay.crash(seconds / 4)
         elif kind == "coordinator_pause" and self.coordinator.up:
             world.log(f"FAULT coordinator pauses for {seconds:.1f}s")
             self.coordinator.paused_until = world.now + seconds

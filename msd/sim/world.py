@@ -24,7 +24,8 @@ class World:
         self._last_arrival: dict[tuple[str, str], float] = {}  # FIFO per connection
         self.delay_s = (0.0005, 0.002)  # the network's delay: base, and mean of the extra
         self.duplicate_p = 0.0  # chance a data message (pieces) arrives twice (a resend)
-        self.blocked: dict[tuple[str, str], float] = {}  # (from, to) -> messages lost until then
+        # (from, to) -> (until, whether the sender sees the loss): messages lost until then
+        self.blocked: dict[tuple[str, str], tuple[float, bool]] = {}
         self.congested: dict[tuple[str, str], tuple[float, float]] = {}  # (from, to) -> (until, extra delay)
         self.trace: list[str] = []
         self._digest = hashlib.blake2b(digest_size=16)
@@ -69,15 +70,18 @@ class World:
 
     # ------------------------------------------------------------------ the network
 
-    def send(self, src: str, dst: str, frames: list, data: bool = False) -> None:
+    def send(self, src: str, dst: str, frames: list, data: bool = False) -> bool:
         """Frames from the node at `src` to the address `dst`: they arrive after the network's delay,
-        in order with the others on this connection; lost if nobody listens at dst by then."""
+        in order with the others on this connection; lost if nobody listens at dst by then, or if
+        the connection is broken. False: the sender's queue dropped them (it sees that at once)."""
         node = self.nodes.get(dst)
         if node is None:
-            return
+            return True
         key = (src, dst)
-        if self.blocked and self.blocked.get(key, 0.0) > self.now:
-            return
+        if self.blocked:
+            until, visible = self.blocked.get(key, (0.0, False))
+            if until > self.now:
+                return not visible
         base, extra = self.delay_s
         arrive = self.now + base + self.rng.expovariate(1.0 / extra)
         if self.congested:
@@ -91,14 +95,19 @@ class World:
             again = arrive + self.rng.expovariate(1.0 / (10 * extra))
             self._last_arrival[key] = max(again, arrive)
             self.at(again, self._arrive, node, dst, src, frames)
+        return True
 
     def _arrive(self, node: Any, dst: str, src: str, frames: list) -> None:
-        if self.nodes.get(dst) is node:  # a process restarted there since: the connection was broken
-            node.receive(src, dst, frames)
+        if self.nodes.get(dst) is not node:  # a process restarted there since: the connection was broken
+            return
+        if self.blocked and self.blocked.get((src, dst), (0.0, False))[0] > self.now:
+            return  # on the wire when the connection broke
+        node.receive(src, dst, frames)
 
-    def block(self, src: str, dst: str, until: float) -> None:
-        """Messages from src to dst are lost until then (a partition; a full send queue dropping them)."""
-        self.blocked[(src, dst)] = until
+    def block(self, src: str, dst: str, until: float, visible: bool = False) -> None:
+        """Messages from src to dst are lost until then: a broken connection (visible False: what
+        was on its way is lost too), or the sender's full queue dropping them (visible True)."""
+        self.blocked[(src, dst)] = (until, visible)
 
     def congest(self, src: str, dst: str, until: float, extra_s: float) -> None:
         """Messages from src to dst take extra_s longer until then (in order still)."""
