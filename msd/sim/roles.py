@@ -450,6 +450,7 @@ class SimTrainer:
         self.ranks: dict[int, SimRank] = {}
         self.busy_until = 0.0
         self.paused_until = 0.0
+        self.woken_at: float | None = None  # a maybe_step is scheduled then
         self.stream: dict[tuple[int, int], list[str]] = {}  # (rank, step) -> micro-batch digests, as trained
         self.trained = 0  # steps taken in all, counting steps taken again after a restart
 
@@ -461,10 +462,15 @@ class SimTrainer:
         for rank in self.ranks.values():
             rank.start()
 
-    def maybe_step(self) -> None:
+    def maybe_step(self, woken: bool = False) -> None:
         world = self.sim.world
-        if world.now < max(self.busy_until, self.paused_until):
-            world.at(max(self.busy_until, self.paused_until), self.maybe_step)
+        if woken:
+            self.woken_at = None
+        free_at = max(self.busy_until, self.paused_until)
+        if world.now < free_at:
+            if self.woken_at is None or self.woken_at > free_at:  # one wake-up is enough
+                self.woken_at = free_at
+                world.at(free_at, self.maybe_step, True)
             return
         if not self.ranks or any(not r.ready for r in self.ranks.values()):
             return
