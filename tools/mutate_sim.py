@@ -8,7 +8,7 @@
 3. Runs each mutant in a fresh process (the mutated module compiled in place of the original)
    over the same seeds; a mutant is caught when a seed fails, the run raises, or it times out.
 
-    python tools/mutate_sim.py --mutants 120 --seeds 6 --steps 25 --json docs/results/mutation.json
+    python tools/mutate_sim.py --mutants 150 --seeds 6 --steps 25 --json docs/results/issue58/mutation.json
 
 Prints JSON: mutants, caught, the share caught, and the survivors (file, line, kind, source).
 """
@@ -31,9 +31,9 @@ sys.path.insert(0, ROOT)
 
 TARGETS = ("coordinator/state.py", "coordinator/preparation.py", "coordinator/deliveries.py", "coordinator/tasks.py",
            "coordinator/registry.py", "coordinator/positions.py", "coordinator/plan.py", "coordinator/history.py",
-           "coordinator/dispatch.py", "coordinator/rewind.py", "coordinator/skips.py", "coordinator/admission.py",
-           "worker/core.py", "trainer_client/receiving.py", "trainer_client/rank_core.py",
-           "trainer_client/assemble.py", "msd_common/session.py")
+           "coordinator/layout.py", "coordinator/resume.py", "coordinator/skips.py", "coordinator/relay_book.py",
+           "coordinator/relaying.py", "worker/core.py", "relay/core.py", "trainer_client/receiving.py",
+           "trainer_client/rank_core.py", "trainer_client/assemble.py", "msd_common/session.py")
 
 
 def _targets() -> list[str]:
