@@ -78,13 +78,10 @@ class LocalRank:
 
 
 class RelayCore:
-    def __init__(self, data_address: str, local: str, host: str, incarnation: int, hold_s: float = HOLD_S,
-                 standbys: bool = False) -> None:
-        """data_address: where workers push this host's pieces; local: where its ranks reach it;
-        standbys: the relay was given several coordinator addresses."""
+    def __init__(self, data_address: str, local: str, host: str, incarnation: int, hold_s: float = HOLD_S) -> None:
+        """data_address: where workers push this host's pieces; local: where its ranks reach it."""
         self.data_address = data_address
         self.hold_s = hold_s
-        self.standbys = standbys
         self.relay_id: int | None = None
         self.topology: Topology | None = None
         self.ranks: dict[int, LocalRank] = {}

@@ -35,7 +35,7 @@ import zmq
 from msd_common import security
 from msd_common.outbox import RankOutbox
 from msd_common.relay_endpoints import default_endpoint
-from msd_common.session import PeerLoop, split_addresses
+from msd_common.session import PeerLoop
 from msd_common.sockets import make_socket, send_frames_nowait, send_nowait, waiting
 
 from .core import HOLD_S, Action, MoveOn, RelayCore, ReleaseData, ToCoordinator, ToData, ToRank
@@ -87,8 +87,7 @@ class Relay:
         self.data_address = f"tcp://{self.host}:{port}"
         self.up, self.local_sock = up, local
         self.core = RelayCore(self.data_address, self.local, socket.gethostname(),
-                              int.from_bytes(os.urandom(6), "little"), self.hold_s,
-                              standbys=len(split_addresses(self.coordinator)) > 1)
+                              int.from_bytes(os.urandom(6), "little"), self.hold_s)
         self.loop = loop = PeerLoop(up, self.core.registration, self.coordinator, who="relay")
         self.outbox = RankOutbox(lambda address: self._push(ctx, address), self._writable)
         loop.on(up, self._on_up)
