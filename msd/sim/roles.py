@@ -305,7 +305,7 @@ class SimWorker:
         actions = self.core.handle(header, arrays)
         cost = 0.0002
         if kind == "prepare":
-            cost += self.sim.sample_cost(header["source"], arrays["records"]) * self.slow
+            cost += self.sim.sample_cost(header["source"], arrays["records"], self.slow)
         elif kind == "deliver":
             cost += 0.00002 * len(arrays["items"])
         self.busy_until = world.now + cost

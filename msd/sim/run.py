@@ -126,10 +126,11 @@ class Simulation:
         if self.verbose:
             self.world.log(f"coordinator sends {kind}")
 
-    def sample_cost(self, source: int, records: np.ndarray) -> float:
-        """Seconds a worker takes over these records: a fraction of a millisecond each, and seconds
-        for the seed's slow records (a property of the data: the same in the fault-free run)."""
-        cost = 0.0003 * len(records)
+    def sample_cost(self, source: int, records: np.ndarray, slower: float = 1.0) -> float:
+        """Seconds a worker takes over these records: a fraction of a millisecond each (times
+        `slower`, a worker slowed down: a fault), and seconds for the seed's slow records (a property
+        of the data: the same in the fault-free run; far below max_sample_s)."""
+        cost = 0.0003 * len(records) * slower
         if self.scenario.slow_every:
             slow = int(np.count_nonzero(records % self.scenario.slow_every == self.slow_residue))
             cost += 3.0 * slow
