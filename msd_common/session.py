@@ -142,6 +142,13 @@ class Registration:
         """The coordinator is going away: hello again at the usual pace until one answers."""
         self.registered = False
 
+    def stopping(self, now: float) -> None:
+        """The coordinator at this (only) address stops: hello now, then at the usual pace until a
+        coordinator answers (one restarted here); its silence counts from now."""
+        self.waiting()
+        self.hello_now()
+        self.since = now
+
 
 class PeerLoop:
     """Polls a control socket (and any others) and keeps the registration's rhythm. It connects
@@ -187,9 +194,7 @@ class PeerLoop:
         if len(self.addresses) > 1:
             self._move_on(now)
             return
-        self.registration.waiting()
-        self.registration.hello_now()
-        self.registration.since = now
+        self.registration.stopping(now)
 
     def _report_waiting(self, now: float) -> None:
         """Until the first welcome: say, early and then at doubling intervals, what we wait for."""

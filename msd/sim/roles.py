@@ -228,9 +228,7 @@ class SimHost:
         elif kind == "unknown_peer":
             self.registration.forgotten()
         elif kind in ("shutdown", "job_failed"):
-            self.registration.waiting()
-            self.registration.hello_now()
-            self.registration.since = self.sim.world.now
+            self.registration.stopping(self.sim.world.now)
 
     def worker_died(self, worker: SimWorker, task_id: int) -> None:
         """The agent reaps a worker process: it reports the exit, then starts another."""
@@ -333,9 +331,7 @@ class SimWorker:
             elif isinstance(a, Forgotten):
                 self.registration.forgotten()
             elif isinstance(a, W.CoordinatorStopping):
-                self.registration.waiting()
-                self.registration.hello_now()
-                self.registration.since = world.now
+                self.registration.stopping(world.now)
             elif isinstance(a, W.Quit):
                 raise Violation(f"worker {self.address} quit: {a.reason}")
 
@@ -418,10 +414,7 @@ class SimRank:
                 self.ready.append(a.item)
                 self.sim.trainer.maybe_step()
             elif isinstance(a, R.CoordinatorStopping):
-                reg = self.core.registration
-                reg.waiting()
-                reg.hello_now()
-                reg.since = world.now
+                self.core.registration.stopping(world.now)
 
     def connection_lost(self, why: str = "the connection broke") -> None:
         if self.alive:
@@ -567,10 +560,7 @@ class SimRelay:
             elif isinstance(a, RC.ToData):
                 world.send(self.data, a.address, a.frames)
             elif isinstance(a, RC.MoveOn):  # one coordinator address: hello there until one serves
-                reg = self.core.registration
-                reg.waiting()
-                reg.hello_now()
-                reg.since = world.now
+                self.core.registration.stopping(world.now)
         if not self.core.running:
             raise Violation(f"relay {self.index} stopped")
 
