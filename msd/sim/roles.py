@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .run import Simulation
 
 COORDINATOR = "coord"
+LINGER_S = 0.5  # a stopping coordinator's sends still go out this long (its socket's linger)
 
 
 class Violation(AssertionError):
@@ -57,6 +58,7 @@ class SimCoordinator:
         self.paused_until = 0.0
         self.dirty = False  # a burst was handled since the books were last validated
         self.dropped: list[bytes] = []  # peers a send to found its queue full (the shell's PeerGone)
+        self.crashes = 0  # (what a crashed process had sent and was not on the wire yet is lost: world.py)
 
     def start(self) -> None:
         sim = self.sim
@@ -158,17 +160,23 @@ class SimCoordinator:
 
     def crash(self) -> None:
         self.sim.world.log(f"FAULT coordinator {self.generation} crashes")
+        self.crashes += 1
         self.sim.world.close(COORDINATOR, self)
         self.state, self.inbox = None, []
         self.generation += 1
 
     def stop(self) -> None:
-        """A graceful stop (SIGTERM): peers are told, then the process ends."""
+        """A graceful stop (SIGTERM): peers are told, and what it sent goes out (its socket's linger)
+        before the process ends."""
         self.sim.world.log(f"FAULT coordinator {self.generation} stops gracefully")
         self._execute(self.state.handle(Shutdown(at=self.sim.world.now, reason="SIGTERM")))
-        self.sim.world.close(COORDINATOR, self)
         self.state, self.inbox = None, []
-        self.generation += 1
+        self.sim.world.after(LINGER_S, self._gone_after_linger, self.generation)
+
+    def _gone_after_linger(self, generation: int) -> None:
+        if generation == self.generation and self.state is None:
+            self.sim.world.close(COORDINATOR, self)
+            self.generation += 1
 
 
 class SimHost:
@@ -513,6 +521,7 @@ class SimRelay:
         self.address = f"relay{index}"
         self.data = f"relay{index}.data"
         self.generation = 0
+        self.crashes = 0
         self.core: RC.RelayCore | None = None
 
     def start(self) -> None:
@@ -566,6 +575,7 @@ class SimRelay:
 
     def crash(self, down_s: float) -> None:
         self.sim.world.log(f"FAULT relay {self.index} crashes")
+        self.crashes += 1
         self.sim.world.close(self.address, self)
         self.sim.world.close(self.data, self)
         self.core = None

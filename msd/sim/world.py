@@ -4,7 +4,9 @@ that a seed gives the same order of everything, every time.
 The network keeps ZeroMQ's one promise: messages on one connection (a sender and a receiver)
 arrive in the order sent. Across connections nothing is ordered: each message takes its own
 delay. A process that stops (a crash, a stop) loses what was on its way to it, and messages it
-sent that had not arrived yet may still arrive (they were in the receiver's socket already)."""
+sent that had not arrived yet are lost too (the pessimistic case: still in its socket's queue).
+That is the case the coordinator keeps acknowledged deliveries for until their step is consumed:
+a worker's ack says its socket queued the pieces, not that they arrived."""
 
 from __future__ import annotations
 
@@ -90,16 +92,21 @@ class World:
                 arrive += more
         arrive = max(arrive, self._last_arrival.get(key, 0.0))
         self._last_arrival[key] = arrive
-        self.at(arrive, self._arrive, node, dst, src, frames)
+        sender = (self.nodes.get(src), getattr(self.nodes.get(src), "crashes", None))
+        self.at(arrive, self._arrive, node, dst, src, frames, sender)
         if data and self.duplicate_p and self.rng.random() < self.duplicate_p:
             again = arrive + self.rng.expovariate(1.0 / (10 * extra))
             self._last_arrival[key] = max(again, arrive)
-            self.at(again, self._arrive, node, dst, src, frames)
+            self.at(again, self._arrive, node, dst, src, frames, sender)
         return True
 
-    def _arrive(self, node: Any, dst: str, src: str, frames: list) -> None:
+    def _arrive(self, node: Any, dst: str, src: str, frames: list, sender: tuple) -> None:
         if self.nodes.get(dst) is not node:  # a process restarted there since: the connection was broken
             return
+        origin, crashes = sender
+        gone = origin.crashes != crashes if crashes is not None else self.nodes.get(src) is not origin
+        if origin is not None and gone:
+            return  # its sender crashed first: what it had not yet put on the wire is lost
         if self.blocked and self.blocked.get((src, dst), (0.0, False))[0] > self.now:
             return  # on the wire when the connection broke
         node.receive(src, dst, frames)
