@@ -7,6 +7,9 @@
    alone (deleting a log line changes nothing the invariants could see).
 3. Runs each mutant in a fresh process (the mutated module compiled in place of the original)
    over the same seeds; a mutant is caught when a seed fails, the run raises, or it times out.
+   Each seed's faulty run is compared with the fault-free stream of the unmutated code (computed
+   once, here): a mistake that changes the stream the same way with and without faults is caught
+   too, as the golden streams test would catch it.
 
     python tools/mutate_sim.py --mutants 150 --seeds 6 --steps 25 --json docs/results/issue58/mutation.json
 
@@ -124,13 +127,29 @@ def load_mutant(path: str, line: int, col: int, kind: str) -> None:
     setattr(sys.modules[package], name.rpartition(".")[2], module)
 
 
+def references(seeds: list[int], steps: int, path: str) -> None:
+    """Each seed's fault-free stream by the unmutated code, to a JSON file the mutants read."""
+    from msd.sim.run import Simulation, draw
+
+    out = {}
+    for seed in seeds:
+        sim = Simulation(draw(seed, steps).fault_free(), steps, None)
+        assert sim.run()["ok"], f"seed {seed}: the fault-free run fails without a mutant"
+        out[str(seed)] = [[rank, step, digests] for (rank, step), digests in sim.trainer.stream.items()]
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
 def run_mutant(args: argparse.Namespace) -> int:
     path, line, col, kind = args.mutant.split(":")
     load_mutant(path, int(line), int(col), kind)
-    from msd.sim.run import run_seed
+    from msd.sim.run import Simulation, draw
 
+    with open(args.references) as f:
+        refs = json.load(f)
     for seed in args.seed_list:
-        result, _ = run_seed(seed, args.steps)
+        reference = {(rank, step): digests for rank, step, digests in refs[str(seed)]}
+        result = Simulation(draw(seed, args.steps), args.steps, reference).run()
         if not result["ok"]:
             print(json.dumps({"caught_by": seed, "error": result["error"][:200]}))
             return 1
@@ -148,19 +167,22 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--mutant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed-list", type=int, nargs="*", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--references", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mutant:
         sys.exit(run_mutant(args))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     started = time.time()
     hits = covered_lines(seeds, args.steps)
+    refs_path = os.path.join(ROOT, f".mutate-sim-references-{os.getpid()}.json")
+    references(seeds, args.steps, refs_path)
     pool = [c for path, lines in sorted(hits.items()) for c in candidates(path, lines)]
     rng = random.Random(args.first_seed)
     chosen = sorted(rng.sample(pool, min(args.mutants, len(pool))))
 
     def one(c: tuple[str, int, int, str]) -> dict:
         cmd = [sys.executable, __file__, "--mutant", ":".join(map(str, c)), "--steps", str(args.steps),
-               "--seed-list", *map(str, seeds)]
+               "--references", refs_path, "--seed-list", *map(str, seeds)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT)
             caught, how = p.returncode != 0, (p.stdout.strip() or p.stderr.strip()[-200:])
@@ -169,8 +191,11 @@ def main() -> None:
         src = open(os.path.join(ROOT, c[0])).read().splitlines()[c[1] - 1].strip()
         return {"file": c[0], "line": c[1], "kind": c[3], "source": src[:120], "caught": caught, "how": how[-200:]}
 
-    with ThreadPoolExecutor(args.jobs) as ex:
-        results = list(ex.map(one, chosen))
+    try:
+        with ThreadPoolExecutor(args.jobs) as ex:
+            results = list(ex.map(one, chosen))
+    finally:
+        os.unlink(refs_path)
     caught = sum(r["caught"] for r in results)
     by_file: dict[str, list[int]] = {}
     for r in results:

@@ -22,7 +22,7 @@ from relay.core import MoveOn, RelayCore
 from trainer_client.rank_core import RankCore
 
 STEPS = 30
-# Seeds of the bugs the simulation found (each failed before its fix, at STEPS steps):
+# Seeds of the bugs the simulation found (each failed before its fix when it was found, at STEPS steps):
 # 1024, 1076: a connection broken (or a send dropped) while work was in flight, and nobody the
 #             wiser: the coordinator waited for good on a delivery the worker never got
 REGRESSIONS = (1024, 1076)
