@@ -4,6 +4,7 @@ the violation and the command that replays it."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ def main(seeds: int, first_seed: int | None, steps: int, json_out: str | None, t
     trained = 0
     for seed in range(first_seed, first_seed + seeds):
         result, lines = run_seed(seed, steps, trace=trace)
+        gc.collect()  # each seed's processes hold files and maps in cycles: closed before the next seed
         results.append(result)
         trained += result["steps"]
         if trace:

@@ -537,6 +537,17 @@ class JsonlShard:
             raise RecordError(f"{self.shard}:{i + 1}: file shorter than its index says (changed while in use?)")
         return raw[:-1] if raw.endswith(b"\n") else raw
 
+    def close(self) -> None:
+        """Close the shard's file (opened again on the next read)."""
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    # A reader dropped (a worker's sources opened again at each welcome: a coordinator restarted, a
+    # lost connection) closes its file: an int descriptor is not closed by the collector, and a
+    # worker that registered again thousands of times ran out of them (found by msd.sim).
+    __del__ = close
+
     def _open(self) -> int:
         if self._store is None:
             if self._fd is None:
