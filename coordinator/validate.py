@@ -106,4 +106,9 @@ def _registry(state: "CoordinatorState") -> list[str]:
     for identity, (role, pid) in reg._roles.items():
         if pid not in books[role]:
             out.append(f"peer {identity!r} is a {role} {pid}, which is not registered")
+    for role, book in books.items():  # and the other way: every registered peer is known by its identity
+        for pid, info in book.items():
+            if reg._roles.get(info.identity) != (role, pid):
+                out.append(f"{role} {pid} is registered, but its identity {info.identity!r} is "
+                           f"{reg._roles.get(info.identity) or 'unknown'}")
     return out

@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=180.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rerun", default=None,
+                    help="an earlier run's JSON: its caught mutants are kept, the rest run again")
     ap.add_argument("--mutant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed-list", type=int, nargs="*", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--references", default=None, help=argparse.SUPPRESS)
@@ -179,8 +181,16 @@ def main() -> None:
     pool = [c for path, lines in sorted(hits.items()) for c in candidates(path, lines)]
     rng = random.Random(args.first_seed)
     chosen = sorted(rng.sample(pool, min(args.mutants, len(pool))))
+    earlier: dict[tuple, dict] = {}
+    if args.rerun:  # only the mutants an earlier run did not catch run again (invariants only grow)
+        with open(args.rerun) as f:
+            earlier = {(r["file"], r["line"], r["kind"], r["source"]): r for r in json.load(f)["results"]}
 
     def one(c: tuple[str, int, int, str]) -> dict:
+        src = open(os.path.join(ROOT, c[0])).read().splitlines()[c[1] - 1].strip()
+        before = earlier.get((c[0], c[1], c[3], src[:120]))
+        if before is not None and before["caught"]:
+            return before
         cmd = [sys.executable, __file__, "--mutant", ":".join(map(str, c)), "--steps", str(args.steps),
                "--references", refs_path, "--seed-list", *map(str, seeds)]
         try:
@@ -188,7 +198,6 @@ def main() -> None:
             caught, how = p.returncode != 0, (p.stdout.strip() or p.stderr.strip()[-200:])
         except subprocess.TimeoutExpired:
             caught, how = True, "timed out"
-        src = open(os.path.join(ROOT, c[0])).read().splitlines()[c[1] - 1].strip()
         return {"file": c[0], "line": c[1], "kind": c[3], "source": src[:120], "caught": caught, "how": how[-200:]}
 
     try:
