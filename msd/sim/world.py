@@ -107,8 +107,10 @@ class World:
         gone = origin.crashes != crashes if crashes is not None else self.nodes.get(src) is not origin
         if origin is not None and gone:
             return  # its sender crashed first: what it had not yet put on the wire is lost
-        if self.blocked and self.blocked.get((src, dst), (0.0, False))[0] > self.now:
-            return  # on the wire when the connection broke
+        if self.blocked:
+            until, visible = self.blocked.get((src, dst), (0.0, False))
+            if until > self.now and not visible:
+                return  # on the wire when the connection broke (a full queue drops only new sends)
         node.receive(src, dst, frames)
 
     def block(self, src: str, dst: str, until: float, visible: bool = False) -> None:
