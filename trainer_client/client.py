@@ -481,8 +481,7 @@ class _Receiver:
         self.c = client
         self.ready = ready
         self.core: RankCore | None = None
-        self.state = ReceivingState(client.rank, client.next_step, client.next_micro_batch, client._plan_digest,
-                                    client.metadata_only)  # the core's, once run() made it
+        self.state: ReceivingState | None = None  # the core's: set by run() before start() returns
         self.address: str | None = None
 
     def run(self) -> None:
