@@ -162,7 +162,7 @@ class Coordinator:
                 # journal, which holds every step that went out), and the peers are told directly.
                 log.error("stopping with %d instructions still waiting for the state dir", len(self._backlog))
                 self._drain_task.cancel()
-                for ins in [i for i in self._backlog if isinstance(i, Send) and i.header["type"] == "shutdown"]:
+                for ins in [i for i in self._backlog if isinstance(i, Send) and isinstance(i.message, P.Shutdown)]:
                     self._do(ins)
                 self._backlog.clear()
             await self._drained()
@@ -238,13 +238,13 @@ class Coordinator:
             return
         if self.metrics is not None:
             self.metrics.message(self.metrics.received, header["type"])
-        if header["type"] == P.SOURCE_COUNTS.name:  # late for the counting at start-up (counting.py): settled
+        if header["type"] == P.SourceCounts.TYPE:  # late for the counting at start-up (counting.py): settled
             return
-        if header["type"] == P.RELAY_UP.name:  # the messages of a relay's ranks, each an event of its own
+        if header["type"] == P.RelayUp.TYPE:  # the messages of a relay's ranks, each an event of its own
             burst.extend(self.relays.unpack(identity, time.monotonic(), header, arrays))
             return
-        if header["type"] == P.STATUS_REQUEST.name:  # a read-only question, answered here
-            self._do(Send(identity, P.make(P.STATUS_REPLY, status=self.status())))
+        if header["type"] == P.StatusRequest.TYPE:  # a read-only question, answered here
+            self._do(Send(identity, P.StatusReply(status=self.status())))
             return
         refusal = security.operator_refusal(self.operators, header, frames[1])
         if refusal is not None:
@@ -314,7 +314,7 @@ class Coordinator:
         they wait behind it, so that nothing that depends on a journal line overtakes it."""
         if self._backlog:
             for ins in instructions:  # an `alive` depends on nothing written: it never waits
-                if isinstance(ins, Send) and ins.header["type"] == "alive":
+                if isinstance(ins, Send) and isinstance(ins.message, P.Alive):
                     self._do(ins)
                 else:
                     self._backlog.append(ins)
@@ -379,19 +379,19 @@ class Coordinator:
 
     def _send(self, ins: Send) -> None:
         if self.relays.relayed(ins.peer):  # to a rank behind a relay: one relay_down per relay and loop pass
-            self.relays.add(ins.peer, ins.header, ins.arrays)
+            self.relays.add(ins.peer, ins.message)
             if not self._relay_flush_due:
                 self._relay_flush_due = True
                 asyncio.get_running_loop().call_soon(self._flush_relays)
             if self.metrics is not None:
-                self.metrics.message(self.metrics.sent, ins.header["type"])
+                self.metrics.message(self.metrics.sent, ins.message.TYPE)
             return
         if self.relays.waiting_for(ins.peer):  # what it is to pass on goes first
             for relay, frames in self.relays.take(ins.peer):
                 self._send_frames(relay, "relay_down", frames)
-        self._send_frames(ins.peer, ins.header["type"], wire.encode(ins.header, *ins.arrays))
+        self._send_frames(ins.peer, ins.message.TYPE, wire.encode(ins.message))
         if self.metrics is not None:
-            self.metrics.message(self.metrics.sent, ins.header["type"])
+            self.metrics.message(self.metrics.sent, ins.message.TYPE)
 
     def _gone(self, peer: bytes, dropped: bool = False) -> None:
         """A peer's connection is gone: the state hears it as an event, once this pass is done."""

@@ -17,9 +17,10 @@ class NoAnswer(Exception):
     """No coordinator at the address(es) answered in time (the message names them and why)."""
 
 
-def ask(address: str, request: dict[str, Any], timeout_s: float = 10.0, keys_dir: str | None = None,
-        arrays: tuple = ()) -> dict[str, Any]:
-    """Send one request and return the answer's header. address: one, or a primary and its
+def ask(address: str, request: P.Message | dict[str, Any], timeout_s: float = 10.0,
+        keys_dir: str | None = None) -> P.Message:
+    """Send one request (a raw header only where a test sends one unchecked) and return the
+    answer. address: one, or a primary and its
     standbys (comma-separated): the one that serves answers (a standby that does not serve has no
     socket bound, so each is given its share of the time). keys_dir: the job's key directory
     (`msd keys generate`), for a job with security.curve."""
@@ -29,7 +30,7 @@ def ask(address: str, request: dict[str, Any], timeout_s: float = 10.0, keys_dir
     addresses = split_addresses(address)
     silent = []
     for one in addresses:
-        answer = _ask_one(one, request, arrays, timeout_s / len(addresses), keys)
+        answer = _ask_one(one, request, timeout_s / len(addresses), keys)
         if answer is not None:
             return answer
         silent.append(one)
@@ -37,19 +38,19 @@ def ask(address: str, request: dict[str, Any], timeout_s: float = 10.0, keys_dir
     raise NoAnswer(f"no answer from {', '.join(silent)} within {timeout_s:.0f}s{hint}")
 
 
-def _ask_one(address: str, request: dict[str, Any], arrays: tuple, timeout_s: float,
-             keys: tuple[security.KeyPair, bytes] | None) -> dict[str, Any] | None:
+def _ask_one(address: str, request: P.Message | dict[str, Any], timeout_s: float,
+             keys: tuple[security.KeyPair, bytes] | None) -> P.Message | None:
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER)
     try:
         if keys is not None:
             security.as_client(sock, *keys)
         sock.connect(address)
-        sock.send_multipart(wire.encode(request, *arrays))
+        sock.send_multipart(wire.encode(request))
         if not sock.poll(int(timeout_s * 1000)):
             return None
         try:
-            reply, _ = wire.decode(sock.recv_multipart(), P.TOOL_INBOX)
+            reply = wire.receive(sock.recv_multipart(), P.TOOL_INBOX)
         except ProtocolError as e:
             raise NoAnswer(f"bad answer from {address}: {e}") from None
         return reply

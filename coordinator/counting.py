@@ -73,35 +73,34 @@ class _Counting:
     def done(self) -> bool:
         return all(s in self.counts or s in self.problems for s in self.pending)
 
-    def handle(self, peer: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def handle(self, peer: bytes, msg: P.Message) -> P.Message | None:
         """The answer to one message, if it gets one."""
-        kind = msg["type"]
-        if kind == P.WORKER_HELLO.name:
-            refusal = version_refusal(msg["version"], f"worker from {msg['host']}")
+        if isinstance(msg, P.WorkerHello):
+            refusal = version_refusal(msg.version, f"worker from {msg.host}")
             if refusal is not None:
                 return refusal
-            self.welcomed[peer] = msg["host"]
+            self.welcomed[peer] = msg.host
             self.next_id += 1
             return worker_welcome(self.job, self.next_id - 1, count=self.pending)
-        if kind == P.WORKER_HEARTBEAT.name:
-            return P.make(P.ALIVE) if peer in self.welcomed else None
-        if kind == P.HOST_HELLO.name:  # indexing is work for every process a host may run
-            refusal = version_refusal(msg["version"], f"worker host {msg['host']}")
+        if isinstance(msg, P.WorkerHeartbeat):
+            return P.Alive() if peer in self.welcomed else None
+        if isinstance(msg, P.HostHello):  # indexing is work for every process a host may run
+            refusal = version_refusal(msg.version, f"worker host {msg.host}")
             if refusal is not None:
                 return refusal
             self.hosts.add(peer)
-            return host_scale(self.job, msg["max_procs"], [], "indexing the job's shards")
-        if kind == P.HOST_HEARTBEAT.name:
-            return P.make(P.ALIVE) if peer in self.hosts else None
-        if kind == P.SOURCE_COUNTS.name and peer in self.welcomed:
+            return host_scale(self.job, msg.max_procs, [], "indexing the job's shards")
+        if isinstance(msg, P.HostHeartbeat):
+            return P.Alive() if peer in self.hosts else None
+        if isinstance(msg, P.SourceCounts) and peer in self.welcomed:
             self._counted(self.welcomed[peer], msg)
-        elif kind == P.STATUS_REQUEST.name:
-            return P.make(P.STATUS_REPLY, status=self.status())
+        elif isinstance(msg, P.StatusRequest):
+            return P.StatusReply(status=self.status())
         return None
 
-    def _counted(self, host: str, msg: dict[str, Any]) -> None:
+    def _counted(self, host: str, msg: P.SourceCounts) -> None:
         names = [s.name for s in self.job.sources]
-        for s, records, problem in zip(msg["sources"], msg["records"], msg["problems"]):
+        for s, records, problem in zip(msg.sources, msg.records, msg.problems):
             if s not in self.pending:
                 continue
             if problem:
@@ -180,25 +179,24 @@ def count_on_workers(job: JobConfig, opened: OpenedSources, bind: str, lease: Le
              ", ".join(f"{job.sources[s].name}={n}" for s, n in sorted(counts.items())), time.monotonic() - started,
              len(counting.welcomed), len(set(counting.welcomed.values())))
     for peer in [*counting.welcomed, *counting.hosts]:  # registered here, not with the coordinator: hello again
-        _send(router.sock, peer, P.make(P.UNKNOWN_PEER, reason="the sources are counted; the coordinator now "
-                                                                "plans the job"))
+        _send(router.sock, peer, P.UnknownPeer(reason="the sources are counted; the coordinator now plans the job"))
     return sources, router
 
 
 def _serve_one(sock: zmq.Socket, counting: _Counting) -> None:
     frames = sock.recv_multipart(copy=True)
     try:
-        header, _ = wire.decode(frames[1:], P.COORDINATOR_INBOX)
+        msg = wire.receive(frames[1:], P.COORDINATOR_INBOX)
     except ProtocolError as e:
         log.warning("dropped message from peer %s: %s", frames[0].hex(), e)
         return
-    answer = counting.handle(frames[0], header)
+    answer = counting.handle(frames[0], msg)
     if answer is not None:
         _send(sock, frames[0], answer)
 
 
-def _send(sock: zmq.Socket, peer: bytes, header: dict[str, Any]) -> None:
+def _send(sock: zmq.Socket, peer: bytes, message: P.Message) -> None:
     try:
-        sock.send_multipart([peer, *wire.encode(header)], flags=zmq.NOBLOCK)
+        sock.send_multipart([peer, *wire.encode(message)], flags=zmq.NOBLOCK)
     except zmq.ZMQError as e:  # a peer gone or not reading: it says hello again
-        log.info("send of %s to %s failed: %s", header["type"], peer.hex(), e)
+        log.info("send of %s to %s failed: %s", message.TYPE, peer.hex(), e)

@@ -174,8 +174,8 @@ class EvalBook:
         self._advance(e)
 
     def _refuse(self, peer: bytes, rank: int, name: str, pass_no: int, reason: str) -> None:
-        self._send(peer, P.make(P.EVAL_HEADER, set=name, pass_no=pass_no, rank=rank, step=0, row_len=1, reason=reason),
-                   np.zeros((0, 3), np.uint64), np.zeros(0, np.uint32))
+        self._send(peer, P.EvalHeader(set=name, pass_no=pass_no, rank=rank, step=0, row_len=1, reason=reason,
+                                      pieces=np.zeros((0, 3), np.uint64), counts=np.zeros(0, np.uint32)))
 
     def _advance(self, e: EvalSet) -> None:
         """Start the next pass asked for once the current one is done, prepare what it needs, and
@@ -227,8 +227,9 @@ class EvalBook:
         d = self.topology.coords(rank).dp
         refs, counts, _ = e.layout[d]
         step = P.eval_step(e.cfg.index, e.current)
-        self._send(peer, P.make(P.EVAL_HEADER, set=e.cfg.name, pass_no=e.current, rank=rank, step=step,
-                                row_len=e.cfg.seq_len or self.job.batch.seq_len, reason=""), refs, counts)
+        self._send(peer, P.EvalHeader(set=e.cfg.name, pass_no=e.current, rank=rank, step=step,
+                                      row_len=e.cfg.seq_len or self.job.batch.seq_len, reason="", pieces=refs,
+                                      counts=counts))
         e.served[rank] = peer
         self._deliver(e, rank)
 
@@ -251,10 +252,11 @@ class EvalBook:
             mine = pieces[holders == wid]
             e.delivered_by.setdefault(wid, {}).setdefault(rank, set()).update(rec_idx[mine].tolist())
             items = np.column_stack([np.full(len(mine), rank, np.uint64), mine.astype(np.uint64), refs[mine]])
-            self._send(w.identity, P.make(P.DELIVER, worker_id=w.worker_id, delivery_id=0,
-                                          step=P.eval_step(e.cfg.index, e.current), addresses=[trainer.address]),
-                       items, np.zeros(0, np.uint64), np.full(len(mine), P.EVAL_EPOCH, np.uint32),
-                       np.zeros(0, np.uint32), np.array([[rank, 0]], np.uint64))
+            self._send(w.identity, P.Deliver(
+                worker_id=w.worker_id, delivery_id=0, step=P.eval_step(e.cfg.index, e.current),
+                addresses=[trainer.address], items=items, release=np.zeros(0, np.uint64),
+                epochs=np.full(len(mine), P.EVAL_EPOCH, np.uint32), release_epochs=np.zeros(0, np.uint32),
+                targets=np.array([[rank, 0]], np.uint64)))
 
     def _maybe_release(self, e: EvalSet) -> None:
         """Once every registered rank has had the pass, the copies go (unless prepare_ahead)."""
@@ -272,10 +274,10 @@ class EvalBook:
             mine = np.flatnonzero(e.holder == wid)
             if w is not None:
                 keys = doc_key(e.sources[mine], e.records[mine]).astype(np.uint64)
-                self._send(w.identity, P.make(P.DELIVER, worker_id=w.worker_id, delivery_id=0,
-                                              step=P.eval_step(e.cfg.index, e.current), addresses=[]),
-                           np.zeros((0, 5), np.uint64), keys, np.zeros(0, np.uint32),
-                           np.full(len(mine), P.EVAL_EPOCH, np.uint32), np.zeros((0, 2), np.uint64))
+                self._send(w.identity, P.Deliver(
+                    worker_id=w.worker_id, delivery_id=0, step=P.eval_step(e.cfg.index, e.current), addresses=[],
+                    items=np.zeros((0, 5), np.uint64), release=keys, epochs=np.zeros(0, np.uint32),
+                    release_epochs=np.full(len(mine), P.EVAL_EPOCH, np.uint32), targets=np.zeros((0, 2), np.uint64)))
             e.holder[mine] = -1
 
     # ------------------------------------------------------------------ preparing
@@ -306,8 +308,9 @@ class EvalBook:
         self._next_task += 1
         self.tasks[task.task_id] = task
         s = int(e.sources[indices[0]])
-        self._send(self._workers()[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s, worker_id=wid),
-                   e.records[indices].astype(np.uint64), np.full(len(indices), P.EVAL_EPOCH, np.uint32))
+        self._send(self._workers()[wid].identity, P.Prepare(
+            task_id=task.task_id, source=s, worker_id=wid, records=e.records[indices].astype(np.uint64),
+            epochs=np.full(len(indices), P.EVAL_EPOCH, np.uint32)))
 
     def owns(self, task_id: int) -> bool:
         return task_id >= EVAL_TASK_BASE

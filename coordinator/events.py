@@ -2,9 +2,9 @@
 
 The shell (app.py) turns every message that passed `wire.decode` into one of these, stamped with
 the monotonic time it was received (`at`), and hands them to `CoordinatorState.handle`. Time
-enters the state only this way: through `at` and through `Tick`. Fields mirror the messages of
-`msd_common.protocol` one to one (arrays by their frame names), so `from_message` needs no
-per-type code.
+enters the state only this way: through `at` and through `Tick`. The event of a message is its
+class in `msd_common.protocol` (the one declaration of its fields, arrays by their frame names)
+with the sender and the time added, so `from_message` needs no per-type code.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from msd_common import protocol as P
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Event:
     at: float  # monotonic seconds, from the shell's clock
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class PeerEvent(Event):
     peer: bytes  # the sender's socket identity: where answers go
     # a rank's message that came through its host's relay: the relay's socket identity (`peer` is
@@ -28,12 +30,12 @@ class PeerEvent(Event):
     via: bytes = b""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Tick(Event):
     """Time passes: heartbeat deadlines, scaling decisions and the status are checked."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Shutdown(Event):
     """The coordinator stops (a signal, or the end of the job): peers are told. `failed`: the fatal
     error that stopped the job, if one did (ranks raise it)."""
@@ -42,7 +44,7 @@ class Shutdown(Event):
     failed: str = ""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class PeerGone(PeerEvent):
     """A send to this peer found its connection gone (EHOSTUNREACH: the process died or its socket
     closed; a peer that reconnects comes back with another identity): no need to wait for three
@@ -52,185 +54,115 @@ class PeerGone(PeerEvent):
     dropped: bool = False
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerHello(PeerEvent):
-    version: int
-    host: str
-    pid: int
-    incarnation: int
-    agent: int
+# The events of messages: each its protocol class (the one declaration of its fields), received.
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerHeartbeat(PeerEvent):
-    worker_id: int
-    cached_records: int
-    busy_s: float
-    backlog: int = 0  # piece messages waiting for a rank's socket
-    send_waits: int = 0  # sends that found a rank's socket full, since registration
+@dataclass(frozen=True, kw_only=True)
+class WorkerHello(PeerEvent, P.WorkerHello):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prepared(PeerEvent):
-    worker_id: int
-    task_id: int
-    skipped: list  # [[index in the task, reason, kind]]
-    busy_s: float
-    lengths: np.ndarray
-    patches: np.ndarray
-    # per record, its images' patches squared, summed (the encoder's attention is per image);
-    # absent in stimulus logs written before it existed
-    patch_squares: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+@dataclass(frozen=True, kw_only=True)
+class WorkerHeartbeat(PeerEvent, P.WorkerHeartbeat):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TaskFailed(PeerEvent):
-    worker_id: int
-    task_id: int
-    reason: str
+@dataclass(frozen=True, kw_only=True)
+class Prepared(PeerEvent, P.Prepared):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Delivered(PeerEvent):
-    worker_id: int
-    delivery_id: int
-    failed: list = field(default_factory=list)  # [[source, record, reason, kind]]: sent with nothing to train on
-    unserved: int = 0  # pieces it could not send (its cache lacks them)
+@dataclass(frozen=True, kw_only=True)
+class TaskFailed(PeerEvent, P.TaskFailed):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostHello(PeerEvent):
-    version: int
-    agent_id: int
-    host: str
-    procs: int
-    min_procs: int
-    max_procs: int
-    auto: int
+@dataclass(frozen=True, kw_only=True)
+class Delivered(PeerEvent, P.Delivered):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostHeartbeat(PeerEvent):
-    agent_id: int
-    procs: int
-    pids: Any = ()  # its worker processes that are alive: it vouches for them
+@dataclass(frozen=True, kw_only=True)
+class HostHello(PeerEvent, P.HostHello):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RelayHello(PeerEvent):
-    version: int
-    host: str
-    data_address: str
-    local: str
-    incarnation: int
+@dataclass(frozen=True, kw_only=True)
+class HostHeartbeat(PeerEvent, P.HostHeartbeat):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RelayHeartbeat(PeerEvent):
-    relay_id: int
-    ranks: Any  # the ranks behind it that are alive
-    bytes_in: int = 0
-    bytes_out: int = 0
-    queued: int = 0
-    late_steps: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RelayReport(RelayHeartbeat):
-    """What a relay_up says of the relay (as a heartbeat does, unanswered), and the `consumed` of
-    its ranks, gathered (its table)."""
-
-    consumed: np.ndarray  # protocol.RELAY_CONSUMED rows: rank, step
-    waited_s: np.ndarray
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerHello(PeerEvent):
-    version: int
-    rank: int
-    data_address: str
-    resume_step: int
-    incarnation: int
-    metadata_only: int
-    # The coordinator's state before resume_step from the trainer's checkpoint (None: not carried).
-    carried: Any = None
-    # The planner state before resume_step, read by the shell from the journal file when the
-    # step is older than the states the coordinator keeps in memory (None otherwise).
-    journaled_state: dict | None = field(default=None)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerExited(PeerEvent):
+@dataclass(frozen=True, kw_only=True)
+class WorkerExited(PeerEvent, P.WorkerExited):
     """A host agent saw one of its worker processes end, and what task it was working on."""
 
-    agent_id: int
-    pid: int
-    exitcode: int
-    task_id: int  # -1: none
-    source: int = -1  # the sample it was making (-1: none)
-    record: int = -1
-    overran_s: float = 0.0  # > 0: stopped by its agent, the sample that far past max_sample_s
+
+@dataclass(frozen=True, kw_only=True)
+class RelayHello(PeerEvent, P.RelayHello):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Consumed(PeerEvent):
-    rank: int
-    step: int
-    waited_s: float
-    compute_step: int = -1  # the step whose micro-batches compute_s times (balance.calibrate)
-    compute_s: Any = ()
+@dataclass(frozen=True, kw_only=True)
+class RelayHeartbeat(PeerEvent, P.RelayHeartbeat):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerHeartbeat(PeerEvent):
-    rank: int
+@dataclass(frozen=True, kw_only=True)
+class RelayReport(PeerEvent, P.RelayUp):
+    """What a relay_up says of the relay (as a heartbeat does, unanswered), and the `consumed` of
+    its ranks, gathered (its table); its `messages` are events of their own (relaying.py)."""
+
+    messages: list = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerBye(PeerEvent):
-    rank: int
+@dataclass(frozen=True, kw_only=True)
+class TrainerHello(PeerEvent, P.TrainerHello):
+    # The planner state before resume_step, read by the shell from the journal file when the
+    # step is older than the states the coordinator keeps in memory (None otherwise).
+    journaled_state: dict | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateRequest(PeerEvent):
-    rank: int
-    step: int
+@dataclass(frozen=True, kw_only=True)
+class Consumed(PeerEvent, P.Consumed):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MixRequest(PeerEvent):
-    at_step: int
-    weights: Any
+@dataclass(frozen=True, kw_only=True)
+class TrainerHeartbeat(PeerEvent, P.TrainerHeartbeat):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EvalRequest(PeerEvent):
-    rank: int
-    set: str
-    pass_no: int
+@dataclass(frozen=True, kw_only=True)
+class TrainerBye(PeerEvent, P.TrainerBye):
+    pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EvalReport(PeerEvent):
-    rank: int
-    set: str
-    step: int
-    losses: Any
+@dataclass(frozen=True, kw_only=True)
+class StateRequest(PeerEvent, P.StateRequest):
+    pass
 
 
-MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {
-    "worker_hello": WorkerHello, "worker_heartbeat": WorkerHeartbeat, "prepared": Prepared,
-    "task_failed": TaskFailed, "delivered": Delivered, "host_hello": HostHello, "host_heartbeat": HostHeartbeat,
-    "worker_exited": WorkerExited, "trainer_hello": TrainerHello, "consumed": Consumed,
-    "trainer_heartbeat": TrainerHeartbeat, "trainer_bye": TrainerBye, "mix_request": MixRequest,
-    "state_request": StateRequest, "eval_request": EvalRequest, "eval_report": EvalReport,
-    "relay_hello": RelayHello, "relay_heartbeat": RelayHeartbeat,
-}
+@dataclass(frozen=True, kw_only=True)
+class MixRequest(PeerEvent, P.MixRequest):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRequest(PeerEvent, P.EvalRequest):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalReport(PeerEvent, P.EvalReport):
+    pass
+
+
+MESSAGE_EVENTS: dict[str, type[PeerEvent]] = {cls.TYPE: cls for cls in (
+    WorkerHello, WorkerHeartbeat, Prepared, TaskFailed, Delivered, HostHello, HostHeartbeat, WorkerExited,
+    TrainerHello, Consumed, TrainerHeartbeat, TrainerBye, MixRequest, StateRequest, EvalRequest, EvalReport,
+    RelayHello, RelayHeartbeat)}
 ALL_EVENTS: dict[str, type[Event]] = {cls.__name__: cls for cls in (Tick, Shutdown, RelayReport, PeerGone,
                                                                      *MESSAGE_EVENTS.values())}
-
-
-_FIELDS = {cls: frozenset(f.name for f in fields(cls)) - {"peer", "at", "via"} for cls in MESSAGE_EVENTS.values()}
 
 
 def from_message(peer: bytes, at: float, header: dict[str, Any], arrays: dict[str, np.ndarray],
@@ -239,8 +171,7 @@ def from_message(peer: bytes, at: float, header: dict[str, Any], arrays: dict[st
     its schema names is there and valid: wire.decode checked). Fields the schema does not name
     (a newer peer's additions) are left out."""
     cls = MESSAGE_EVENTS[header["type"]]
-    names = _FIELDS[cls]
-    return cls(peer=peer, at=at, via=via, **{k: v for k, v in header.items() if k in names}, **arrays)
+    return cls(peer=peer, at=at, via=via, **{name: header[name] for name in cls.KIND.fields}, **arrays)
 
 
 def to_dict(event: Event) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
+from msd_common import protocol as P
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +20,10 @@ class Instruction:
 
 @dataclass(frozen=True, slots=True)
 class Send(Instruction):
-    """Send one message (header and array frames, wire.encode) to the peer with this identity."""
+    """Send one message (wire.encode) to the peer with this identity."""
 
     peer: bytes
-    header: dict[str, Any]
-    arrays: tuple[np.ndarray, ...] = ()
+    message: P.Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +105,10 @@ ALL_INSTRUCTIONS: dict[str, type[Instruction]] = {
 
 
 def to_dict(instruction: Instruction) -> dict[str, Any]:
+    """A plain form (for the stimulus log); a Send as its peer, header and array frames."""
+    if isinstance(instruction, Send):
+        m = instruction.message
+        return {"instruction": "Send", "peer": instruction.peer, "header": m.header(), "arrays": m.frames()}
     return {"instruction": type(instruction).__name__,
             **{f.name: getattr(instruction, f.name) for f in fields(instruction)}}
 
@@ -113,6 +116,10 @@ def to_dict(instruction: Instruction) -> dict[str, Any]:
 def from_dict(d: dict[str, Any]) -> Instruction:
     d = dict(d)
     cls = ALL_INSTRUCTIONS[d.pop("instruction")]
+    if cls is Send:
+        kind = P.ALL_TYPES[d["header"]["type"]]
+        arrays = {spec.name: a for spec, a in zip(kind.arrays, d.get("arrays", ()))}
+        return Send(d["peer"], kind.cls.from_wire(d["header"], arrays))
     for key in ("arrays", "states", "weights"):
         if key in d:
             d[key] = tuple(d[key])

@@ -75,8 +75,8 @@ class StepLayout:
                 relayed.setdefault(trainer.via, []).append((rank, d))
                 continue
             out.append(Send(trainer.identity, P.step_header(plan.step, rank, plan.row_capacity, *balance,
-                                                            rank_costs[d], naive_costs[d]),
-                            (refs[bounds[d]:bounds[d + 1]], counts[d])))
+                                                            rank_costs[d], naive_costs[d],
+                                                            refs[bounds[d]:bounds[d + 1]], counts[d])))
         costs = (np.asarray(rank_costs, dtype=np.float64), np.asarray(naive_costs, dtype=np.float64))
         for via, members in relayed.items():
             out.append(self._relay_step(via, members, plan, refs, counts, edges, costs, balance))
@@ -98,12 +98,11 @@ class StepLayout:
         sizes = edges[at + 1] - edges[at]
         contiguous = dps[-1] - dps[0] + 1 == len(dps)  # a host of consecutive DP ranks: slices, no gather
         rows = slice(edges[dps[0]], edges[dps[-1] + 1]) if contiguous else rows_of(edges, at)[0]
-        header = P.make(P.RELAY_STEP, step=plan.step, row_len=plan.row_capacity, dps=dps,
-                        ranks=[[r, index[d]] for r, d in members], piece_counts=sizes.tolist(),
-                        rank_costs=costs[0][at].tolist(), naive_costs=costs[1][at].tolist(), max_over_mean=balance[0],
-                        naive_max_over_mean=balance[1])
-        return Send(self.registry.relays[via].identity, header,
-                    (refs[rows], counts[dps[0]:dps[-1] + 1] if contiguous else counts[at]))
+        return Send(self.registry.relays[via].identity, P.RelayStep(
+            step=plan.step, row_len=plan.row_capacity, dps=dps, ranks=[[r, index[d]] for r, d in members],
+            piece_counts=sizes.tolist(), rank_costs=costs[0][at].tolist(), naive_costs=costs[1][at].tolist(),
+            max_over_mean=balance[0], naive_max_over_mean=balance[1], pieces=refs[rows],
+            counts=counts[dps[0]:dps[-1] + 1] if contiguous else counts[at]))
 
     def _delivery_ranks(self, ranks: list[int]) -> list[int]:
         """The ranks pieces are addressed to: a direct rank itself; behind a relay, the lowest of
@@ -143,10 +142,11 @@ class StepLayout:
             ranks = np.unique(mine[:, DELIVER_ITEM.rank]).tolist()
             d = self.deliveries.open(wid, step, mine, positions[mask], rel, ranks)
             addresses, targets = address_table(ranks, trainers)
-            header = P.make(P.DELIVER, worker_id=wid, delivery_id=d.delivery_id, step=step, addresses=addresses)
             release_keys = doc_key(rel[:, 0], self.tables.records(rel))
-            out.append(Send(workers[wid].identity, header, (mine, release_keys, self.epochs_of(positions[mask]),
-                                                            self.epochs_of(rel), targets)))
+            out.append(Send(workers[wid].identity, P.Deliver(
+                worker_id=wid, delivery_id=d.delivery_id, step=step, addresses=addresses, items=mine,
+                release=release_keys, epochs=self.epochs_of(positions[mask]), release_epochs=self.epochs_of(rel),
+                targets=targets)))
         return out
 
     def epochs(self, s: int, positions: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ async def linger(sock: zmq.Socket, reason: str, linger_s: float, status: Callabl
     loop.add_reader(sock.FD, readable.set)
     answered: dict[bytes, float] = {}
     deadline = time.monotonic() + linger_s
-    failed = P.make(P.JOB_FAILED, reason=reason)
+    failed = P.JobFailed(reason=reason)
     try:
         while not stop.is_set() and time.monotonic() < deadline:
             beat()
@@ -59,8 +59,8 @@ async def linger(sock: zmq.Socket, reason: str, linger_s: float, status: Callabl
             except ProtocolError as e:
                 log.warning("dropped message from peer %s: %s", identity.hex(), e)
                 continue
-            if header["type"] == P.STATUS_REQUEST.name:
-                answer = P.make(P.STATUS_REPLY, status=status())
+            if header["type"] == P.StatusRequest.TYPE:
+                answer = P.StatusReply(status=status())
             else:
                 now = time.monotonic()
                 if now - answered.get(identity, float("-inf")) < ANSWER_EVERY_S:

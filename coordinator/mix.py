@@ -31,10 +31,10 @@ def request_mix(address: str, at_step: int, weights: dict[str, float], timeout_s
     from .control import NoAnswer, ask
 
     try:
-        reply = ask(address, P.make(P.MIX_REQUEST, at_step=at_step, weights=weights), timeout_s, keys_dir)
+        reply = ask(address, P.MixRequest(at_step=at_step, weights=weights), timeout_s, keys_dir)
     except NoAnswer as e:
         return False, str(e)
-    return bool(reply["ok"]), reply["reason"]
+    return bool(reply.ok), reply.reason
 
 
 def check_weights(names: list[str], next_step: int, at_step: int, raw: Any) -> tuple[list[float] | None, str]:

@@ -201,8 +201,8 @@ class PreparationBook:
             wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
             self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)), self.now())
             records = self.tables[s].records(task.positions)
-            self.send(workers[wid].identity, P.make(P.PREPARE, task_id=task.task_id, source=s, worker_id=wid), records,
-                       self.epochs(s, task.positions))
+            self.send(workers[wid].identity, P.Prepare(task_id=task.task_id, source=s, worker_id=wid, records=records,
+                                                       epochs=self.epochs(s, task.positions)))
 
     def _settle_held_out(self, task, worker_id: int) -> bool:
         """Records of a queued task that an eval set holds out of training are prepared as

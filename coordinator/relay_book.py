@@ -26,7 +26,7 @@ class RelayBook:
         self.heartbeat_s = heartbeat_s
 
     def _welcome(self, relay: RelayInfo) -> Send:
-        return Send(relay.identity, P.make(P.RELAY_WELCOME, relay_id=relay.relay_id, heartbeat_s=self.heartbeat_s,
+        return Send(relay.identity, P.RelayWelcome(relay_id=relay.relay_id, heartbeat_s=self.heartbeat_s,
                                            topology=self.topology._asdict()))
 
     def answer(self, ev: RelayHello) -> list[Send] | None:

@@ -48,10 +48,8 @@ class RelayEnvelopes:
             peer = relayed_identity(relay, inner["rank"])
             self._relay_of[peer] = (relay, inner["rank"])
             out.append(from_message(peer, at, inner, {}, via=relay))
-        out.append(RelayReport(peer=relay, at=at, relay_id=header["relay_id"], ranks=header["ranks"],
-                               bytes_in=header["bytes_in"], bytes_out=header["bytes_out"], queued=header["queued"],
-                               late_steps=header["late_steps"], consumed=arrays["consumed"],
-                               waited_s=arrays["waited_s"]))
+        out.append(RelayReport(peer=relay, at=at, **{name: header[name] for name in P.RelayUp.KIND.fields
+                                                     if name != "messages"}, **arrays))
         return out
 
     def relayed(self, peer: bytes) -> bool:
@@ -61,26 +59,27 @@ class RelayEnvelopes:
         """Whether messages to this relay's ranks wait to go out (before anything to the relay itself)."""
         return relay in self._out
 
-    def add(self, peer: bytes, header: dict[str, Any], arrays: tuple) -> None:
+    def add(self, peer: bytes, message: P.Message) -> None:
         relay, rank = self._relay_of[peer]
-        self._out.setdefault(relay, []).append((rank, header, arrays))
+        self._out.setdefault(relay, []).append((rank, message))
 
     def take(self, relay: bytes | None = None) -> list[tuple[bytes, list]]:
         """(relay identity, frames of its relay_down) for every relay with messages waiting (or one)."""
         relays = [relay] if relay is not None else list(self._out)
-        return [(r, wire.encode(*relay_down(self._out.pop(r)))) for r in relays]
+        return [(r, wire.encode(relay_down(self._out.pop(r)))) for r in relays]
 
 
-def relay_down(parts: list[tuple[int, dict[str, Any], tuple]]) -> tuple[dict[str, Any], np.ndarray]:
-    """A `relay_down` (header, blob) carrying messages (rank, header, arrays) to a relay's ranks;
-    the arrays as wire.encode would send them (the spec's dtype, C order)."""
+def relay_down(parts: list[tuple[int, P.Message]]) -> P.RelayDown:
+    """A `relay_down` carrying messages (rank, message) to a relay's ranks; the arrays as
+    wire.encode would send them (the spec's dtype, C order)."""
     entries, frames = [], []
-    for rank, header, arrays in parts:
+    for rank, message in parts:
         sizes = []
-        for spec, a in zip(P.ALL_TYPES[header["type"]].arrays, arrays):
+        header = message.header()
+        for spec, a in zip(message.KIND.arrays, message.frames()):
             a = np.ascontiguousarray(a, dtype=spec.dtype or header["dtype"])
             sizes.append(a.nbytes)
             frames.append(memoryview(a).cast("B") if a.size else b"")
         entries.append([rank, header, sizes])
     blob = np.frombuffer(b"".join(frames), dtype=np.uint8) if frames else np.zeros(0, np.uint8)
-    return P.make(P.RELAY_DOWN, parts=entries), blob
+    return P.RelayDown(parts=entries, blob=blob)

@@ -101,7 +101,7 @@ def state_reply(state: "CoordinatorState", ev: StateRequest) -> Send:
     carried = carried_state(state, ev.step)
     reason = "" if carried is not None else (f"step {ev.step} is not among the steps kept in memory "
                                              f"({state.history.oldest}..{state.planner.state.next_step})")
-    return Send(ev.peer, P.make(P.STATE_REPLY, step=ev.step, ok=int(carried is not None), reason=reason,
+    return Send(ev.peer, P.StateReply(step=ev.step, ok=int(carried is not None), reason=reason,
                                 state=carried))
 
 

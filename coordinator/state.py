@@ -196,9 +196,9 @@ class CoordinatorState:
         self._out = []
         return out
 
-    def _send(self, peer: bytes, header: dict[str, Any], *arrays: np.ndarray) -> None:
+    def _send(self, peer: bytes, message: P.Message) -> None:
         self.messages_sent += 1
-        self._out.append(Send(peer, header, arrays))
+        self._out.append(Send(peer, message))
 
     def _apply(self, ev: Event) -> None:
         first = self._unregistered.get(type(ev))  # events that need no registration
@@ -209,7 +209,7 @@ class CoordinatorState:
         if who is None:
             log.warning("%s from unregistered peer %s dropped; asked it to say hello", kind, ev.peer.hex(),
                         extra={"peer": ev.peer.hex()})
-            self._send(ev.peer, P.make(P.UNKNOWN_PEER, reason="not registered: send a hello first"))
+            self._send(ev.peer, P.UnknownPeer(reason="not registered: send a hello first"))
             return
         role, pid = who
         if not isinstance(ev, _EVENTS_OF[role]):
@@ -269,13 +269,13 @@ class CoordinatorState:
         if ev.via:  # through a relay, which must be registered (a restarted coordinator: it says hello first)
             relay = self.registry.relay_at(ev.via)
             if relay is None:
-                self._send(ev.via, P.make(P.UNKNOWN_PEER, reason="relay not registered: send a relay_hello first"))
+                self._send(ev.via, P.UnknownPeer(reason="relay not registered: send a relay_hello first"))
                 return
             relay.last_seen = ev.at
         reason = resume.refusal(self, ev)
         if reason:
             log.warning("trainer rank %d rejected: %s", rank, reason, extra={"rank": rank, "peer": ev.peer.hex()})
-            self._send(ev.peer, P.make(P.REJECT, reason=reason))
+            self._send(ev.peer, P.Reject(reason=reason))
             return
         old = self.registry.trainers.get(rank)
         if old is not None and old.identity != ev.peer and ev.at - old.last_seen < 3 * self.heartbeat_s:
@@ -284,8 +284,8 @@ class CoordinatorState:
             # holder is asked if it is there: a rank's process started again alone (its old one
             # killed) finds the old connection gone (PeerGone), and is welcomed at its next hello.
             log.warning("rank %d claimed by a second client while the first is alive; refused", rank)
-            self._send(ev.peer, P.make(P.RANK_TAKEN, rank=rank, reason=f"rank {rank} is held by a live client"))
-            self._send(old.identity, P.make(P.ALIVE))
+            self._send(ev.peer, P.RankTaken(rank=rank, reason=f"rank {rank} is held by a live client"))
+            self._send(old.identity, P.Alive())
             return
         address = relay.address if relay is not None else ev.data_address
         if (old is not None and old.identity == ev.peer and old.address == address
@@ -321,17 +321,17 @@ class CoordinatorState:
             "rope": self.rope,  # "mrope": position_ids [3, B, L] (a Qwen-VL processor's sources)
             "calibrate": self.job.calibrate,  # clients time each micro-batch's compute and report it
         }
-        self._send(peer, P.make(P.TRAINER_WELCOME, rank=rank, batch=batch, plan_digest=self.digest,
+        self._send(peer, P.TrainerWelcome(rank=rank, batch=batch, plan_digest=self.digest,
                                 heartbeat_s=self.heartbeat_s))
         if self.end is not None:
-            self._send(peer, P.make(P.END_OF_STREAM, step=self.end[0], reason=self.end[1]))
+            self._send(peer, P.EndOfStream(step=self.end[0], reason=self.end[1]))
 
     def _on_mix_request(self, ev: MixRequest) -> None:
         """New weights from a later step on (msd mix): checked, journaled, then answered."""
         names = [s.name for s in self.job.sources]
         weights, problems = check_weights(names, self.planner.state.next_step, ev.at_step, ev.weights)
         if weights is None:
-            self._send(ev.peer, P.make(P.MIX_REPLY, ok=0, reason=problems, at_step=ev.at_step))
+            self._send(ev.peer, P.MixReply(ok=0, reason=problems, at_step=ev.at_step))
             return
         if self.history.durable:  # durable before the answer, and before any step planned with it goes out
             self._out.append(AppendMixture(ev.at_step, tuple(weights)))
@@ -339,14 +339,14 @@ class CoordinatorState:
         self.mixture_changes.append((ev.at_step, weights))
         log.warning("mixture changed from step %d: %s", ev.at_step, dict(zip(names, weights)),
                     extra={"step": ev.at_step})
-        self._send(ev.peer, P.make(P.MIX_REPLY, ok=1, reason="", at_step=ev.at_step))
+        self._send(ev.peer, P.MixReply(ok=1, reason="", at_step=ev.at_step))
 
     # ------------------------------------------------------------------ messages of registered peers
 
     def _alive(self, ev: Event, who: Any) -> None:
         """Every heartbeat is answered: a peer that hears nothing for 3 heartbeats moves on to the
         next coordinator address it has (a standby that took over)."""
-        self._send(ev.peer, P.make(P.ALIVE))
+        self._send(ev.peer, P.Alive())
 
     def _on_worker_heartbeat(self, ev: WorkerHeartbeat, worker: WorkerInfo) -> None:
         if worker.busy_at is not None and ev.at > worker.busy_at:
@@ -423,7 +423,7 @@ class CoordinatorState:
         if who is not None and ev.dropped:  # it would wait for that message for good (session.LOST_MESSAGES)
             log.warning("%s %d: a message to it was dropped; forgotten, it registers again", *who)
             self._forget_peer(ev.peer, "a message to it was dropped")
-            self._send(ev.peer, P.make(P.UNKNOWN_PEER, reason="a message to this peer was dropped: say hello again"))
+            self._send(ev.peer, P.UnknownPeer(reason="a message to this peer was dropped: say hello again"))
             return
         if who is None or who[0] not in ("trainer", "relay"):
             return
@@ -506,7 +506,7 @@ class CoordinatorState:
             log.warning("worker %d could not send %d piece(s) of delivery %d (not in its cache); preparing what it "
                         "held again elsewhere", worker.worker_id, ev.unserved, ev.delivery_id,
                         extra={"worker_id": worker.worker_id})
-            self._send(worker.identity, P.make(P.UNKNOWN_PEER, reason="its cache lost records it was to deliver"))
+            self._send(worker.identity, P.UnknownPeer(reason="its cache lost records it was to deliver"))
             self._forget_peer(worker.identity, "lost records")
 
     # ------------------------------------------------------------------ time, failures, stopping
@@ -541,12 +541,12 @@ class CoordinatorState:
         self.stopped = True
         self.failure = failed or self.failure
         for w in self.registry.workers.values():
-            self._send(w.identity, P.make(P.SHUTDOWN, reason=reason))
+            self._send(w.identity, P.Shutdown(reason=reason))
         for t in self.registry.trainers.values():
-            self._send(t.identity, P.make(P.JOB_FAILED, reason=self.failure) if self.failure
-                       else P.make(P.SHUTDOWN, reason=reason))
+            self._send(t.identity, P.JobFailed(reason=self.failure) if self.failure
+                       else P.Shutdown(reason=reason))
         for r in self.registry.relays.values():  # after what they pass on to their ranks
-            self._send(r.identity, P.make(P.SHUTDOWN, reason=reason))
+            self._send(r.identity, P.Shutdown(reason=reason))
         try:
             self._out.append(WriteStatus({**self.status(), "stopped": reason, "failed": self.failure}))
         except Exception:  # noqa: BLE001 - after an internal error the books may not add up; the peers are told
@@ -579,7 +579,7 @@ class CoordinatorState:
             for t in [t for t in self.registry.trainers.values() if t.via == relay.relay_id]:
                 self._forget_peer(t.identity, why)
             for w in self.registry.workers.values():  # what workers hold for it: dropped, with its connection
-                self._send(w.identity, P.make(P.RELEASE_RANK, rank=0, address=relay.address))
+                self._send(w.identity, P.ReleaseRank(rank=0, address=relay.address))
             return
         if removed is not None and removed[0] == "trainer":
             rank = removed[1].rank
@@ -589,7 +589,7 @@ class CoordinatorState:
             # What workers still hold for it would wait in their backlogs for good: dropped.
             # (A rank that comes back registers again and resumes from its own step.)
             for w in self.registry.workers.values():
-                self._send(w.identity, P.make(P.RELEASE_RANK, rank=removed[1].rank, address=removed[1].address))
+                self._send(w.identity, P.ReleaseRank(rank=removed[1].rank, address=removed[1].address))
             return
         if removed is None or removed[0] != "worker":
             return
@@ -683,7 +683,7 @@ class CoordinatorState:
                 log.warning("%s: the stream ends before step %d", e, e.step, extra={"step": e.step})
                 self.end = (e.step, str(e))
                 for t in trainers.values():
-                    self._send(t.identity, P.make(P.END_OF_STREAM, step=e.step, reason=str(e)))
+                    self._send(t.identity, P.EndOfStream(step=e.step, reason=str(e)))
                 break
             finally:
                 for event in self.planner.events:
@@ -776,7 +776,7 @@ class CoordinatorState:
         if self.end is not None and self.end[0] > step:
             self.end = None
         for w in self.registry.forget_workers():
-            self._send(w.identity, P.make(P.UNKNOWN_PEER, reason=f"plan rewound to step {step}: start clean"))
+            self._send(w.identity, P.UnknownPeer(reason=f"plan rewound to step {step}: start clean"))
         self.eval.reset()
         self.prep.reset_tables()
 

@@ -18,7 +18,7 @@ def fetch_status(address: str, keys_dir: str | None = None, timeout_s: float = 5
     """One status snapshot of the coordinator at `address` (raises control.NoAnswer)."""
     from .control import ask
 
-    return ask(address, P.make(P.STATUS_REQUEST), timeout_s, keys_dir)["status"]
+    return ask(address, P.StatusRequest(), timeout_s, keys_dir).status
 
 
 def status_line(status: dict[str, Any]) -> str:

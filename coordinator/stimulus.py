@@ -59,8 +59,8 @@ def _nbytes(events: tuple, instructions: tuple) -> int:
             if a is not None:
                 n += a.nbytes
     for i in instructions:
-        for a in getattr(i, "arrays", ()):
-            n += a.nbytes
+        if isinstance(i, I.Send):
+            n += sum(a.nbytes for a in i.message.frames())
     return n
 
 

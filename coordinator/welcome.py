@@ -7,7 +7,7 @@ worker welcomed by either gets the same job in the same typed form.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 from msd_common import protocol as P
 from msd_common.spec import JobConfig
@@ -15,21 +15,21 @@ from msd_common.spec import JobConfig
 log = logging.getLogger("msd.coordinator")
 
 
-def version_refusal(version: int, who: str) -> dict[str, Any] | None:
+def version_refusal(version: int, who: str) -> P.Reject | None:
     """A REJECT for a peer that speaks another protocol (logged, naming `who`), else None."""
     if version == P.PROTOCOL_VERSION:
         return None
     log.warning("%s speaks protocol %d, we speak %d: rejected", who, version, P.PROTOCOL_VERSION)
-    return P.make(P.REJECT, reason=f"protocol version {version} != {P.PROTOCOL_VERSION}")
+    return P.Reject(reason=f"protocol version {version} != {P.PROTOCOL_VERSION}")
 
 
-def worker_welcome(job: JobConfig, worker_id: int, count: Sequence[int] = ()) -> dict[str, Any]:
+def worker_welcome(job: JobConfig, worker_id: int, count: Sequence[int] = ()) -> P.Welcome:
     """A worker's welcome: its id, the job as workers read it (msd_common.spec.WorkerJob), the
     heartbeat, and the sources whose records it should count before anything else."""
-    return P.make(P.WELCOME, worker_id=worker_id, job=job.worker_job().to_wire(), heartbeat_s=job.runtime.heartbeat_s,
-                  count=sorted(count))
+    return P.Welcome(worker_id=worker_id, job=job.worker_job().to_wire(), heartbeat_s=job.runtime.heartbeat_s,
+                     count=sorted(count))
 
 
-def host_scale(job: JobConfig, procs: int, retire: list[int], reason: str) -> dict[str, Any]:
+def host_scale(job: JobConfig, procs: int, retire: list[int], reason: str) -> P.Scale:
     """How many worker processes a host agent runs (and which to retire first)."""
-    return P.make(P.SCALE, procs=procs, retire=retire, reason=reason, heartbeat_s=job.runtime.heartbeat_s)
+    return P.Scale(procs=procs, retire=retire, reason=reason, heartbeat_s=job.runtime.heartbeat_s)

@@ -1,23 +1,29 @@
-"""Every wire message of megascale-data, declared once, with its schema.
+"""Every wire message of megascale-data, declared once: a typed class per message, with its schema.
 
-This module owns the message catalogue and PROTOCOL_VERSION. It lives in the trainer client
-because the client is the lightest of the three parts and must not import the coordinator or
-the worker; both of those import this module instead.
+Each message is a frozen dataclass declared with `@message` below: its header fields (each with
+the check a receiver applies) and its array frames, in order. Every role builds what it sends as
+one of these and reads what it receives as one (wire.encode, wire.receive); the coordinator's
+events are these classes with the sender and the time added (coordinator/events.py), and the
+simulator passes them through the same encode and decode. Nothing here imports the job spec.
 
-A message is a msgpack map (frame 0) with key "type", optionally followed by raw array frames.
-`validate()` checks a decoded header against the schema of its type and the set of types a
-socket role may receive, so a message in the wrong direction or with a bad field is rejected in
-one place, before any handler sees it.
+On the wire a message is a msgpack map (frame 0) with key "type", optionally followed by raw
+array frames. `validate()` checks a decoded header against the schema of its type and the set of
+types a socket role may receive, so a message in the wrong direction or with a bad field is
+rejected in one place, before any handler sees it.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import MISSING, dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from .doc_keys import RECORD_MASK
 from .errors import ProtocolError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved,
 # job_failed to workers, hosts and relays; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays;
@@ -167,22 +173,6 @@ class ArraySpec:
         object.__setattr__(self, "cols", max(1, len(self.columns)))
 
 
-ArrayCheck = Callable[[dict[str, Any], dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class MessageType:
-    name: str
-    fields: dict[str, Check]
-    arrays: tuple[ArraySpec, ...] = ()
-    check: ArrayCheck | None = None  # consistency of the arrays (ranges, totals), after decoding
-    # up to this many more raw byte frames after the arrays (decoded as the list arrays["tail"]):
-    # a processor's arrays, each its own frame, sent without being copied into one
-    tail: int = 0
-
-
-def _msg(name: str, *arrays: ArraySpec, check: ArrayCheck | None = None, tail: int = 0, **fields: Check) -> MessageType:
-    return MessageType(name, fields, arrays, check, tail)
 
 
 def _lengths_ok(lengths: Any, what: str) -> None:
@@ -301,233 +291,580 @@ def _check_relay_up(header: dict, arrays: dict) -> None:
         raise ProtocolError("relay_up: one waited_s per consumed row")
 
 
-# worker -> coordinator
-WORKER_HELLO = _msg("worker_hello", version=integer(), host=text(), pid=integer(), incarnation=integer(),
-                    agent=integer())  # the host agent that started it (its agent_id)
-# busy_s: total time spent preparing and delivering; backlog: piece messages waiting for a rank's
-# socket; send_waits: sends that found a rank's socket full, since registration
-WORKER_HEARTBEAT = _msg("worker_heartbeat", worker_id=integer(), cached_records=integer(),
-                        busy_s=number(), backlog=integer(), send_waits=integer())
-PREPARED = _msg(
-    "prepared",
-    ArraySpec("lengths", "<i8"),  # tokens per record, in task order; 0 for a skipped record
-    ArraySpec("patches", "<i8"),  # image patches per record (empty for a source without images)
-    # the sum over each record's images of their patches squared (empty: the patches squared, one image)
-    ArraySpec("patch_squares", "<i8"),
-    check=_check_prepared,
-    worker_id=integer(),
-    task_id=integer(),
-    # [[index into the task's records, reason, kind]] for records skipped (kind: readers.errors.SKIP_KINDS)
-    skipped=seq(tup(integer(), text(MAX_STR_LEN), text(32))),
-    busy_s=number(),  # seconds spent on the task: the coordinator's per-source cost estimate
-)
-# host agent -> coordinator: its process count and limits (`msd worker --procs auto --max-procs N`)
-HOST_HELLO = _msg("host_hello", version=integer(), agent_id=integer(), host=text(), procs=integer(),
-                  min_procs=integer(), max_procs=integer(), auto=integer(0, 1))
-# pids: its worker processes alive and busy on one bounded piece of work (a sample, loading a
-# processor): the agent vouches for them (a worker busy on one sample for minutes sends no heartbeat
-# of its own, and is alive while its process is, up to its source's max_sample_s)
-HOST_HEARTBEAT = _msg("host_heartbeat", agent_id=integer(), procs=integer(), pids=seq(integer(), 4096))
-TASK_FAILED = _msg("task_failed", worker_id=integer(), task_id=integer(), reason=text(MAX_STR_LEN))
-# worker -> coordinator, answering a welcome's `count`: the records of each source it names, as this
-# host's indexes count them (problems[i]: why source i could not be opened here, "" if it could)
-SOURCE_COUNTS = _msg("source_counts", worker_id=integer(), sources=seq(integer(0, 0xFFFF), 0x10000),
-                     records=seq(integer(), 0x10000), problems=seq(text(MAX_STR_LEN), 0x10000))
-# failed: [[source, record, reason, kind]] of samples sent with nothing to train on, their image pass
-# having failed at delivery (worker/image_plan.py); kind as in prepared.skipped
-# unserved: pieces it was asked for and could not send (not in its cache: its books and the
-# coordinator's disagree); the coordinator then prepares what it held again elsewhere
-DELIVERED = _msg("delivered", worker_id=integer(), delivery_id=integer(),
-                 failed=seq(tup(integer(0, 0xFFFF), integer(), text(MAX_STR_LEN), text(32))), unserved=integer())
+ArrayCheck = Callable[[dict[str, Any], dict[str, Any]], None]
 
-# coordinator -> worker
-# count: sources whose record counts the coordinator asks for (a coordinator waiting for its workers
-# to index them, runtime.index_on: workers); empty otherwise
-WELCOME = _msg("welcome", worker_id=integer(), job=worker_job(), heartbeat_s=number(),
-               count=seq(integer(0, 0xFFFF), 0x10000))
-# coordinator -> host agent: run this many worker processes (within its limits)
-# retire: pids to stop; heartbeat_s: how often the host heartbeats (the job's runtime.heartbeat_s)
-SCALE = _msg("scale", procs=integer(), retire=seq(integer(), 4096), reason=text(), heartbeat_s=number())
-# host agent -> coordinator, at once: one of its worker processes ended (exitcode: negative for a
-# signal); task_id: the prepare task it was working on, -1 for none (what blames a poison record);
-# source, record: the sample it was making (-1: none); overran_s > 0: the agent stopped it, that sample
-# having run that long past its source's max_sample_s (poison, not a crash)
-WORKER_EXITED = _msg("worker_exited", agent_id=integer(), pid=integer(), exitcode=integer(-(1 << 31), 1 << 31),
-                     task_id=integer(-1), source=integer(-1, 0xFFFF), record=integer(-1), overran_s=number())
-# epochs: the pass over the source of each record (a transform's ctx.epoch: its randomness and its sample)
-PREPARE = _msg("prepare", ArraySpec("records", "<u8"), ArraySpec("epochs", "<u4"), check=_check_prepare,
-               task_id=integer(), source=integer(0, 0xFFFF),
-               worker_id=integer())  # the registration it is for: a worker registered again since drops it
-DELIVER = _msg(
-    "deliver",
-    ArraySpec("items", "<u8", DELIVER_ITEM),  # piece: the index in the rank's recipe
-    ArraySpec("release", "<u8"),  # doc keys whose prepared copy is used up (one per prepared copy)
-    ArraySpec("epochs", "<u4"),  # the epoch of each item's record (the prepared copy it is cut from)
-    ArraySpec("release_epochs", "<u4"),  # and of each released copy
+
+@dataclass(frozen=True)
+class MessageType:
+    """The schema of one message, derived from its class: the header's field checks, its array
+    frames in order, and the class that holds a decoded one."""
+
+    name: str
+    fields: dict[str, Check]
+    arrays: tuple[ArraySpec, ...] = ()
+    check: ArrayCheck | None = None  # consistency of the arrays (ranges, totals), after decoding
+    # up to this many more raw byte frames after the arrays (decoded as the list arrays["tail"]):
+    # a processor's arrays, each its own frame, sent without being copied into one
+    tail: int = 0
+    cls: Any = None
+
+
+class Message:
+    """A wire message: a frozen dataclass declared once below with `@message`, whose fields are
+    the header's (each with its check) and its array frames (`frame`, in order). Every role builds
+    the messages it sends as these, and reads the ones it receives as these (wire.receive)."""
+
+    __slots__ = ()
+    KIND: ClassVar[MessageType]
+    TYPE: ClassVar[str]
+
+    def header(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **{name: getattr(self, name) for name in self.KIND.fields}}
+
+    def frames(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, spec.name) for spec in self.KIND.arrays)
+
+    @classmethod
+    def from_wire(cls, header: dict[str, Any], arrays: dict[str, Any]) -> "Message":
+        """The message of a header and arrays that wire.decode checked against this type. Fields
+        the schema does not name (a newer peer's additions) are left out."""
+        return cls(**{name: header[name] for name in cls.KIND.fields}, **arrays)
+
+
+def hdr(check: Check, default: Any = MISSING) -> Any:
+    """A header field and its check; a default serves messages built here (tests, old stimulus
+    logs): on the wire every field is required."""
+    return field(default=default, metadata={"check": check})
+
+
+def frame(dtype: str | None, table: tuple = (), optional: bool = False) -> Any:
+    """An array frame (see ArraySpec); `optional`: it defaults to empty where built here."""
+    meta = {"array": (dtype, table)}
+    if optional:
+        return field(default_factory=lambda: _empty(dtype or "<u8", len(table)), metadata=meta)
+    return field(metadata=meta)
+
+
+def _empty(dtype: str, cols: int) -> Any:
+    import numpy as np
+
+    return np.zeros((0, cols) if cols > 1 else 0, dtype)
+
+
+def message(name: str, check: ArrayCheck | None = None, tail: int = 0) -> Callable[[type], Any]:
+    """Declare a message class: a frozen, slotted, keyword-only dataclass and its MessageType."""
+
+    def wrap(cls: type) -> Any:
+        cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
+        checks: dict[str, Check] = {}
+        arrays: list[ArraySpec] = []
+        for f in dataclass_fields(cls):
+            if "check" in f.metadata:
+                checks[f.name] = f.metadata["check"]
+            elif "array" in f.metadata:
+                arrays.append(ArraySpec(f.name, *f.metadata["array"]))
+        cls.TYPE = name
+        cls.KIND = MessageType(name, checks, tuple(arrays), check, tail, cls)
+        return cls
+
+    return wrap
+
+
+# ---------------------------------------------------------------- worker -> coordinator
+
+
+@message("worker_hello")
+class WorkerHello(Message):
+    version: int = hdr(integer())
+    host: str = hdr(text())
+    pid: int = hdr(integer())
+    incarnation: int = hdr(integer())
+    agent: int = hdr(integer())  # the host agent that started it (its agent_id)
+
+
+@message("worker_heartbeat")
+class WorkerHeartbeat(Message):
+    worker_id: int = hdr(integer())
+    cached_records: int = hdr(integer())
+    busy_s: float = hdr(number())  # total time spent preparing and delivering
+    backlog: int = hdr(integer(), 0)  # piece messages waiting for a rank's socket
+    send_waits: int = hdr(integer(), 0)  # sends that found a rank's socket full, since registration
+
+
+@message("prepared", check=_check_prepared)
+class Prepared(Message):
+    worker_id: int = hdr(integer())
+    task_id: int = hdr(integer())
+    # [[index into the task's records, reason, kind]] for records skipped (kind: readers.errors.SKIP_KINDS)
+    skipped: list = hdr(seq(tup(integer(), text(MAX_STR_LEN), text(32))))
+    busy_s: float = hdr(number())  # seconds spent on the task: the coordinator's per-source cost estimate
+    lengths: "np.ndarray" = frame("<i8")  # tokens per record, in task order; 0 for a skipped record
+    patches: "np.ndarray" = frame("<i8")  # image patches per record (empty for a source without images)
+    # the sum over each record's images of their patches squared (empty: the patches squared, one image)
+    patch_squares: "np.ndarray" = frame("<i8", optional=True)
+
+
+@message("task_failed")
+class TaskFailed(Message):
+    worker_id: int = hdr(integer())
+    task_id: int = hdr(integer())
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+@message("source_counts")
+class SourceCounts(Message):
+    """Answering a welcome's `count`: the records of each source it names, as this host's indexes
+    count them (problems[i]: why source i could not be opened here, "" if it could)."""
+
+    worker_id: int = hdr(integer())
+    sources: list = hdr(seq(integer(0, 0xFFFF), 0x10000))
+    records: list = hdr(seq(integer(), 0x10000))
+    problems: list = hdr(seq(text(MAX_STR_LEN), 0x10000))
+
+
+@message("delivered")
+class Delivered(Message):
+    worker_id: int = hdr(integer())
+    delivery_id: int = hdr(integer())
+    # [[source, record, reason, kind]] of samples sent with nothing to train on, their image pass having
+    # failed at delivery (worker/image_plan.py); kind as in prepared.skipped
+    failed: list = hdr(seq(tup(integer(0, 0xFFFF), integer(), text(MAX_STR_LEN), text(32))), ())
+    # pieces it was asked for and could not send (not in its cache: its books and the coordinator's
+    # disagree); the coordinator then prepares what it held again elsewhere
+    unserved: int = hdr(integer(), 0)
+
+
+# ---------------------------------------------------------------- host agent -> coordinator
+
+
+@message("host_hello")
+class HostHello(Message):
+    """Its process count and limits (`msd worker --procs auto --max-procs N`)."""
+
+    version: int = hdr(integer())
+    agent_id: int = hdr(integer())
+    host: str = hdr(text())
+    procs: int = hdr(integer())
+    min_procs: int = hdr(integer())
+    max_procs: int = hdr(integer())
+    auto: int = hdr(integer(0, 1))
+
+
+@message("host_heartbeat")
+class HostHeartbeat(Message):
+    agent_id: int = hdr(integer())
+    procs: int = hdr(integer())
+    # its worker processes alive and busy on one bounded piece of work (a sample, loading a processor):
+    # the agent vouches for them (a worker busy on one sample for minutes sends no heartbeat of its own,
+    # and is alive while its process is, up to its source's max_sample_s)
+    pids: list = hdr(seq(integer(), 4096), ())
+
+
+@message("worker_exited")
+class WorkerExited(Message):
+    """At once: one of its worker processes ended (exitcode: negative for a signal)."""
+
+    agent_id: int = hdr(integer())
+    pid: int = hdr(integer())
+    exitcode: int = hdr(integer(-(1 << 31), 1 << 31))
+    task_id: int = hdr(integer(-1))  # the prepare task it was working on, -1: none (what blames a poison record)
+    source: int = hdr(integer(-1, 0xFFFF), -1)  # the sample it was making (-1: none)
+    record: int = hdr(integer(-1), -1)
+    # > 0: its agent stopped it, that sample having run that long past its source's max_sample_s (poison)
+    overran_s: float = hdr(number(), 0.0)
+
+
+# ---------------------------------------------------------------- coordinator -> worker, host agent
+
+
+@message("welcome")
+class Welcome(Message):
+    worker_id: int = hdr(integer())
+    job: Any = hdr(worker_job())
+    heartbeat_s: float = hdr(number())
+    # sources whose record counts the coordinator asks for (a coordinator waiting for its workers to
+    # index them, runtime.index_on: workers); empty otherwise
+    count: list = hdr(seq(integer(0, 0xFFFF), 0x10000))
+
+
+@message("scale")
+class Scale(Message):
+    """Run this many worker processes (within the host's limits)."""
+
+    procs: int = hdr(integer())
+    retire: list = hdr(seq(integer(), 4096))  # pids to stop
+    reason: str = hdr(text())
+    heartbeat_s: float = hdr(number())  # how often the host heartbeats (the job's runtime.heartbeat_s)
+
+
+@message("prepare", check=_check_prepare)
+class Prepare(Message):
+    task_id: int = hdr(integer())
+    source: int = hdr(integer(0, 0xFFFF))
+    worker_id: int = hdr(integer())  # the registration it is for: a worker registered again since drops it
+    records: "np.ndarray" = frame("<u8")
+    # the pass over the source of each record (a transform's ctx.epoch: its randomness and its sample)
+    epochs: "np.ndarray" = frame("<u4", optional=True)
+
+
+@message("deliver", check=_check_deliver)
+class Deliver(Message):
+    worker_id: int = hdr(integer())  # the registration it is for: a worker registered again since drops it
+    delivery_id: int = hdr(integer())
+    step: int = hdr(integer())
+    addresses: list = hdr(seq(text()))
+    items: "np.ndarray" = frame("<u8", DELIVER_ITEM)  # piece: the index in the rank's recipe
+    release: "np.ndarray" = frame("<u8")  # doc keys whose prepared copy is used up (one per prepared copy)
+    # the epoch of each item's record (the prepared copy it is cut from), and of each released copy
+    epochs: "np.ndarray" = frame("<u4", optional=True)
+    release_epochs: "np.ndarray" = frame("<u4", optional=True)
     # where each rank's pieces go: its data address, an index into `addresses` (each address once: many
     # ranks share their relay's; a [rank, address] list of strings was 83 KB a step at DP 4,096)
-    ArraySpec("targets", "<u8", DELIVER_TARGET),
-    check=_check_deliver,
-    worker_id=integer(),  # the registration it is for: a worker registered again since drops it
-    delivery_id=integer(),
-    step=integer(),
-    addresses=seq(text()),
-)
-# the rank at this data address has gone (its heartbeats stopped, or it said bye): drop what
-# waits to be sent to it
-RELEASE_RANK = _msg("release_rank", rank=integer(), address=text())
-REJECT = _msg("reject", reason=text(MAX_STR_LEN))
-# coordinator -> any registered peer, in answer to each heartbeat: the coordinator is alive (a peer
-# that hears nothing for 3 heartbeats moves on to the next coordinator address it was given)
-ALIVE = _msg("alive")
-SHUTDOWN = _msg("shutdown", reason=text())
-# the coordinator does not know this peer (it restarted, or declared the peer dead): say hello again
-UNKNOWN_PEER = _msg("unknown_peer", reason=text(MAX_STR_LEN))
+    targets: "np.ndarray" = frame("<u8", DELIVER_TARGET)
 
-# trainer -> coordinator
-TRAINER_HELLO = _msg(
-    "trainer_hello", version=integer(), rank=integer(), data_address=text(), resume_step=integer(),
-    incarnation=integer(),
-    metadata_only=integer(0, 1),  # a middle pipeline stage asking for the packing metadata
+
+@message("release_rank")
+class ReleaseRank(Message):
+    """The rank at this data address has gone (its heartbeats stopped, or it said bye): drop what
+    waits to be sent to it."""
+
+    rank: int = hdr(integer())
+    address: str = hdr(text())
+
+
+# ---------------------------------------------------------------- coordinator -> any peer
+
+
+@message("reject")
+class Reject(Message):
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+@message("alive")
+class Alive(Message):
+    """In answer to each heartbeat: the coordinator is alive (a peer that hears nothing for 3
+    heartbeats moves on to the next coordinator address it was given)."""
+
+
+@message("shutdown")
+class Shutdown(Message):
+    reason: str = hdr(text())
+
+
+@message("unknown_peer")
+class UnknownPeer(Message):
+    """The coordinator does not know this peer (it restarted, or declared the peer dead): say hello again."""
+
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+@message("job_failed")
+class JobFailed(Message):
+    """The job was stopped on a fatal error: every rank raises JobFailedError with the reason."""
+
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+# ---------------------------------------------------------------- trainer -> coordinator
+
+
+@message("trainer_hello")
+class TrainerHello(Message):
+    version: int = hdr(integer())
+    rank: int = hdr(integer())
+    data_address: str = hdr(text())
+    resume_step: int = hdr(integer())
+    incarnation: int = hdr(integer())
+    metadata_only: int = hdr(integer(0, 1))  # a middle pipeline stage asking for the packing metadata
     # the coordinator's state before resume_step, from the trainer's checkpoint (None: not carried):
     # a coordinator without a state dir resumes from it
-    carried=anything(),
-)
-# trainer -> coordinator: the coordinator's state before `step`, for the trainer's checkpoint
-STATE_REQUEST = _msg("state_request", rank=integer(), step=integer())
-# waited_s: total time waiting for data; compute_s: seconds each micro-batch of step compute_step took the
-# trainer (balance.calibrate; compute_step -1 and [] otherwise)
-CONSUMED = _msg("consumed", rank=integer(), step=integer(), waited_s=number(), compute_step=integer(-1),
-                compute_s=seq(number(), 1 << 16))
-TRAINER_HEARTBEAT = _msg("trainer_heartbeat", rank=integer())
-TRAINER_BYE = _msg("trainer_bye", rank=integer())
-# trainer -> coordinator: this rank asks for pass `pass_no` of an eval set (client.eval_batches)
-EVAL_REQUEST = _msg("eval_request", rank=integer(), set=text(256), pass_no=integer())
-# trainer -> coordinator: mean loss per source of one evaluation (client.report_eval), from training step `step`
-EVAL_REPORT = _msg("eval_report", rank=integer(), set=text(256), step=integer(), losses=anything())
+    carried: Any = hdr(anything(), None)
 
-# coordinator -> trainer
-TRAINER_WELCOME = _msg("trainer_welcome", rank=integer(), batch=anything(), plan_digest=text(), heartbeat_s=number())
-STEP_HEADER = _msg(
-    "step_header",
-    ArraySpec("pieces", "<u8", RECIPE_PIECE),  # in packing order
-    ArraySpec("counts", "<u4"),  # pieces per sequence, micro-batch major: [m * micro_batch_size + s]
-    check=_check_step_header,
-    step=integer(),
-    rank=integer(),
-    row_len=integer(1, MAX_PIECE_LEN),  # tokens per packed sequence of this step, padding included
-    plan=anything(),
-)
-# coordinator -> trainer: this rank's rows of one pass over an eval set (its recipe, as step_header's);
-# the pieces come from workers as `pieces` of step `step` (EVAL_STEP_BASE and up). reason: why the
-# pass cannot be served ("" when it is)
-EVAL_HEADER = _msg(
-    "eval_header",
-    ArraySpec("pieces", "<u8", RECIPE_PIECE),
-    ArraySpec("counts", "<u4"),
-    check=_check_step_header,
-    set=text(256),
-    pass_no=integer(),
-    rank=integer(),
-    step=integer(),
-    row_len=integer(1, MAX_PIECE_LEN),
-    reason=text(MAX_STR_LEN),
-)
-# the rank is held by another live client: keep saying hello (it is yours once that one is gone)
-RANK_TAKEN = _msg("rank_taken", rank=integer(), reason=text(MAX_STR_LEN))
-# no step at or after `step` will be planned (a source with on_exhausted: stop ran out)
-END_OF_STREAM = _msg("end_of_stream", step=integer(), reason=text(MAX_STR_LEN))
-# the job was stopped on a fatal error: every rank raises JobFailedError with the reason
-JOB_FAILED = _msg("job_failed", reason=text(MAX_STR_LEN))
 
-# worker -> trainer: items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step
-# recipe, checked against the recipe's reference); their tokens, concatenated in item order, in the header's dtype
-# (image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes)
-# loss_mask: empty, or one uint8 per token (1: trained on) where a piece comes from a source with masks
-# extras: a processor's arrays ([name, dtype, row shape, per_token]); extra_rows: [items x extras] rows of each,
-# 0 or the item's length for a per-token one; then a trailing frame per item and extra with rows (its bytes),
-# item after item, extra after extra
-PIECES = _msg("pieces", ArraySpec("items", "<u8", PIECE_ITEM), ArraySpec("tokens", None), ArraySpec("patch_counts",
-                                                                                                    "<u4"),
-              ArraySpec("patches", "|u1"), ArraySpec("loss_mask", "|u1"), ArraySpec("extra_rows", "<u4"),
-              check=_check_pieces, tail=MAX_EXTRA_FRAMES, step=integer(), rank=integer(), dtype=text(8),
-              patch_bytes=integer(0, 1 << 24),
-              extras=seq(tup(text(64), text(8), seq(integer(1, 1 << 24), 4), integer(0, 1)), MAX_EXTRAS))
+@message("state_request")
+class StateRequest(Message):
+    """The coordinator's state before `step`, for the trainer's checkpoint."""
 
-# relay (one per trainer host, `msd relay`) -> coordinator. data_address: where workers push the pieces of
-# its ranks (one connection per worker process and relay, whatever the number of its ranks)
-# local: the endpoint its ranks reach it at (a relay started again on a host, at the same endpoint, replaces the old
-# one)
-RELAY_HELLO = _msg("relay_hello", version=integer(), host=text(), data_address=text(), local=text(),
-                   incarnation=integer())
-# ranks: the ranks behind it that are alive (their heartbeats stop at the relay); the rest: its counters
-_RELAY_COUNTERS = dict(ranks=seq(integer(), 1 << 16), bytes_in=integer(), bytes_out=integer(), queued=integer(),
-                       late_steps=integer())
-RELAY_HEARTBEAT = _msg("relay_heartbeat", relay_id=integer(), **_RELAY_COUNTERS)
-# the messages of its ranks (TRAINER_UP messages, each checked as if the rank had sent it), gathered;
-# their plain `consumed` (no compute times) as table rows, a host's of one step together: one event for
-# all, where a message each cost the coordinator 15-20 us per rank and step
-# It counts as a heartbeat (its counters too): a relay that sends one a step sends no heartbeats.
-RELAY_UP = _msg("relay_up", ArraySpec("consumed", "<i8", RELAY_CONSUMED), ArraySpec("waited_s", "<f8"),
-                check=_check_relay_up, relay_id=integer(), messages=seq(anything(), 1 << 16), **_RELAY_COUNTERS)
-# coordinator -> relay: one step's recipes for its ranks (what a step_header says to each), per DP rank
-# once: `dps` the DP ranks (in order), `pieces` theirs concatenated (RECIPE_PIECE rows, piece_counts of
-# each), `counts` a row of pieces per sequence each, the plan's summary per DP rank; `ranks` [rank, index
-# into dps]. The relay writes each rank's step_header (the coordinator's work per step grows with hosts)
-RELAY_STEP = _msg("relay_step", ArraySpec("pieces", "<u8", RECIPE_PIECE), ArraySpec("counts", "<u4"),
-                  check=_check_relay_step, step=integer(), row_len=integer(1, MAX_PIECE_LEN), dps=seq(integer()),
-                  ranks=seq(tup(integer(), integer())), piece_counts=seq(integer()), rank_costs=seq(number()),
-                  naive_costs=seq(number()), max_over_mean=number(), naive_max_over_mean=number())
-RELAY_WELCOME = _msg("relay_welcome", relay_id=integer(), heartbeat_s=number(), topology=anything())
-# the coordinator's messages to the relay's ranks, gathered: parts [rank, header, byte size of each array
-# frame]; the array frames of every part, concatenated in part order, in `blob`
-RELAY_DOWN = _msg("relay_down", ArraySpec("blob", "|u1"), parts=seq(tup(integer(), anything(), seq(integer(), 8)),
-                                                                    1 << 16))
+    rank: int = hdr(integer())
+    step: int = hdr(integer())
 
-# tool (msd mix) -> coordinator, and the answer: new mixture weights from step `at_step` on
-# coordinator -> trainer: the answer (state: {digest, planner, mixture_changes, quarantined})
-STATE_REPLY = _msg("state_reply", step=integer(), ok=integer(0, 1), reason=text(MAX_STR_LEN), state=anything())
-MIX_REQUEST = _msg("mix_request", at_step=integer(), weights=anything())
-MIX_REPLY = _msg("mix_reply", ok=integer(0, 1), reason=text(MAX_STR_LEN), at_step=integer())
-# tools (msd status): a snapshot of the running job, answered by the coordinator's shell
-STATUS_REQUEST = _msg("status_request")
-STATUS_REPLY = _msg("status_reply", status=anything())
 
-ALL_TYPES = {
-    m.name: m
-    for m in (
-        WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, WELCOME, PREPARE, DELIVER, RELEASE_RANK,
-        REJECT, ALIVE, SOURCE_COUNTS,
-        HOST_HELLO, HOST_HEARTBEAT, SCALE, WORKER_EXITED,
-        SHUTDOWN, UNKNOWN_PEER, TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, TRAINER_WELCOME, STEP_HEADER,
-        END_OF_STREAM, RANK_TAKEN, PIECES, MIX_REQUEST, MIX_REPLY, STATE_REQUEST, STATE_REPLY, STATUS_REQUEST,
-        STATUS_REPLY, EVAL_REQUEST, EVAL_REPORT, EVAL_HEADER, JOB_FAILED, RELAY_HELLO, RELAY_HEARTBEAT, RELAY_UP,
-        RELAY_WELCOME, RELAY_DOWN, RELAY_STEP,
+@message("consumed")
+class Consumed(Message):
+    rank: int = hdr(integer())
+    step: int = hdr(integer())
+    waited_s: float = hdr(number())  # total time waiting for data
+    # the step whose micro-batches compute_s times, in seconds each (balance.calibrate; -1 and [] otherwise)
+    compute_step: int = hdr(integer(-1), -1)
+    compute_s: list = hdr(seq(number(), 1 << 16), ())
+
+
+@message("trainer_heartbeat")
+class TrainerHeartbeat(Message):
+    rank: int = hdr(integer())
+
+
+@message("trainer_bye")
+class TrainerBye(Message):
+    rank: int = hdr(integer())
+
+
+@message("eval_request")
+class EvalRequest(Message):
+    """This rank asks for pass `pass_no` of an eval set (client.eval_batches)."""
+
+    rank: int = hdr(integer())
+    set: str = hdr(text(256))
+    pass_no: int = hdr(integer())
+
+
+@message("eval_report")
+class EvalReport(Message):
+    """Mean loss per source of one evaluation (client.report_eval), from training step `step`."""
+
+    rank: int = hdr(integer())
+    set: str = hdr(text(256))
+    step: int = hdr(integer())
+    losses: Any = hdr(anything())
+
+
+# ---------------------------------------------------------------- coordinator -> trainer
+
+
+@message("trainer_welcome")
+class TrainerWelcome(Message):
+    rank: int = hdr(integer())
+    batch: Any = hdr(anything())
+    plan_digest: str = hdr(text())
+    heartbeat_s: float = hdr(number())
+
+
+@message("step_header", check=_check_step_header)
+class StepHeader(Message):
+    """A rank's recipe for one step: written by the coordinator for a rank it serves directly and
+    by a relay from a relay_step, the same either way (step_header() below)."""
+
+    step: int = hdr(integer())
+    rank: int = hdr(integer())
+    row_len: int = hdr(integer(1, MAX_PIECE_LEN))  # tokens per packed sequence of this step, padding included
+    plan: Any = hdr(anything())
+    pieces: "np.ndarray" = frame("<u8", RECIPE_PIECE)  # in packing order
+    counts: "np.ndarray" = frame("<u4")  # pieces per sequence, micro-batch major: [m * micro_batch_size + s]
+
+
+@message("eval_header", check=_check_step_header)
+class EvalHeader(Message):
+    """This rank's rows of one pass over an eval set (its recipe, as step_header's); the pieces come
+    from workers as `pieces` of step `step` (EVAL_STEP_BASE and up). reason: why the pass cannot be
+    served ("" when it is)."""
+
+    set: str = hdr(text(256))
+    pass_no: int = hdr(integer())
+    rank: int = hdr(integer())
+    step: int = hdr(integer())
+    row_len: int = hdr(integer(1, MAX_PIECE_LEN))
+    reason: str = hdr(text(MAX_STR_LEN))
+    pieces: "np.ndarray" = frame("<u8", RECIPE_PIECE)
+    counts: "np.ndarray" = frame("<u4")
+
+
+@message("rank_taken")
+class RankTaken(Message):
+    """The rank is held by another live client: keep saying hello (it is yours once that one is gone)."""
+
+    rank: int = hdr(integer())
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+@message("end_of_stream")
+class EndOfStream(Message):
+    """No step at or after `step` will be planned (a source with on_exhausted: stop ran out)."""
+
+    step: int = hdr(integer())
+    reason: str = hdr(text(MAX_STR_LEN))
+
+
+@message("state_reply")
+class StateReply(Message):
+    """The answer to a state_request (state: {digest, planner, mixture_changes, quarantined})."""
+
+    step: int = hdr(integer())
+    ok: int = hdr(integer(0, 1))
+    reason: str = hdr(text(MAX_STR_LEN))
+    state: Any = hdr(anything())
+
+
+# ---------------------------------------------------------------- worker -> trainer
+
+
+@message("pieces", check=_check_pieces, tail=MAX_EXTRA_FRAMES)
+class Pieces(Message):
+    """Items [piece, doc_key, doc_offset, length] (piece: the index in the rank's step recipe, checked
+    against the recipe's reference); their tokens, concatenated in item order, in the header's dtype.
+    Image-text sources: per item, the patches of its image placeholders, uint8 rows of patch_bytes.
+    loss_mask: empty, or one uint8 per token (1: trained on) where a piece comes from a source with masks.
+    extras: a processor's arrays ([name, dtype, row shape, per_token]); extra_rows: [items x extras] rows
+    of each, 0 or the item's length for a per-token one; then a trailing frame per item and extra with
+    rows (its bytes), item after item, extra after extra (`tail`)."""
+
+    step: int = hdr(integer())
+    rank: int = hdr(integer())
+    dtype: str = hdr(text(8))
+    patch_bytes: int = hdr(integer(0, 1 << 24))
+    extras: list = hdr(seq(tup(text(64), text(8), seq(integer(1, 1 << 24), 4), integer(0, 1)), MAX_EXTRAS))
+    items: "np.ndarray" = frame("<u8", PIECE_ITEM)
+    tokens: "np.ndarray" = frame(None)
+    patch_counts: "np.ndarray" = frame("<u4")
+    patches: "np.ndarray" = frame("|u1")
+    loss_mask: "np.ndarray" = frame("|u1")
+    extra_rows: "np.ndarray" = frame("<u4")
+    tail: Any = ()
+
+
+# ---------------------------------------------------------------- relay <-> coordinator
+
+# a relay's counters, in its heartbeats and relay_up
+_RELAY_COUNTERS = ("ranks", "bytes_in", "bytes_out", "queued", "late_steps")
+
+
+@message("relay_hello")
+class RelayHello(Message):
+    """A relay (one per trainer host, `msd relay`). data_address: where workers push the pieces of its
+    ranks (one connection per worker process and relay, whatever the number of its ranks); local: the
+    endpoint its ranks reach it at (a relay started again on a host, at the same endpoint, replaces
+    the old one)."""
+
+    version: int = hdr(integer())
+    host: str = hdr(text())
+    data_address: str = hdr(text())
+    local: str = hdr(text())
+    incarnation: int = hdr(integer())
+
+
+@message("relay_heartbeat")
+class RelayHeartbeat(Message):
+    relay_id: int = hdr(integer())
+    ranks: list = hdr(seq(integer(), 1 << 16))  # the ranks behind it that are alive (their heartbeats stop there)
+    bytes_in: int = hdr(integer(), 0)
+    bytes_out: int = hdr(integer(), 0)
+    queued: int = hdr(integer(), 0)
+    late_steps: int = hdr(integer(), 0)
+
+
+@message("relay_up", check=_check_relay_up)
+class RelayUp(Message):
+    """The messages of its ranks (TRAINER_UP messages, each checked as if the rank had sent it),
+    gathered; their plain `consumed` (no compute times) as table rows, a host's of one step together:
+    one event for all, where a message each cost the coordinator 15-20 us per rank and step. It
+    counts as a heartbeat (its counters too): a relay that sends one a step sends no heartbeats."""
+
+    relay_id: int = hdr(integer())
+    messages: list = hdr(seq(anything(), 1 << 16))
+    ranks: list = hdr(seq(integer(), 1 << 16))
+    bytes_in: int = hdr(integer(), 0)
+    bytes_out: int = hdr(integer(), 0)
+    queued: int = hdr(integer(), 0)
+    late_steps: int = hdr(integer(), 0)
+    consumed: "np.ndarray" = frame("<i8", RELAY_CONSUMED)
+    waited_s: "np.ndarray" = frame("<f8")
+
+
+@message("relay_welcome")
+class RelayWelcome(Message):
+    relay_id: int = hdr(integer())
+    heartbeat_s: float = hdr(number())
+    topology: Any = hdr(anything())
+
+
+@message("relay_down")
+class RelayDown(Message):
+    """The coordinator's messages to the relay's ranks, gathered: parts [rank, header, byte size of
+    each array frame]; the array frames of every part, concatenated in part order, in `blob`."""
+
+    parts: list = hdr(seq(tup(integer(), anything(), seq(integer(), 8)), 1 << 16))
+    blob: "np.ndarray" = frame("|u1")
+
+
+@message("relay_step", check=_check_relay_step)
+class RelayStep(Message):
+    """One step's recipes for its ranks (what a step_header says to each), per DP rank once: `dps` the
+    DP ranks (in order), `pieces` theirs concatenated (RECIPE_PIECE rows, piece_counts of each),
+    `counts` a row of pieces per sequence each, the plan's summary per DP rank; `ranks` [rank, index
+    into dps]. The relay writes each rank's step_header (the coordinator's work per step grows with hosts)."""
+
+    step: int = hdr(integer())
+    row_len: int = hdr(integer(1, MAX_PIECE_LEN))
+    dps: list = hdr(seq(integer()))
+    ranks: list = hdr(seq(tup(integer(), integer())))
+    piece_counts: list = hdr(seq(integer()))
+    rank_costs: list = hdr(seq(number()))
+    naive_costs: list = hdr(seq(number()))
+    max_over_mean: float = hdr(number())
+    naive_max_over_mean: float = hdr(number())
+    pieces: "np.ndarray" = frame("<u8", RECIPE_PIECE)
+    counts: "np.ndarray" = frame("<u4")
+
+
+# ---------------------------------------------------------------- tools (msd mix, msd status) <-> coordinator
+
+
+@message("mix_request")
+class MixRequest(Message):
+    """New mixture weights from step `at_step` on."""
+
+    at_step: int = hdr(integer())
+    weights: Any = hdr(anything())
+
+
+@message("mix_reply")
+class MixReply(Message):
+    ok: int = hdr(integer(0, 1))
+    reason: str = hdr(text(MAX_STR_LEN))
+    at_step: int = hdr(integer())
+
+
+@message("status_request")
+class StatusRequest(Message):
+    """A snapshot of the running job, answered by the coordinator's shell."""
+
+
+@message("status_reply")
+class StatusReply(Message):
+    status: Any = hdr(anything())
+
+
+ALL_TYPES: dict[str, MessageType] = {
+    cls.TYPE: cls.KIND
+    for cls in (
+        WorkerHello, WorkerHeartbeat, Prepared, TaskFailed, Delivered, Welcome, Prepare, Deliver, ReleaseRank,
+        Reject, Alive, SourceCounts, HostHello, HostHeartbeat, Scale, WorkerExited, Shutdown, UnknownPeer,
+        TrainerHello, Consumed, TrainerHeartbeat, TrainerBye, TrainerWelcome, StepHeader, EndOfStream, RankTaken,
+        Pieces, MixRequest, MixReply, StateRequest, StateReply, StatusRequest, StatusReply, EvalRequest,
+        EvalReport, EvalHeader, JobFailed, RelayHello, RelayHeartbeat, RelayUp, RelayWelcome, RelayDown, RelayStep,
     )
 }
 
+
+def _types(*classes: type[Message]) -> frozenset[str]:
+    return frozenset(cls.TYPE for cls in classes)
+
+
 # What each socket role may receive; anything else is rejected at decode.
-COORDINATOR_INBOX = frozenset(
-    m.name for m in (WORKER_HELLO, WORKER_HEARTBEAT, PREPARED, TASK_FAILED, DELIVERED, HOST_HELLO, HOST_HEARTBEAT,
-                     WORKER_EXITED, SOURCE_COUNTS,
-                     TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, MIX_REQUEST, STATE_REQUEST,
-                     STATUS_REQUEST, EVAL_REQUEST, EVAL_REPORT, RELAY_HELLO, RELAY_HEARTBEAT, RELAY_UP)
-)
+COORDINATOR_INBOX = _types(WorkerHello, WorkerHeartbeat, Prepared, TaskFailed, Delivered, HostHello, HostHeartbeat,
+                           WorkerExited, SourceCounts, TrainerHello, Consumed, TrainerHeartbeat, TrainerBye,
+                           MixRequest, StateRequest, StatusRequest, EvalRequest, EvalReport, RelayHello,
+                           RelayHeartbeat, RelayUp)
 # what a rank sends its coordinator (or its relay, which passes them up in RELAY_UP)
-TRAINER_UP = frozenset(m.name for m in (TRAINER_HELLO, CONSUMED, TRAINER_HEARTBEAT, TRAINER_BYE, STATE_REQUEST,
-                                        EVAL_REQUEST, EVAL_REPORT))
+TRAINER_UP = _types(TrainerHello, Consumed, TrainerHeartbeat, TrainerBye, StateRequest, EvalRequest, EvalReport)
 # requests that change the plan: on a CURVE job, accepted only from an operator key
-CONTROL_REQUESTS = frozenset({MIX_REQUEST.name})
-TOOL_INBOX = frozenset({MIX_REPLY.name, STATUS_REPLY.name})
-HOST_INBOX = frozenset(m.name for m in (SCALE, REJECT, SHUTDOWN, UNKNOWN_PEER, ALIVE, JOB_FAILED))
-WORKER_INBOX = frozenset(m.name for m in (WELCOME, PREPARE, DELIVER, RELEASE_RANK, REJECT, SHUTDOWN, UNKNOWN_PEER,
-                                          ALIVE, JOB_FAILED))
-TRAINER_CONTROL_INBOX = frozenset(m.name for m in (TRAINER_WELCOME, STEP_HEADER, END_OF_STREAM, RANK_TAKEN, REJECT,
-                                                    SHUTDOWN, UNKNOWN_PEER, STATE_REPLY, ALIVE, EVAL_HEADER,
-                                                    JOB_FAILED))
-TRAINER_DATA_INBOX = frozenset({PIECES.name})
-RELAY_INBOX = frozenset(m.name for m in (RELAY_WELCOME, RELAY_DOWN, RELAY_STEP, ALIVE, UNKNOWN_PEER, REJECT, SHUTDOWN,
-                                         JOB_FAILED))
+CONTROL_REQUESTS = _types(MixRequest)
+TOOL_INBOX = _types(MixReply, StatusReply)
+HOST_INBOX = _types(Scale, Reject, Shutdown, UnknownPeer, Alive, JobFailed)
+WORKER_INBOX = _types(Welcome, Prepare, Deliver, ReleaseRank, Reject, Shutdown, UnknownPeer, Alive, JobFailed)
+TRAINER_CONTROL_INBOX = _types(TrainerWelcome, StepHeader, EndOfStream, RankTaken, Reject, Shutdown, UnknownPeer,
+                               StateReply, Alive, EvalHeader, JobFailed)
+TRAINER_DATA_INBOX = _types(Pieces)
+RELAY_INBOX = _types(RelayWelcome, RelayDown, RelayStep, Alive, UnknownPeer, Reject, Shutdown, JobFailed)
 
 
 def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType:
@@ -548,18 +885,19 @@ def validate(header: Any, allowed: frozenset[str], n_frames: int) -> MessageType
 
 
 def step_header(step: int, rank: int, row_len: int, max_over_mean: float, naive_max_over_mean: float,
-                rank_cost: float, naive_rank_cost: float) -> dict[str, Any]:
-    """A rank's step_header (its recipe and counts follow as arrays): written by the coordinator
-    for a rank it serves directly and by a relay from a relay_step, the same either way. The plan
-    summary is O(1): this rank's costs and the step's balance, never every rank's."""
-    return {"type": STEP_HEADER.name, "step": step, "rank": rank, "row_len": row_len,
-            "plan": {"max_over_mean": max_over_mean, "naive_max_over_mean": naive_max_over_mean,
-                     "rank_cost": rank_cost, "naive_rank_cost": naive_rank_cost}}
+                rank_cost: float, naive_rank_cost: float, pieces: "np.ndarray", counts: "np.ndarray") -> StepHeader:
+    """A rank's step_header: written by the coordinator for a rank it serves directly and by a
+    relay from a relay_step, the same either way. The plan summary is O(1): this rank's costs and
+    the step's balance, never every rank's."""
+    return StepHeader(step=step, rank=rank, row_len=row_len, pieces=pieces, counts=counts,
+                      plan={"max_over_mean": max_over_mean, "naive_max_over_mean": naive_max_over_mean,
+                            "rank_cost": rank_cost, "naive_rank_cost": naive_rank_cost})
 
 
-def make(kind: MessageType, **fields: Any) -> dict[str, Any]:
-    """Build a header for `kind`. Only the field names are checked here (a cheap guard against
-    sender bugs); receivers validate everything, since they cannot trust the sender."""
+def make(cls: type[Message], **fields: Any) -> dict[str, Any]:
+    """A raw header of type `cls`, for what must send one unchecked (tests of a receiver's
+    checks). Only the field names are checked here; receivers validate everything."""
+    kind = cls.KIND
     if fields.keys() != kind.fields.keys():
         raise ProtocolError(f"{kind.name}: fields {sorted(fields)} != schema {sorted(kind.fields)}")
     return {"type": kind.name, **fields}

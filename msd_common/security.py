@@ -178,7 +178,7 @@ class HandshakeWatch:
         self.socket.close(linger=0)
 
 
-def operator_refusal(operators: set | None, header: dict[str, Any], frame: Any) -> dict[str, Any] | None:
+def operator_refusal(operators: set | None, header: dict[str, Any], frame: Any) -> Any:
     """The answer to a control request (msd mix) from a key that is not an operator's, in a CURVE
     job (operators: the ZAP user ids of the operator keys; None: not a CURVE job); None: served."""
     from . import protocol as P
@@ -190,6 +190,6 @@ def operator_refusal(operators: set | None, header: dict[str, Any], frame: Any) 
         return None
     logging.getLogger("msd.coordinator").warning("refused %s from a key that is not an operator's (%s...)",
                                                  header["type"], user[:8])
-    return P.make(P.MIX_REPLY, ok=0, at_step=int(header.get("at_step", 0)),
-                  reason="changes to the plan are taken only from an operator key (msd keys generate makes one; "
-                         "pass --keys)")
+    return P.MixReply(ok=0, at_step=int(header.get("at_step", 0)),
+                      reason="changes to the plan are taken only from an operator key (msd keys generate makes one; "
+                             "pass --keys)")

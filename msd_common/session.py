@@ -14,10 +14,11 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
+from .protocol import Message
 from .sockets import send_nowait
 
 log = logging.getLogger("msd.session")
@@ -77,7 +78,7 @@ def split_addresses(coordinator: str) -> list[str]:
 class Registration:
     """When to send a hello or a heartbeat. `hello()` and `heartbeat()` build the messages."""
 
-    def __init__(self, hello: Callable[[], dict[str, Any]], heartbeat: Callable[[], dict[str, Any]],
+    def __init__(self, hello: Callable[[], Message], heartbeat: Callable[[], Message],
                  heartbeat_s: float = 1.0, retry_s: float = HELLO_RETRY_S) -> None:
         self.hello, self.heartbeat = hello, heartbeat
         self.heartbeat_s, self.retry_s = heartbeat_s, retry_s
@@ -86,7 +87,7 @@ class Registration:
         self.last_heard = float("-inf")  # the last message from the coordinator
         self.since = float("-inf")  # when we started talking to the current address
 
-    def due(self, now: float) -> dict[str, Any] | None:
+    def due(self, now: float) -> Message | None:
         """The message to send now, if one is due."""
         if not self.registered:
             if now - self._last_hello >= self.retry_s:
@@ -242,7 +243,7 @@ class PeerLoop:
                 self._move_on(now)
             msg = self.registration.due(now)
             if msg is not None and not send_nowait(self.control, msg):
-                log.debug("coordinator not reachable yet; %s not sent", msg["type"])
+                log.debug("coordinator not reachable yet; %s not sent", msg.TYPE)
             self._report_waiting(now)
             if each is not None:
                 each(now)

@@ -3,11 +3,14 @@ and a maximum message size (a hostile peer cannot make us buffer without bound).
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import zmq
 
 from . import protocol, wire
+
+if TYPE_CHECKING:
+    from .protocol import Message
 
 DEFAULT_HWM = 1000
 LINGER_MS = 1000
@@ -74,11 +77,11 @@ def send_frames_nowait(sock: zmq.Socket, frames: list, copy: bool = True) -> Non
         sock.send(frame, _MORE_NOWAIT if i < last else NOWAIT, copy=copy)
 
 
-def send_nowait(sock: zmq.Socket, header: dict, *arrays) -> bool:
+def send_nowait(sock: zmq.Socket, message: "Message | dict", *arrays) -> bool:
     """Send one message without blocking: a peer that is not reading (or not there yet) must never
     stall the sender. False when it could not go out now (high-water mark reached)."""
     try:
-        send_frames_nowait(sock, wire.encode(header, *arrays))
+        send_frames_nowait(sock, wire.encode(message, *arrays))
     except zmq.Again:
         return False
     return True

@@ -18,11 +18,17 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def encode(header: dict[str, Any], *arrays: "np.ndarray", tail: Sequence["np.ndarray"] = ()) -> list[Any]:
-    """Frames for one message: the header, then the arrays in the order of the type's ArraySpecs,
-    each as the spec's little-endian dtype (converted only where it differs) and C-contiguous,
-    then the `tail` arrays' bytes, a frame each (a type that takes them: PIECES' extras).
-    Arrays are sent without a copy when large, so the caller must not write to them afterwards."""
+def encode(message: "protocol.Message | dict[str, Any]", *arrays: "np.ndarray",
+           tail: Sequence["np.ndarray"] = ()) -> list[Any]:
+    """Frames for one message (a protocol.Message; or a raw header dict and its arrays, for
+    what must send one unchecked): the header, then the arrays in the order of the type's
+    ArraySpecs, each as the spec's little-endian dtype (converted only where it differs) and
+    C-contiguous, then the `tail` arrays' bytes, a frame each (a type that takes them: Pieces'
+    extras). Arrays are sent without a copy, so the caller must not write to them afterwards."""
+    if isinstance(message, protocol.Message):
+        header, arrays, tail = message.header(), message.frames(), getattr(message, "tail", ())
+    else:
+        header = message
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
     if not arrays and not tail:
         return frames
@@ -92,3 +98,9 @@ def decode(frames: Sequence[Any], allowed: frozenset[str]) -> tuple[dict[str, An
     if kind.check is not None:
         kind.check(header, arrays)
     return header, arrays
+
+
+def receive(frames: Sequence[Any], allowed: frozenset[str]) -> "protocol.Message":
+    """Validate and decode one message into its typed class (see decode)."""
+    header, arrays = decode(frames, allowed)
+    return protocol.ALL_TYPES[header["type"]].cls.from_wire(header, arrays)

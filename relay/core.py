@@ -11,6 +11,7 @@ what a coordinator's stop, refusal or failure means for them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,7 @@ RANK_LOST_BEATS = 3  # a local rank silent this many heartbeats is no longer rep
 
 @dataclass(frozen=True, slots=True)
 class ToCoordinator:
-    header: dict[str, Any]
-    arrays: tuple[np.ndarray, ...] = ()
+    message: P.Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +87,9 @@ class RelayCore:
         self.ranks: dict[int, LocalRank] = {}
         self.rank_of: dict[bytes, int] = {}  # control identity -> rank
         self._by_dp: dict[int, list[str]] | None = None  # dp -> data addresses of its local ranks
-        self.up_queue: list[dict[str, Any]] = []  # ranks' messages waiting for the next relay_up
-        self.consumed: list[dict[str, Any]] = []  # and their plain `consumed` (its table)
-        self.held: dict[int, dict[int, dict]] = {}  # step -> rank -> its `consumed`, until the host's are in
+        self.up_queue: list[P.Message] = []  # ranks' messages waiting for the next relay_up
+        self.consumed: list[P.Consumed] = []  # and their plain `consumed` (its table)
+        self.held: dict[int, dict[int, P.Consumed]] = {}  # step -> rank -> its `consumed`, until the host's are in
         self.held_since: dict[int, float] = {}
         self.bytes_in = self.bytes_out = 0  # pieces from workers, and to local ranks (fanned out)
         self.late_steps = 0  # steps whose `consumed` went up without every local rank's (one was late)
@@ -101,13 +101,12 @@ class RelayCore:
         self.now = 0.0
         self.incarnation = incarnation
         self.registration = Registration(
-            lambda: P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host=host, data_address=data_address,
-                           local=local, incarnation=self.incarnation),
+            lambda: P.RelayHello(version=P.PROTOCOL_VERSION, host=host, data_address=data_address, local=local,
+                                 incarnation=self.incarnation),
             self._heartbeat)
 
-    def _heartbeat(self) -> dict[str, Any]:
-        return P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id if self.relay_id is not None else 0,
-                      **self._counters(self.now))
+    def _heartbeat(self) -> P.RelayHeartbeat:
+        return P.RelayHeartbeat(relay_id=self.relay_id if self.relay_id is not None else 0, **self._counters(self.now))
 
     def _counters(self, now: float) -> dict[str, Any]:
         """What the relay says of itself in every heartbeat and relay_up: the ranks it still hears."""
@@ -116,7 +115,7 @@ class RelayCore:
         return dict(ranks=alive, bytes_in=self.bytes_in, bytes_out=self.bytes_out, queued=self.queued,
                     late_steps=self.late_steps)
 
-    def due(self, now: float) -> dict[str, Any] | None:
+    def due(self, now: float) -> P.Message | None:
         """The hello or heartbeat due now, if one is."""
         self.now = now
         return self.registration.due(now)
@@ -129,10 +128,10 @@ class RelayCore:
         self._release_held(now)
         if not ((self.up_queue or self.consumed) and self.registration.registered):
             return []
-        rows = np.array([(m["rank"], m["step"]) for m in self.consumed], dtype=np.int64).reshape(-1, 2)
-        waits = np.array([m["waited_s"] for m in self.consumed], dtype=np.float64)
-        out = [ToCoordinator(P.make(P.RELAY_UP, relay_id=self.relay_id, messages=self.up_queue,
-                                    **self._counters(now)), (rows, waits))]
+        rows = np.array([(m.rank, m.step) for m in self.consumed], dtype=np.int64).reshape(-1, 2)
+        waits = np.array([m.waited_s for m in self.consumed], dtype=np.float64)
+        out = [ToCoordinator(P.RelayUp(relay_id=self.relay_id, messages=[m.header() for m in self.up_queue],
+                                       consumed=rows, waited_s=waits, **self._counters(now)))]
         self.registration.spoke(now)  # it says what a heartbeat says: one message a step per host
         self.up_queue, self.consumed = [], []
         return out
@@ -149,54 +148,52 @@ class RelayCore:
         """The coordinator will never talk to this relay (a CURVE handshake it refused): its ranks
         are told why, and ranks that come later too."""
         self.refused = reason
-        return self._to_all_ranks(P.make(P.REJECT, reason=reason))
+        return self._to_all_ranks(P.Reject(reason=reason))
 
     # ------------------------------------------------------------------ the ranks' messages
 
     def on_local(self, identity: bytes, frames: list, now: float) -> list[Action]:
         try:
-            msg, _ = wire.decode(frames, P.TRAINER_UP)
+            msg = wire.receive(frames, P.TRAINER_UP)
         except ProtocolError as e:
             log.warning("relay: dropped a message from a local rank: %s", e)
             return []
-        kind = msg["type"]
-        if kind == "trainer_hello":
+        if isinstance(msg, P.TrainerHello):
             return self._on_hello(identity, msg, now)
         rank = self.rank_of.get(identity)
-        if rank is None or rank != msg["rank"]:  # a rank speaks for itself only
-            return [self._to_rank(identity, P.make(P.UNKNOWN_PEER,
-                                                   reason="this relay does not know this rank: say hello"))]
+        if rank is None or rank != msg.rank:  # a rank speaks for itself only
+            return [self._to_rank(identity, P.UnknownPeer(reason="this relay does not know this rank: say hello"))]
         self.ranks[rank].last_seen = now
-        if kind == "trainer_heartbeat":
-            return [self._to_rank(identity, P.make(P.ALIVE))]
-        if kind == "consumed":
-            self.held.setdefault(msg["step"], {})[rank] = msg
-            self.held_since.setdefault(msg["step"], now)
+        if isinstance(msg, P.TrainerHeartbeat):
+            return [self._to_rank(identity, P.Alive())]
+        if isinstance(msg, P.Consumed):
+            self.held.setdefault(msg.step, {})[rank] = msg
+            self.held_since.setdefault(msg.step, now)
             return []
         out: list[Action] = []
-        if kind == "trainer_bye":
+        if isinstance(msg, P.TrainerBye):
             out += self._forget_rank(rank)
         self.up_queue.append(msg)
         return out
 
-    def _on_hello(self, identity: bytes, msg: dict[str, Any], now: float) -> list[Action]:
-        rank = msg["rank"]
+    def _on_hello(self, identity: bytes, msg: P.TrainerHello, now: float) -> list[Action]:
+        rank = msg.rank
         if self.refused is not None:  # a rank that comes after the refusal hears it too
-            return [self._to_rank(identity, P.make(P.REJECT, reason=self.refused))]
+            return [self._to_rank(identity, P.Reject(reason=self.refused))]
         out: list[Action] = []
         old = self.ranks.get(rank)
         if old is not None and old.identity != identity:  # the rank's process started again on this host
             log.info("relay: rank %d said hello again from a new process", rank)
             out += self._forget_rank(rank)
-        if old is None or old.identity != identity or old.data != msg["data_address"]:
-            self.ranks[rank] = LocalRank(rank, identity, msg["data_address"], now, self._dp(rank))
+        if old is None or old.identity != identity or old.data != msg.data_address:
+            self.ranks[rank] = LocalRank(rank, identity, msg.data_address, now, self._dp(rank))
             self.rank_of[identity] = rank
             self._by_dp = None
         self.ranks[rank].last_seen = now
-        out.append(self._to_rank(identity, P.make(P.ALIVE)))  # the relay is here (the welcome comes later)
+        out.append(self._to_rank(identity, P.Alive()))  # the relay is here (the welcome comes later)
         # a rank says hello every 2 s until welcomed: while no coordinator answers, only its last one waits
-        self.up_queue = [m for m in self.up_queue if not (m["type"] == "trainer_hello" and m["rank"] == rank)]
-        self.up_queue.append({**msg, "data_address": self.data_address})  # workers reach it through us
+        self.up_queue = [m for m in self.up_queue if not (isinstance(m, P.TrainerHello) and m.rank == rank)]
+        self.up_queue.append(dataclasses.replace(msg, data_address=self.data_address))  # workers reach it through us
         return out
 
     def _forget_rank(self, rank: int) -> list[Action]:
@@ -223,66 +220,65 @@ class RelayCore:
                 if not complete:
                     self.late_steps += 1
                 for r in sorted(held):  # with compute times (balance.calibrate): a message of its own
-                    (self.consumed if held[r]["compute_step"] < 0 else self.up_queue).append(held[r])
+                    (self.consumed if held[r].compute_step < 0 else self.up_queue).append(held[r])
                 del self.held[step], self.held_since[step]
 
     @staticmethod
-    def _to_rank(identity: bytes, header: dict[str, Any]) -> ToRank:
-        return ToRank(identity, wire.encode(header))
+    def _to_rank(identity: bytes, message: P.Message) -> ToRank:
+        return ToRank(identity, wire.encode(message))
 
-    def _to_all_ranks(self, header: dict[str, Any]) -> list[Action]:
-        frames = wire.encode(header)
+    def _to_all_ranks(self, message: P.Message) -> list[Action]:
+        frames = wire.encode(message)
         return [ToRank(r.identity, frames) for r in self.ranks.values()]
 
     # ------------------------------------------------------------------ the coordinator's messages
 
     def on_up(self, frames: list, now: float) -> list[Action]:
         try:
-            msg, arrays = wire.decode(frames, P.RELAY_INBOX)
+            msg = wire.receive(frames, P.RELAY_INBOX)
         except ProtocolError as e:
             log.warning("relay: dropped a message from the coordinator: %s", e)
             return []
-        kind = msg["type"]
-        if kind == "relay_down":
-            return self._fan_out_control(msg["parts"], arrays["blob"])
-        if kind == "relay_step":
-            return [ToRank(self.ranks[rank].identity, frames) for rank, frames in step_headers(msg, arrays)
+        if isinstance(msg, P.RelayDown):
+            return self._fan_out_control(msg.parts, msg.blob)
+        if isinstance(msg, P.RelayStep):
+            return [ToRank(self.ranks[rank].identity, frames) for rank, frames in step_headers(msg)
                     if rank in self.ranks]
-        if kind == "relay_welcome":
+        if isinstance(msg, P.RelayWelcome):
             again = self.relay_id is not None
-            self.registration.welcomed(float(msg["heartbeat_s"]))
-            self.relay_id = msg["relay_id"]
-            self.topology = Topology(**msg["topology"])
+            self.registration.welcomed(float(msg.heartbeat_s))
+            self.relay_id = msg.relay_id
+            self.topology = Topology(**msg.topology)
             for r in self.ranks.values():
                 r.dp = self._dp(r.rank)
             self._by_dp = None
             log.info("relay %d: welcomed by the coordinator", self.relay_id)
             if again:  # a coordinator that does not know our ranks: they say hello again, through us
-                return self._to_all_ranks(P.make(P.UNKNOWN_PEER, reason="the relay registered again"))
+                return self._to_all_ranks(P.UnknownPeer(reason="the relay registered again"))
             return []
-        if kind == "unknown_peer":
-            log.warning("relay: the coordinator does not know this relay (%s); registering again", msg["reason"])
+        if isinstance(msg, P.UnknownPeer):
+            log.warning("relay: the coordinator does not know this relay (%s); registering again", msg.reason)
             self.registration.forgotten()
-            self.up_queue = [m for m in self.up_queue if m["type"] == "trainer_hello"]
+            self.up_queue = [m for m in self.up_queue if isinstance(m, P.TrainerHello)]
             self.consumed = []
             self.held.clear()
             self.held_since.clear()
             return []
-        if kind == "reject":
-            log.error("relay: the coordinator refused this relay: %s", msg["reason"])
+        if isinstance(msg, P.Reject):
+            log.error("relay: the coordinator refused this relay: %s", msg.reason)
             self.running = False
-            return self._to_all_ranks(P.make(P.REJECT, reason=f"the relay was refused: {msg['reason']}"))
-        if kind == "shutdown":  # its ranks are told through it (relay_down)
+            return self._to_all_ranks(P.Reject(reason=f"the relay was refused: {msg.reason}"))
+        if isinstance(msg, P.Shutdown):  # its ranks are told through it (relay_down)
             # The coordinator stops, never the job: a standby (the next address) or a coordinator
             # restarted at this one takes over, and the relay carries on with it. (Until issue 58 a
             # relay with one address exited 2 s after a shutdown: a coordinator's graceful restart
             # left its ranks without a relay; found by msd.sim, seed 309.)
-            log.warning("relay: the coordinator is stopping (%s); waiting for a coordinator to serve", msg["reason"])
+            log.warning("relay: the coordinator is stopping (%s); waiting for a coordinator to serve", msg.reason)
             return [MoveOn()]
-        if kind == "job_failed" and self.stop_at is None:  # a failed job's coordinator answers whatever we say
-            log.error("relay: the job failed: %s", msg["reason"])
+        if isinstance(msg, P.JobFailed) and self.stop_at is None:  # a failed job's coordinator answers anything
+            log.error("relay: the job failed: %s", msg.reason)
             self.stop_at = now + STOP_AFTER_S
-            return self._to_all_ranks(P.make(P.JOB_FAILED, reason=msg["reason"]))
+            return self._to_all_ranks(P.JobFailed(reason=msg.reason))
         return []
 
     def _fan_out_control(self, parts: list, blob: Any) -> list[Action]:
@@ -338,16 +334,15 @@ class RelayCore:
         return self._by_dp.get(self._dp(rank), [])
 
 
-def step_headers(msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[tuple[int, list]]:
+def step_headers(msg: P.RelayStep) -> list[tuple[int, list]]:
     """The step_header of each rank a relay_step names, as the coordinator would send it directly:
     (rank, frames)."""
-    counts = arrays["counts"].reshape(len(msg["dps"]), -1)
-    ends = np.cumsum(msg["piece_counts"]).tolist()
+    counts = msg.counts.reshape(len(msg.dps), -1)
+    ends = np.cumsum(msg.piece_counts).tolist()
     starts = [0, *ends[:-1]]
-    costs, naive = msg["rank_costs"], msg["naive_costs"]
     out = []
-    for rank, i in msg["ranks"]:
-        header = P.step_header(msg["step"], rank, msg["row_len"], msg["max_over_mean"], msg["naive_max_over_mean"],
-                               costs[i], naive[i])
-        out.append((rank, wire.encode(header, arrays["pieces"][starts[i]:ends[i]], counts[i])))
+    for rank, i in msg.ranks:
+        header = P.step_header(msg.step, rank, msg.row_len, msg.max_over_mean, msg.naive_max_over_mean,
+                               msg.rank_costs[i], msg.naive_costs[i], msg.pieces[starts[i]:ends[i]], counts[i])
+        out.append((rank, wire.encode(header)))
     return out

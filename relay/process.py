@@ -128,9 +128,9 @@ class Relay:
                 except zmq.ZMQError:  # gone, or not reading: it says hello again when it is back
                     pass
             elif isinstance(a, ToCoordinator):
-                if not send_nowait(self.up, a.header, *a.arrays):
-                    log.warning("relay: coordinator not reading; %s dropped", a.header["type"])
-                    self.core.connection_lost(f"{a.header['type']} dropped")
+                if not send_nowait(self.up, a.message):
+                    log.warning("relay: coordinator not reading; %s dropped", a.message.TYPE)
+                    self.core.connection_lost(f"{a.message.TYPE} dropped")
             elif isinstance(a, ReleaseData):
                 self.outbox.release(a.address)
             elif isinstance(a, MoveOn):

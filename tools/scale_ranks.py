@@ -62,23 +62,23 @@ class LightRank:
         address = f"tcp://127.0.0.1:{port}"
         incarnation = int.from_bytes(os.urandom(6), "little")
         self.registration = Registration(
-            lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=rank, data_address=address,
-                           resume_step=self.state.step, incarnation=incarnation, metadata_only=0, carried=None),
-            lambda: P.make(P.TRAINER_HEARTBEAT, rank=rank))
+            lambda: P.TrainerHello(version=P.PROTOCOL_VERSION, rank=rank, data_address=address,
+                                   resume_step=self.state.step, incarnation=incarnation, metadata_only=0),
+            lambda: P.TrainerHeartbeat(rank=rank))
         self.control.connect(coordinator)
         self.first_batch_at: float | None = None
         self.steps_done = 0
         self.ended = False
 
-    def _hello(self, address: str) -> dict:
-        return P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=self.rank, data_address=address,
-                      resume_step=self.state.step, incarnation=self.rank, metadata_only=0, carried=None)
+    def _hello(self, address: str) -> P.TrainerHello:
+        return P.TrainerHello(version=P.PROTOCOL_VERSION, rank=self.rank, data_address=address,
+                              resume_step=self.state.step, incarnation=self.rank, metadata_only=0)
 
-    def _send(self, header: dict) -> None:
+    def _send(self, message: P.Message) -> None:
         if self.relay is not None:
-            self.relay.up(header)
+            self.relay.up(message)
         else:
-            send_nowait(self.control, header)
+            send_nowait(self.control, message)
 
     def on_control(self, frames: list | None = None) -> None:
         for out in self.state.on_control(frames if frames is not None else self.control.recv_multipart(copy=False)):
@@ -106,7 +106,7 @@ class LightRank:
             step = self.ready.popleft()
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
-            self._send(P.make(P.CONSUMED, rank=self.rank, step=step, waited_s=0.0, compute_step=-1, compute_s=[]))
+            self._send(P.Consumed(rank=self.rank, step=step, waited_s=0.0, compute_step=-1, compute_s=[]))
             self.registration.spoke(now)
             self.steps_done = step + 1
         if self.relay is None:
@@ -118,7 +118,7 @@ class LightRank:
         if self.relay is not None:
             return
         if self.registration.registered:
-            send_nowait(self.control, P.make(P.TRAINER_BYE, rank=self.rank))
+            send_nowait(self.control, P.TrainerBye(rank=self.rank))
         self.control.close(linger=200)
         self.data.close(linger=0)
 
@@ -136,46 +136,45 @@ class SimRelay:
         self.by_dp: dict[int, list[LightRank]] = {}
         self.topology: Topology | None = None
         self.relay_id: int | None = None
-        self.queue: list[dict] = []
+        self.queue: list[P.Message] = []
         self.consumed: list[tuple[int, int]] = []  # (rank, step) rows of relay_up's table
-        self.held: dict[int, list[dict]] = {}
+        self.held: dict[int, list[P.Consumed]] = {}
         self.registration = Registration(
-            lambda: P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host=f"sim-{index}", data_address=self.address,
-                           local=f"ipc://sim-{index}", incarnation=index),
-            lambda: P.make(P.RELAY_HEARTBEAT, relay_id=self.relay_id or 0, ranks=sorted(self.ranks), bytes_in=0,
-                           bytes_out=0, queued=0, late_steps=0))
+            lambda: P.RelayHello(version=P.PROTOCOL_VERSION, host=f"sim-{index}", data_address=self.address,
+                                 local=f"ipc://sim-{index}", incarnation=index),
+            lambda: P.RelayHeartbeat(relay_id=self.relay_id or 0, ranks=sorted(self.ranks)))
         self.control.connect(coordinator)
 
-    def up(self, header: dict) -> None:
-        if header["type"] == "consumed":  # gathered: the host's ranks of a step go up together
-            held = self.held.setdefault(header["step"], [])
-            held.append(header)
+    def up(self, message: P.Message) -> None:
+        if isinstance(message, P.Consumed):  # gathered: the host's ranks of a step go up together
+            held = self.held.setdefault(message.step, [])
+            held.append(message)
             if len(held) == len(self.ranks):
-                self.consumed.extend((m["rank"], m["step"]) for m in self.held.pop(header["step"]))
+                self.consumed.extend((m.rank, m.step) for m in self.held.pop(message.step))
         else:
-            self.queue.append(header)
+            self.queue.append(message)
 
     def on_control(self) -> None:
-        msg, arrays = wire.decode(self.control.recv_multipart(copy=False), P.RELAY_INBOX)
-        if msg["type"] == "relay_welcome":
-            self.registration.welcomed(float(msg["heartbeat_s"]))
-            self.relay_id, self.topology = msg["relay_id"], Topology(**msg["topology"])
+        msg = wire.receive(self.control.recv_multipart(copy=False), P.RELAY_INBOX)
+        if isinstance(msg, P.RelayWelcome):
+            self.registration.welcomed(float(msg.heartbeat_s))
+            self.relay_id, self.topology = msg.relay_id, Topology(**msg.topology)
             self.by_dp = {}
             for lr in self.ranks.values():
                 self.by_dp.setdefault(self.topology.coords(lr.rank).dp, []).append(lr)
             self.queue = [lr._hello(self.address) for lr in self.ranks.values()]
-        elif msg["type"] == "relay_down":
-            view, at = memoryview(arrays["blob"]).cast("B"), 0
-            for rank, header, sizes in msg["parts"]:
+        elif isinstance(msg, P.RelayDown):
+            view, at = memoryview(msg.blob).cast("B"), 0
+            for rank, header, sizes in msg.parts:
                 frames = [msgpack.packb(header)]
                 for n in sizes:
                     frames.append(view[at:at + n])
                     at += n
                 self.ranks[rank].on_control(frames)
-        elif msg["type"] == "relay_step":
-            for rank, frames in step_headers(msg, arrays):
+        elif isinstance(msg, P.RelayStep):
+            for rank, frames in step_headers(msg):
                 self.ranks[rank].on_control(frames)
-        elif msg["type"] == "unknown_peer":
+        elif isinstance(msg, P.UnknownPeer):
             self.registration.forgotten()
 
     def on_data(self) -> None:
@@ -192,16 +191,16 @@ class SimRelay:
             self._up(self.queue, self.consumed)
             self.queue, self.consumed = [], []
 
-    def _up(self, messages: list[dict], consumed: list[tuple[int, int]]) -> None:
-        send_nowait(self.control, P.make(P.RELAY_UP, relay_id=self.relay_id, messages=messages,
-                                         ranks=sorted(self.ranks),
-                                         bytes_in=0, bytes_out=0, queued=0, late_steps=0),
-                    np.array(consumed, dtype=np.int64).reshape(-1, 2), np.zeros(len(consumed)))
+    def _up(self, messages: list[P.Message], consumed: list[tuple[int, int]]) -> None:
+        send_nowait(self.control, P.RelayUp(relay_id=self.relay_id, messages=[m.header() for m in messages],
+                                            ranks=sorted(self.ranks),
+                                            consumed=np.array(consumed, dtype=np.int64).reshape(-1, 2),
+                                            waited_s=np.zeros(len(consumed))))
         self.registration.spoke(time.monotonic())
 
     def close(self) -> None:
         if self.registration.registered:
-            self._up([P.make(P.TRAINER_BYE, rank=r) for r in self.ranks], [])
+            self._up([P.TrainerBye(rank=r) for r in self.ranks], [])
         self.control.close(linger=200)
         self.data.close(linger=0)
 

@@ -530,9 +530,9 @@ class _Receiver:
     def _do(self, actions: list[Action], now: float) -> None:
         for a in actions:
             if isinstance(a, Send):
-                if not send_nowait(self.control, a.header):
-                    log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, a.header["type"])
-                    self.core.connection_lost(f"{a.header['type']} dropped")
+                if not send_nowait(self.control, a.message):
+                    log.warning("rank %d: coordinator not reading; %s dropped", self.c.rank, a.message.TYPE)
+                    self.core.connection_lost(f"{a.message.TYPE} dropped")
             elif isinstance(a, ToTrainer):
                 self.c._queue.put(a.item)
             elif isinstance(a, ToEvals):

@@ -28,7 +28,7 @@ log = logging.getLogger("msd.client")
 class Send:
     """A message to the coordinator (or the rank's relay)."""
 
-    header: dict[str, Any]
+    message: P.Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +82,10 @@ class RankCore:
         self.welcomed = False  # a coordinator has served this rank (its silence counts from then on)
         self.incarnation = incarnation
         self.registration = Registration(
-            lambda: P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=rank, data_address=data_address,
-                           resume_step=self.state.step, incarnation=self.incarnation,
-                           metadata_only=int(metadata_only), carried=carried_for(self.state.step)),
-            lambda: P.make(P.TRAINER_HEARTBEAT, rank=rank))
+            lambda: P.TrainerHello(version=P.PROTOCOL_VERSION, rank=rank, data_address=data_address,
+                                   resume_step=self.state.step, incarnation=self.incarnation,
+                                   metadata_only=int(metadata_only), carried=carried_for(self.state.step)),
+            lambda: P.TrainerHeartbeat(rank=rank))
 
     # ------------------------------------------------------------------ in
 
@@ -105,7 +105,7 @@ class RankCore:
                 self.registration.welcomed(item.heartbeat_s)
                 if self.eval_asked is not None:  # asked of a coordinator that forgot us (a restart): again
                     name, pass_no = self.eval_asked
-                    out.append(Send(P.make(P.EVAL_REQUEST, rank=self.rank, set=name, pass_no=pass_no)))
+                    out.append(Send(P.EvalRequest(rank=self.rank, set=name, pass_no=pass_no)))
             elif isinstance(item, Forgotten):
                 self.registration.forgotten()
             elif isinstance(item, StateReply):
@@ -125,19 +125,19 @@ class RankCore:
         kind = cmd[0]
         if kind == "eval":
             self.eval_asked = (str(cmd[1]), int(cmd[2]))
-            return [Send(P.make(P.EVAL_REQUEST, rank=self.rank, set=str(cmd[1]), pass_no=int(cmd[2])))]
+            return [Send(P.EvalRequest(rank=self.rank, set=str(cmd[1]), pass_no=int(cmd[2])))]
         if kind == "eval_report":
-            return [Send(P.make(P.EVAL_REPORT, rank=self.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))]
+            return [Send(P.EvalReport(rank=self.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))]
         if kind == "consumed":
             self.registration.spoke(now)
-            return [Send(P.make(P.CONSUMED, rank=self.rank, step=int(cmd[1]), waited_s=float(cmd[2]),
+            return [Send(P.Consumed(rank=self.rank, step=int(cmd[1]), waited_s=float(cmd[2]),
                                 compute_step=int(cmd[3]), compute_s=list(cmd[4])))]
         if kind == "state":
-            return [Send(P.make(P.STATE_REQUEST, rank=self.rank, step=int(cmd[1])))]
+            return [Send(P.StateRequest(rank=self.rank, step=int(cmd[1])))]
         if kind == "close":
             self.closing = True
             if self.registration.registered:
-                return [Send(P.make(P.TRAINER_BYE, rank=self.rank))]
+                return [Send(P.TrainerBye(rank=self.rank))]
         return []
 
     def connection_lost(self, why: str) -> None:

@@ -96,90 +96,89 @@ class ReceivingState:
         """One message from the coordinator: returns what follows from it, for the I/O thread
         (Welcomed, Forgotten) and for the trainer (an error to raise, End)."""
         try:
-            msg, arrays = wire.decode(frames, P.TRAINER_CONTROL_INBOX)
+            msg = wire.receive(frames, P.TRAINER_CONTROL_INBOX)
         except ProtocolError as e:
             log.warning("rank %d: dropped message from coordinator: %s", self.rank, e)
             return []
-        kind = msg["type"]
-        if kind == "trainer_welcome":
-            out: list[Any] = [Welcomed(float(msg["heartbeat_s"]))]
-            if self.plan_digest is not None and self.plan_digest != msg["plan_digest"]:
-                out.append(RejectedError(f"plan digest {msg['plan_digest']} differs from the checkpoint's "
+        if isinstance(msg, P.TrainerWelcome):
+            out: list[Any] = [Welcomed(float(msg.heartbeat_s))]
+            if self.plan_digest is not None and self.plan_digest != msg.plan_digest:
+                out.append(RejectedError(f"plan digest {msg.plan_digest} differs from the checkpoint's "
                                          f"{self.plan_digest}: the job file changed"))
-            self.plan_digest = msg["plan_digest"]
-            self.batch_info = msg["batch"]
+            self.plan_digest = msg.plan_digest
+            self.batch_info = msg.batch
             return out
-        if kind == "step_header":
-            self._on_step_header(msg, arrays)
-        elif kind == "eval_header":
-            return self._on_eval_header(msg, arrays)
-        elif kind == "rank_taken":
-            log.warning("rank %d: %s; asking again", self.rank, msg["reason"])
-            self.not_welcomed = msg["reason"]
-        elif kind == "end_of_stream":
-            log.info("rank %d: the stream ends before step %d: %s", self.rank, msg["step"], msg["reason"])
-            self.end = (msg["step"], msg["reason"])
-        elif kind == "unknown_peer":
+        if isinstance(msg, P.StepHeader):
+            self._on_step_header(msg)
+        elif isinstance(msg, P.EvalHeader):
+            return self._on_eval_header(msg)
+        elif isinstance(msg, P.RankTaken):
+            log.warning("rank %d: %s; asking again", self.rank, msg.reason)
+            self.not_welcomed = msg.reason
+        elif isinstance(msg, P.EndOfStream):
+            log.info("rank %d: the stream ends before step %d: %s", self.rank, msg.step, msg.reason)
+            self.end = (msg.step, msg.reason)
+        elif isinstance(msg, P.UnknownPeer):
             log.warning("rank %d: coordinator does not know this rank (%s); registering again", self.rank,
-                        msg["reason"])
+                        msg.reason)
             return [Forgotten()]
-        elif kind == "reject":
-            return [RejectedError(f"rank {self.rank}: coordinator refused: {msg['reason']}")]
-        elif kind == "shutdown":  # the coordinator stops: never the end of the data (end_of_stream is)
+        elif isinstance(msg, P.Reject):
+            return [RejectedError(f"rank {self.rank}: coordinator refused: {msg.reason}")]
+        elif isinstance(msg, P.Shutdown):  # the coordinator stops: never the end of the data (end_of_stream is)
             log.warning("rank %d: the coordinator is stopping (%s); waiting for a coordinator to take over",
-                        self.rank, msg["reason"])
-            return [Stopping(msg["reason"])]
-        elif kind == "job_failed":
-            log.error("rank %d: the coordinator stopped the job: %s", self.rank, msg["reason"])
-            return [JobFailedError(f"rank {self.rank}: the coordinator stopped the job: {msg['reason']}")]
-        elif kind == "state_reply":
-            return [StateReply(msg["step"], msg["state"] if msg["ok"] else None, msg["reason"])]
+                        self.rank, msg.reason)
+            return [Stopping(msg.reason)]
+        elif isinstance(msg, P.JobFailed):
+            log.error("rank %d: the coordinator stopped the job: %s", self.rank, msg.reason)
+            return [JobFailedError(f"rank {self.rank}: the coordinator stopped the job: {msg.reason}")]
+        elif isinstance(msg, P.StateReply):
+            return [StateReply(msg.step, msg.state if msg.ok else None, msg.reason)]
         return []
 
-    def _on_eval_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Any]:
-        if msg["reason"]:
-            return [EvalReady(msg["set"], msg["pass_no"], None, msg["reason"])]
+    def _on_eval_header(self, msg: P.EvalHeader) -> list[Any]:
+        if msg.reason:
+            return [EvalReady(msg.set, msg.pass_no, None, msg.reason)]
         info = self.batch_info
-        step = msg["step"]
-        if info is None or msg["rank"] != self.rank or step < P.EVAL_STEP_BASE:
-            log.warning("rank %d: eval header for rank %d dropped", self.rank, msg["rank"])
+        step = msg.step
+        if info is None or msg.rank != self.rank or step < P.EVAL_STEP_BASE:
+            log.warning("rank %d: eval header for rank %d dropped", self.rank, msg.rank)
             return []
         if step in self.eval_steps:
             return []
         self.eval_done.discard(step)  # the same pass asked for again (a rank that restarted its evaluation)
         try:
-            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"],
+            assembler = StepAssembler(msg.pieces, msg.counts, msg.row_len, info["pad_id"],
                                       info["micro_batch_size"], info.get("patch_bytes", 0), info.get("rope", "plain"))
         except ValueError as e:
-            return [EvalReady(msg["set"], msg["pass_no"], None, f"eval header unusable: {e}")]
-        self.eval_steps[step] = (msg["set"], msg["pass_no"], assembler)
+            return [EvalReady(msg.set, msg.pass_no, None, f"eval header unusable: {e}")]
+        self.eval_steps[step] = (msg.set, msg.pass_no, assembler)
         for items, *payload in self.eval_early.pop(step, []):
             self.buffered -= len(items)
             assembler.add(items, *payload)
         return []
 
-    def _on_step_header(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    def _on_step_header(self, msg: P.StepHeader) -> None:
         info = self.batch_info
-        step = msg["step"]
-        if info is None or msg["rank"] != self.rank or not self.step <= step < self.step + MAX_BUFFERED_STEPS:
-            why = ("before the coordinator's welcome" if info is None else f"for rank {msg['rank']}"
-                   if msg["rank"] != self.rank else f"outside steps {self.step}..{self.step + MAX_BUFFERED_STEPS - 1}")
+        step = msg.step
+        if info is None or msg.rank != self.rank or not self.step <= step < self.step + MAX_BUFFERED_STEPS:
+            why = ("before the coordinator's welcome" if info is None else f"for rank {msg.rank}"
+                   if msg.rank != self.rank else f"outside steps {self.step}..{self.step + MAX_BUFFERED_STEPS - 1}")
             log.warning("rank %d: step header of step %d dropped (%s)", self.rank, step, why)
             return
         mbs, n_mb = info["micro_batch_size"], info["micro_batches"]
-        if len(arrays["counts"]) != mbs * n_mb:
+        if len(msg.counts) != mbs * n_mb:
             log.warning("rank %d: step %d header has %d sequences, expected %d; dropped", self.rank, step,
-                        len(arrays["counts"]), mbs * n_mb)
+                        len(msg.counts), mbs * n_mb)
             return
         if step in self.steps:
             return  # a repeated header: the plan of a step never changes
         try:
-            assembler = StepAssembler(arrays["pieces"], arrays["counts"], msg["row_len"], info["pad_id"], mbs,
+            assembler = StepAssembler(msg.pieces, msg.counts, msg.row_len, info["pad_id"], mbs,
                                       info.get("patch_bytes", 0), info.get("rope", "plain"))
         except ValueError as e:
             log.warning("rank %d: step %d header dropped: %s", self.rank, step, e)
             return
-        self.steps[step] = (assembler, msg["plan"])
+        self.steps[step] = (assembler, msg.plan)
         for items, *payload in self.early.pop(step, []):  # pieces that came before their recipe
             self.buffered -= len(items)
             self.duplicates += assembler.add(items, *payload)
@@ -188,18 +187,18 @@ class ReceivingState:
 
     def on_pieces(self, frames: list) -> None:
         try:
-            msg, arrays = wire.decode(frames, P.TRAINER_DATA_INBOX)
+            msg = wire.receive(frames, P.TRAINER_DATA_INBOX)
             # (before the welcome the topology is not known: such pieces are held, and checked against
             # the recipe's references like any piece when it comes)
-            if msg["rank"] != self.rank and self.batch_info is not None and not self._same_dp(msg["rank"]):
-                raise ProtocolError(f"pieces for rank {msg['rank']} sent to rank {self.rank}")
+            if msg.rank != self.rank and self.batch_info is not None and not self._same_dp(msg.rank):
+                raise ProtocolError(f"pieces for rank {msg.rank} sent to rank {self.rank}")
         except ProtocolError as e:
             log.warning("rank %d: dropped data message: %s", self.rank, e)
             return
-        step = msg["step"]
-        items = arrays["items"]  # PIECE_ITEM rows
-        payload = (arrays["tokens"], arrays["patch_counts"], arrays["patches"], arrays["loss_mask"], msg["extras"],
-                   arrays["extra_rows"], arrays["tail"])
+        step = msg.step
+        items = msg.items  # PIECE_ITEM rows
+        payload = (msg.tokens, msg.patch_counts, msg.patches, msg.loss_mask, msg.extras,
+                   msg.extra_rows, msg.tail)
         if step >= P.EVAL_STEP_BASE:  # a piece of an eval pass
             if step in self.eval_done:
                 self.duplicates += len(items)
@@ -212,9 +211,9 @@ class ReceivingState:
         if not self.step <= step < self.step + MAX_BUFFERED_STEPS:
             self.duplicates += 1  # an old step (a re-sent delivery) or absurdly far ahead
             return
-        if len(payload[1]) and msg["patch_bytes"] != (self.batch_info or {}).get("patch_bytes"):
+        if len(payload[1]) and msg.patch_bytes != (self.batch_info or {}).get("patch_bytes"):
             log.warning("rank %d: dropped data message: patches of %d bytes, the job's are %s", self.rank,
-                        msg["patch_bytes"], (self.batch_info or {}).get("patch_bytes"))
+                        msg.patch_bytes, (self.batch_info or {}).get("patch_bytes"))
             return
         if step in self.steps:
             self.duplicates += self.steps[step][0].add(items, *payload)

@@ -62,16 +62,13 @@ class CacheEntry:
 # Actions: what the loop is asked to do.
 @dataclass(frozen=True, slots=True)
 class ToCoordinator:
-    header: dict[str, Any]
-    arrays: tuple[np.ndarray, ...] = ()
+    message: P.Message
 
 
 @dataclass(frozen=True, slots=True)
 class ToRank:
     address: str  # the rank's data socket
-    header: dict[str, Any]  # a `pieces` message
-    arrays: tuple[np.ndarray, ...]
-    tail: tuple[np.ndarray, ...] = ()  # its extras: a processor's arrays, a frame each, never copied into one
+    message: P.Pieces  # its `tail`: a processor's arrays, a frame each, never copied into one
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,55 +291,53 @@ class WorkerCore:
         # heartbeats wait on the work) and stops it past the limit
         self.on_sample: Callable[[int, int, float], None] = lambda s, r, limit: None
 
-    def handle(self, msg: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Action]:
-        kind = msg["type"]
-        if kind == "welcome":
+    def handle(self, msg: P.Message) -> list[Action]:
+        if isinstance(msg, P.Welcome):
             return self._on_welcome(msg)
-        if kind == "unknown_peer":
+        if isinstance(msg, P.UnknownPeer):
             # The coordinator forgot us (restart, or we were silent too long): everything we hold
             # may have been re-prepared elsewhere, so start clean and register again.
-            log.warning("coordinator does not know this worker (%s); registering again", msg["reason"])
+            log.warning("coordinator does not know this worker (%s); registering again", msg.reason)
             self.worker_id = None
             self.cache.clear()
             return [Forgotten()]
-        if kind == "reject":
-            log.error("coordinator rejected this worker: %s", msg["reason"])
-            return [Quit(msg["reason"])]
-        if kind in ("shutdown", "job_failed"):
+        if isinstance(msg, P.Reject):
+            log.error("coordinator rejected this worker: %s", msg.reason)
+            return [Quit(msg.reason)]
+        if isinstance(msg, (P.Shutdown, P.JobFailed)):
             # The coordinator stops (a standby may take over) or its job failed (it lingers, naming
             # why): what we hold is the old registration's; wait for a coordinator that serves.
-            if kind == "shutdown":
-                log.info("coordinator stopping: %s; waiting for a coordinator to serve", msg["reason"])
-            elif msg["reason"] != self.job_failed:  # said once: every hello is answered so
-                self.job_failed = msg["reason"]
-                log.error("the job failed: %s; waiting for a coordinator to serve", msg["reason"])
+            if isinstance(msg, P.Shutdown):
+                log.info("coordinator stopping: %s; waiting for a coordinator to serve", msg.reason)
+            elif msg.reason != self.job_failed:  # said once: every hello is answered so
+                self.job_failed = msg.reason
+                log.error("the job failed: %s; waiting for a coordinator to serve", msg.reason)
             self.worker_id = None
             self.cache.clear()
-            return [CoordinatorStopping(msg["reason"])]
+            return [CoordinatorStopping(msg.reason)]
         if self.worker_id is None:  # work for a registration we no longer have
             return []
-        if kind in ("prepare", "deliver") and msg["worker_id"] != self.worker_id:
+        if isinstance(msg, (P.Prepare, P.Deliver)) and msg.worker_id != self.worker_id:
             # sent to an earlier registration of ours (the coordinator forgot it, and what it held
             # is prepared again elsewhere): done now, it would spend copies the books no longer count
-            log.info("%s for worker %d dropped: this process is worker %d now", kind, msg["worker_id"],
+            log.info("%s for worker %d dropped: this process is worker %d now", msg.TYPE, msg.worker_id,
                      self.worker_id)
             return []
-        if kind == "prepare":
-            return self._on_prepare(msg, arrays["records"], arrays.get("epochs"))
-        if kind == "deliver":
-            return self._on_deliver(msg, arrays["items"], arrays["release"], arrays.get("epochs"),
-                                    arrays.get("release_epochs"), arrays.get("targets"))
-        if kind == "release_rank":
-            return [ReleaseRank(msg["address"])]
+        if isinstance(msg, P.Prepare):
+            return self._on_prepare(msg)
+        if isinstance(msg, P.Deliver):
+            return self._on_deliver(msg)
+        if isinstance(msg, P.ReleaseRank):
+            return [ReleaseRank(msg.address)]
         return []
 
-    def _on_welcome(self, msg: dict[str, Any]) -> list[Action]:
+    def _on_welcome(self, msg: P.Welcome) -> list[Action]:
         try:
-            job = WorkerJob.from_wire(msg["job"])
+            job = WorkerJob.from_wire(msg.job)
         except ProtocolError as e:
             log.error("welcome without a usable job description (%s); ignored", e)
             return []
-        self.worker_id = msg["worker_id"]
+        self.worker_id = msg.worker_id
         self.specs = job.sources
         self.readers.clear()
         self.cache.clear()
@@ -394,12 +389,12 @@ class WorkerCore:
                               spec.name, e)
                     return [Quit(f"cannot open source {spec.name}")]
         log.info("registered as worker %d with %d sources", self.worker_id, len(self.specs))
-        out: list[Action] = [Registered(self.worker_id, float(msg["heartbeat_s"]))]
-        if msg["count"]:  # the coordinator waits for these sources' record counts before it plans
-            out.append(ToCoordinator(self._source_counts(msg["count"])))
+        out: list[Action] = [Registered(self.worker_id, float(msg.heartbeat_s))]
+        if msg.count:  # the coordinator waits for these sources' record counts before it plans
+            out.append(ToCoordinator(self._source_counts(msg.count)))
         return out
 
-    def _source_counts(self, sources: list[int]) -> dict[str, Any]:
+    def _source_counts(self, sources: list[int]) -> P.SourceCounts:
         """The records of each of these sources as this host's indexes count them (built just
         above), or why a source cannot be opened here."""
         records, problems = [], []
@@ -414,8 +409,7 @@ class WorkerCore:
                 records.append(0)
                 problems.append(str(e) or type(e).__name__)
         log.info("counted the records of %d sources for the coordinator", len(sources))
-        return P.make(P.SOURCE_COUNTS, worker_id=self.worker_id, sources=list(sources), records=records,
-                      problems=problems)
+        return P.SourceCounts(worker_id=self.worker_id, sources=list(sources), records=records, problems=problems)
 
     def _reader(self, source: int) -> SourceReader:
         reader = self.readers.get(source)
@@ -425,13 +419,13 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ prepare
 
-    def _on_prepare(self, msg: dict[str, Any], records: np.ndarray, epochs: np.ndarray | None = None) -> list[Action]:
-        s = msg["source"]
+    def _on_prepare(self, msg: P.Prepare) -> list[Action]:
+        s, records, epochs = msg.source, msg.records, msg.epochs
         try:
             reader = self._reader(s)
         except Exception as e:  # a source this host cannot open: tell the coordinator, keep serving
-            return [ToCoordinator(P.make(P.TASK_FAILED, worker_id=self.worker_id, task_id=msg["task_id"],
-                                         reason=f"cannot prepare records of source {s}: {e}"))]
+            return [ToCoordinator(P.TaskFailed(worker_id=self.worker_id, task_id=msg.task_id,
+                                               reason=f"cannot prepare records of source {s}: {e}"))]
         # (The coordinator prepares memory-mapped sources itself, from their index; their tokens
         # are read straight from the map at delivery.)
         skipped: list[list] = []
@@ -484,17 +478,16 @@ class WorkerCore:
                 patches[i] = entry.patch_count
                 squares[i] = entry.patch_squares
         skipped.sort()
-        return [ToCoordinator(P.make(P.PREPARED, worker_id=self.worker_id, task_id=msg["task_id"], skipped=skipped,
-                                     busy_s=0.0), (lengths, patches, squares))]
+        return [ToCoordinator(P.Prepared(worker_id=self.worker_id, task_id=msg.task_id, skipped=skipped, busy_s=0.0,
+                                         lengths=lengths, patches=patches, patch_squares=squares))]
 
     # ------------------------------------------------------------------ deliver
 
-    def _on_deliver(self, msg: dict[str, Any], items: np.ndarray, release: np.ndarray,
-                    epochs: np.ndarray | None = None, release_epochs: np.ndarray | None = None,
-                    targets: np.ndarray | None = None) -> list[Action]:
-        names = msg["addresses"]
-        addresses = {r: names[i] for r, i in (targets.tolist() if targets is not None else [])}
-        step = msg["step"]
+    def _on_deliver(self, msg: P.Deliver) -> list[Action]:
+        items, release, epochs, release_epochs = msg.items, msg.release, msg.epochs, msg.release_epochs
+        names = msg.addresses
+        addresses = {r: names[i] for r, i in msg.targets.tolist()}
+        step = msg.step
         out: list[Action] = []
         # Every piece of the delivery is checked and located once, source by source, then each
         # rank's message is joined from them: per rank, the same numpy calls on a handful of rows
@@ -512,10 +505,11 @@ class WorkerCore:
                 if message is None:
                     continue
                 rows, tokens, patch_counts, patches, mask, extras, extra_rows, frames = message
-                header = P.make(P.PIECES, step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
-                                patch_bytes=patches.shape[1] if patches.size else 0, extras=extras)
-                out.append(ToRank(address, header, (rows[:, DELIVER_ITEM.piece:], tokens, patch_counts,
-                                                    patches.reshape(-1), mask, extra_rows), tuple(frames)))
+                out.append(ToRank(address, P.Pieces(
+                    step=step, rank=rank, dtype=tokens.dtype.newbyteorder("<").str,
+                    patch_bytes=patches.shape[1] if patches.size else 0, extras=extras,
+                    items=rows[:, DELIVER_ITEM.piece:], tokens=tokens, patch_counts=patch_counts,
+                    patches=patches.reshape(-1), loss_mask=mask, extra_rows=extra_rows, tail=tuple(frames))))
         if self.cache:  # only records that are not memory-mapped are cached
             for key, epoch in zip(release.tolist(), _epochs(release_epochs, len(release)).tolist()):
                 key = _cache_key(key, epoch)
@@ -525,8 +519,8 @@ class WorkerCore:
                     if entry.copies <= 0:
                         del self.cache[key]
         failed, self.delivery_failures = self.delivery_failures, []
-        out.append(ToCoordinator(P.make(P.DELIVERED, worker_id=self.worker_id, delivery_id=msg["delivery_id"],
-                                        failed=failed, unserved=int(len(items) - pieces.servable.sum()))))
+        out.append(ToCoordinator(P.Delivered(worker_id=self.worker_id, delivery_id=msg.delivery_id, failed=failed,
+                                             unserved=int(len(items) - pieces.servable.sum()))))
         return out
 
     def _servable(self, step: int, reader: SourceReader, mine: np.ndarray, epochs: np.ndarray) -> np.ndarray:
@@ -612,6 +606,6 @@ class WorkerCore:
         self.cache.clear()
         return [Forgotten()]
 
-    def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> dict[str, Any]:
-        return P.make(P.WORKER_HEARTBEAT, worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,
-                      backlog=backlog, send_waits=send_waits)
+    def heartbeat(self, busy_s: float, backlog: int = 0, send_waits: int = 0) -> P.WorkerHeartbeat:
+        return P.WorkerHeartbeat(worker_id=self.worker_id, cached_records=len(self.cache), busy_s=busy_s,
+                                 backlog=backlog, send_waits=send_waits)

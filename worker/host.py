@@ -129,9 +129,8 @@ class HostAgent:
                 else:
                     log.warning("worker process %d exited with %s%s; restarting in %.1fs", p.pid, p.exitcode,
                                 f" while preparing task {task}" if task >= 0 else "", backoff)
-                self._report(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode,
-                                    task_id=task, source=p.source, record=p.record,
-                                    overran_s=p.overran_s))
+                self._report(P.WorkerExited(agent_id=self.agent_id, pid=p.pid, exitcode=p.exitcode, task_id=task,
+                                            source=p.source, record=p.record, overran_s=p.overran_s))
                 if self.metrics is not None:
                     self.metrics.process_gone(p.pid)
                 slot.process = None
@@ -152,9 +151,9 @@ class HostAgent:
         return [s.process.pid for s in self.slots if s.process is not None and s.process.is_alive()
                 and s.process.working_on().started_ns > 0]
 
-    def _report(self, msg: dict) -> None:
+    def _report(self, msg: P.Message) -> None:
         if self.control is not None and not send_nowait(self.control, msg) and self.registration is not None:
-            log.warning("coordinator not reading; %s dropped; registering this host again", msg["type"])
+            log.warning("coordinator not reading; %s dropped; registering this host again", msg.TYPE)
             self.registration.forgotten()
 
     def _scale(self, procs: int, retire: list[int], reason: str) -> None:
@@ -209,9 +208,10 @@ class HostAgent:
             security.as_client(control, security.load(self.keys_dir, "worker"),
                                security.public_key(self.keys_dir, "coordinator"))
         self.registration = Registration(
-            lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
-                           procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs, auto=int(self.auto)),
-            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.target, pids=self._busy_pids()),
+            lambda: P.HostHello(version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=socket.gethostname(),
+                                procs=self.target, min_procs=self.min_procs, max_procs=self.max_procs,
+                                auto=int(self.auto)),
+            lambda: P.HostHeartbeat(agent_id=self.agent_id, procs=self.target, pids=self._busy_pids()),
             heartbeat_s=HEARTBEAT_S)
         handshakes = security.HandshakeWatch(control)
         loop = self.loop = PeerLoop(control, self.registration, self.coordinator, who="worker host")
@@ -243,32 +243,31 @@ class HostAgent:
 
     def _on_control(self, control: zmq.Socket) -> None:
         try:
-            header, _ = wire.decode(control.recv_multipart(), P.HOST_INBOX)
+            msg = wire.receive(control.recv_multipart(), P.HOST_INBOX)
         except ProtocolError as e:
             log.warning("dropped message from coordinator: %s", e)
             return
-        self._handle(header)
+        self._handle(msg)
 
-    def _handle(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == "scale":
-            self.registration.welcomed(msg["heartbeat_s"])
-            self._scale(msg["procs"], msg["retire"], msg["reason"])
-        elif kind == "unknown_peer":
+    def _handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Scale):
+            self.registration.welcomed(msg.heartbeat_s)
+            self._scale(msg.procs, msg.retire, msg.reason)
+        elif isinstance(msg, P.UnknownPeer):
             self.registration.forgotten()
-        elif kind in ("shutdown", "job_failed"):
+        elif isinstance(msg, (P.Shutdown, P.JobFailed)):
             # The coordinator stops (a standby may take over, or it restarts) or its job failed:
             # keep the host up and say hello until a coordinator serves; stop with SIGTERM or Ctrl-C.
-            if kind == "job_failed":
-                if msg["reason"] != self.job_failed:  # said once: every hello is answered so
-                    self.job_failed = msg["reason"]
-                    log.error("the job failed: %s; waiting for a coordinator to serve", msg["reason"])
+            if isinstance(msg, P.JobFailed):
+                if msg.reason != self.job_failed:  # said once: every hello is answered so
+                    self.job_failed = msg.reason
+                    log.error("the job failed: %s; waiting for a coordinator to serve", msg.reason)
             else:
-                log.info("coordinator stopping (%s); waiting for a coordinator to serve", msg["reason"])
+                log.info("coordinator stopping (%s); waiting for a coordinator to serve", msg.reason)
             self.loop.coordinator_stopping(time.monotonic())
-        elif kind == "reject":
-            log.error("coordinator rejected this host: %s; stopping", msg["reason"])
-            self.refused = msg["reason"]
+        elif isinstance(msg, P.Reject):
+            log.error("coordinator rejected this host: %s; stopping", msg.reason)
+            self.refused = msg.reason
             self.stopping = True
 
     def stop(self) -> None:

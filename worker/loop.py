@@ -9,6 +9,7 @@ exits when its host agent dies.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -69,8 +70,8 @@ class Worker:
         self.outbox = RankOutbox(self._data_socket, self._poll_writable)  # pieces to ranks, never blocking
         incarnation = int.from_bytes(os.urandom(6), "little")
         self.registration = Registration(
-            lambda: P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=socket.gethostname(), pid=os.getpid(),
-                           incarnation=incarnation, agent=agent_id),
+            lambda: P.WorkerHello(version=P.PROTOCOL_VERSION, host=socket.gethostname(), pid=os.getpid(),
+                                  incarnation=incarnation, agent=agent_id),
             lambda: self.core.heartbeat(self.busy_s, self.outbox.backlog(), self.outbox.waits))
         self.running = True
         self.busy_s = 0.0  # total time spent on prepare and deliver work (reported in heartbeats)
@@ -131,39 +132,40 @@ class Worker:
 
     def _on_control(self, sock: zmq.Socket) -> None:
         try:
-            header, arrays = wire.decode(sock.recv_multipart(copy=False), P.WORKER_INBOX)
+            msg = wire.receive(sock.recv_multipart(copy=False), P.WORKER_INBOX)
         except ProtocolError as e:
             log.warning("dropped message from coordinator: %s", e)
             return
         started = time.perf_counter()
-        marked = self.current_task is not None and header["type"] == "prepare"
+        marked = self.current_task is not None and isinstance(msg, P.Prepare)
         if marked:
-            self.current_task.task = header["task_id"]
-        actions = self.core.handle(header, arrays)
+            self.current_task.task = msg.task_id
+        actions = self.core.handle(msg)
         if marked:
             self.current_task.task = -1
-        if self.metrics is not None and header["type"] == "prepare" and 0 <= header["source"] < len(self.core.specs):
-            self.metrics.prepared(self.core.specs[header["source"]].name, len(arrays["records"]),
-                                  prepared_tokens(actions), time.perf_counter() - started)
+        if self.metrics is not None and isinstance(msg, P.Prepare) and 0 <= msg.source < len(self.core.specs):
+            self.metrics.prepared(self.core.specs[msg.source].name, len(msg.records), prepared_tokens(actions),
+                                  time.perf_counter() - started)
         for action in actions:
             self._do(action, started)
         self.busy_s += time.perf_counter() - started
 
     def _do(self, action: Action, started: float) -> None:
         if isinstance(action, ToCoordinator):
-            header = action.header
-            if header["type"] == "prepared":  # the core keeps no clock: the task's seconds are the loop's
-                header = {**header, "busy_s": time.perf_counter() - started}
-            if not send_nowait(self.control, header, *action.arrays):
-                log.warning("coordinator not reading; %s dropped", header["type"])
-                for lost in self.core.connection_lost(f"{header['type']} dropped"):
+            msg = action.message
+            if isinstance(msg, P.Prepared):  # the core keeps no clock: the task's seconds are the loop's
+                msg = dataclasses.replace(msg, busy_s=time.perf_counter() - started)
+            if not send_nowait(self.control, msg):
+                log.warning("coordinator not reading; %s dropped", msg.TYPE)
+                for lost in self.core.connection_lost(f"{msg.TYPE} dropped"):
                     self._do(lost, started)
         elif isinstance(action, ToRank):
+            pieces = action.message
             if self.metrics is not None:
-                self.metrics.pieces.inc(len(action.arrays[0]))
-            frames = wire.encode(action.header, *action.arrays, tail=action.tail)
+                self.metrics.pieces.inc(len(pieces.items))
+            frames = wire.encode(pieces)
             # large messages go without a copy into zmq (a processor's pixel values are megabytes)
-            size = sum(a.nbytes for a in action.arrays) + sum(a.nbytes for a in action.tail)
+            size = sum(a.nbytes for a in pieces.frames()) + sum(a.nbytes for a in pieces.tail)
             self.outbox.send(action.address, frames, copy=size < ZERO_COPY_BYTES)
         elif isinstance(action, ReleaseRank):
             dropped = self.outbox.release(action.address)

@@ -115,8 +115,9 @@ class HostMetricsServer:
 
 def prepared_tokens(actions: list[Any]) -> int:
     """Tokens in the `prepared` answer among a prepare's actions (its lengths array)."""
+    from msd_common.protocol import Prepared
+
     for a in actions:
-        header = getattr(a, "header", None)
-        if header is not None and header.get("type") == "prepared" and a.arrays:
-            return int(a.arrays[0].sum())
+        if isinstance(getattr(a, "message", None), Prepared):
+            return int(a.message.lengths.sum())
     return 0

@@ -101,7 +101,7 @@ class SimCoordinator:
                 header, arrays = wire.decode(frames, P.COORDINATOR_INBOX)
             except ProtocolError as e:
                 raise Violation(f"the coordinator could not decode a message from {src}: {e}") from e
-            if header["type"] == P.RELAY_UP.name:
+            if header["type"] == P.RelayUp.TYPE:
                 events.extend(self.envelopes.unpack(src.encode(), world.now, header, arrays))
             else:
                 events.append(from_message(src.encode(), world.now, header, arrays))
@@ -112,14 +112,14 @@ class SimCoordinator:
         self.dirty = True
         for ins in instructions:
             if isinstance(ins, Send):
-                self.sim.count(ins.header["type"])
+                self.sim.count(ins.message.TYPE)
                 if self.envelopes.relayed(ins.peer):  # to a rank behind a relay: one relay_down per burst
-                    self.envelopes.add(ins.peer, ins.header, ins.arrays)
+                    self.envelopes.add(ins.peer, ins.message)
                     continue
                 if self.envelopes.waiting_for(ins.peer):  # what it is to pass on goes first
                     for relay, frames in self.envelopes.take(ins.peer):
                         self._send(relay, frames)
-                self._send(ins.peer, wire.encode(ins.header, *ins.arrays))
+                self._send(ins.peer, wire.encode(ins.message))
             elif isinstance(ins, AppendJournal):  # durable before anything after it goes out
                 self.journal.extend(ins.states)
             elif isinstance(ins, CompactJournal):
@@ -192,10 +192,10 @@ class SimHost:
         self.next_pid = 1000 * (index + 1)
         self.up = False
         self.registration = Registration(
-            lambda: P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=self.address,
-                           procs=self.procs, min_procs=self.procs, max_procs=self.procs, auto=0),
-            lambda: P.make(P.HOST_HEARTBEAT, agent_id=self.agent_id, procs=self.procs,
-                           pids=[w.pid for w in self.workers if w.busy_until > self.sim.world.now]))
+            lambda: P.HostHello(version=P.PROTOCOL_VERSION, agent_id=self.agent_id, host=self.address,
+                                procs=self.procs, min_procs=self.procs, max_procs=self.procs, auto=0),
+            lambda: P.HostHeartbeat(agent_id=self.agent_id, procs=self.procs,
+                                    pids=[w.pid for w in self.workers if w.busy_until > self.sim.world.now]))
 
     def start(self) -> None:
         self.up = True
@@ -220,7 +220,7 @@ class SimHost:
             self.send(msg)
         self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: P.Message) -> None:
         if not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
             self.connection_lost()
 
@@ -228,14 +228,13 @@ class SimHost:
         self.registration.forgotten()
 
     def receive(self, src: str, dst: str, frames: list) -> None:
-        header, _ = wire.decode(frames, P.HOST_INBOX)
+        msg = wire.receive(frames, P.HOST_INBOX)
         self.registration.heard(self.sim.world.now)
-        kind = header["type"]
-        if kind == "scale":
-            self.registration.welcomed(header["heartbeat_s"])
-        elif kind == "unknown_peer":
+        if isinstance(msg, P.Scale):
+            self.registration.welcomed(msg.heartbeat_s)
+        elif isinstance(msg, P.UnknownPeer):
             self.registration.forgotten()
-        elif kind in ("shutdown", "job_failed"):
+        elif isinstance(msg, (P.Shutdown, P.JobFailed)):
             self.registration.stopping(self.sim.world.now)
 
     def worker_died(self, worker: SimWorker, task_id: int) -> None:
@@ -243,8 +242,7 @@ class SimHost:
         self.workers.remove(worker)
         if not self.up:
             return
-        self.send(P.make(P.WORKER_EXITED, agent_id=self.agent_id, pid=worker.pid, exitcode=-9, task_id=task_id,
-                         source=-1, record=-1, overran_s=0.0))
+        self.send(P.WorkerExited(agent_id=self.agent_id, pid=worker.pid, exitcode=-9, task_id=task_id))
         self.sim.world.after(0.05, self.spawn)
 
     def lose(self) -> None:
@@ -270,8 +268,8 @@ class SimWorker:
         self.inbox: list[list] = []
         self.slow = 1.0  # the cost of its samples, times this (a slow-sample fault)
         self.registration = Registration(
-            lambda: P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host=host.address, pid=pid, incarnation=pid,
-                           agent=host.agent_id),
+            lambda: P.WorkerHello(version=P.PROTOCOL_VERSION, host=host.address, pid=pid, incarnation=pid,
+                                  agent=host.agent_id),
             lambda: self.core.heartbeat(0.0))
 
     def start(self) -> None:
@@ -286,7 +284,7 @@ class SimWorker:
         if now >= self.busy_until:
             msg = self.registration.due(now)
             if msg is not None and not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
-                self.connection_lost(f"{msg['type']} dropped")
+                self.connection_lost(f"{msg.TYPE} dropped")
         self.sim.world.after(self.registration.heartbeat_s / 2, self._turn)
 
     def connection_lost(self, why: str = "the connection broke") -> None:
@@ -305,15 +303,14 @@ class SimWorker:
         world = self.sim.world
         frames = self.inbox.pop(0)
         self.registration.heard(world.now)
-        header, arrays = wire.decode(frames, P.WORKER_INBOX)
-        kind = header["type"]
-        self.task = header["task_id"] if kind == "prepare" else -1
-        actions = self.core.handle(header, arrays)
+        msg = wire.receive(frames, P.WORKER_INBOX)
+        self.task = msg.task_id if isinstance(msg, P.Prepare) else -1
+        actions = self.core.handle(msg)
         cost = 0.0002
-        if kind == "prepare":
-            cost += self.sim.sample_cost(header["source"], arrays["records"], self.slow)
-        elif kind == "deliver":
-            cost += 0.00002 * len(arrays["items"])
+        if isinstance(msg, P.Prepare):
+            cost += self.sim.sample_cost(msg.source, msg.records, self.slow)
+        elif isinstance(msg, P.Deliver):
+            cost += 0.00002 * len(msg.items)
         self.busy_until = world.now + cost
         world.after(cost, self._done, actions)
 
@@ -330,10 +327,10 @@ class SimWorker:
         world = self.sim.world
         for a in actions:
             if isinstance(a, W.ToCoordinator):
-                if not world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays)):
-                    self._apply(self.core.connection_lost(f"{a.header['type']} dropped"))
+                if not world.send(self.address, COORDINATOR, wire.encode(a.message)):
+                    self._apply(self.core.connection_lost(f"{a.message.TYPE} dropped"))
             elif isinstance(a, W.ToRank):
-                world.send(self.address, a.address, wire.encode(a.header, *a.arrays, tail=a.tail), data=True)
+                world.send(self.address, a.address, wire.encode(a.message), data=True)
             elif isinstance(a, W.Registered):
                 self.registration.welcomed(a.heartbeat_s)
             elif isinstance(a, Forgotten):
@@ -393,7 +390,7 @@ class SimRank:
         now = self.sim.world.now
         msg = self.core.registration.due(now)
         if msg is not None and not self.sim.world.send(self.address, self.control, wire.encode(msg)):
-            self.connection_lost(f"{msg['type']} dropped")
+            self.connection_lost(f"{msg.TYPE} dropped")
         self._do(self.core.turn(now))
         self.sim.world.after(self.core.registration.heartbeat_s / 2, self._turn)
 
@@ -412,8 +409,8 @@ class SimRank:
         world = self.sim.world
         for a in actions:
             if isinstance(a, R.Send):
-                if not world.send(self.address, self.control, wire.encode(a.header)):
-                    self.connection_lost(f"{a.header['type']} dropped")
+                if not world.send(self.address, self.control, wire.encode(a.message)):
+                    self.connection_lost(f"{a.message.TYPE} dropped")
             elif isinstance(a, R.ToTrainer):
                 if isinstance(a.item, BaseException):
                     raise Violation(f"rank {self.rank} would raise: {a.item}")
@@ -537,7 +534,7 @@ class SimRelay:
         now = self.sim.world.now
         msg = self.core.due(now)
         if msg is not None and not self.sim.world.send(self.address, COORDINATOR, wire.encode(msg)):
-            self.connection_lost(f"{msg['type']} dropped")
+            self.connection_lost(f"{msg.TYPE} dropped")
         self._do(self.core.turn(now))
         self.sim.world.after(self.core.registration.heartbeat_s / 4, self._turn, generation)
 
@@ -562,8 +559,8 @@ class SimRelay:
         world = self.sim.world
         for a in actions:
             if isinstance(a, RC.ToCoordinator):
-                if not world.send(self.address, COORDINATOR, wire.encode(a.header, *a.arrays)):
-                    self.connection_lost(f"{a.header['type']} dropped")
+                if not world.send(self.address, COORDINATOR, wire.encode(a.message)):
+                    self.connection_lost(f"{a.message.TYPE} dropped")
             elif isinstance(a, RC.ToRank):
                 world.send(self.address, a.identity.decode(), a.frames)
             elif isinstance(a, RC.ToData):

@@ -97,16 +97,16 @@ def test_data_socket_drops_malformed_messages_and_keeps_serving(job_path):
         rogue.connect(client.data_address)
         no_patches = (np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"),  # no patches, no mask, no extras
                       np.zeros(0, "<u4"))
-        good_header = P.make(P.PIECES, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[])
+        good_header = P.make(P.Pieces, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[])
         bad = [
             [b"garbage"],
             [msgpack.packb({"type": "pieces"})],
             [msgpack.packb({"type": "prepare", "task_id": 1, "source": 0}), b""],  # wrong socket
             wire.encode(good_header, np.array([[0, 5, 0, 3]], "<u8"), np.zeros(2, "<u2"), *no_patches),  # 3 != 2 tokens
-            wire.encode(P.make(P.PIECES, step=1, rank=9, dtype="<u2", patch_bytes=0, extras=[]), np.array([[0, 5, 0,
+            wire.encode(P.make(P.Pieces, step=1, rank=9, dtype="<u2", patch_bytes=0, extras=[]), np.array([[0, 5, 0,
                                                                                                             2]], "<u8"),
                         np.zeros(2, "<u2"), *no_patches),  # another rank's pieces
-            wire.encode(P.make(P.PIECES, step=10**9, rank=0, dtype="<u2", patch_bytes=0, extras=[]), np.array([[0, 5,
+            wire.encode(P.make(P.Pieces, step=10**9, rank=0, dtype="<u2", patch_bytes=0, extras=[]), np.array([[0, 5,
                                                                                                                 0, 2]],
                                                                                                                 "<u8"),
                         np.zeros(2, "<u2"), *no_patches),  # absurdly far ahead

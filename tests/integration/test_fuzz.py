@@ -23,20 +23,20 @@ def _valid_samples():
     """One well-formed message of each kind (for the mutator to start from)."""
     items = np.array([[0, 5, 0, 3]], "<u8")
     return [
-        wire.encode(P.make(P.WORKER_HEARTBEAT, worker_id=0, cached_records=3, busy_s=0.5, backlog=0, send_waits=0)),
-        wire.encode(P.make(P.PREPARED, worker_id=0, task_id=1, skipped=[], busy_s=0.1), np.array([3, 4], "<i8"),
+        wire.encode(P.make(P.WorkerHeartbeat, worker_id=0, cached_records=3, busy_s=0.5, backlog=0, send_waits=0)),
+        wire.encode(P.make(P.Prepared, worker_id=0, task_id=1, skipped=[], busy_s=0.1), np.array([3, 4], "<i8"),
                     np.zeros(0, "<i8"), np.zeros(0, "<i8")),
-        wire.encode(P.make(P.DELIVERED, worker_id=0, delivery_id=2, failed=[], unserved=0)),
-        wire.encode(P.make(P.CONSUMED, rank=0, step=1, waited_s=0.0, compute_step=-1, compute_s=[])),
-        wire.encode(P.make(P.TRAINER_HEARTBEAT, rank=0)),
-        wire.encode(P.make(P.MIX_REQUEST, at_step=10**6, weights={"nope": 1.0})),
-        wire.encode(P.make(P.PIECES, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[]), items,
+        wire.encode(P.make(P.Delivered, worker_id=0, delivery_id=2, failed=[], unserved=0)),
+        wire.encode(P.make(P.Consumed, rank=0, step=1, waited_s=0.0, compute_step=-1, compute_s=[])),
+        wire.encode(P.make(P.TrainerHeartbeat, rank=0)),
+        wire.encode(P.make(P.MixRequest, at_step=10**6, weights={"nope": 1.0})),
+        wire.encode(P.make(P.Pieces, step=1, rank=0, dtype="<u2", patch_bytes=0, extras=[]), items,
                     np.zeros(3, "<u2"), np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4")),
-        wire.encode(P.make(P.HOST_HEARTBEAT, agent_id=1, procs=2, pids=[])),
-        wire.encode(P.make(P.WORKER_EXITED, agent_id=1, pid=2, exitcode=-9, task_id=3, source=-1, record=-1,
+        wire.encode(P.make(P.HostHeartbeat, agent_id=1, procs=2, pids=[])),
+        wire.encode(P.make(P.WorkerExited, agent_id=1, pid=2, exitcode=-9, task_id=3, source=-1, record=-1,
                            overran_s=0.0)),
-        wire.encode(P.make(P.STATE_REQUEST, rank=0, step=1)),
-        wire.encode(P.make(P.STEP_HEADER, step=1, rank=0, row_len=8, plan={}), items[:, 1:], np.array([1], "<u4")),
+        wire.encode(P.make(P.StateRequest, rank=0, step=1)),
+        wire.encode(P.make(P.StepHeader, step=1, rank=0, row_len=8, plan={}), items[:, 1:], np.array([1], "<u4")),
     ]
 
 

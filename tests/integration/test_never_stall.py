@@ -238,10 +238,10 @@ def test_a_lingering_coordinator_answers_every_hello_with_the_reason_and_status_
     router.bind(address)
     beats = []
     hellos = [
-        P.make(P.TRAINER_HELLO, version=P.PROTOCOL_VERSION, rank=0, data_address="tcp://x:1", resume_step=0,
+        P.make(P.TrainerHello, version=P.PROTOCOL_VERSION, rank=0, data_address="tcp://x:1", resume_step=0,
                incarnation=1, metadata_only=0, carried=None),
-        P.make(P.WORKER_HELLO, version=P.PROTOCOL_VERSION, host="h", pid=1, incarnation=1, agent=0),
-        P.make(P.RELAY_HELLO, version=P.PROTOCOL_VERSION, host="h", data_address="tcp://x:2", local="ipc://x",
+        P.make(P.WorkerHello, version=P.PROTOCOL_VERSION, host="h", pid=1, incarnation=1, agent=0),
+        P.make(P.RelayHello, version=P.PROTOCOL_VERSION, host="h", data_address="tcp://x:2", local="ipc://x",
                incarnation=1),
     ]
     answers: list[dict] = []
@@ -254,7 +254,7 @@ def test_a_lingering_coordinator_answers_every_hello_with_the_reason_and_status_
                 sock.send_multipart(wire.encode(hello))
                 sock.send_multipart(wire.encode(hello))  # a second, at once: not answered twice
             socks[-1].connect(address)
-            socks[-1].send_multipart(wire.encode(P.make(P.STATUS_REQUEST)))
+            socks[-1].send_multipart(wire.encode(P.make(P.StatusRequest)))
             for sock in socks:
                 assert sock.poll(5000), "no answer"
                 answers.append(wire.decode(sock.recv_multipart(), P.TRAINER_CONTROL_INBOX | P.TOOL_INBOX)[0])

@@ -36,7 +36,7 @@ def _status(cluster: LocalJob) -> dict:
     from coordinator.control import ask
     from msd_common import protocol as P
 
-    return ask(cluster.address, P.make(P.STATUS_REQUEST), 5.0)["status"]
+    return ask(cluster.address, P.StatusRequest(), 5.0).status
 
 
 @pytest.fixture(scope="module")

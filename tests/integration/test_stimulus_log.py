@@ -58,8 +58,8 @@ def test_a_failed_coordinator_leaves_a_log_that_replays_its_failure(dataset_dir,
     assert dump.complete
     stops = [i for _, out in dump.entries for i in out if isinstance(i, Stop)]
     assert len(stops) == 1 and stops[0].failed and f"step {FAIL_AT_STEP}" in stops[0].reason
-    sent_steps = {i.header["step"] for _, out in dump.entries for i in out
-                  if isinstance(i, Send) and i.header["type"] in ("step_header", "deliver")}
+    sent_steps = {i.message.step for _, out in dump.entries for i in out
+                  if isinstance(i, Send) and i.message.TYPE in ("step_header", "deliver")}
     assert sent_steps == set(range(FAIL_AT_STEP))  # nothing of the failed step went out
     result = stimulus.replay(dump, stimulus.build_state(dump))
     assert result.mismatch is None, (result.mismatch, result.expected, result.got)

@@ -158,7 +158,7 @@ class Driver:
     # ------------------------------------------------------------------ what peers do with messages
 
     def _answer(self, ins: Send) -> None:
-        kind = ins.header["type"]
+        kind = ins.message.TYPE
         worker = self.workers.get(ins.peer)
         if worker is not None:
             if not worker.alive:
@@ -167,10 +167,10 @@ class Driver:
                 worker.inbox.append(ins)
                 return
             if kind in ("prepare", "deliver") and (worker.worker_id is None or
-                                                   ins.header["worker_id"] != worker.worker_id):
+                                                   ins.message.worker_id != worker.worker_id):
                 return  # not registered, or for an earlier registration: dropped, as WorkerCore does
             if kind == "welcome":
-                worker.worker_id = ins.header["worker_id"]
+                worker.worker_id = ins.message.worker_id
             elif kind == "unknown_peer":
                 worker.worker_id = None
                 worker.cache.clear()
@@ -183,15 +183,15 @@ class Driver:
             return
         rank = next((r for r in self.ranks.values() if r.peer == ins.peer), None)
         if rank is not None and kind == "step_header":
-            rank.headers.setdefault(ins.header["step"], np.asarray(ins.arrays[0]))
+            rank.headers.setdefault(ins.message.step, np.asarray(ins.message.pieces))
 
     def _prepare(self, worker: FakeWorker, ins: Send) -> None:
-        s, records = ins.header["source"], np.asarray(ins.arrays[0])
+        s, records = ins.message.source, np.asarray(ins.message.records)
         if any((s, r) in self.poison for r in records.tolist()):  # the process dies on it
             self.kill(worker.peer)
-            self.deaths.append((worker.worker_id, ins.header["task_id"]))
+            self.deaths.append((worker.worker_id, ins.message.task_id))
             self.pending.append(WorkerExited(at=self.now, peer=self.host_peer, agent_id=1, pid=worker.pid, exitcode=-9,
-                                             task_id=ins.header["task_id"]))
+                                             task_id=ins.message.task_id))
             self.add_worker(f"{worker.peer.decode()}+")  # the agent starts another process
             return
         lengths = np.zeros(len(records), dtype=np.int64)
@@ -207,11 +207,11 @@ class Driver:
             lengths[i] = len(tokens)
         worker.busy_s += 0.001 * len(records)
         self.pending.append(Prepared(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
-                                     task_id=ins.header["task_id"], skipped=skipped, busy_s=0.001 * len(records),
+                                     task_id=ins.message.task_id, skipped=skipped, busy_s=0.001 * len(records),
                                      lengths=lengths, patches=np.zeros(0, dtype=np.int64)))
 
     def _deliver(self, worker: FakeWorker, ins: Send) -> None:
-        items, release = np.asarray(ins.arrays[0]), np.asarray(ins.arrays[1])
+        items, release = np.asarray(ins.message.items), np.asarray(ins.message.release)
         fate = self.on_deliver(self, worker, ins) if self.on_deliver is not None else None
         if fate == "drop":  # dies before sending anything or acknowledging
             self.kill(worker.peer)
@@ -222,17 +222,17 @@ class Driver:
                 key = row[DELIVER_ITEM.doc_key]
                 source = split_doc_key(key)[0]
                 if source not in self.state.mapped and not worker.cache.get(key):
-                    self.unserved.append(f"worker {worker.worker_id}: step {ins.header['step']} key {key:x}")
+                    self.unserved.append(f"worker {worker.worker_id}: step {ins.message.step} key {key:x}")
                     unserved += 1
                     continue
                 rank = self.ranks.get(row[DELIVER_ITEM.rank])
                 if rank is not None:
-                    rank.arrived.setdefault(ins.header["step"], set()).add(row[DELIVER_ITEM.piece])
+                    rank.arrived.setdefault(ins.message.step, set()).add(row[DELIVER_ITEM.piece])
             for key in release.tolist():
                 if worker.cache.get(key):
                     worker.cache[key] -= 1
         self.pending.append(Delivered(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
-                                      delivery_id=ins.header["delivery_id"], unserved=unserved))
+                                      delivery_id=ins.message.delivery_id, unserved=unserved))
         if fate == "ack-then-die":  # acknowledged, but the pieces never left its socket
             self.kill(worker.peer)
 
@@ -244,4 +244,4 @@ class Driver:
                 if steps is None or k < steps}
 
     def sends(self, out: list[Instruction], kind: str) -> list[Send]:
-        return [i for i in out if isinstance(i, Send) and i.header["type"] == kind]
+        return [i for i in out if isinstance(i, Send) and i.message.TYPE == kind]

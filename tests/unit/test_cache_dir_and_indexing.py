@@ -286,8 +286,7 @@ def test_a_welcomed_worker_builds_what_its_host_lacks_keeping_itself_alive(tmp_p
     core = WorkerCore()
     beats = []
     core.keep_alive = lambda: beats.append(1)
-    actions = core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job={"seed": 0, "sources": [spec]},
-                                 count=[]), {})
+    actions = core.handle(P.Welcome(worker_id=1, heartbeat_s=0.5, job={"seed": 0, "sources": [spec]}, count=[]))
     assert actions == [Registered(1, 0.5)]
     assert sum(n.endswith(".msdidx.npy") for n in os.listdir(cache)) == 3  # before its first task
     assert len(beats) >= 3

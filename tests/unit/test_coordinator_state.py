@@ -57,12 +57,12 @@ def test_the_stream_does_not_depend_on_the_number_of_workers(job, reference):
 def test_the_journal_line_of_a_step_precedes_its_dispatch(job):
     d = _started(job, history=StepHistory(durable=True))
     d.run(3)
-    kinds = [type(i).__name__ if not isinstance(i, Send) else i.header["type"] for i in d.out]
+    kinds = [type(i).__name__ if not isinstance(i, Send) else i.message.TYPE for i in d.out]
     for step in range(3):
         journaled = next(k for k, i in enumerate(d.out) if isinstance(i, AppendJournal)
                          and any(s["next_step"] == step + 1 for s in i.states))
         first_header = next(k for k, i in enumerate(d.out) if isinstance(i, Send)
-                            and i.header["type"] == "step_header" and i.header["step"] == step)
+                            and i.message.TYPE == "step_header" and i.message.step == step)
         assert journaled < first_header, kinds[:first_header + 1]
 
 
@@ -73,8 +73,8 @@ def test_a_worker_dying_mid_delivery_has_its_records_prepared_again_and_the_deli
     lost_steps = []
 
     def die_once(driver, worker, ins):
-        if worker.peer == victim and ins.header["step"] >= 4 and not lost_steps:
-            lost_steps.append(ins.header["step"])
+        if worker.peer == victim and ins.message.step >= 4 and not lost_steps:
+            lost_steps.append(ins.message.step)
             return "drop"  # killed with the delivery in hand: no pieces, no ack
         return None
 
@@ -87,7 +87,7 @@ def test_a_worker_dying_mid_delivery_has_its_records_prepared_again_and_the_deli
     # the state noticed (3 silent heartbeats), re-prepared on the survivor, re-sent in step order
     reprepared = [i for i in d.sends(after, "prepare") if i.peer == b"w0"]
     assert reprepared
-    to_w0 = [i.header["step"] for i in d.sends(after, "deliver") if i.peer == b"w0"]
+    to_w0 = [i.message.step for i in d.sends(after, "deliver") if i.peer == b"w0"]
     # w0's own deliveries of the steps planned before the death was noticed may come first; from
     # the first step sent to it again (the victim's part, from the copies w0 prepared again) on,
     # in step order
@@ -105,8 +105,8 @@ def test_a_delivery_lost_after_its_ack_is_sent_again(job, reference):
     done = []
 
     def ack_then_die(driver, worker, ins):
-        if worker.peer == b"w0" and ins.header["step"] == 3 and not done:
-            done.append(ins.header["delivery_id"])
+        if worker.peer == b"w0" and ins.message.step == 3 and not done:
+            done.append(ins.message.delivery_id)
             return "ack-then-die"
         return None
 
@@ -138,13 +138,13 @@ def test_a_mix_request_is_journaled_before_it_is_answered_and_refused_for_a_plan
     d.run(2)
     planned = d.state.planner.state.next_step
     ok = d.handle(MixRequest(at=d.now, peer=b"tool", at_step=planned + 5, weights={"web": 1, "code": 1}))
-    kinds = [type(i).__name__ if not isinstance(i, Send) else i.header["type"] for i in ok]
-    assert kinds[:2] == ["AppendMixture", "mix_reply"] and ok[1].header["ok"] == 1
+    kinds = [type(i).__name__ if not isinstance(i, Send) else i.message.TYPE for i in ok]
+    assert kinds[:2] == ["AppendMixture", "mix_reply"] and ok[1].message.ok == 1
     assert ok[0] == AppendMixture(planned + 5, (1.0, 1.0, 0.0))
     assert d.state.planner.weights_at(planned + 5) == [0.5, 0.5, 0.0]
     late = d.handle(MixRequest(at=d.now, peer=b"tool", at_step=0, weights={"web": 1}))
-    assert [i.header["ok"] for i in d.sends(late, "mix_reply")] == [0]
-    assert "already planned" in d.sends(late, "mix_reply")[0].header["reason"]
+    assert [i.message.ok for i in d.sends(late, "mix_reply")] == [0]
+    assert "already planned" in d.sends(late, "mix_reply")[0].message.reason
     assert not any(isinstance(i, AppendMixture) for i in late)
 
 
@@ -153,7 +153,7 @@ def test_a_busy_auto_host_grows_while_ranks_wait(job):
     host = HostHello(at=0.0, peer=b"host", version=P.PROTOCOL_VERSION, agent_id=7, host="cpu-1", procs=1,
                      min_procs=1, max_procs=3, auto=1)
     out = d.handle(host)
-    assert [(i.header["procs"], i.header["reason"]) for i in d.sends(out, "scale")] == [(1, "registered")]
+    assert [(i.message.procs, i.message.reason) for i in d.sends(out, "scale")] == [(1, "registered")]
     d.add_worker("w0")
     d.add_rank(0)
     d.add_rank(1)
@@ -165,7 +165,7 @@ def test_a_busy_auto_host_grows_while_ranks_wait(job):
         beats += [Consumed(at=d.now, peer=f"rank{r}".encode(), rank=r, step=-1, waited_s=0.5 * k) for r in (0, 1)]
         beats += [HostHeartbeat(at=d.now, peer=b"host", agent_id=7, procs=1)]
         scales += d.sends(d.handle(*beats, Tick(at=d.now)), "scale")
-    assert scales and scales[0].peer == b"host" and scales[0].header["procs"] == 2
+    assert scales and scales[0].peer == b"host" and scales[0].message.procs == 2
 
 
 def test_an_unknown_peer_is_asked_to_say_hello_and_a_bad_claim_is_dropped(job):
@@ -177,7 +177,7 @@ def test_an_unknown_peer_is_asked_to_say_hello_and_a_bad_claim_is_dropped(job):
     assert not d.sends(out, "unknown_peer") and d.state.registry.workers[0].busy_s == 0.0
     bad = d.handle(TrainerHello(at=0.0, peer=b"r9", version=P.PROTOCOL_VERSION, rank=9, data_address="x",
                                 resume_step=0, incarnation=1, metadata_only=0))
-    assert "out of range" in d.sends(bad, "reject")[0].header["reason"]
+    assert "out of range" in d.sends(bad, "reject")[0].message.reason
 
 
 def test_a_faulty_run_replays_exactly_from_its_stimulus_log(job, tmp_path):
@@ -192,7 +192,7 @@ def test_a_faulty_run_replays_exactly_from_its_stimulus_log(job, tmp_path):
         return out
 
     d.state.handle = logged
-    d.on_deliver = lambda drv, w, ins: "drop" if w.peer == b"w1" and ins.header["step"] == 5 else None
+    d.on_deliver = lambda drv, w, ins: "drop" if w.peer == b"w1" and ins.message.step == 5 else None
     d.run(STEPS)
     path = log.dump(str(tmp_path / "stimulus.msgpack"))
     dump = stimulus.load(path)
@@ -250,7 +250,8 @@ def test_the_planner_alone_gives_the_recipes_the_ranks_received(job, reference, 
 
 
 def test_the_stimulus_log_keeps_its_recent_past_within_its_bounds():
-    burst = ([Tick(at=0.0)], [Send(b"p", {"type": "x"}, (np.zeros(100, np.int64),))])  # ~1.2 kB
+    prepare = P.Prepare(task_id=0, source=0, worker_id=0, records=np.zeros(100, np.uint64))
+    burst = ([Tick(at=0.0)], [Send(b"p", prepare)])  # ~1.2 kB
     by_count = stimulus.StimulusLog({}, max_entries=5)
     by_bytes = stimulus.StimulusLog({}, max_bytes=3000)
     for _ in range(10):
@@ -313,8 +314,8 @@ def test_a_coordinator_with_no_state_resumes_from_the_state_the_ranks_carry(job)
     d.handle(MixRequest(at=d.now, peer=b"tool", at_step=5, weights={"web": 1, "long": 3}))
     d.run(STEPS)
     [reply] = d.sends(d.handle(StateRequest(at=d.now, peer=b"rank0", rank=0, step=7)), "state_reply")
-    carried = reply.header["state"]
-    assert reply.header["ok"] == 1 and carried["mixture_changes"] == [[5, [1.0, 0.0, 3.0]]]
+    carried = reply.message.state
+    assert reply.message.ok == 1 and carried["mixture_changes"] == [[5, [1.0, 0.0, 3.0]]]
 
     fresh = Driver(job, StepHistory(durable=True))  # no state of the first run at all
     fresh.add_worker("w0")
@@ -335,13 +336,13 @@ def test_a_coordinator_with_no_state_resumes_from_the_state_the_ranks_carry(job)
     again.add_rank(0, resume_step=7, carried=carried)
     again.add_rank(1, resume_step=7, carried=other)
     rejects = again.sends(again.flush(), "reject")
-    assert len(rejects) == 1 and "differs from the one the first rank brought" in rejects[0].header["reason"]
+    assert len(rejects) == 1 and "differs from the one the first rank brought" in rejects[0].message.reason
     # and a rank resuming ahead of a coordinator that has no state and gets none is refused too
     bare = Driver(job)
     bare.add_worker("w0")
     bare.add_rank(0, resume_step=7)
     [refused] = bare.sends(bare.flush(), "reject")
-    assert "does not carry the coordinator's state" in refused.header["reason"]
+    assert "does not carry the coordinator's state" in refused.message.reason
 
 
 def test_a_second_hello_of_the_same_client_before_it_consumed_anything_rewinds_nothing(job, reference):
@@ -398,8 +399,8 @@ def test_rank_reports_that_leave_the_slowest_rank_where_it_was_skip_the_planning
     for a, b in zip(with_skip, without):
         assert type(a) is type(b)
         if isinstance(a, Send):
-            assert a.peer == b.peer and a.header == b.header
-            assert all(np.array_equal(x, y) for x, y in zip(a.arrays, b.arrays))
+            assert a.peer == b.peer and a.message.header() == b.message.header()
+            assert all(np.array_equal(x, y) for x, y in zip(a.message.frames(), b.message.frames()))
 
 
 class _PacedRanks(Driver):
@@ -462,5 +463,5 @@ def test_a_status_is_logged_in_one_short_line_and_a_stop_writes_the_last_one(job
     [last] = [i for i in out if isinstance(i, WriteStatus)]
     assert last.status["stopped"] == "coordinator stopping" and last.status["failed"] == "source 'web': it broke"
     assert "JOB FAILED: source 'web': it broke" in status_line(last.status)
-    told = [s.header for s in d.sends(out, "job_failed")]
+    told = [s.message.header() for s in d.sends(out, "job_failed")]
     assert len(told) == 2 and all(h["reason"] == "source 'web': it broke" for h in told)

@@ -14,8 +14,8 @@ from msd_common import protocol as P
 from worker.core import ToCoordinator, WorkerCore
 
 
-def _hello(host: str = "a", version: int = P.PROTOCOL_VERSION) -> dict:
-    return P.make(P.WORKER_HELLO, version=version, host=host, pid=1, incarnation=1, agent=1)
+def _hello(host: str = "a", version: int = P.PROTOCOL_VERSION) -> P.Message:
+    return P.WorkerHello(version=version, host=host, pid=1, incarnation=1, agent=1)
 
 
 def _counting(dataset_dir) -> tuple[_Counting, object]:
@@ -23,29 +23,29 @@ def _counting(dataset_dir) -> tuple[_Counting, object]:
     return _Counting(job, {0: ["web-0.jsonl"], 2: ["long-0.jsonl.zst"]}), job
 
 
-def _counts(sources: list[int], records: list[int], problems: list[str] | None = None) -> dict:
-    return P.make(P.SOURCE_COUNTS, worker_id=0, sources=sources, records=records,
+def _counts(sources: list[int], records: list[int], problems: list[str] | None = None) -> P.Message:
+    return P.SourceCounts(worker_id=0, sources=sources, records=records,
                   problems=problems or [""] * len(sources))
 
 
 def test_a_welcomed_worker_counts_what_it_is_asked_and_the_counting_ends(dataset_dir):
     counting, job = _counting(dataset_dir)
     welcome = counting.handle(b"w0", _hello())
-    assert welcome["type"] == "welcome" and welcome["count"] == [0, 2] and welcome["worker_id"] == 0
-    assert counting.handle(b"w0", P.make(P.WORKER_HEARTBEAT, worker_id=0, cached_records=0, busy_s=0.0, backlog=0,
-                                         send_waits=0))["type"] == "alive"
-    assert counting.handle(b"t0", P.make(P.TRAINER_HEARTBEAT, rank=0)) is None  # trainers wait
+    assert welcome.TYPE == "welcome" and welcome.count == [0, 2] and welcome.worker_id == 0
+    assert counting.handle(b"w0", P.WorkerHeartbeat(worker_id=0, cached_records=0, busy_s=0.0, backlog=0,
+                                         send_waits=0)).TYPE == "alive"
+    assert counting.handle(b"t0", P.TrainerHeartbeat(rank=0)) is None  # trainers wait
     # the worker's real answer, from its core over the real files
     core = WorkerCore()
-    actions = core.handle(welcome, {})
-    [answer] = [a.header for a in actions if isinstance(a, ToCoordinator)]
-    assert answer["type"] == "source_counts" and answer["sources"] == [0, 2]
+    actions = core.handle(welcome)
+    [answer] = [a.message for a in actions if isinstance(a, ToCoordinator)]
+    assert answer.TYPE == "source_counts" and answer.sources == [0, 2]
     assert not counting.done
     counting.handle(b"w0", answer)
     assert counting.done and not counting.problems
     opened = open_sources(parse_job(job_dict(), "job.yaml", base_dir=dataset_dir))
     assert {s: n for s, (n, _) in counting.counts.items()} == {0: opened.num_records[0], 2: opened.num_records[2]}
-    status = counting.handle(b"tool", P.make(P.STATUS_REQUEST))["status"]
+    status = counting.handle(b"tool", P.StatusRequest()).status
     assert status["counting"] == {"sources": 2, "counted": 2, "shards_to_index": 2, "workers": 1}
     from rich.console import Console
 
@@ -59,12 +59,12 @@ def test_a_welcomed_worker_counts_what_it_is_asked_and_the_counting_ends(dataset
 def test_a_host_agent_is_told_to_run_all_the_processes_it_may(dataset_dir):
     """Indexing is work for every process: an auto host (1..max_procs) runs its maximum meanwhile."""
     counting, _ = _counting(dataset_dir)
-    hello = P.make(P.HOST_HELLO, version=P.PROTOCOL_VERSION, agent_id=7, host="a", procs=1, min_procs=1, max_procs=6,
+    hello = P.HostHello(version=P.PROTOCOL_VERSION, agent_id=7, host="a", procs=1, min_procs=1, max_procs=6,
                    auto=1)
     scale = counting.handle(b"h0", hello)
-    assert scale["type"] == "scale" and scale["procs"] == 6 and scale["retire"] == []
-    assert counting.handle(b"h0", P.make(P.HOST_HEARTBEAT, agent_id=7, procs=6, pids=[]))["type"] == "alive"
-    assert counting.handle(b"h1", P.make(P.HOST_HEARTBEAT, agent_id=8, procs=1, pids=[])) is None  # never said hello
+    assert scale.TYPE == "scale" and scale.procs == 6 and scale.retire == []
+    assert counting.handle(b"h0", P.HostHeartbeat(agent_id=7, procs=6, pids=[])).TYPE == "alive"
+    assert counting.handle(b"h1", P.HostHeartbeat(agent_id=8, procs=1, pids=[])) is None  # never said hello
 
 
 def test_counts_from_a_peer_never_welcomed_are_ignored(dataset_dir):
@@ -76,7 +76,7 @@ def test_counts_from_a_peer_never_welcomed_are_ignored(dataset_dir):
 def test_an_older_worker_is_refused_with_the_reason(dataset_dir):
     counting, _ = _counting(dataset_dir)
     reply = counting.handle(b"w0", _hello(version=P.PROTOCOL_VERSION - 1))
-    assert reply["type"] == "reject" and f"!= {P.PROTOCOL_VERSION}" in reply["reason"]
+    assert reply.TYPE == "reject" and f"!= {P.PROTOCOL_VERSION}" in reply.reason
     assert not counting.welcomed
 
 

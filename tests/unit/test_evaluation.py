@@ -3,6 +3,7 @@
 import numpy as np
 
 from coordinator import evaluation
+from msd_common import protocol as P
 from msd_common.spec import parse_job
 from coordinator.holdout import Holdout, record_hash
 from tests.conftest import job_dict
@@ -48,12 +49,12 @@ def test_an_empty_set_is_served_as_a_pass_of_padding(dataset_dir):
     sent = []
     trainers = {0: type("T", (), {"address": "tcp://x"})(), 1: type("T", (), {"address": "tcp://y"})()}
     book = evaluation.EvalBook(job, Holdout(job.seed, [100, 40, 10], [dict(e.holdout) for e in job.eval_sets]),
-                               [100, 40, 10], job.topology, lambda peer, h, *a: sent.append((peer, h, a)),
+                               [100, 40, 10], job.topology, lambda peer, m: sent.append((peer, m)),
                                lambda: {}, lambda: trainers)
     assert len(book.sets[0].records) == 0
     book.request(0, "h", 0, b"r0")
-    [(peer, header, arrays)] = sent
-    assert peer == b"r0" and header["type"] == "eval_header" and header["reason"] == ""
-    assert len(arrays[0]) == 0 and len(arrays[1]) == 2  # one micro-batch of 2 rows, all padding
+    [(peer, header)] = sent
+    assert peer == b"r0" and isinstance(header, P.EvalHeader) and header.reason == ""
+    assert len(header.pieces) == 0 and len(header.counts) == 2  # one micro-batch of 2 rows, all padding
     book.request(0, "nope", 0, b"r0")
-    assert "no eval set 'nope'" in sent[-1][1]["reason"]
+    assert "no eval set 'nope'" in sent[-1][1].reason

@@ -131,7 +131,7 @@ def _processor_core(tmp_path):
     records = write_image_conversations(str(tmp_path / "data"), 6, seed=2, sizes=(40, 200), max_images=2)
     job = _job(tmp_path)
     core = WorkerCore()
-    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
+    core.handle(P.Welcome(worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]))
     return core, records
 
 
@@ -143,24 +143,23 @@ def test_an_image_that_fails_at_delivery_sends_its_sample_blank_with_nothing_to_
     from worker.core import ToRank
 
     core, records = _processor_core(tmp_path)
-    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0),
-                          {"records": np.array([0, 1], dtype=np.uint64)})
-    assert reply.header["skipped"] == []
+    [reply] = core.handle(P.Prepare(task_id=1, source=0, worker_id=core.worker_id or 0,
+                                    records=np.array([0, 1], dtype=np.uint64)))
+    assert reply.message.skipped == []
     spoiled, good = core.cache[doc_key(0, 0)], core.cache[doc_key(0, 1)]
     assert spoiled.processed.pending is not None and good.processed.pending is not None
     grids = spoiled.processed.pending.plan.arrays["image_grid_thw"]
     spoiled.processed.pending.files[0] = spoiled.processed.pending.files[0][:40]  # cut after prepare
     items = np.array([[0, 0, doc_key(0, 0), 0, spoiled.length], [0, 1, doc_key(0, 1), 0, good.length]], np.uint64)
-    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=3, step=0,
-                                 addresses=["tcp://r"]),
-                          {"items": items, "release": np.zeros(0, np.uint64), "targets": np.array([[0, 0]], np.uint64)})
+    actions = core.handle(P.Deliver(worker_id=core.worker_id or 0, delivery_id=3, step=0, addresses=["tcp://r"],
+                                    items=items, release=np.zeros(0, np.uint64), targets=np.array([[0, 0]], np.uint64)))
     [message] = [a for a in actions if isinstance(a, ToRank)]
-    mask = message.arrays[4]
+    mask = message.message.loss_mask
     assert not mask[:spoiled.length].any() and mask[spoiled.length:].any()
     pixels = spoiled.processed.image_arrays["pixel_values"]
     assert len(pixels) == int(grids.prod(axis=1).sum())  # the planned patches, blank
     np.testing.assert_array_equal(spoiled.processed.image_arrays["image_grid_thw"], grids)
-    [failed] = actions[-1].header["failed"]
+    [failed] = actions[-1].message.failed
     assert failed[:2] == [0, 0] and failed[3] == "corrupt" and "image does not decode" in failed[2]
     assert "conversations.jsonl:1" in failed[2]  # names the file and line
     assert good.processed.image_arrays["pixel_values"].any()

@@ -60,7 +60,7 @@ def test_a_worker_whose_cache_lost_pieces_is_forgotten_and_they_are_prepared_aga
     lost = []
 
     def lose_cache(drv, worker, ins):
-        if ins.header["step"] == 4 and not lost:
+        if ins.message.step == 4 and not lost:
             worker.cache.clear()
             lost.append(worker.worker_id)
         return None
@@ -114,7 +114,7 @@ def test_ranks_at_different_steps_all_resume_on_a_coordinator_that_took_over(job
     assert standby.state.planner.state.next_step == 5  # rewound for rank 0
     standby.add_rank(1, resume_step=6)
     out = standby.flush()
-    assert not standby.sends(out, "reject"), [i.header for i in standby.sends(out, "reject")]
+    assert not standby.sends(out, "reject"), [i.message for i in standby.sends(out, "reject")]
     standby.run(STEPS)
     got = standby.stream(STEPS)
     assert {k: v for k, v in got.items() if k[1] >= 6} == {k: v for k, v in reference.items() if k[1] >= 6}

@@ -32,7 +32,7 @@ def test_coordinator_prepares_mapped_records_itself_and_spreads_them(tmp_path):
     state = CoordinatorState(job, open_sources(job), StepHistory(durable=False))
     out = state.handle(*[WorkerHello(at=0.0, peer=b"w%d" % w, version=P.PROTOCOL_VERSION, host="h", pid=w,
                                      incarnation=w, agent=1) for w in range(3)])  # one burst: then one pump
-    assert [i.header["type"] for i in out if isinstance(i, Send)] == ["welcome"] * 3  # no prepare task sent
+    assert [i.message.TYPE for i in out if isinstance(i, Send)] == ["welcome"] * 3  # no prepare task sent
     table = state.tables[0]
     positions = np.arange(table.base, table.end)
     assert len(positions) >= 192 and not len(state.tasks)  # prepared, and no task in flight
@@ -49,7 +49,6 @@ def test_worker_that_cannot_open_a_mapped_source_stops(tmp_path, caplog):
     core = WorkerCore()
     spec = {"name": "code", "index": 0, "format": "megatron", "files": [str(tmp_path / "missing_document")]}
     with caplog.at_level(logging.ERROR, logger="msd.worker"):
-        actions = core.handle(P.make(P.WELCOME, worker_id=4, heartbeat_s=1.0, job={"seed": 0, "sources": [spec]},
-                                     count=[]), {})
+        actions = core.handle(P.Welcome(worker_id=4, heartbeat_s=1.0, job={"seed": 0, "sources": [spec]}, count=[]))
     assert actions == [Quit("cannot open source code")]
     assert "cannot open source code" in caplog.text

@@ -16,19 +16,19 @@ BATCH = {"seq_len": 8, "micro_batch_size": 1, "micro_batches": 2, "pad_id": 0, "
 
 
 def _welcome(digest="d1"):
-    return wire.encode(P.make(P.TRAINER_WELCOME, rank=0, batch=BATCH, plan_digest=digest, heartbeat_s=0.5))
+    return wire.encode(P.make(P.TrainerWelcome, rank=0, batch=BATCH, plan_digest=digest, heartbeat_s=0.5))
 
 
 def _header(step):
     recipe = np.array([[1, 0, 5], [2, 0, 3], [3, 4, 6]], dtype=np.uint64)  # doc_key, offset, length
-    header = P.make(P.STEP_HEADER, step=step, rank=0, row_len=8, plan={})
+    header = P.make(P.StepHeader, step=step, rank=0, row_len=8, plan={})
     return wire.encode(header, recipe, np.array([2, 1], dtype=np.uint32)), recipe
 
 
 def _pieces(step, indices, recipe):
     items = np.array([[i, *recipe[i]] for i in indices], dtype=np.uint64)
     tokens = np.concatenate([np.arange(int(recipe[i][2]), dtype=np.uint16) + 10 * i for i in indices])
-    header = P.make(P.PIECES, step=step, rank=0, dtype="<u2", patch_bytes=0, extras=[])
+    header = P.make(P.Pieces, step=step, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     return wire.encode(header, items, tokens, np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint8),
                        np.zeros(0, np.uint32))
 
@@ -75,10 +75,10 @@ def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
     state = ReceivingState(rank=0, next_step=0, next_micro_batch=0, plan_digest="from-checkpoint")
     welcomed, error = state.on_control(_welcome("other"))
     assert welcomed == Welcomed(0.5) and isinstance(error, RejectedError) and "job file changed" in str(error)
-    assert state.on_control(wire.encode(P.make(P.UNKNOWN_PEER, reason="restarted"))) == [Forgotten()]
-    [refused] = state.on_control(wire.encode(P.make(P.REJECT, reason="no")))
+    assert state.on_control(wire.encode(P.make(P.UnknownPeer, reason="restarted"))) == [Forgotten()]
+    [refused] = state.on_control(wire.encode(P.make(P.Reject, reason="no")))
     assert isinstance(refused, RejectedError)
-    state.on_control(wire.encode(P.make(P.END_OF_STREAM, step=0, reason="source ran out")))
+    state.on_control(wire.encode(P.make(P.EndOfStream, step=0, reason="source ran out")))
     [end] = state.finished()
     assert isinstance(end, End) and end.reason == "source ran out"
     assert state.on_control([b"\xc1"]) == []  # undecodable: dropped

@@ -27,9 +27,10 @@ def _split(frames: list) -> list[tuple[int, dict, dict]]:
 
 def test_relay_down_carries_each_rank_its_own_message():
     pieces = np.array([[1, 0, 5], [2, 5, 7]], dtype=np.uint64)
-    header = P.make(P.STEP_HEADER, step=3, rank=5, row_len=16, plan={"max_over_mean": 1.0})
-    welcome = P.make(P.TRAINER_WELCOME, rank=4, batch={"seq_len": 16}, plan_digest="d", heartbeat_s=1.0)
-    parts = _split(wire.encode(*relay_down([(4, welcome, ()), (5, header, (pieces, np.array([1, 1])))])))
+    header = P.StepHeader(step=3, rank=5, row_len=16, plan={"max_over_mean": 1.0}, pieces=pieces,
+                          counts=np.array([1, 1]))
+    welcome = P.TrainerWelcome(rank=4, batch={"seq_len": 16}, plan_digest="d", heartbeat_s=1.0)
+    parts = _split(wire.encode(relay_down([(4, welcome), (5, header)])))
     assert [(rank, msg["type"], msg["rank"]) for rank, msg, _ in parts] == [(4, "trainer_welcome", 4),
                                                                            (5, "step_header", 5)]
     np.testing.assert_array_equal(parts[1][2]["pieces"], pieces)
@@ -39,11 +40,11 @@ def test_relay_down_carries_each_rank_its_own_message():
 def test_relay_step_gives_each_rank_the_step_header_of_its_dp_rank():
     pieces = np.arange(5 * 3, dtype=np.uint64).reshape(5, 3)
     counts = np.array([[2, 0], [1, 2]], dtype=np.uint32)  # DP ranks 6 and 9: 2 and 3 pieces
-    header = P.make(P.RELAY_STEP, step=7, row_len=64, dps=[6, 9], ranks=[[12, 0], [13, 0], [18, 1]],
-                    piece_counts=[2, 3], rank_costs=[1.5, 2.5], naive_costs=[1.0, 3.0], max_over_mean=1.1,
-                    naive_max_over_mean=1.3)
-    msg, arrays = wire.decode(wire.encode(header, pieces, counts), P.RELAY_INBOX)
-    out = {rank: wire.decode(frames, P.TRAINER_CONTROL_INBOX) for rank, frames in step_headers(msg, arrays)}
+    relay_step = P.RelayStep(step=7, row_len=64, dps=[6, 9], ranks=[[12, 0], [13, 0], [18, 1]],
+                             piece_counts=[2, 3], rank_costs=[1.5, 2.5], naive_costs=[1.0, 3.0], max_over_mean=1.1,
+                             naive_max_over_mean=1.3, pieces=pieces, counts=counts)
+    msg = wire.receive(wire.encode(relay_step), P.RELAY_INBOX)
+    out = {rank: wire.decode(frames, P.TRAINER_CONTROL_INBOX) for rank, frames in step_headers(msg)}
     assert sorted(out) == [12, 13, 18]
     for rank, lo, hi, row, cost in ((12, 0, 2, 0, 1.5), (13, 0, 2, 0, 1.5), (18, 2, 5, 1, 2.5)):
         h, a = out[rank]
@@ -55,17 +56,17 @@ def test_relay_step_gives_each_rank_the_step_header_of_its_dp_rank():
 
 
 def test_malformed_relay_messages_are_refused():
-    bad_step = P.make(P.RELAY_STEP, step=0, row_len=8, dps=[0], ranks=[[0, 1]], piece_counts=[1], rank_costs=[1.0],
+    bad_step = P.make(P.RelayStep, step=0, row_len=8, dps=[0], ranks=[[0, 1]], piece_counts=[1], rank_costs=[1.0],
                       naive_costs=[1.0], max_over_mean=1.0, naive_max_over_mean=1.0)
     with pytest.raises(ProtocolError, match="DP index"):
         wire.decode(wire.encode(bad_step, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint32)), P.RELAY_INBOX)
-    up = P.make(P.RELAY_UP, relay_id=0, messages=[], ranks=[0], bytes_in=0, bytes_out=0, queued=0, late_steps=0)
+    up = P.make(P.RelayUp, relay_id=0, messages=[], ranks=[0], bytes_in=0, bytes_out=0, queued=0, late_steps=0)
     with pytest.raises(ProtocolError, match="one waited_s"):
         wire.decode(wire.encode(up, np.zeros((2, 2), np.int64), np.zeros(1)), P.COORDINATOR_INBOX)
     # a relay passes up its ranks' messages; each is checked as the rank's own, and one that is not a
     # rank's (here a worker's) is dropped, the rest kept
     header, arrays = wire.decode(wire.encode({**up, "messages": [
-        P.make(P.TRAINER_HEARTBEAT, rank=3), P.make(P.WORKER_HEARTBEAT, worker_id=1, cached_records=0, busy_s=0.0,
+        P.make(P.TrainerHeartbeat, rank=3), P.make(P.WorkerHeartbeat, worker_id=1, cached_records=0, busy_s=0.0,
                                                     backlog=0, send_waits=0)]},
         np.array([[3, 9]], np.int64), np.array([0.5])), P.COORDINATOR_INBOX)
     events = RelayEnvelopes().unpack(b"relay", 1.0, header, arrays)

@@ -160,10 +160,10 @@ def test_a_worker_whose_transform_differs_from_the_coordinators_does_not_serve(d
     job = job_dict()
     job["sources"]["web"]["transform"] = f"{module}:crop"
     spec = parse_job(job, "job.yaml", base_dir=dataset_dir).worker_job().to_wire()
-    welcome = P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[])
-    assert WorkerCore().handle(welcome, {}) == [Registered(1, 0.5)]
+    welcome = P.Welcome(worker_id=1, heartbeat_s=0.5, job=spec, count=[])
+    assert WorkerCore().handle(welcome) == [Registered(1, 0.5)]
     spec["sources"][0]["transform_hash"] = "0" * 16  # the coordinator saw other code
-    [action] = WorkerCore().handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=spec, count=[]), {})
+    [action] = WorkerCore().handle(P.Welcome(worker_id=1, heartbeat_s=0.5, job=spec, count=[]))
     assert isinstance(action, Quit) and "differs from the coordinator's" in action.reason
 
 

@@ -14,7 +14,7 @@ def _frames(header, *arrays, tail=()):
 
 
 def _pieces(items, tokens, **header):
-    h = P.make(P.PIECES, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0, extras=[])
+    h = P.make(P.Pieces, step=3, rank=1, dtype=tokens.dtype.str, patch_bytes=0, extras=[])
     h.update(header)
     return _frames(h, np.array(items, dtype="<u8").reshape(-1, 4), tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"),
                    np.zeros(0, "|u1"), np.zeros(0, "<u4"))
@@ -30,7 +30,7 @@ def test_pieces_round_trip_keeps_arrays_exact():
 
 
 def test_message_for_another_role_is_rejected():
-    header = P.make(P.PREPARE, task_id=1, source=0, worker_id=0)
+    header = P.make(P.Prepare, task_id=1, source=0, worker_id=0)
     with pytest.raises(ProtocolError, match="not accepted"):
         wire.decode(_frames(header, np.array([1, 2], "<u8"), np.zeros(2, "<u4")), P.TRAINER_CONTROL_INBOX)
 
@@ -60,25 +60,25 @@ def test_array_frames_are_checked():
     with pytest.raises(ProtocolError, match="whole number"):
         wire.decode(frames, P.TRAINER_DATA_INBOX)
     # step header whose per-sequence counts do not add up
-    h = P.make(P.STEP_HEADER, step=0, rank=0, row_len=8, plan={})
+    h = P.make(P.StepHeader, step=0, rank=0, row_len=8, plan={})
     bad = _frames(h, np.array([[1, 0, 5]], "<u8"), np.array([2], "<u4"))
     with pytest.raises(ProtocolError, match="add up"):
         wire.decode(bad, P.TRAINER_CONTROL_INBOX)
     # record index beyond 48 bits
     with pytest.raises(ProtocolError, match="48 bits"):
-        wire.decode(_frames(P.make(P.PREPARE, task_id=1, source=0, worker_id=0), np.array([1 << 50], "<u8"),
+        wire.decode(_frames(P.make(P.Prepare, task_id=1, source=0, worker_id=0), np.array([1 << 50], "<u8"),
                             np.zeros(1, "<u4")),
                     P.WORKER_INBOX)
 
 
 def test_missing_field_and_frame_count():
-    header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
+    header = P.make(P.Pieces, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     del header["rank"]
     with pytest.raises(ProtocolError, match="rank.*missing"):
         wire.decode(_frames(header, np.zeros((0, 4), "<u8"), np.zeros(0, "<u2"), np.zeros(0, "<u4"),
                             np.zeros(0, "|u1"), np.zeros(0, "|u1"), np.zeros(0, "<u4")),
                     P.TRAINER_DATA_INBOX)
-    ok = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
+    ok = P.make(P.Pieces, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=[])
     with pytest.raises(ProtocolError, match="data frames"):
         wire.decode(_frames(ok), P.TRAINER_DATA_INBOX)
 
@@ -92,7 +92,7 @@ def test_oversized_and_undecodable_headers():
         wire.decode([b"x"] * (P.MAX_FRAMES + P.MAX_EXTRA_FRAMES + 1), P.COORDINATOR_INBOX)
     # only a type that takes trailing frames (pieces' extras) may have more than its arrays
     with pytest.raises(ProtocolError, match="expected 2 data frames, got 3"):
-        wire.decode(_frames(P.make(P.RELAY_UP, relay_id=1, messages=[], ranks=[], bytes_in=0, bytes_out=0, queued=0,
+        wire.decode(_frames(P.make(P.RelayUp, relay_id=1, messages=[], ranks=[], bytes_in=0, bytes_out=0, queued=0,
                                    late_steps=0), np.zeros((0, len(P.RELAY_CONSUMED)), "<i8"), np.zeros(0, "<f8"))
                     + [b"x"], P.COORDINATOR_INBOX)
     # binary blobs are never accepted in headers (nothing may smuggle payloads or objects there)
@@ -107,7 +107,7 @@ def test_pieces_with_image_patches_must_add_up():
     patches = np.arange(3 * 12, dtype=np.uint8)
 
     def frames(counts, patch_bytes=12, data=patches):
-        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes, extras=[])
+        h = P.make(P.Pieces, step=0, rank=0, dtype="<u2", patch_bytes=patch_bytes, extras=[])
         return _frames(h, items, tokens, np.array(counts, "<u4"), data, np.zeros(0, "|u1"), np.zeros(0, "<u4"))
 
     _, arrays = wire.decode(frames([3, 0]), P.TRAINER_DATA_INBOX)
@@ -125,7 +125,7 @@ def test_pieces_with_a_processors_arrays_must_add_up():
     pixels = np.arange(3 * 6, dtype="<f4")  # 3 rows of the first item, none of the second
 
     def frames(rows, data=pixels, declared=extras, tail=None):
-        h = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=declared)
+        h = P.make(P.Pieces, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=declared)
         tail = [np.zeros(4, "<i8").view(np.uint8), data.view(np.uint8)] if tail is None else tail
         return _frames(h, items, tokens, np.zeros(0, "<u4"), np.zeros(0, "|u1"), np.zeros(0, "|u1"),
                        np.array(rows, "<u4"), tail=tail)
@@ -145,7 +145,7 @@ def test_pieces_with_a_processors_arrays_must_add_up():
 
 def test_make_checks_field_names():
     with pytest.raises(ProtocolError):
-        P.make(P.CONSUMED, rank=0)
+        P.make(P.Consumed, rank=0)
 
 
 @settings(max_examples=300, deadline=None)

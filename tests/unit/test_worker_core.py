@@ -13,7 +13,7 @@ from worker.samples import open_source
 def _welcomed(dataset_dir):
     job = parse_job(job_dict(), "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    actions = core.handle(P.make(P.WELCOME, worker_id=3, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
+    actions = core.handle(P.Welcome(worker_id=3, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]))
     assert actions == [Registered(3, 0.5)]
     return core, job
 
@@ -21,35 +21,36 @@ def _welcomed(dataset_dir):
 def test_prepare_caches_typed_entries_and_answers_lengths_and_skips(dataset_dir):
     core, job = _welcomed(dataset_dir)
     records = np.array([61, 62, 64, 0], dtype=np.uint64)  # web-1.jsonl lines 2, 3 (corrupt), 5 (bad UTF-8)
-    [reply] = core.handle(P.make(P.PREPARE, task_id=9, source=0, worker_id=core.worker_id or 0), {"records": records})
-    assert isinstance(reply, ToCoordinator) and reply.header["type"] == "prepared"
-    lengths = reply.arrays[0]
+    [reply] = core.handle(P.Prepare(task_id=9, source=0, worker_id=core.worker_id or 0, records=records))
+    assert isinstance(reply, ToCoordinator) and isinstance(reply.message, P.Prepared)
+    lengths = reply.message.lengths
     reader = open_source(job.worker_job().sources[0])
     assert lengths.tolist() == [len(reader.read(61)), 0, 0, len(reader.read(0))]
-    assert [i for i, _, _ in reply.header["skipped"]] == [1, 2]
-    assert "corrupt JSON line" in reply.header["skipped"][0][1] and reply.header["skipped"][0][2] == "corrupt"
+    assert [i for i, _, _ in reply.message.skipped] == [1, 2]
+    assert "corrupt JSON line" in reply.message.skipped[0][1] and reply.message.skipped[0][2] == "corrupt"
     entry = core.cache[doc_key(0, 61)]
     assert isinstance(entry, CacheEntry) and entry.copies == 1 and entry.length == lengths[0]
 
 
 def test_deliver_sends_each_rank_its_pieces_then_acknowledges_and_releases(dataset_dir):
     core, job = _welcomed(dataset_dir)
-    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 5],
-                                                                                                            dtype=np.uint64)})
+    core.handle(P.Prepare(task_id=1, source=0, worker_id=core.worker_id or 0,
+                          records=np.array([5, 5], dtype=np.uint64)))
     assert core.cache[doc_key(0, 5)].copies == 2  # two stream positions hold the same record
     key, n = doc_key(0, 5), core.cache[doc_key(0, 5)].length
     mapped = doc_key(1, 2)
     items = np.array([[0, 0, key, 0, 4], [1, 3, mapped, 1, 5], [0, 1, key, 4, n - 4]], dtype=np.uint64)
-    deliver = P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=7, step=2, addresses=["tcp://a", "tcp://b"])
-    actions = core.handle(deliver, {"items": items, "release": np.array([key], dtype=np.uint64),
-                                    "targets": np.array([[0, 0], [1, 1]], dtype=np.uint64)})
+    actions = core.handle(P.Deliver(worker_id=core.worker_id or 0, delivery_id=7, step=2,
+                                    addresses=["tcp://a", "tcp://b"], items=items,
+                                    release=np.array([key], dtype=np.uint64),
+                                    targets=np.array([[0, 0], [1, 1]], dtype=np.uint64)))
     to_ranks = [a for a in actions if isinstance(a, ToRank)]
-    assert [(a.address, a.header["rank"]) for a in to_ranks] == [("tcp://a", 0), ("tcp://b", 1)]
+    assert [(a.address, a.message.rank) for a in to_ranks] == [("tcp://a", 0), ("tcp://b", 1)]
     web = open_source(job.worker_job().sources[0]).read(5)
-    assert to_ranks[0].arrays[1].tolist() == web.tolist()  # both pieces, in recipe order
+    assert to_ranks[0].message.tokens.tolist() == web.tolist()  # both pieces, in recipe order
     code = open_source(job.worker_job().sources[1]).read(2)
-    assert to_ranks[1].arrays[1].tolist() == code[1:6].tolist()  # read from the memory map
-    assert actions[-1] == ToCoordinator(P.make(P.DELIVERED, worker_id=3, delivery_id=7, failed=[], unserved=0))
+    assert to_ranks[1].message.tokens.tolist() == code[1:6].tolist()  # read from the memory map
+    assert actions[-1] == ToCoordinator(P.Delivered(worker_id=3, delivery_id=7, failed=[], unserved=0))
     assert core.cache[key].copies == 1  # one copy used up, one left
 
 
@@ -58,8 +59,8 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
     each rank's message holds its rows grouped by source, in row order within a source, and a
     piece beyond its document is left out of its own rank's message only."""
     core, job = _welcomed(dataset_dir)
-    core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": np.array([5, 7],
-                                                                                                            dtype=np.uint64)})
+    core.handle(P.Prepare(task_id=1, source=0, worker_id=core.worker_id or 0,
+                          records=np.array([5, 7], dtype=np.uint64)))
     web, code = (open_source(job.worker_job().sources[i]) for i in (0, 1))
     w5, w7, c2, c3 = web.read(5), web.read(7), code.read(2), code.read(3)
     items = np.array([[1, 0, doc_key(1, 3), 2, 3],            # rank 1, mapped
@@ -69,31 +70,30 @@ def test_a_delivery_read_once_gives_each_rank_its_rows_grouped_by_source_and_lea
                       [0, 2, doc_key(0, 5), 0, 1],            # rank 0, cached
                       [1, 2, doc_key(1, 2), len(c2), 1],      # rank 1, beyond its document
                       [0, 3, doc_key(1, 3), 0, 1]], dtype=np.uint64)
-    deliver = P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=4, step=0, addresses=["tcp://a", "tcp://b"])
-    actions = core.handle(deliver, {"items": items, "release": np.zeros(0, dtype=np.uint64),
-                                    "targets": np.array([[0, 0], [1, 1]], dtype=np.uint64)})
-    to_ranks = {a.header["rank"]: a for a in actions if isinstance(a, ToRank)}
-    assert to_ranks[0].arrays[0][:, 0].tolist() == [0, 2, 1, 3]  # source 0's rows, then source 1's
-    assert to_ranks[0].arrays[1].tolist() == [*w7[:2], *w5[:1], *c2[:4], *c3[:1]]
-    assert to_ranks[1].arrays[0][:, 0].tolist() == [1, 0]  # the piece beyond its document is not sent
-    assert to_ranks[1].arrays[1].tolist() == [*w5[1:4], *c3[2:5]]
-    assert actions[-1].header["type"] == "delivered"
+    actions = core.handle(P.Deliver(worker_id=core.worker_id or 0, delivery_id=4, step=0,
+                                    addresses=["tcp://a", "tcp://b"], items=items, release=np.zeros(0, dtype=np.uint64),
+                                    targets=np.array([[0, 0], [1, 1]], dtype=np.uint64)))
+    to_ranks = {a.message.rank: a.message for a in actions if isinstance(a, ToRank)}
+    assert to_ranks[0].items[:, 0].tolist() == [0, 2, 1, 3]  # source 0's rows, then source 1's
+    assert to_ranks[0].tokens.tolist() == [*w7[:2], *w5[:1], *c2[:4], *c3[:1]]
+    assert to_ranks[1].items[:, 0].tolist() == [1, 0]  # the piece beyond its document is not sent
+    assert to_ranks[1].tokens.tolist() == [*w5[1:4], *c3[2:5]]
+    assert isinstance(actions[-1].message, P.Delivered)
 
 
 def test_an_unknown_piece_is_not_sent_and_a_forgotten_worker_starts_clean(dataset_dir):
     core, _ = _welcomed(dataset_dir)
     items = np.array([[0, 0, doc_key(0, 9), 0, 4]], dtype=np.uint64)  # never prepared here
-    actions = core.handle(P.make(P.DELIVER, worker_id=core.worker_id or 0, delivery_id=1, step=0,
-                                 addresses=["tcp://a"]),
-                          {"items": items, "release": np.zeros(0, dtype=np.uint64),
-                           "targets": np.array([[0, 0]], dtype=np.uint64)})
-    assert not [a for a in actions if isinstance(a, ToRank)] and actions[-1].header["type"] == "delivered"
-    core.handle(P.make(P.PREPARE, task_id=2, source=0, worker_id=core.worker_id or 0), {"records": np.array([1],
-                                                                                                            dtype=np.uint64)})
-    assert core.handle(P.make(P.UNKNOWN_PEER, reason="restarted"), {}) == [Forgotten()]
+    actions = core.handle(P.Deliver(worker_id=core.worker_id or 0, delivery_id=1, step=0, addresses=["tcp://a"],
+                                    items=items, release=np.zeros(0, dtype=np.uint64),
+                                    targets=np.array([[0, 0]], dtype=np.uint64)))
+    assert not [a for a in actions if isinstance(a, ToRank)] and isinstance(actions[-1].message, P.Delivered)
+    core.handle(P.Prepare(task_id=2, source=0, worker_id=core.worker_id or 0,
+                          records=np.array([1], dtype=np.uint64)))
+    assert core.handle(P.UnknownPeer(reason="restarted")) == [Forgotten()]
     assert core.cache == {} and core.worker_id is None
-    records = {"records": np.array([1], dtype=np.uint64)}
-    assert core.handle(P.make(P.PREPARE, task_id=3, source=0, worker_id=core.worker_id or 0), records) == []
+    assert core.handle(P.Prepare(task_id=3, source=0, worker_id=core.worker_id or 0,
+                                 records=np.array([1], dtype=np.uint64))) == []
 
 
 def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_dir):
@@ -101,18 +101,18 @@ def test_a_record_over_max_record_bytes_is_skipped_before_it_is_decoded(dataset_
     raw["sources"]["web"]["max_record_bytes"] = 400
     job = parse_job(raw, "job.yaml", base_dir=dataset_dir)
     core = WorkerCore()
-    core.handle(P.make(P.WELCOME, worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]), {})
+    core.handle(P.Welcome(worker_id=1, heartbeat_s=0.5, job=job.worker_job().to_wire(), count=[]))
     reader = open_source(job.worker_job().sources[0])
     sizes = [int(reader.shards[0].offsets[i + 1] - reader.shards[0].offsets[i]) for i in range(60)]
     big = [i for i, n in enumerate(sizes) if n > 400]
     small = [i for i, n in enumerate(sizes) if n <= 400]
     assert big and small
     records = np.array(big[:2] + small[:2], dtype=np.uint64)
-    [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0), {"records": records})
-    skipped = reply.header["skipped"]
+    [reply] = core.handle(P.Prepare(task_id=1, source=0, worker_id=core.worker_id or 0, records=records))
+    skipped = reply.message.skipped
     assert [(i, kind) for i, _, kind in skipped] == [(0, "over_limit"), (1, "over_limit")]
     assert f"web-0.jsonl:{big[0] + 1}" in skipped[0][1] and "max_record_bytes (400)" in skipped[0][1]
-    assert reply.arrays[0].tolist()[2:] == [len(reader.read(small[0])), len(reader.read(small[1]))]
+    assert reply.message.lengths.tolist()[2:] == [len(reader.read(small[0])), len(reader.read(small[1]))]
 
 
 class _FailsOn:
@@ -137,12 +137,12 @@ def test_any_error_while_reading_one_record_is_a_skip_naming_the_record(dataset_
     for error in (MemoryError(), ValueError("tokenizer blew up")):
         core.cache.clear()
         core.readers[0] = _FailsOn(real, 7, error)
-        [reply] = core.handle(P.make(P.PREPARE, task_id=1, source=0, worker_id=core.worker_id or 0),
-                              {"records": np.array([6, 7, 8], dtype=np.uint64)})
-        [(i, reason, kind)] = reply.header["skipped"]
+        [reply] = core.handle(P.Prepare(task_id=1, source=0, worker_id=core.worker_id or 0,
+                                        records=np.array([6, 7, 8], dtype=np.uint64)))
+        [(i, reason, kind)] = reply.message.skipped
         assert (i, kind) == (1, "error")
         assert "web-0.jsonl:8" in reason and type(error).__name__ in reason
-        assert reply.arrays[0].tolist() == [len(real.read(6)), 0, len(real.read(8))]
+        assert reply.message.lengths.tolist() == [len(real.read(6)), 0, len(real.read(8))]
 
 
 def test_a_ranks_pieces_with_a_processors_arrays_are_split_into_messages_of_bounded_size(monkeypatch):
@@ -174,7 +174,7 @@ def test_a_ranks_pieces_with_a_processors_arrays_are_split_into_messages_of_boun
     seen = []
     for selected in chunks:
         rows, tokens, counts, patches, mask, extras, extra_rows, frames = pieces.join(selected)
-        header = P.make(P.PIECES, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=extras)
+        header = P.make(P.Pieces, step=0, rank=0, dtype="<u2", patch_bytes=0, extras=extras)
         _, arrays = wire.decode([bytes(f) for f in wire.encode(header, rows[:, P.DELIVER_ITEM.piece:], tokens, counts,
                                                                patches.reshape(-1), mask, extra_rows, tail=frames)],
                                 P.TRAINER_DATA_INBOX)
