@@ -225,7 +225,8 @@ class PreparationBook:
             return False
         if skip_kind:
             self.count_skip(s, skip_kind, int(done.sum()))
-        self.set_prepared(s, task.positions[done], np.zeros(int(done.sum()), dtype=np.int64), worker_id)
+        self.set_prepared(s, task.positions[done], np.zeros(int(done.sum()), dtype=np.int64), worker_id,
+                          measured=False)
         task.positions = task.positions[~done]
         if len(task.positions):
             return False
@@ -249,9 +250,11 @@ class PreparationBook:
         return lengths
 
     def set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,
-                      patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None) -> None:
+                      patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None,
+                      measured: bool = True) -> None:
         """The records at these positions of source s are prepared, held by the worker (or by
-        each position's worker, an array)."""
+        each position's worker, an array). measured False: lengths set here, not read from the
+        data (records held out or quarantined, 0): they say nothing of the source's mean length."""
         self.prepared_stamp += 1
         before = self.tables[s].set_prepared(positions, lengths, worker_id, patches, patch_squares)
         changed = (before >= 0) & (before != lengths)
@@ -259,8 +262,9 @@ class PreparationBook:
             log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",
                       self.job.sources[s].name, pos, now, was)
         new = before < 0
-        self.len_sum[s] += int(lengths[new].sum())
-        self.len_count[s] += int(new.sum())
+        if measured:
+            self.len_sum[s] += int(lengths[new].sum())
+            self.len_count[s] += int(new.sum())
         policy = self.job.sources[s].long_docs
         if policy != "split":  # records longer than a row, as prepared (the seq_len of the plan's stage)
             long = int((lengths[new] > self.job.seq_len_at(self.planner.state.next_step)).sum())

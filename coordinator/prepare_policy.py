@@ -17,6 +17,8 @@ import numpy as np
 from msd_common.spec import JobConfig
 from .lead import PrepareLead
 
+PRIOR_RECORDS = 8  # the mean record length starts as this many records of a quarter row each
+
 
 class PreparePolicy:
     def __init__(self, job: JobConfig, full_tasks: np.ndarray, task_block: np.ndarray, lead: PrepareLead) -> None:
@@ -32,9 +34,12 @@ class PreparePolicy:
                          len_sum: list[int], len_count: list[int]) -> np.ndarray:
         """Records of each source a step uses (0 for a source without weight)."""
         w = np.maximum(weights_now, weights_ahead)
-        counts = np.asarray(len_count, dtype=np.float64)
-        mean_len = np.where(counts > 0, np.asarray(len_sum, dtype=np.float64) / np.maximum(counts, 1),
-                            self.job.batch.seq_len / 4)
+        # The mean length prepared so far, pulled towards a quarter row by PRIOR_RECORDS of that
+        # length: a first task of skipped records (mean 0) sized the window at a step's tokens
+        # per record, a flood of tasks that kept the workers from delivering (found by msd.sim)
+        prior = self.job.batch.seq_len / 4
+        mean_len = ((np.asarray(len_sum, dtype=np.float64) + PRIOR_RECORDS * prior)
+                    / (np.asarray(len_count, dtype=np.float64) + PRIOR_RECORDS))
         return np.where(w > 0, w * self.job.step_tokens_at(step) / np.maximum(mean_len, 1.0), 0.0)
 
     def task_sizes(self, per_step: np.ndarray) -> np.ndarray:

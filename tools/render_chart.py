@@ -2,7 +2,7 @@
 
     python tools/render_chart.py --out deploy/kubernetes          # what `make k8s-manifests` runs
     python tools/render_chart.py --check deploy/kubernetes        # exit 1 if it differs from the chart
-    python tools/render_chart.py --values my-values.yaml --print  # one release's manifests, to read
+    python tools/render_chart.py --values my-values.yaml --set-file job=job.yaml --print  # one release's
 
 The renderer is Helm's own Go code (helm-python-sdk, pinned in pyproject's test extra): the same
 templates, functions and values.schema.json check as `helm template`, without a helm binary or a
@@ -74,6 +74,8 @@ def differences(directory: str, files: dict[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--values", action="append", default=[], help="A values file (repeatable; later ones win).")
+    p.add_argument("--set-file", action="append", default=[], metavar="KEY=PATH",
+                   help="A value read from a file, as helm's --set-file (job=job.yaml: the job file; repeatable).")
     p.add_argument("--name", default=RELEASE, help="Release name.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--out", help="Write the manifests into this directory (replacing its .yaml files).")
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.values:
         with open(path) as f:
             values = _merge(values, yaml.safe_load(f) or {})
+    for item in args.set_file:
+        key, _, path = item.partition("=")
+        if not key or not path or not os.path.isfile(path):
+            print(f"render_chart: --set-file {item!r}: expected KEY=PATH of a file", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            values = _merge(values, _nested(key, f.read()))
     import helm_python
 
     try:
@@ -111,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
     print(f"wrote {len(files)} files to {args.out}")
     return 0
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for the key "a.b" (helm's dotted keys)."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

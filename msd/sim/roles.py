@@ -355,7 +355,10 @@ class SimWorker:
 def micro_batch_digest(ready: ReadyStep, m: int) -> str:
     """What the trainer gets of one micro-batch: its pieces' doc keys, offsets and lengths, and a
     digest of every array."""
-    batch = ready.micro_batch(m)
+    return _digest(ready.micro_batch(m))
+
+
+def _digest(batch: dict[str, Any]) -> str:
     h = hashlib.blake2b(digest_size=12)
     for key in sorted(batch):
         value = batch[key]
@@ -378,6 +381,7 @@ class SimRank:
                                incarnation=incarnation, stop_grace_s=1e9, coordinator_timeout_s=1e9,
                                via_relay=via is not None, relay_timeout_s=1e9)
         self.ready: list[Any] = []  # handed to the trainer, in order
+        self.evals: list[Any] = []  # eval passes whose pieces are all in (EvalReady)
         self.alive = True
 
     def start(self) -> None:
@@ -420,6 +424,9 @@ class SimRank:
                 self.sim.trainer.maybe_step()
             elif isinstance(a, R.CoordinatorStopping):
                 self.core.registration.stopping(world.now)
+            elif isinstance(a, R.ToEvals):
+                self.evals.append(a.item)
+                self.sim.trainer.maybe_step()
 
     def connection_lost(self, why: str = "the connection broke") -> None:
         if self.alive:
@@ -428,6 +435,10 @@ class SimRank:
     def consumed(self, step: int) -> None:
         self._do(self.core.command(["consumed", step, 0.0, -1, []], self.sim.world.now))
 
+    def evaluate(self, name: str, pass_no: int) -> None:
+        """client.eval_batches: ask for the pass; its pieces come as an EvalReady."""
+        self._do(self.core.command(["eval", name, pass_no], self.sim.world.now))
+
     def die(self) -> None:
         self.alive = False
         self.sim.world.close(self.address, self)
@@ -435,9 +446,12 @@ class SimRank:
 
 class SimTrainer:
     """Every rank takes step s together (the gradients' all-reduce), computes, and reports it
-    consumed; a checkpoint every few steps; a restart resumes every rank from the last one."""
+    consumed; a checkpoint every few steps; a restart resumes every rank from the last one. With an
+    eval set, every `eval_every` steps every rank takes a pass over it before the next step (as a
+    trainer's evaluation loop does: all ranks together), and each pass must be the fault-free run's."""
 
-    def __init__(self, sim: "Simulation", ranks: list[int], compute_s: float, checkpoint_every: int) -> None:
+    def __init__(self, sim: "Simulation", ranks: list[int], compute_s: float, checkpoint_every: int,
+                 eval_every: int = 0, eval_set: str = "") -> None:
         self.sim = sim
         self.rank_ids = ranks
         self.compute_s = compute_s
@@ -451,10 +465,15 @@ class SimTrainer:
         self.woken_at: float | None = None  # a maybe_step is scheduled then
         self.stream: dict[tuple[int, int], list[str]] = {}  # (rank, step) -> micro-batch digests, as trained
         self.trained = 0  # steps taken in all, counting steps taken again after a restart
+        self.eval_every, self.eval_set = eval_every, eval_set
+        self.eval_pass: int | None = None  # the pass every rank waits for (None: not evaluating)
+        self.eval_passes = 0  # passes asked for by this incarnation (a client counts its own)
+        self.evaluated = 0  # passes completed in all
 
     def start(self) -> None:
         self.incarnation += 1
         self.step = self.checkpoint
+        self.eval_pass, self.eval_passes = None, 0
         self.ranks = {r: SimRank(self.sim, r, self.step, self.incarnation * 1000 + r, self.sim.relay_of(r))
                       for r in self.rank_ids}
         for rank in self.ranks.values():
@@ -469,6 +488,9 @@ class SimTrainer:
             if self.woken_at is None or self.woken_at > free_at:  # one wake-up is enough
                 self.woken_at = free_at
                 world.at(free_at, self.maybe_step, True)
+            return
+        if self.eval_pass is not None:
+            self._maybe_evaluated()
             return
         if not self.ranks or any(not r.ready for r in self.ranks.values()):
             return
@@ -494,6 +516,27 @@ class SimTrainer:
         if self.step % self.checkpoint_every == 0:
             self.checkpoint = self.step
         self.sim.progress(self.step)
+        if self.eval_every and self.step % self.eval_every == 0:
+            self.eval_pass, self.eval_passes = self.eval_passes, self.eval_passes + 1
+            for rank in self.ranks.values():
+                rank.evaluate(self.eval_set, self.eval_pass)
+        self.maybe_step()
+
+    def _maybe_evaluated(self) -> None:
+        """Once every rank has the pass: its micro-batches checked, and training goes on."""
+        if not self.ranks or any(not r.evals for r in self.ranks.values()):
+            return
+        for rank in self.ranks.values():
+            ready = rank.evals.pop(0)
+            if (ready.set, ready.pass_no) != (self.eval_set, self.eval_pass) or ready.assembler is None:
+                raise Violation(f"rank {rank.rank} was handed eval pass {ready.pass_no} of {ready.set!r} "
+                                f"({ready.reason or 'served'}) where it waits for pass {self.eval_pass}")
+            digests = [_digest(ready.assembler.micro_batch(m)) for m in range(ready.assembler.micro_batches)]
+            self.sim.check_step(rank.rank, -1, digests)
+            self.stream[(rank.rank, -1)] = digests
+        self.sim.world.log(f"eval pass {self.eval_pass} taken after step {self.step - 1}")
+        self.eval_pass = None
+        self.evaluated += 1
         self.maybe_step()
 
     def restart(self, down_s: float) -> None:

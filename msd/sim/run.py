@@ -25,6 +25,7 @@ from . import data
 from .roles import COORDINATOR, SimCoordinator, SimHost, SimRelay, SimTrainer, Violation
 from .world import World
 
+EVAL_SET = "heldout"
 STALL_S = 60.0  # simulated seconds without a step, after the last fault healed, that count as a stall
 FAULT_KINDS = ("worker_crash", "host_lost", "partition", "queue_full", "congestion", "slow_worker", "trainer_restart",
                "trainer_pause", "coordinator_crash", "coordinator_stop", "coordinator_pause", "relay_crash")
@@ -42,15 +43,17 @@ class Scenario:
     slow_every: int  # records whose index % slow_every == the seed's residue take seconds (0: none)
     faults: list[tuple[float, str, float, float]] = field(default_factory=list)  # (at, kind, pick, seconds)
     ranks_per_relay: int = 0  # trainer ranks per host behind a relay (0: no relays)
+    eval_every: int = 0  # every this many steps, each rank takes a pass over the eval set (0: no eval set)
 
     def fault_free(self) -> "Scenario":
         return Scenario(self.seed, self.job, self.hosts, self.compute_s, self.checkpoint_every, (0.0005, 0.001), 0.0,
-                        self.slow_every, [], self.ranks_per_relay)
+                        self.slow_every, [], self.ranks_per_relay, self.eval_every)
 
 
-def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
-    """The seed's job (sources, DP 2 to 16, TP in some, batch shape, look-ahead), its workers, and
-    its faults."""
+def draw(seed: int, steps: int, faults: bool = True, eval_sets: bool = True) -> Scenario:
+    """The seed's job (sources, DP 2 to 16, TP in some, batch shape, look-ahead, an eval set in
+    some), its workers, and its faults. eval_sets False: the job as drawn before eval sets were
+    (the regression seeds found then replay their own scenario)."""
     rng = random.Random(seed)
     names = [n for n in data.SOURCES if rng.random() < 0.7] or [rng.choice(list(data.SOURCES))]
     dp = rng.choice([2, 2, 4, 4, 8, 8, 16])
@@ -72,6 +75,12 @@ def draw(seed: int, steps: int, faults: bool = True) -> Scenario:
     s = Scenario(seed, job, [rng.randint(1, 3) for _ in range(rng.randint(1, 3))], compute_s, rng.choice([5, 10, 25]),
                  (0.0005, rng.choice([0.001, 0.005, 0.05])), rng.choice([0.0, 0.0, 0.05]),
                  rng.choice([0, 0, 200, 500]), ranks_per_relay=rng.choice([2, 4, 8]) if relays else 0)
+    # An eval set in some seeds, drawn apart (the seeds drawn before eval sets keep their jobs and faults
+    # when they draw none): a share of a training source held out, a pass every few steps.
+    extra = random.Random(seed ^ 0xE7A1)
+    if eval_sets and extra.random() < 0.3:
+        s.job["eval"] = {EVAL_SET: {"holdout": {names[0]: 0.05}}}
+        s.eval_every = extra.choice([3, 5, 8])
     if faults:
         window = max(2.0, steps * (compute_s + 0.02) * 0.6)
         for _ in range(rng.randint(1, 6)):
@@ -109,7 +118,8 @@ class Simulation:
         ranks = sorted(self.job.topology.receivers())
         per = scenario.ranks_per_relay
         self.relays = [SimRelay(self, i) for i in range(-(-self.job.topology.world_size // per))] if per else []
-        self.trainer = SimTrainer(self, ranks, scenario.compute_s, scenario.checkpoint_every)
+        self.trainer = SimTrainer(self, ranks, scenario.compute_s, scenario.checkpoint_every, scenario.eval_every,
+                                  EVAL_SET)
         self.last_progress = 0.0
         self.healed_at = 0.0  # when the last fault is over
         rng = random.Random(scenario.seed ^ 0x5EED)
@@ -137,6 +147,8 @@ class Simulation:
         return cost
 
     def check_step(self, rank: int, step: int, digests: list[str]) -> None:
+        """A step's micro-batches as the fault-free run trained them (step -1: an eval pass's, the
+        same at every pass)."""
         if self.reference is None:
             return
         want = self.reference.get((rank, step))
@@ -144,7 +156,8 @@ class Simulation:
             return
         if digests != want:
             m = next((i for i, (a, b) in enumerate(zip(digests, want)) if a != b), min(len(digests), len(want)))
-            raise Violation(f"rank {rank} step {step}: micro-batch {m} differs from the fault-free run's")
+            what = f"step {step}" if step >= 0 else "eval pass"
+            raise Violation(f"rank {rank} {what}: micro-batch {m} differs from the fault-free run's")
 
     def progress(self, step: int) -> None:
         self.last_progress = self.world.now
@@ -181,7 +194,8 @@ class Simulation:
         digest = hashlib.blake2b((world.digest + stream.hexdigest()).encode(), digest_size=16).hexdigest()
         return {"seed": self.scenario.seed, "steps": self.trainer.step, "faults": len(self.scenario.faults),
                 "digest": digest, "ok": error is None, "error": error, "sim_s": round(world.now, 3),
-                "events": world.events, "dp": self.job.dp, "ranks": len(self.trainer.rank_ids)}
+                "events": world.events, "dp": self.job.dp, "ranks": len(self.trainer.rank_ids),
+                "eval_passes": self.trainer.evaluated}
 
     def _watchdog(self) -> None:
         now = self.world.now
@@ -255,9 +269,9 @@ class Simulation:
         host.start()
 
 
-def run_seed(seed: int, steps: int, trace: bool = False) -> tuple[dict[str, Any], list[str]]:
+def run_seed(seed: int, steps: int, trace: bool = False, eval_sets: bool = True) -> tuple[dict[str, Any], list[str]]:
     """The seed's result (JSON-able) and its trace."""
-    scenario = draw(seed, steps)
+    scenario = draw(seed, steps, eval_sets=eval_sets)
     reference_sim = Simulation(scenario.fault_free(), steps, None)
     reference = reference_sim.run()
     if not reference["ok"]:

@@ -2,7 +2,8 @@
 `<!-- runnable -->` line. A page's blocks run in order, in one fresh directory, as a reader would
 type them: shell blocks with bash (`set -e`), Python blocks with the interpreter running the tests,
 with a copy of the repository's `configs/` as `./configs` (a reader works in a checkout; a copy, so
-that the indexes msd writes beside data stay out of the repository)."""
+that the indexes msd writes beside data stay out of the repository), and its `tools/` and
+`deploy/` linked there (read, never written)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def run_page(page: Path, workdir: Path, timeout_s: float = 240.0) -> None:
     """Run every runnable block of `page` in `workdir`; raise AssertionError naming the failing block."""
     shutil.copytree(REPO / "configs", workdir / "configs",
                     ignore=shutil.ignore_patterns("*.msd.*", "*.msdidx.*", ".tmp-msd-*", "__pycache__"))
+    for name in ("tools", "deploy"):
+        (workdir / name).symlink_to(REPO / name, target_is_directory=True)
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -5,6 +5,7 @@ fixed corpus (with the seeds of the bugs it found) and fresh seeds run on every 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ STEPS = 30
 #             wiser: the coordinator waited for good on a delivery the worker never got
 # 104370, 109313, 109467, 109641 (of the 10,000-seed run): the simulator's own model (a full send
 #             queue dropped messages already on the wire, which their sender could not know)
+# (run as drawn when they were found: before the simulation drew eval sets)
 REGRESSIONS = (1024, 1076, 104370, 109313, 109467, 109641)
 CORPUS = tuple(range(2000, 2060))
 FRESH = 30
@@ -38,10 +40,10 @@ def _sim_data(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MSD_SIM_DATA", str(tmp_path_factory.getbasetemp() / "sim-data"))
 
 
-def _failures(seeds) -> list[str]:
+def _failures(seeds, eval_sets: bool = True) -> list[str]:
     out = []
     for seed in seeds:
-        result, trace = run_seed(seed, STEPS)
+        result, trace = run_seed(seed, STEPS, eval_sets=eval_sets)
         if not result["ok"]:
             out.append(f"seed {seed}: {result['error']}\n" + "\n".join(trace[-30:]) +
                        f"\nreplay: python -m msd.sim --seeds 1 --first-seed {seed} --steps {STEPS} --trace")
@@ -49,7 +51,7 @@ def _failures(seeds) -> list[str]:
 
 
 def test_the_seeds_of_the_bugs_it_found_hold():
-    assert _failures(REGRESSIONS) == []
+    assert _failures(REGRESSIONS, eval_sets=False) == []
 
 
 def test_a_fixed_corpus_of_seeds_holds():
@@ -70,6 +72,7 @@ def test_the_corpus_draws_every_kind_of_fault_and_job():
     assert any(s.ranks_per_relay for s in scenarios) and any(not s.ranks_per_relay for s in scenarios)
     assert any(s.job["topology"]["tp"] > 1 for s in scenarios)
     assert any(s.slow_every for s in scenarios) and any(s.duplicate_p for s in scenarios)
+    assert any(s.eval_every for s in scenarios) and any(not s.eval_every for s in scenarios)
 
 
 def test_the_same_seed_gives_the_same_trace():
@@ -182,3 +185,27 @@ def test_the_command_writes_its_json_and_fails_on_a_violation(tmp_path, monkeypa
     assert result.exit_code == 1
     assert "seed 77 FAILED: rank 0 step 3" in result.output and "FAULT worker w0.1001 crashes" in result.output
     assert "replay: python -m msd.sim --seeds 1 --first-seed 77 --steps 5 --trace" in result.output
+
+
+def test_a_holdout_does_not_flood_the_workers_with_prepare_tasks():
+    """Found by msd.sim once it drew eval sets (seed 2000): the records an eval set holds out are
+    settled at length 0 before any worker answers, and the mean length they made (0) sized the
+    prepare-ahead window at a step's tokens / 1 record: 64 times the tasks, the workers' queues
+    full of them, and at DP 8 no step trained within a minute. The job file and the run are
+    otherwise the same."""
+    def prepares(holdout: bool) -> int:
+        s = draw(2000, 10, eval_sets=False).fault_free()
+        s.job = copy.deepcopy(s.job)
+        s.job["sources"] = {"web": s.job["sources"]["web"]}
+        s.job["mixture"] = {"weights": {"web": 1.0}}
+        s.job["topology"] = {"dp": 8, "tp": 1}
+        s.job["batch"]["global_batch_size"] = 16
+        if holdout:
+            s.job["eval"] = {"heldout": {"holdout": {"web": 0.05}}}
+        s.slow_every = 0
+        sim = Simulation(s, 10, None)
+        assert sim.run()["ok"]
+        return sim.messages["prepare"]
+
+    without, held = prepares(False), prepares(True)
+    assert held <= 2 * without, (held, without)
