@@ -36,7 +36,8 @@ TARGETS = ("coordinator/state.py", "coordinator/preparation.py", "coordinator/de
            "coordinator/registry.py", "coordinator/positions.py", "coordinator/plan.py", "coordinator/history.py",
            "coordinator/layout.py", "coordinator/resume.py", "coordinator/skips.py", "coordinator/relay_book.py",
            "coordinator/relaying.py", "worker/core.py", "relay/core.py", "trainer_client/receiving.py",
-           "trainer_client/rank_core.py", "trainer_client/assemble.py", "msd_common/session.py")
+           "trainer_client/rank_core.py", "trainer_client/assemble.py", "msd_common/session.py",
+           "coordinator/evaluation.py")
 
 
 def _targets() -> list[str]:
