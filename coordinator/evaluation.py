@@ -187,8 +187,15 @@ class EvalBook:
                 e.released = False
         needed = self._needed(e)
         self._prepare(e, needed)
-        if not self._held(e, needed):
-            return
+        if self._held(e, needed):
+            self._serve_waiting(e)
+        # (whether or not anything was served now: every rank may have had the pass by now, the last
+        # one before a relay or a rank came back; until issue 58 only a pass served in this call was
+        # released, and ranks waiting for the next pass waited for good: found by msd.sim)
+        if self._maybe_release(e) and e.waiting:
+            self._advance(e)  # the next pass some rank waits for
+
+    def _serve_waiting(self, e: EvalSet) -> None:
         dp = self.topology.dp
         if e.layout is None or e.layout_dp != dp:
             e.layout, micro_batches = layout(self.job, e.cfg, e.sources, e.records, e.lengths, dp)
@@ -204,7 +211,6 @@ class EvalBook:
         for rank, records in sorted(e.resend.items()):
             self._deliver(e, rank, only=records)
         e.resend = {}
-        self._maybe_release(e)
 
     def _needed(self, e: EvalSet) -> np.ndarray:
         """Which of the set's records must be held now: all of them while a rank waits for the
@@ -258,14 +264,15 @@ class EvalBook:
                 epochs=np.full(len(mine), P.EVAL_EPOCH, np.uint32), release_epochs=np.zeros(0, np.uint32),
                 targets=np.array([[rank, 0]], np.uint64)))
 
-    def _maybe_release(self, e: EvalSet) -> None:
-        """Once every registered rank has had the pass, the copies go (unless prepare_ahead)."""
+    def _maybe_release(self, e: EvalSet) -> bool:
+        """Once every registered rank has had the pass, the copies go (unless prepare_ahead). True
+        when the pass was released now."""
         if e.released or not e.served or e.resend or any(r not in e.served for r in self._trainers()):
-            return
+            return False
         e.released = True
-        if e.cfg.prepare_ahead:
-            return  # kept: the next pass is served from them at once
-        self._release_all(e)
+        if not e.cfg.prepare_ahead:  # (with it the copies are kept: the next pass is served from them at once)
+            self._release_all(e)
+        return True
 
     def _release_all(self, e: EvalSet) -> None:
         workers = self._workers()

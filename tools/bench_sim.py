@@ -26,7 +26,8 @@ ROLES = {"coordinator state": ("coordinator/state.py", "handle"),
          "workers (WorkerCore)": ("worker/core.py", "handle"),
          "ranks (RankCore: control)": ("trainer_client/rank_core.py", "on_control"),
          "ranks (RankCore: pieces)": ("trainer_client/rank_core.py", "on_pieces"),
-         "trainer: micro-batches built and digested": ("msd/sim/roles.py", "micro_batch_digest"),
+         "trainer: micro-batches built": ("trainer_client/receiving.py", "micro_batch"),
+         "trainer: micro-batches digested": ("msd/sim/roles.py", "_digest"),
          "wire decode": ("msd_common/wire.py", "decode"),
          "wire encode": ("msd_common/wire.py", "encode")}
 

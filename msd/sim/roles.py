@@ -352,10 +352,25 @@ class SimWorker:
         self.host.worker_died(self, task)
 
 
-def micro_batch_digest(ready: ReadyStep, m: int) -> str:
-    """What the trainer gets of one micro-batch: its pieces' doc keys, offsets and lengths, and a
-    digest of every array."""
-    return _digest(ready.micro_batch(m))
+def documents(batches: list[dict[str, Any]]) -> list:
+    """What a step (or an eval pass) holds over all its ranks, whatever the DP: per document,
+    where its tokens in the step start and a digest of them (its pieces joined in order)."""
+    pieces: dict[int, list[tuple[int, bytes]]] = {}
+    for batch in batches:
+        tokens = np.asarray(batch["tokens"]).reshape(len(batch["pieces_per_row"]), -1)
+        keys, offsets, lengths = (np.asarray(batch[k]).tolist() for k in ("doc_keys", "doc_offsets", "piece_lengths"))
+        i = 0
+        for row, n in enumerate(np.asarray(batch["pieces_per_row"]).tolist()):
+            at = 0
+            for _ in range(n):
+                pieces.setdefault(keys[i], []).append((offsets[i], tokens[row, at:at + lengths[i]].tobytes()))
+                at += lengths[i]
+                i += 1
+    out = []
+    for key, parts in sorted(pieces.items()):
+        parts.sort()
+        out.append([key, parts[0][0], hashlib.blake2b(b"".join(t for _, t in parts), digest_size=8).hexdigest()])
+    return out
 
 
 def _digest(batch: dict[str, Any]) -> str:
@@ -495,14 +510,20 @@ class SimTrainer:
         if not self.ranks or any(not r.ready for r in self.ranks.values()):
             return
         step, incarnation = self.step, self.incarnation
+        batches = []
         for rank in self.ranks.values():
             ready = rank.ready.pop(0)
             if not isinstance(ready, ReadyStep) or ready.step != step:
                 raise Violation(f"rank {rank.rank} was handed step {getattr(ready, 'step', ready)} where the trainer "
                                 f"takes step {step}")
-            digests = [micro_batch_digest(ready, m) for m in range(ready.first, ready.micro_batches)]
+            mine = [ready.micro_batch(m) for m in range(ready.first, ready.micro_batches)]
+            digests = [_digest(b) for b in mine]
             self.sim.check_step(rank.rank, step, digests)
             self.stream[(rank.rank, step)] = digests
+            batches += mine
+        if self.sim.global_check:
+            self.stream[(-1, step)] = documents(batches)
+            self.sim.check_global((-1, step), self.stream[(-1, step)])
         self.busy_until = world.now + self.compute_s
         world.after(self.compute_s, self._computed, step, incarnation)
 
@@ -524,23 +545,35 @@ class SimTrainer:
 
     def _maybe_evaluated(self) -> None:
         """Once every rank has the pass: its micro-batches checked, and training goes on."""
+        for rank in self.ranks.values():  # as client.eval_batches: another pass (asked again, twice served) is dropped
+            while rank.evals and (rank.evals[0].set, rank.evals[0].pass_no) != (self.eval_set, self.eval_pass):
+                stale = rank.evals.pop(0)
+                self.sim.world.log(f"rank {rank.rank} drops eval pass {stale.pass_no}, waiting for {self.eval_pass}")
         if not self.ranks or any(not r.evals for r in self.ranks.values()):
             return
+        batches = []
         for rank in self.ranks.values():
             ready = rank.evals.pop(0)
-            if (ready.set, ready.pass_no) != (self.eval_set, self.eval_pass) or ready.assembler is None:
-                raise Violation(f"rank {rank.rank} was handed eval pass {ready.pass_no} of {ready.set!r} "
-                                f"({ready.reason or 'served'}) where it waits for pass {self.eval_pass}")
-            digests = [_digest(ready.assembler.micro_batch(m)) for m in range(ready.assembler.micro_batches)]
+            if ready.assembler is None:
+                raise Violation(f"rank {rank.rank}: eval pass {ready.pass_no} of {ready.set!r} refused: {ready.reason}")
+            mine = [ready.assembler.micro_batch(m) for m in range(ready.assembler.micro_batches)]
+            digests = [_digest(b) for b in mine]
             self.sim.check_step(rank.rank, -1, digests)
             self.stream[(rank.rank, -1)] = digests
+            batches += mine
+        if self.sim.global_check:
+            self.stream[(-1, -1)] = documents(batches)
+            self.sim.check_global((-1, -1), self.stream[(-1, -1)])
         self.sim.world.log(f"eval pass {self.eval_pass} taken after step {self.step - 1}")
         self.eval_pass = None
         self.evaluated += 1
         self.maybe_step()
 
-    def restart(self, down_s: float) -> None:
-        """Every rank's process ends (a failed node, a preemption); the job restarts from its checkpoint."""
+    def restart(self, down_s: float, ranks: list[int] | None = None) -> None:
+        """Every rank's process ends (a failed node, a preemption); the job restarts from its
+        checkpoint (with these ranks: an elastic resume at another DP)."""
+        if ranks is not None:
+            self.rank_ids = ranks
         if not self.ranks:  # down already: its restart is on its way
             return
         self.sim.world.log(f"FAULT trainer restarts from step {self.checkpoint} (was at {self.step})")

@@ -10,6 +10,7 @@ with the faults, and check the invariants:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import random
@@ -50,10 +51,11 @@ class Scenario:
                         self.slow_every, [], self.ranks_per_relay, self.eval_every)
 
 
-def draw(seed: int, steps: int, faults: bool = True, eval_sets: bool = True) -> Scenario:
+def draw(seed: int, steps: int, faults: bool = True, later: bool = True) -> Scenario:
     """The seed's job (sources, DP 2 to 16, TP in some, batch shape, look-ahead, an eval set in
-    some), its workers, and its faults. eval_sets False: the job as drawn before eval sets were
-    (the regression seeds found then replay their own scenario)."""
+    some), its workers, and its faults (an elastic resume at another DP in some). later False: the
+    scenario as drawn before eval sets and elastic resumes were (drawn apart, so that the regression
+    seeds found before replay their own scenario)."""
     rng = random.Random(seed)
     names = [n for n in data.SOURCES if rng.random() < 0.7] or [rng.choice(list(data.SOURCES))]
     dp = rng.choice([2, 2, 4, 4, 8, 8, 16])
@@ -78,15 +80,21 @@ def draw(seed: int, steps: int, faults: bool = True, eval_sets: bool = True) -> 
     # An eval set in some seeds, drawn apart (the seeds drawn before eval sets keep their jobs and faults
     # when they draw none): a share of a training source held out, a pass every few steps.
     extra = random.Random(seed ^ 0xE7A1)
-    if eval_sets and extra.random() < 0.3:
+    if later and extra.random() < 0.3:
         s.job["eval"] = {EVAL_SET: {"holdout": {names[0]: 0.05}}}
         s.eval_every = extra.choice([3, 5, 8])
+    # The job restarted at another DP from its checkpoint (coordinator and trainer; relays and TP
+    # keep their DP here): the same global stream, spread over the new ranks.
+    if later and faults and not s.ranks_per_relay and tp == 1 and extra.random() < 0.25:
+        window = max(2.0, steps * (compute_s + 0.02) * 0.6)
+        s.faults.append((round(extra.uniform(0.3, window), 4), "elastic_resume", extra.random(),
+                         round(extra.uniform(0.5, 4.0), 3)))
     if faults:
         window = max(2.0, steps * (compute_s + 0.02) * 0.6)
         for _ in range(rng.randint(1, 6)):
             s.faults.append((round(rng.uniform(0.3, window), 4), rng.choice(FAULT_KINDS), rng.random(),
                              round(rng.uniform(0.2, 8.0), 3)))
-        s.faults.sort()
+    s.faults.sort()
     return s
 
 
@@ -107,6 +115,10 @@ class Simulation:
         self.steps = steps
         self.reference = reference
         self.job, self.sources = _job_of(scenario)
+        # Steps compared over all ranks, document by document, too (a job that resumes at another
+        # DP, and the fault-free run it is compared with): set by run_seed
+        self.global_check = False
+        self.dp_changed = False  # per-rank streams are compared only at the DP of the fault-free run
         self.plan_digest = None
         self.world = World(scenario.seed)
         self.world.delay_s = scenario.delay_s
@@ -149,7 +161,7 @@ class Simulation:
     def check_step(self, rank: int, step: int, digests: list[str]) -> None:
         """A step's micro-batches as the fault-free run trained them (step -1: an eval pass's, the
         same at every pass)."""
-        if self.reference is None:
+        if self.reference is None or self.dp_changed:
             return
         want = self.reference.get((rank, step))
         if want is None:
@@ -158,6 +170,18 @@ class Simulation:
             m = next((i for i, (a, b) in enumerate(zip(digests, want)) if a != b), min(len(digests), len(want)))
             what = f"step {step}" if step >= 0 else "eval pass"
             raise Violation(f"rank {rank} {what}: micro-batch {m} differs from the fault-free run's")
+
+    def check_global(self, key: Any, digest: list) -> None:
+        """A step's (or an eval pass's) documents over all ranks, each one's tokens in that step, as
+        in the fault-free run, whatever the DP."""
+        if self.reference is None:
+            return
+        want = self.reference.get(key)
+        if want is not None and digest != want:
+            what = f"step {key[1]}" if key[1] >= 0 else "an eval pass"
+            missing = sorted(set(map(tuple, want)) - set(map(tuple, digest)))[:3]
+            raise Violation(f"{what}: the documents over all ranks differ from the fault-free run's "
+                            f"(at DP {self.job.dp}; missing {missing})")
 
     def progress(self, step: int) -> None:
         self.last_progress = self.world.now
@@ -256,9 +280,36 @@ class Simulation:
             relay = self.relays[int(pick * len(self.relays))]
             if relay.core is not None:
                 relay.crash(seconds / 4)
+        elif kind == "elastic_resume":
+            self._elastic_resume(pick, seconds)
         elif kind == "coordinator_pause" and self.coordinator.up:
             world.log(f"FAULT coordinator pauses for {seconds:.1f}s")
             self.coordinator.paused_until = world.now + seconds
+
+    def _elastic_resume(self, pick: float, seconds: float) -> None:
+        """The job stops (the coordinator gracefully, the trainer's processes), its job file gets
+        another DP, and both start again: the coordinator from its state dir, the new ranks from
+        the trainer's last checkpoint."""
+        if self.trainer.step >= self.steps:
+            return
+        if not self.coordinator.up or not self.trainer.ranks or not self.trainer.checkpoint:
+            self.world.after(0.5, self._elastic_resume, pick, seconds)  # from a checkpoint past step 0
+            return
+        self.healed_at = max(self.healed_at, self.world.now + seconds)
+        batch = self.scenario.job["batch"]
+        rows = batch["global_batch_size"] // batch["micro_batch_size"]  # micro-batches of a step, all ranks
+        choices = [d for d in range(2, 17) if rows % d == 0 and d != self.job.dp]
+        if not choices:
+            return
+        dp = choices[int(pick * len(choices))]
+        self.world.log(f"FAULT elastic resume: DP {self.job.dp} -> {dp}, from step {self.trainer.checkpoint}")
+        raw = copy.deepcopy(self.scenario.job)
+        raw["topology"] = {**raw["topology"], "dp": dp}
+        self.job = parse_job(raw, "sim-job.yaml", base_dir=data.dataset_dir())
+        self.dp_changed = True
+        self.coordinator.stop()
+        self.trainer.restart(seconds, sorted(self.job.topology.receivers()))
+        self.world.after(seconds / 2, self.coordinator.start)
 
     def _replace_host(self, old: SimHost) -> None:
         host = SimHost(self, old.index, old.procs)
@@ -269,13 +320,15 @@ class Simulation:
         host.start()
 
 
-def run_seed(seed: int, steps: int, trace: bool = False, eval_sets: bool = True) -> tuple[dict[str, Any], list[str]]:
+def run_seed(seed: int, steps: int, trace: bool = False, later: bool = True) -> tuple[dict[str, Any], list[str]]:
     """The seed's result (JSON-able) and its trace."""
-    scenario = draw(seed, steps, eval_sets=eval_sets)
+    scenario = draw(seed, steps, later=later)
     reference_sim = Simulation(scenario.fault_free(), steps, None)
+    reference_sim.global_check = any(kind == "elastic_resume" for _, kind, _, _ in scenario.faults)
     reference = reference_sim.run()
     if not reference["ok"]:
         result = dict(reference, error=f"the fault-free run failed: {reference['error']}")
         return result, reference_sim.world.trace
     sim = Simulation(scenario, steps, reference_sim.trainer.stream, trace)
+    sim.global_check = reference_sim.global_check
     return sim.run(), sim.world.trace
