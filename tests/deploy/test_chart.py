@@ -262,6 +262,28 @@ def test_chart_version_is_the_projects():
     assert chart["version"] == chart["appVersion"] == version
 
 
+def test_the_changelog_releases_the_projects_version_one_section_per_kind():
+    """Issue 61: the chart said 0.3.0 while the CHANGELOG listed its features as Unreleased, with
+    `### Added` three times and `### Changed` twice."""
+    version = re.search(r'^version = "(.+)"', open(os.path.join(ROOT, "pyproject.toml")).read(), re.M).group(1)
+    text = open(os.path.join(ROOT, "CHANGELOG.md")).read()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", text, re.M)
+    assert releases and releases[0] == version, releases[:2]
+    section = text.split(f"## [{version}]", 1)[1].split("\n## [", 1)[0]
+    kinds = re.findall(r"^### (.+)$", section, re.M)
+    assert len(kinds) == len(set(kinds)) and set(kinds) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed",
+                                                             "Security"}, kinds
+    objects = render_chart.objects(render_chart.render(None))
+    images = {c["image"] for o in objects for c in _containers(o)}
+    assert images == {f"ghcr.io/megascale-data/msd:{version}"}, images
+
+
+def _containers(obj: dict) -> list[dict]:
+    spec = obj.get("spec", {})
+    pod = spec.get("template", {}).get("spec", {}) if "template" in spec else {}
+    return [*pod.get("containers", []), *pod.get("initContainers", [])]
+
+
 def test_the_image_installs_with_the_script_ci_runs():
     """The Dockerfile and `make install` (what .ci/run's make test installs) run the same
     script; the image's final stage has no compiler and runs as a non-root user."""
@@ -314,3 +336,15 @@ def test_helm_lint_strict_finds_nothing_to_warn_about(name):
         report = helm_python.lint(render_chart.CHART, VALUE_SETS[name], strict=True, kube_version=kube)
         assert not report["errors"], report
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+def test_render_chart_takes_the_job_file_as_helm_set_file_does(tmp_path, capsys):
+    """docs/how-to/kubernetes.md: `--set-file job=job.yaml` named a file that did not exist, and
+    render_chart could not be given a job file at all (issue 61)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("seed: 7\nsources:\n  web: {format: jsonl, paths: [/data/web/*.jsonl]}\n")
+    assert render_chart.main(["--set-file", f"job={job}", "--print"]) == 0
+    rendered = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc]
+    assert next(o for o in rendered if o["kind"] == "ConfigMap")["data"]["job.yaml"] == job.read_text()
+    assert render_chart.main(["--set-file", f"job={tmp_path / 'missing.yaml'}", "--print"]) == 2
+    assert "expected KEY=PATH of a file" in capsys.readouterr().err
