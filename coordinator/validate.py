@@ -24,6 +24,7 @@ def validate_state(state: "CoordinatorState") -> list[str]:
     problems += _deliveries(state, workers)
     problems += _holders(state, workers)
     problems += _registry(state)
+    problems += _eval_sets(state, workers)
     plan = state.planner.state.next_step
     for rank, trainer in state.registry.trainers.items():
         if trainer.consumed >= max(plan, state.planned_until):
@@ -48,9 +49,38 @@ def _tasks(state: "CoordinatorState", workers: dict) -> list[str]:
             if task is None or task.worker_id != wid:
                 out.append(f"worker {wid} is said to hold prepare task {tid}, which is "
                            f"{'gone' if task is None else f'assigned to {task.worker_id}'}")
+    queued = set()
     for task in book._queue:
+        queued.add(task.task_id)
         if task.worker_id is not None:
             out.append(f"prepare task {task.task_id} is queued and assigned to worker {task.worker_id}")
+        if book._tasks.get(task.task_id) is not task:
+            out.append(f"prepare task {task.task_id} is queued but not in the book")
+    for task in book._tasks.values():
+        if task.worker_id is None and task.task_id not in queued:
+            out.append(f"prepare task {task.task_id} is neither queued nor assigned: nobody will prepare it")
+    for wid, ids in book._by_worker.items():
+        if not ids:
+            out.append(f"worker {wid} has an empty set of prepare tasks (it should have none)")
+        want = sum(book._tasks[t].estimate_s for t in ids if t in book._tasks)
+        if abs(book._backlog.get(wid, 0.0) - want) > 1e-6 * max(1.0, want):
+            out.append(f"worker {wid}'s backlog is {book._backlog.get(wid, 0.0):.6f} s, its tasks' estimates sum "
+                       f"to {want:.6f} s")
+    for wid in book._backlog.keys() - book._by_worker.keys():
+        out.append(f"worker {wid} has a backlog and no prepare task")
+    return out
+
+
+def _eval_sets(state: "CoordinatorState", workers: dict) -> list[str]:
+    out = []
+    book = state.eval
+    for e in book.sets:
+        for wid in np.unique(e.holder[e.holder >= 0]).tolist():
+            if wid not in workers:
+                out.append(f"eval set {e.cfg.name}: worker {wid} is said to hold records, and is not registered")
+    for task in book.tasks.values():
+        if task.worker_id not in workers:
+            out.append(f"eval task {task.task_id} is on worker {task.worker_id}, which is not registered")
     return out
 
 
