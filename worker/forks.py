@@ -457,7 +457,10 @@ def _run_worker(target: Callable[..., None], args: list, cell: WorkCell, pipes: 
     try:
         for fd in pipes:
             os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Ctrl-C reaches the whole process group: the agent stops its workers (as the server). A
+        # worker that stopped itself on it exited 0 first, and the agent, still running, logged
+        # "exited with 0; restarting" for each (issue 61)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         target(*args, cell)
         code = 0

@@ -234,7 +234,9 @@ class HostAgent:
     def _check_handshakes(self, handshakes: security.HandshakeWatch) -> None:
         reason = handshakes.refused()
         if handshakes.broke() and self.registration is not None:  # (LOST_MESSAGES) a worker's exit report, maybe
-            log.warning("the connection to the coordinator broke; registering this host again")
+            # Info, not a warning: every stop of a coordinator closes it (a coordinator that is gone
+            # for good is told by its silence), and the host registers again at no cost
+            log.info("the connection to the coordinator closed; registering this host again")
             self.registration.forgotten()
         if reason is not None:
             log.error("the coordinator at %s refuses this host: %s; check --keys; stopping", self.coordinator, reason)

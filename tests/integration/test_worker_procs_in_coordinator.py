@@ -77,6 +77,36 @@ def test_one_command_serves_the_stream_of_a_separate_host_and_forks_a_killed_wor
     assert "worker process" in text and "exited with -9" in text, text  # the host's log is the coordinator's
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_clean_stop_says_nothing_alarming(dataset_dir, tmp_path, how):
+    """Issue 61, tried as a new user would: Ctrl-C on `msd coordinator --worker-procs 2` logged
+    "worker process ... exited with 0; restarting" for each worker and "the connection to the
+    coordinator broke; registering this host again": warnings that say nothing on a clean stop."""
+    job = write_job(dataset_dir, job_dict(), f"job-in-coordinator-stop-{os.getpid()}.yaml")
+    log = str(tmp_path / "coordinator.log")
+    with open(log, "wb") as f:
+        coordinator = subprocess.Popen([msd_command(), "coordinator", "--config", job, "--bind", free_address(),
+                                        "--log-level", "INFO", "--worker-procs", "2"], stderr=f,
+                                       start_new_session=True)  # its own process group, as a terminal's job
+    try:
+        workers = _wait_workers(coordinator, 2, log)
+        servers = fork_server_pids(coordinator.pid)
+        time.sleep(1.0)  # registered with the coordinator
+        if how == "ctrl-c":  # the terminal sends SIGINT to every process of the foreground group
+            os.killpg(coordinator.pid, signal.SIGINT)
+        else:
+            coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(60)
+        wait_gone([*servers, *workers], timeout_s=20)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+    text = open(log).read()
+    assert "Traceback" not in text, text
+    warnings = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not [w for w in warnings if "restarting" in w or "registering this host again" in w], text
+
+
 def test_a_killed_coordinator_leaves_no_worker_process_behind(dataset_dir, tmp_path):
     job = write_job(dataset_dir, job_dict(), f"job-in-coordinator-kill-{os.getpid()}.yaml")
     log = str(tmp_path / "coordinator.log")
