@@ -145,6 +145,21 @@ def last_status(state_dir: str) -> dict[str, Any] | None:
         return None
 
 
+def _stopped_since_started(state_dir: str) -> bool:
+    """Whether the last status of the state dir's coordinator says it stopped, written after that
+    coordinator started (a coordinator started since rewrites coordinator.json)."""
+    import os
+
+    from .statedir import STATE_FILE
+
+    snapshot = last_status(state_dir)
+    try:
+        started = os.path.getmtime(os.path.join(state_dir, STATE_FILE))
+    except OSError:
+        return False
+    return bool(snapshot and snapshot.get("stopped") and float(snapshot.get("time", 0)) >= started)
+
+
 def _plain(renderable: Any) -> str:
     import io
 
@@ -182,7 +197,11 @@ def status(address: str | None, state_dir: str | None, keys_dir: str | None, as_
         except (OSError, ValueError, KeyError) as e:
             click.echo(f"msd status: {state_dir}/{STATE_FILE}: no coordinator address ({e})", err=True)
             sys.exit(1)
+        if _stopped_since_started(state_dir):  # nobody to ask: the last status at once, not after timeout_s
+            timeout_s = 0.0
     try:
+        if timeout_s <= 0:
+            raise NoAnswer("the job's coordinator stopped (its last status says so)")
         snapshot = fetch_status(address, keys_dir, timeout_s)
     except (NoAnswer, FileNotFoundError) as e:
         snapshot = last_status(state_dir) if state_dir else None

@@ -44,6 +44,8 @@ class Forgotten:
     """The coordinator does not know this peer (a restarted coordinator, or one that took it for
     dead): say hello again. The same answer for a worker process and a trainer rank."""
 
+    reason: str = ""
+
 
 _ADDRESS = re.compile(r"(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\],]+):(\d{1,5}|\*)|ipc://[^\s,]+|inproc://[^\s,]+)")
 

@@ -245,6 +245,8 @@ class RelayCore:
             return [ToRank(self.ranks[rank].identity, frames) for rank, frames in step_headers(msg)
                     if rank in self.ranks]
         if isinstance(msg, P.RelayWelcome):
+            if self.registration.registered and msg.relay_id == self.relay_id:
+                return []  # the answer to a hello sent again before the first answer came
             again = self.relay_id is not None
             self.registration.welcomed(float(msg.heartbeat_s))
             self.relay_id = msg.relay_id

@@ -107,6 +107,11 @@ class RankCore:
                     name, pass_no = self.eval_asked
                     out.append(Send(P.EvalRequest(rank=self.rank, set=name, pass_no=pass_no)))
             elif isinstance(item, Forgotten):
+                # once per registration lost: until its hello is answered every heartbeat draws
+                # another unknown_peer (eight lines a rank after a relay restart, issue 61)
+                level = logging.WARNING if self.registration.registered else logging.DEBUG
+                log.log(level, "rank %d: coordinator does not know this rank (%s); registering again", self.rank,
+                        item.reason)
                 self.registration.forgotten()
             elif isinstance(item, StateReply):
                 out.append(ToStateReplies(item))

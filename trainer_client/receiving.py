@@ -119,9 +119,7 @@ class ReceivingState:
             log.info("rank %d: the stream ends before step %d: %s", self.rank, msg.step, msg.reason)
             self.end = (msg.step, msg.reason)
         elif isinstance(msg, P.UnknownPeer):
-            log.warning("rank %d: coordinator does not know this rank (%s); registering again", self.rank,
-                        msg.reason)
-            return [Forgotten()]
+            return [Forgotten(msg.reason)]  # (said by RankCore: once per registration lost)
         elif isinstance(msg, P.Reject):
             return [RejectedError(f"rank {self.rank}: coordinator refused: {msg.reason}")]
         elif isinstance(msg, P.Shutdown):  # the coordinator stops: never the end of the data (end_of_stream is)

@@ -77,3 +77,23 @@ def test_the_status_line_says_no_rank_is_connected_rather_than_step_minus_one():
     assert "no rank connected" in status_line({"next_step": 5, "consumed": {}})
     assert "-1" not in status_line({"next_step": 5, "consumed": {}})
     assert "slowest rank at step 3 of 1 rank(s)" in status_line({"next_step": 5, "consumed": {"0": 3}})
+
+
+def test_msd_status_of_a_stopped_job_answers_at_once_from_its_state_dir(tmp_path):
+    """Issue 61: `msd status --state-dir` of a job that had stopped waited 5 s for a coordinator
+    that was not there before it showed the last status."""
+    import json
+    import os
+
+    from msd.testing.ports import free_address
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "coordinator.json").write_text(json.dumps({"address": free_address(), "digest": "d", "pid": 1}))
+    started = os.path.getmtime(state / "coordinator.json")
+    (state / "status.json").write_text(json.dumps({"time": started + 10, "stopped": "the job ended", "next_step": 7,
+                                                   "consumed": {"0": 6}}))
+    begin = time.monotonic()
+    r = CliRunner().invoke(main, ["status", "--state-dir", str(state)])
+    assert time.monotonic() - begin < 1.0, r.output
+    assert r.exit_code == 0 and "the last status it wrote" in r.output, r.output

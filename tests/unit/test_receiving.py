@@ -75,7 +75,7 @@ def test_control_messages_become_what_the_io_thread_and_the_trainer_must_do():
     state = ReceivingState(rank=0, next_step=0, next_micro_batch=0, plan_digest="from-checkpoint")
     welcomed, error = state.on_control(_welcome("other"))
     assert welcomed == Welcomed(0.5) and isinstance(error, RejectedError) and "job file changed" in str(error)
-    assert state.on_control(wire.encode(P.make(P.UnknownPeer, reason="restarted"))) == [Forgotten()]
+    assert state.on_control(wire.encode(P.make(P.UnknownPeer, reason="restarted"))) == [Forgotten("restarted")]
     [refused] = state.on_control(wire.encode(P.make(P.Reject, reason="no")))
     assert isinstance(refused, RejectedError)
     state.on_control(wire.encode(P.make(P.EndOfStream, step=0, reason="source ran out")))

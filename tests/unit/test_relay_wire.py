@@ -73,3 +73,28 @@ def test_malformed_relay_messages_are_refused():
     assert [type(e).__name__ for e in events] == ["TrainerHeartbeat", "RelayReport"]
     assert events[0].peer == relayed_identity(b"relay", 3) and events[0].via == b"relay"
     assert events[1].consumed.tolist() == [[3, 9]]
+
+
+def test_a_second_welcome_of_the_same_registration_changes_nothing(caplog):
+    """Issue 61: the relay logged "welcomed" twice: a hello sent again before the coordinator's
+    answer came is answered with a welcome too. The second one also told every rank that the
+    relay had registered again, and each said hello again for nothing."""
+    import logging
+
+    from relay.core import RelayCore, ToRank
+
+    core = RelayCore("tcp://relay:1", "ipc://local", "host", 1)
+    hello = P.TrainerHello(version=P.PROTOCOL_VERSION, rank=0, data_address="ipc://rank0", resume_step=0,
+                           incarnation=1, metadata_only=0)
+    core.on_local(b"r0", wire.encode(hello), now=0.0)
+    welcome = wire.encode(P.RelayWelcome(relay_id=3, heartbeat_s=1.0, topology={"dp": 2, "tp": 1, "pp": 1, "cp": 1,
+                                                                               "order": "tp-cp-dp-pp"}))
+    with caplog.at_level(logging.INFO, logger="msd.relay"):
+        assert core.on_up(welcome, now=1.0) == []
+        assert core.on_up(welcome, now=1.1) == []  # the answer to the hello sent again
+    assert [r.message for r in caplog.records].count("relay 3: welcomed by the coordinator") == 1
+    # registered again (a broken connection): the new welcome tells the ranks to say hello again
+    core.connection_lost("the connection broke")
+    out = core.on_up(wire.encode(P.RelayWelcome(relay_id=4, heartbeat_s=1.0, topology={
+        "dp": 2, "tp": 1, "pp": 1, "cp": 1, "order": "tp-cp-dp-pp"})), now=2.0)
+    assert [type(a) for a in out] == [ToRank]

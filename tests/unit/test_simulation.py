@@ -234,3 +234,22 @@ def test_an_elastic_resume_is_compared_over_all_ranks_document_by_document():
     result = sim.run()
     assert sim.dp_changed and sim.job.dp != reference.job.dp
     assert not result["ok"] and f"step {last}: the documents over all ranks differ" in result["error"]
+
+
+def test_a_rank_says_once_that_the_coordinator_forgot_it(caplog):
+    """Issue 61: eight "coordinator does not know this rank" lines per rank after a relay restart
+    (every heartbeat until its hello was answered drew another unknown_peer)."""
+    import logging
+
+    core = RankCore(3, 0, 0, None, data_address="tcp://rank:1", incarnation=1)
+    welcome = wire.encode(P.TrainerWelcome(rank=3, batch={"micro_batch_size": 1, "micro_batches": 1, "pad_id": 0,
+                                                          "topology": {"dp": 4}}, plan_digest="d", heartbeat_s=1.0))
+    unknown = wire.encode(P.UnknownPeer(reason="the relay registered again"))
+    with caplog.at_level(logging.INFO, logger="msd.client"):
+        core.on_control(welcome, 0.0)
+        for t in range(8):
+            core.on_control(unknown, 1.0 + t)
+        core.on_control(welcome, 10.0)
+        core.on_control(unknown, 11.0)
+    said = [r for r in caplog.records if "does not know this rank" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.WARNING], [r.getMessage() for r in said]
