@@ -44,10 +44,13 @@ def _json_lines(path: str) -> list[bytes]:
 class JournalFile:
     """The step journal of a state dir."""
 
-    def __init__(self, state_dir: str, digest: str) -> None:
+    def __init__(self, state_dir: str, digest: str, earlier: tuple[str, ...] = ()) -> None:
+        """earlier: digests this job had under earlier definitions (JobConfig.digest_before_0_4),
+        whose entries are this job's too."""
         os.makedirs(state_dir, exist_ok=True)
         self.path = os.path.join(state_dir, JOURNAL)
         self.digest = digest
+        self.earlier = earlier
 
     def load(self, accept_changed_job: bool = False) -> list[dict]:
         """The states the file holds, in file order, validated. accept_changed_job: entries
@@ -64,7 +67,7 @@ class JournalFile:
                     log.warning("%s:%d: incomplete last entry ignored", self.path, i)
                     continue
                 raise ValueError(f"{self.path}:{i}: corrupt journal entry") from None
-            if entry.get("digest") != self.digest and not accept_changed_job:
+            if entry.get("digest") not in (self.digest, *self.earlier) and not accept_changed_job:
                 raise ValueError(f"{self.path}:{i}: written for plan digest {entry.get('digest')}, this job's is "
                                  f"{self.digest}: the job file changed (use a new --state-dir)")
             states.append(state)

@@ -59,7 +59,7 @@ def carried_problem(state: "CoordinatorState", ev: TrainerHello) -> str | None:
     if c is None:
         return "its checkpoint does not carry the coordinator's state"
     try:
-        if c["digest"] != state.digest:
+        if c["digest"] != state.digest and c["digest"] not in state.earlier_digests:
             return f"the carried state is of plan digest {c['digest']}, this job's is {state.digest}"
         if PlannerState.from_json(c["planner"]).next_step != ev.resume_step:
             return "the carried state is not of the resume step"

@@ -91,6 +91,7 @@ class CoordinatorState:
         self.receivers = set(job.topology.receivers())  # global ranks that get data
         self.planned: list[tuple[int, float, float, list[int]]] = []  # see handle()
         self.digest = job.digest()
+        self.earlier_digests = [job.digest_before_0_4()]  # checkpoints of 0.3.0 carry this one
         self.rope = job.rope  # read once: the processor directory's JSON
         self.heartbeat_s = job.runtime.heartbeat_s
         self.registry = Registry()
@@ -320,6 +321,7 @@ class CoordinatorState:
             "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
             "rope": self.rope,  # "mrope": position_ids [3, B, L] (a Qwen-VL processor's sources)
             "calibrate": self.job.calibrate,  # clients time each micro-batch's compute and report it
+            "earlier_plan_digests": self.earlier_digests,  # a checkpoint that carries one of these is this job's
         }
         self._send(peer, P.TrainerWelcome(rank=rank, batch=batch, plan_digest=self.digest,
                                 heartbeat_s=self.heartbeat_s))

@@ -52,6 +52,8 @@ def check_job_change(state_dir: str | None, job: JobConfig, allow: bool) -> bool
         previous = None
     if previous is not None:
         diff = config_diff(previous.get("stream"), current["stream"])
+        if diff and previous.get("stream") == job.stream_definition(where=True):
+            diff = []  # recorded by 0.3.0, whose definition held the data's absolute paths: the same job
         if diff and not allow:
             raise JobChanged(state_dir, diff)
         if diff:
@@ -78,7 +80,7 @@ def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     path = os.path.join(state_dir, STATE_FILE)
     try:
         previous = read_state_file(state_dir)
-        if previous.get("digest") != job.digest():
+        if previous.get("digest") not in (job.digest(), job.digest_before_0_4()):
             log.warning("%s: the job file changed since the last run (digest %s, now %s)", path,
                         previous.get("digest"), job.digest())
     except (OSError, orjson.JSONDecodeError):

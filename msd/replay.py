@@ -160,7 +160,7 @@ def open_replay(state_dir: str, job: JobConfig) -> Replay:
         if name in names:
             quarantined.setdefault(names[name], set()).add(record)
     try:
-        states = JournalFile(state_dir, job.digest()).load()
+        states = JournalFile(state_dir, job.digest(), (job.digest_before_0_4(),)).load()
     except ValueError as e:
         raise ReplayError(str(e)) from None
     journaled = {int(s["next_step"]): s for s in states}  # a step journaled twice (a rewind): the same state

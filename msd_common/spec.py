@@ -289,13 +289,17 @@ class JobConfig:
                        max_sample_s=s.max_sample_s)
             for s in self.sources))
 
-    def stream_definition(self) -> dict[str, Any]:
+    def stream_definition(self, where: bool = False) -> dict[str, Any]:
         """Everything that defines the global stream of batches (which documents, which tokens,
         in which step), as plain JSON: not the topology (the same global batches can be laid
-        out over any number of ranks) and not runtime knobs."""
+        out over any number of ranks) and not runtime knobs. The data by its identity, not by
+        where it lies: each source's files relative to their common directory (or bucket prefix),
+        a tokenizer by its content, so that the same job over the same data moved elsewhere (a
+        new cluster, a restored bucket) is the same job. where True: as 0.3.0 defined it, with the
+        absolute paths (digest_before_0_4)."""
         return orjson.loads(orjson.dumps({
             "seed": self.seed,
-            "sources": [_stream_fields(s) for s in self.sources],
+            "sources": [_stream_fields(s, where) for s in self.sources],
             "batch": asdict(self.batch),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
@@ -307,15 +311,25 @@ class JobConfig:
         }))
 
     def digest(self) -> str:
-        """Fingerprint of the stream definition."""
+        """Fingerprint of the stream definition: the job's identity (the same wherever its data lies)."""
         return hashlib.sha256(orjson.dumps(self.stream_definition(), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
+    def digest_before_0_4(self) -> str:
+        """The digest 0.3.0 gave this job (with its data's absolute paths): its state dirs' journals
+        and its trainers' checkpoints carry it, and are taken as this job's."""
+        return hashlib.sha256(orjson.dumps(self.stream_definition(where=True),
+                                           option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
-def _stream_fields(source: SourceConfig) -> dict[str, Any]:
+
+def _stream_fields(source: SourceConfig, where: bool = False) -> dict[str, Any]:
     """A source's part of the stream definition. The poison limits and shuffle_block appear only
     when they differ from their defaults, so a job written before they existed keeps its digest
     (and state dir)."""
     out = asdict(source)
+    if not where:
+        out["files"] = relative_files(source.files)
+        if source.tokenizer != "byte":
+            out["tokenizer"] = content_digest(source.tokenizer)
     del out["storage"]  # how the shards are reached, not which tokens they hold
     del out["processor"]  # where the processor directory is: its content is processor_hash
     del out["image_pass"]  # when the image pass runs, not what it makes
@@ -329,6 +343,38 @@ def _stream_fields(source: SourceConfig) -> dict[str, Any]:
         if out[key] == default:
             del out[key]
     return out
+
+
+def relative_files(files: tuple[str, ...] | list[str]) -> list[str]:
+    """The files relative to their longest common directory (a bucket's prefix for URLs): what
+    stays the same when the data moves as a whole."""
+    parts = [f.split("/") for f in files]
+    if not parts:
+        return []
+    common = 0
+    shortest = min(len(p) for p in parts) - 1  # the last component is a file's own name: always kept
+    while common < shortest and all(p[common] == parts[0][common] for p in parts):
+        common += 1
+    return ["/".join(p[common:]) for p in parts]
+
+
+_CONTENT: dict[tuple, str] = {}
+
+
+def content_digest(path: str) -> str:
+    """A file's content hash, or a directory's (its files' names and contents): a tokenizer by
+    what it is, not where it lies. Cached by path, size and modification time."""
+    paths = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names) if os.path.isdir(path) \
+        else [path]
+    key = tuple((p, os.path.getsize(p), os.path.getmtime(p)) for p in paths)
+    if key not in _CONTENT:
+        h = hashlib.sha256()
+        for p in paths:
+            h.update(os.path.relpath(p, path).encode() + b"\0" if p != path else b"")
+            with open(p, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        _CONTENT[key] = h.hexdigest()[:16]
+    return _CONTENT[key]
 
 
 def config_diff(old: Any, new: Any, path: str = "") -> list[str]:

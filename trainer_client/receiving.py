@@ -102,7 +102,8 @@ class ReceivingState:
             return []
         if isinstance(msg, P.TrainerWelcome):
             out: list[Any] = [Welcomed(float(msg.heartbeat_s))]
-            if self.plan_digest is not None and self.plan_digest != msg.plan_digest:
+            earlier = msg.batch.get("earlier_plan_digests", []) if isinstance(msg.batch, dict) else []
+            if self.plan_digest is not None and self.plan_digest != msg.plan_digest and self.plan_digest not in earlier:
                 out.append(RejectedError(f"plan digest {msg.plan_digest} differs from the checkpoint's "
                                          f"{self.plan_digest}: the job file changed"))
             self.plan_digest = msg.plan_digest

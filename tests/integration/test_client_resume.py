@@ -64,3 +64,29 @@ def test_a_coordinator_without_its_state_dir_resumes_from_the_ranks_checkpoints(
     with LocalJob(path, workers=2) as job:
         with pytest.raises(AssertionError, match="differs from the one the first rank brought"):
             run_ranks(job, ranks=2, steps=16, resume=other, timeout_s=30)
+
+
+def test_a_job_whose_data_moved_resumes_from_the_ranks_checkpoints(dataset_dir, tmp_path):
+    """Issue 61: the job's digest held its data's absolute paths, so the same job and data under
+    another mount point (a new cluster, a restored bucket) was another job, and the trainers'
+    checkpoints were refused. The digest is the data's identity; the resume is exact."""
+    import shutil
+
+    from msd_common.spec import load_job
+
+    from .harness import run_ranks, signature
+
+    moved = str(tmp_path / "elsewhere" / "data")
+    shutil.copytree(dataset_dir, moved, ignore=shutil.ignore_patterns("*.msdidx*", "*.msd.*", "*.yaml"))
+    here, there = write_job(dataset_dir, job_dict(), "moved.yaml"), write_job(moved, job_dict(), "moved.yaml")
+    assert load_job(here).digest() == load_job(there).digest()
+    assert load_job(here).digest_before_0_4() != load_job(there).digest_before_0_4()  # 0.3.0's: by path
+    with LocalJob(here, workers=2) as job:
+        reference, _ = run_ranks(job, ranks=2, steps=10)
+    with LocalJob(here, workers=2) as job:
+        first, states = run_ranks(job, ranks=2, steps=5)
+    states = {r: json.loads(json.dumps(s)) for r, s in states.items()}  # as a checkpoint stores them
+    with LocalJob(there, workers=2) as job:  # the data at its new place, a new coordinator with nothing
+        rest, _ = run_ranks(job, ranks=2, steps=10, resume=states)
+    assert min(b["step"] for b in rest[0]) == 5
+    assert signature({r: first[r] + rest[r] for r in first}) == signature(reference)
