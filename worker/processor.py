@@ -52,6 +52,11 @@ from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
 from .image_plan import PendingImages, disagreement, planner_of
 
+# A worker host (the `vision` extra) has transformers without torch: its "PyTorch was not found"
+# advice at import is for users of its models, which a worker never loads (issue 61: printed by
+# every worker process). Only transformers' advisory warnings are off; its errors are not.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 LLAVA_IMAGE = "<image>"
 IMAGE_KEYS = ("image", "path", "url")

@@ -252,3 +252,25 @@ def test_an_elastic_resume_on_another_number_of_hosts(dataset_dir, direct, tmp_p
             stop([relay])
     both = {r: first[r] + second[r] for r in range(4)}
     assert signature(both) == signature(direct)
+
+
+def test_a_relay_that_stops_cleanly_removes_its_ipc_socket(tmp_path):
+    """Issue 61: a relay that exited cleanly left its ipc socket file behind in the temporary
+    directory (one per relay start on a trainer host, never cleaned)."""
+    import os
+
+    from msd.testing.ports import free_address
+
+    sock = tmp_path / "relay.sock"
+    relay = start_relay(free_address(), f"ipc://{sock}", str(tmp_path / "relay.log"))
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert relay.poll() is None and time.monotonic() < deadline, open(tmp_path / "relay.log").read()
+            time.sleep(0.05)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(30) == 0, open(tmp_path / "relay.log").read()
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+    assert not os.path.exists(sock), "the relay left its ipc socket behind"

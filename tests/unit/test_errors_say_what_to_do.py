@@ -97,3 +97,28 @@ def test_msd_status_of_a_stopped_job_answers_at_once_from_its_state_dir(tmp_path
     r = CliRunner().invoke(main, ["status", "--state-dir", str(state)])
     assert time.monotonic() - begin < 1.0, r.output
     assert r.exit_code == 0 and "the last status it wrote" in r.output, r.output
+
+
+def test_a_vision_worker_without_torch_says_nothing_of_pytorch(tmp_path):
+    """Issue 61: "[transformers] PyTorch was not found" twice on a vision worker: advice for users
+    of transformers' models, which a worker host (the `vision` extra, no torch) never loads."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_torch.py"
+    script.write_text(
+        "import importlib.abc, importlib.util, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'torchvision'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a, **k: None if name.split('.')[0] in ('torch', 'torchvision') "
+        "else find(name, *a, **k)\n"
+        "import worker.processor\n"
+        "import transformers\n"
+        "print('torch hidden:', not transformers.is_torch_available())\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "torch hidden: True" in out.stdout, out.stderr
+    assert "PyTorch was not found" not in out.stderr, out.stderr
