@@ -130,6 +130,7 @@ class RankCore:
         kind = cmd[0]
         if kind == "eval":
             self.eval_asked = (str(cmd[1]), int(cmd[2]))
+            self.state.asked(*self.eval_asked)
             return [Send(P.EvalRequest(rank=self.rank, set=str(cmd[1]), pass_no=int(cmd[2])))]
         if kind == "eval_report":
             return [Send(P.EvalReport(rank=self.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))]

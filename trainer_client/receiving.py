@@ -88,7 +88,9 @@ class ReceivingState:
         # eval passes: step id (protocol.eval_step) -> (set, pass, assembler); pieces before their header
         self.eval_steps: dict[int, tuple[str, int, StepAssembler]] = {}
         self.eval_early: dict[int, list[tuple[np.ndarray, ...]]] = {}
-        self.eval_done: set[int] = set()  # passes handed over: pieces sent again for them are dropped
+        # passes handed over (step -> (set, pass)): pieces sent again for them are dropped, until the
+        # trainer asks for that pass again (asked())
+        self.eval_done: dict[int, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ the coordinator's messages
 
@@ -144,7 +146,7 @@ class ReceivingState:
             return []
         if step in self.eval_steps:
             return []
-        self.eval_done.discard(step)  # the same pass asked for again (a rank that restarted its evaluation)
+        self.eval_done.pop(step, None)  # the same pass asked for again (a rank that restarted its evaluation)
         try:
             assembler = StepAssembler(msg.pieces, msg.counts, msg.row_len, info["pad_id"],
                                       info["micro_batch_size"], info.get("patch_bytes", 0), info.get("rope", "plain"))
@@ -238,8 +240,17 @@ class ReceivingState:
     def finished_evals(self) -> list[EvalReady]:
         """Eval passes whose pieces are all in, for the trainer's thread."""
         done = [step for step, (_, _, a) in self.eval_steps.items() if a.done]
-        self.eval_done.update(done)
+        for step in done:
+            self.eval_done[step] = self.eval_steps[step][:2]
         return [EvalReady(*self.eval_steps.pop(step)) for step in done]
+
+    def asked(self, name: str, pass_no: int) -> None:
+        """The trainer asks for this pass: it is not done here any more, even if it was handed over
+        before (served unasked, to a rank that then restarted its evaluation): its pieces that come
+        before its header are kept, not dropped as copies of a pass taken (found by msd.sim, seed
+        201540: the pass never completed)."""
+        for step in [s for s, what in self.eval_done.items() if what == (name, pass_no)]:
+            del self.eval_done[step]
 
     def finished(self) -> list[Any]:
         """Steps whose recipe and pieces are all in, in order from where the client resumes, for
