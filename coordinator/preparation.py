@@ -25,7 +25,9 @@ from .lead import PrepareLead
 from .plan import Planner
 from .positions import HeldCounts, PositionTables
 from .prepare_policy import PreparePolicy
+from .instructions import Send
 from .registry import Registry
+from .skips import SkipBook
 from .sources import OpenedSources, mapped_lengths
 from .tasks import TaskBook
 from .workforce import Workforce
@@ -35,15 +37,15 @@ log = logging.getLogger("msd.coordinator")
 
 class PreparationBook:
     def __init__(self, job: JobConfig, planner: Planner, sources: OpenedSources, tasks: TaskBook, registry: Registry,
-                 workforce: Workforce, lead: PrepareLead, quarantined: dict[int, set[int]],
-                 send: Callable[..., None], count_skip: Callable[[int, str, int], None],
+                 workforce: Workforce, lead: PrepareLead, quarantined: dict[int, set[int]], skips: SkipBook,
                  epochs: Callable[[int, np.ndarray], np.ndarray], now: Callable[[], float]) -> None:
-        """quarantined: source -> records never handed to a worker (the state's, shared); send,
-        count_skip, epochs, now: the state's (an instruction out, a skip counted, the pass over a
-        source of each position, the time of the event being handled)."""
+        """quarantined: source -> records never handed to a worker (the state's, shared); skips:
+        where skips are counted; epochs, now: queries of the state (the pass over a source of each
+        position, the time of the event being handled). What to send is returned (a list of
+        `Send`), never sent from here."""
         self.job, self.planner, self.tasks, self.registry = job, planner, tasks, registry
-        self.workforce, self.lead, self.quarantined = workforce, lead, quarantined
-        self.send, self.count_skip, self.epochs, self.now = send, count_skip, epochs, now
+        self.workforce, self.lead, self.quarantined, self.skips = workforce, lead, quarantined, skips
+        self.epochs, self.now = epochs, now
         n = len(job.sources)
         # Memory-mapped sources: their lengths are in an index the coordinator opened at start-up,
         # so their records need no prepare round trip (a worker reads them straight from the map).
@@ -90,43 +92,49 @@ class PreparationBook:
         limit = self.planner.limit[s]
         return 1 << 62 if limit is None else max(0, limit - self.tables[s].end)
 
-    def prepare_ahead(self) -> None:
+    def prepare_ahead(self) -> list[Send]:
         if not self.registry.workers:
-            return
+            return []
         # Called on every planning pass (many per step at hundreds of ranks); what it computes
         # changes only with these, so an unchanged stamp means there is nothing to refill.
         stamp = (self.planner.state.next_step, self.prepared_stamp, self.tables_stamp, self.lead.version,
                  len(self.registry.workers), self.registry.next_worker_id, len(self.planner.overrides),
                  tuple(self.planner.state.exhausted))
         if stamp == self._ahead_stamp:
-            return
+            return []
         self._ahead_stamp = stamp
         per_step = self.records_per_step()
         task = self.policy.task_sizes(per_step)
         window = self.policy.windows(per_step, task)
         ahead = np.fromiter((t.end for t in self.tables), dtype=np.int64, count=len(self.tables)) \
             - np.asarray(self.planner.state.cursors, dtype=np.int64)
+        out: list[Send] = []
         for s in self.policy.short(per_step, task, window, ahead).tolist():
-            self._refill(s, int(task[s]), int(window[s]))
+            out += self._refill(s, int(task[s]), int(window[s]))
+        return out
 
-    def _refill(self, s: int, batch: int, window: int) -> None:
+    def _refill(self, s: int, batch: int, window: int) -> list[Send]:
         table, cursors = self.tables[s], self.planner.state.cursors
         if s in self.mapped:
             self._prepare_mapped(s, cursors[s] + window, batch)
-            return
+            return []
+        out: list[Send] = []
         while table.end - cursors[s] < window and self.left(s):
-            self._prepare_next_batch(s, min(batch, self.left(s)))
+            out += self._prepare_next_batch(s, min(batch, self.left(s)))
+        return out
 
-    def ensure_prepared(self, s: int, position: int) -> None:
+    def ensure_prepared(self, s: int, position: int) -> list[Send]:
         batch = int(self.policy.task_sizes(self.records_per_step())[s])
         if s in self.mapped and self.registry.workers:
             self._prepare_mapped(s, position + 1, batch)
+        out: list[Send] = []
         while self.tables[s].end <= position and self.registry.workers and self.left(s):
-            self._prepare_next_batch(s, min(batch, self.left(s)))
+            out += self._prepare_next_batch(s, min(batch, self.left(s)))
+        return out
 
-    def _prepare_next_batch(self, s: int, batch: int) -> None:
+    def _prepare_next_batch(self, s: int, batch: int) -> list[Send]:
         records = self.planner.streams[s].records_array(self.tables[s].end, batch)
-        self.issue(s, self.tables[s].issue(records))
+        return self.issue(s, self.tables[s].issue(records))
 
     def _prepare_mapped(self, s: int, until: int, batch: int) -> None:
         """A memory-mapped source's positions up to `until` (exclusive; the shortfall rounded up
@@ -149,7 +157,7 @@ class PreparationBook:
         if s in self.quarantined:
             good = ~self.is_quarantined(s, records)
             if not good.all():
-                self.count_skip(s, "quarantined", int((~good).sum()))
+                self.skips.count(s, "quarantined", int((~good).sum()))
         lengths[good] = self._mapped_lengths(s, records[good])
         weights = self.planner.weights_at(self.planner.state.next_step)
         held = self.mapped_held.counts(self.registry.next_worker_id + 1)
@@ -161,21 +169,23 @@ class PreparationBook:
             held[wid] += min(batch, len(records) - lo)
         self.set_prepared(s, positions, lengths, holders)
 
-    def issue(self, s: int, positions: np.ndarray) -> None:
+    def issue(self, s: int, positions: np.ndarray) -> list[Send]:
         self.tasks.new(s, positions)
-        self.assign_queued()
+        return self.assign_queued()
 
-    def assign_queued(self) -> None:
-        """Hand every queued task to a worker (the allocation picks which), if any is alive."""
+    def assign_queued(self) -> list[Send]:
+        """Hand every queued task to a worker (the allocation picks which), if any is alive: the
+        `prepare` messages to send."""
         workers = self.registry.workers
         queued = self.tasks.queued()
+        out: list[Send] = []
         if not workers:
             for task in queued:  # remembered: assigned when a worker registers
                 self.tasks.requeue(task)
             if queued:  # one line, not one per task: with hundreds of sources there are thousands
                 log.warning("no worker to prepare %d records (%d tasks, %d sources); waiting",
                             sum(len(t.positions) for t in queued), len(queued), len({t.source for t in queued}))
-            return
+            return out
         retiring = self.workforce.retiring(self.registry.hosts)
         weights = self.planner.weights_at(self.planner.state.next_step)
         for task in queued:
@@ -201,8 +211,9 @@ class PreparationBook:
             wid = self.workforce.choose(s, candidates, weights, self.tasks.backlog_s)
             self.tasks.assign(task, wid, self.workforce.estimate(s, len(task.positions)), self.now())
             records = self.tables[s].records(task.positions)
-            self.send(workers[wid].identity, P.Prepare(task_id=task.task_id, source=s, worker_id=wid, records=records,
-                                                       epochs=self.epochs(s, task.positions)))
+            out.append(Send(workers[wid].identity, P.Prepare(task_id=task.task_id, source=s, worker_id=wid,
+                                                             records=records, epochs=self.epochs(s, task.positions))))
+        return out
 
     def _settle_held_out(self, task, worker_id: int) -> bool:
         """Records of a queued task that an eval set holds out of training are prepared as
@@ -224,7 +235,7 @@ class PreparationBook:
         if not done.any():
             return False
         if skip_kind:
-            self.count_skip(s, skip_kind, int(done.sum()))
+            self.skips.count(s, skip_kind, int(done.sum()))
         self.set_prepared(s, task.positions[done], np.zeros(int(done.sum()), dtype=np.int64), worker_id,
                           measured=False)
         task.positions = task.positions[~done]
@@ -246,7 +257,7 @@ class PreparationBook:
                 log.warning("source %s: record skipped (over_limit): %s: over max_record_bytes (%d)",
                             source.name, self.mapped[s].where(r), source.max_record_bytes,
                             extra={"source": source.name})
-            self.count_skip(s, "over_limit", int(over.sum()))
+            self.skips.count(s, "over_limit", int(over.sum()))
         return lengths
 
     def set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,

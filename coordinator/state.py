@@ -104,7 +104,7 @@ class CoordinatorState:
         self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
         # what is known of every stream position, and preparing it ahead of the plan
         self.prep = PreparationBook(job, self.planner, sources, self.tasks, self.registry, self.workforce, self.lead,
-                                    self.quarantined, self._send, self.skips.count,
+                                    self.quarantined, self.skips,
                                     lambda s, positions: self.layout.epochs(s, positions), lambda: self.clock)
         self.tables = self.prep.tables  # (the same object: read here by planning, dispatch and rewinds)
         self.deliveries = DeliveryBook()
@@ -200,6 +200,11 @@ class CoordinatorState:
     def _send(self, peer: bytes, message: P.Message) -> None:
         self.messages_sent += 1
         self._out.append(Send(peer, message))
+
+    def _sent(self, sends: list[Send]) -> None:
+        """What a book returned to send."""
+        self.messages_sent += len(sends)
+        self._out.extend(sends)
 
     def _apply(self, ev: Event) -> None:
         first = self._unregistered.get(type(ev))  # events that need no registration
@@ -387,7 +392,7 @@ class CoordinatorState:
         wid = self._dead_pids.get((host.agent_id, ev.pid))  # already forgotten: it was silent first
         if blame is not None and wid is not None:
             self._blame(blame, wid)
-            self.prep.assign_queued()
+            self._sent(self.prep.assign_queued())
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         self._consumed(trainer, ev.step, ev.waited_s)
@@ -458,7 +463,7 @@ class CoordinatorState:
         if len(ev.lengths) != len(task.positions):
             log.warning("worker %d: task %d returned %d lengths for %d records; re-issuing", worker.worker_id,
                         task.task_id, len(ev.lengths), len(task.positions))
-            self.prep.issue(s, task.positions)
+            self._sent(self.prep.issue(s, task.positions))
             return
         for _, reason, kind in ev.skipped:
             self.skips.count(s, kind)
@@ -484,7 +489,7 @@ class CoordinatorState:
         log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason,
                   extra={"worker_id": worker.worker_id})
         if self.tasks.fail(ev.task_id, worker.worker_id) is not None:
-            self.prep.assign_queued()
+            self._sent(self.prep.assign_queued())
 
     def _on_delivered(self, ev: Delivered, worker: WorkerInfo) -> None:
         for s, record, reason, kind in ev.failed:  # planned, then its image pass failed: no loss on it
@@ -616,11 +621,11 @@ class CoordinatorState:
                     gone = positions[self.tables[s].holders(positions) == NOBODY]
                     lost[s] = np.union1d(lost[s], gone)
                     self.prep.reprepare.update((s, p) for p in gone.tolist())
-        self.prep.assign_queued()
+        self._sent(self.prep.assign_queued())
         for s, positions in lost.items():
             if len(positions):
                 self.prep.reprepared += len(positions)
-                self.prep.issue(s, positions)
+                self._sent(self.prep.issue(s, positions))
         # its deliveries are sent again by the next planning pass, once their records have live holders
 
     def _blame(self, task_id: int, worker_id: int) -> None:
@@ -661,13 +666,13 @@ class CoordinatorState:
                                         self.registry.slowest())
         if not self.registry.workers:
             return
-        self.prep.assign_queued()  # tasks queued while no worker lived
+        self._sent(self.prep.assign_queued())  # tasks queued while no worker lived
         if self.deliveries.orphaned:  # a dead worker's deliveries whose records have live holders again
             self._reissue_orphans()
         if self.prep.reprepare or not self.registry.all_present(self.receivers):
             # Records lost with a dead worker are being prepared again (a carried-over document may
             # be among them), or not every rank is here yet: plan nothing, but prepare ahead.
-            self.prep.prepare_ahead()
+            self._sent(self.prep.prepare_ahead())
             return
         limit = self.registry.slowest() + 1 + self.job.runtime.lookahead_steps
         planned = []
@@ -679,7 +684,7 @@ class CoordinatorState:
                 plan = self.planner.plan_step(self.prep)
             except NeedLength as need:  # nothing changed: plan again once the length is in
                 self.waiting = (need.source, need.position)
-                self.prep.ensure_prepared(need.source, need.position)
+                self._sent(self.prep.ensure_prepared(need.source, need.position))
                 break
             except SourceExhausted as e:
                 log.warning("%s: the stream ends before step %d", e, e.step, extra={"step": e.step})
@@ -698,7 +703,7 @@ class CoordinatorState:
             self._dispatch(plan)
             if plan.step % FORGET_EVERY_STEPS == 0:
                 self._forget_old()
-        self.prep.prepare_ahead()
+        self._sent(self.prep.prepare_ahead())
 
     def _record(self, state) -> None:
         self.planned_until = max(self.planned_until, state.next_step)
