@@ -48,7 +48,7 @@ from .skips import SkipBook
 from .state_status import relay_status, status_of
 from .sources import OpenedSources
 from .tasks import TaskBook
-from .welcome import host_scale, version_refusal, worker_welcome
+from .welcome import host_scale, trainer_batch_info, version_refusal, worker_welcome
 from .workforce import Workforce, retire_idle
 
 log = logging.getLogger("msd.coordinator")
@@ -93,6 +93,7 @@ class CoordinatorState:
         self.digest = job.digest()
         self.earlier_digests = [job.digest_before_0_4()]  # checkpoints of 0.3.0 carry this one
         self.rope = job.rope  # read once: the processor directory's JSON
+        self.batch_info = trainer_batch_info(job, self.rope, self.earlier_digests)  # every rank's welcome says it
         self.heartbeat_s = job.runtime.heartbeat_s
         self.registry = Registry()
         self.workforce = Workforce(len(job.sources), job.runtime.allocation, job.runtime.shrink_after_s)
@@ -315,21 +316,8 @@ class CoordinatorState:
         self._welcome(ev.peer, rank)
 
     def _welcome(self, peer: bytes, rank: int) -> None:
-        batch = {
-            "seq_len": self.job.batch.seq_len,
-            "micro_batch_size": self.job.batch.micro_batch_size,
-            "micro_batches": self.job.micro_batches_per_rank,
-            "pad_id": self.job.batch.pad_id,
-            "dp": self.job.dp,
-            "topology": self.topology._asdict(),
-            "sources": [s.name for s in self.job.sources],
-            "patch_bytes": self.job.patch_bytes,  # 0: no image-text source
-            "rope": self.rope,  # "mrope": position_ids [3, B, L] (a Qwen-VL processor's sources)
-            "calibrate": self.job.calibrate,  # clients time each micro-batch's compute and report it
-            "earlier_plan_digests": self.earlier_digests,  # a checkpoint that carries one of these is this job's
-        }
-        self._send(peer, P.TrainerWelcome(rank=rank, batch=batch, plan_digest=self.digest,
-                                heartbeat_s=self.heartbeat_s))
+        self._send(peer, P.TrainerWelcome(rank=rank, batch=self.batch_info, plan_digest=self.digest,
+                                          heartbeat_s=self.heartbeat_s))
         if self.end is not None:
             self._send(peer, P.EndOfStream(step=self.end[0], reason=self.end[1]))
 

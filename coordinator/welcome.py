@@ -30,6 +30,23 @@ def worker_welcome(job: JobConfig, worker_id: int, count: Sequence[int] = ()) ->
                      count=sorted(count))
 
 
+def trainer_batch_info(job: JobConfig, rope: str, earlier_digests: list[str]) -> dict:
+    """What a rank's welcome says of the job (the same for every rank: built once)."""
+    return {
+        "seq_len": job.batch.seq_len,
+        "micro_batch_size": job.batch.micro_batch_size,
+        "micro_batches": job.micro_batches_per_rank,
+        "pad_id": job.batch.pad_id,
+        "dp": job.dp,
+        "topology": job.topology._asdict(),
+        "sources": [s.name for s in job.sources],
+        "patch_bytes": job.patch_bytes,  # 0: no image-text source
+        "rope": rope,  # "mrope": position_ids [3, B, L] (a Qwen-VL processor's sources)
+        "calibrate": job.calibrate,  # clients time each micro-batch's compute and report it
+        "earlier_plan_digests": earlier_digests,  # a checkpoint that carries one of these is this job's
+    }
+
+
 def host_scale(job: JobConfig, procs: int, retire: list[int], reason: str) -> P.Scale:
     """How many worker processes a host agent runs (and which to retire first)."""
     return P.Scale(procs=procs, retire=retire, reason=reason, heartbeat_s=job.runtime.heartbeat_s)
