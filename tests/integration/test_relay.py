@@ -2,6 +2,7 @@
 them get exactly the stream of the direct path, a piece their host's ranks share crosses once, a
 relay killed and started again loses nothing, and one that does not come back is named."""
 
+import queue
 import signal
 import subprocess
 import sys
@@ -133,13 +134,25 @@ def _run_with_a_rank_restarted(cluster: LocalJob, ranks: int, steps: int, relays
     process's start to its first micro-batch."""
     from .harness import SPAWN, collect
 
-    out = SPAWN.Queue()
+    # One queue per process: a process SIGKILLed while it holds a shared queue's write lock
+    # would leave every other rank's put blocked (the test then saw the ranks stop at step 3).
+    outs: dict[int, object] = {}
 
     def start(r: int):
-        p = SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, 0.05, None, "127.0.0.1",
+        outs[r] = SPAWN.Queue()
+        p = SPAWN.Process(target=collect, args=(cluster.address, r, steps, outs[r], 0.05, None, "127.0.0.1",
                                                 relays.get(r)))
         p.start()
         return p
+
+    def next_message() -> tuple | None:
+        for q in list(outs.values()):
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                continue
+        time.sleep(0.02)
+        return None
 
     procs = {r: start(r) for r in range(ranks)}
     received: dict[int, list] = {r: [] for r in range(ranks)}
@@ -149,10 +162,10 @@ def _run_with_a_rank_restarted(cluster: LocalJob, ranks: int, steps: int, relays
         while len(done) < ranks:
             counts = {r: len(b) for r, b in received.items()}
             assert time.monotonic() < deadline, f"not done in {timeout_s}s: {counts}"
-            try:
-                kind, r, payload = out.get(timeout=0.5)
-            except Exception:
+            message = next_message()
+            if message is None:
                 continue
+            kind, r, payload = message
             assert kind != "error", f"rank {r}: {payload}"
             if kind == "done":
                 done.add(r)
@@ -166,7 +179,7 @@ def _run_with_a_rank_restarted(cluster: LocalJob, ranks: int, steps: int, relays
                 procs[rank].join()
                 received[rank] = []  # the new process receives its stream from the start
                 restarted_at = time.time()
-                procs[rank] = start(rank)
+                procs[rank] = start(rank)  # with a queue of its own: the old one may be broken
     finally:
         for p in procs.values():
             p.join(timeout=10)
