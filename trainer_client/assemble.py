@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
+from msd_common.frames import FRAMES, RECIPE, FrameRecipe, PendingPixels
 from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
@@ -70,6 +71,7 @@ class StepAssembler:
         # piece -> a processor's arrays of it, by name; name -> (dtype, row shape, per_token)
         self.extras: dict[int, dict[str, np.ndarray]] = {}
         self.extra_specs: dict[str, tuple[np.dtype, tuple, bool]] = {}
+        self.pixels_to: Any = None  # a device: the pixel values are left as PendingPixels, made there
         self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, len(RECIPE_PIECE))
         self.counts = np.asarray(counts, dtype=np.int64)
         self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
@@ -294,8 +296,12 @@ class StepAssembler:
                     d = int(self.dst[i]) - base
                     flat[:, d: d + len(three)] = three.T
             out["position_ids"] = rows3
+        pixels = self._pixel_values(with_extras)
+        if pixels is not None:
+            out["pixel_values"] = pixels
         for name, (dtype, row_shape, per_token) in sorted(self.extra_specs.items()):
-            if name == "position_ids" or not any(name in self.extras[i] for i in with_extras):
+            if name in ("position_ids", FRAMES, RECIPE, "pixel_values") or \
+                    not any(name in self.extras[i] for i in with_extras):
                 continue
             if per_token:
                 laid = np.zeros((shape[0] * shape[1], *row_shape), dtype=np.int64 if dtype.kind in "iub" else dtype)
@@ -307,10 +313,35 @@ class StepAssembler:
                 out[name] = laid.reshape(*shape, *row_shape)
             else:
                 out[name] = np.concatenate([self.extras[i][name] for i in with_extras if name in self.extras[i]])
-        images_key = "image_grid_thw" if "image_grid_thw" in self.extra_specs else "pixel_values"
-        out["images_per_sample"] = np.array([len(self.extras.get(i, {}).get(images_key, ())) for i in pieces],
-                                            np.int64)
+        out["images_per_sample"] = np.array([self._images_of(i) for i in pieces], np.int64)
         return out
+
+    def _images_of(self, piece: int) -> int:
+        """A piece's images: its rows of image_grid_thw, else of its pixel values (Gemma 3: one per
+        image, and one per crop with pan-and-scan)."""
+        mine = self.extras.get(piece, {})
+        if "image_grid_thw" in self.extra_specs:
+            return len(mine.get("image_grid_thw", ()))
+        if FRAMES in mine:
+            recipe = FrameRecipe.from_array(mine[RECIPE])
+            return len(recipe.shapes(len(mine[FRAMES]), None))
+        return len(mine.get("pixel_values", ()))
+
+    def _pixel_values(self, pieces: list[int]) -> Any:
+        """The processor's pixel values of these pieces, in packing order: a piece's own, or its
+        uint8 frames finished here (msd_common/frames.py), or, where `pixels_to` names a device,
+        the frames to finish there (PendingPixels)."""
+        parts = []
+        for i in pieces:
+            mine = self.extras[i]
+            if FRAMES in mine:
+                parts.append((mine[FRAMES], FrameRecipe.from_array(mine[RECIPE]), mine.get("image_grid_thw")))
+            elif "pixel_values" in mine:
+                parts.append(mine["pixel_values"])
+        if not parts:
+            return None
+        pending = PendingPixels(parts)
+        return pending if self.pixels_to is not None else pending.finish()
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
         """pixel_patches [n, patch_bytes] of a micro-batch's pieces in packing order, the patches

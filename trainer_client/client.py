@@ -26,6 +26,7 @@ import zmq
 
 from msd_common import memory, security
 from msd_common.errors import MsdError, PeerLostError, RejectedError
+from msd_common.frames import PendingPixels
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
@@ -117,13 +118,17 @@ class DataClient:
             coordinator restarted at the same address) has to welcome this rank before `next()`
             raises CoordinatorStoppedError naming the stop. A stop never ends the iteration: only
             the job's real end (end of the data) does.
+        device: where `pixel_values` are made (a torch device, e.g. "cuda:0"): images arrive as
+            uint8 frames, which `next()` copies to this device and finishes there (rescale,
+            normalise, the processor's patch layout); the batch's other tensors stay on the CPU.
+            Default: finished on the CPU, ahead of `next()`, by the client's builder thread.
     """
 
     def __init__(self, coordinator: str | None = None, rank: int | None = None, *, host: str = "127.0.0.1",
                  bind_host: str | None = None, timeout_s: float = 300.0, as_torch: bool | None = None,
                  keep_freed_memory: bool = True, keys_dir: str | None = None, metadata_only: bool = False,
                  pin_memory: bool = False, relay: str | None = None, relay_timeout_s: float = 30.0,
-                 coordinator_timeout_s: float = 30.0, stop_grace_s: float = 15.0) -> None:
+                 coordinator_timeout_s: float = 30.0, stop_grace_s: float = 15.0, device: Any = None) -> None:
         coordinator, rank = _from_environment(coordinator, rank)
         split_addresses(coordinator)  # an address it cannot use is refused now, saying what form it takes
         keys_dir = keys_dir if keys_dir is not None else (os.environ.get("MSD_KEYS") or None)
@@ -147,6 +152,9 @@ class DataClient:
             except ImportError:
                 as_torch = False
         self.as_torch = as_torch
+        if device is not None and not as_torch:
+            raise ValueError("DataClient: device= makes pixel values as torch tensors; it needs as_torch (and torch)")
+        self.device = device
         self.pin_memory = pin_memory and as_torch and _can_pin()
         self.keep_freed_memory = keep_freed_memory
         if keep_freed_memory:
@@ -274,6 +282,8 @@ class DataClient:
         ready = self._step
         m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
+        if isinstance(batch.get("pixel_values"), PendingPixels):  # device=: its uint8 frames finished there
+            batch["pixel_values"] = batch["pixel_values"].finish_on(self.device)
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
             self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])
@@ -311,7 +321,7 @@ class DataClient:
     def _build(self, ready: ReadyStep, m: int, ahead: bool = False) -> Batch:
         """Micro-batch m of a finished step, as the trainer gets it (ahead: by the builder's thread,
         which may raise buffers.NoSpareBuffer)."""
-        batch = ready.micro_batch(m, self._pool, ahead)
+        batch = ready.micro_batch(m, self._pool, ahead, pixels_to=self.device)
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
 
     def _finished_step(self) -> ReadyStep | None:

@@ -291,7 +291,10 @@ class ReadyStep:
     def micro_batches(self) -> int:
         return self.assembler.micro_batches
 
-    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False) -> dict[str, Any]:
+    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False,
+                    pixels_to: Any = None) -> dict[str, Any]:
+        """pixels_to: a device where the pixel values are made at next(); they stay PendingPixels here."""
+        self.assembler.pixels_to = pixels_to
         batch = for_rank(self.assembler.micro_batch(m, pool, ahead), self.batch_info, self.rank, self.metadata_only)
         batch["step"], batch["micro_batch"] = self.step, m
         if m == 0:

@@ -11,6 +11,10 @@ computed from the size by transformers' own functions, and the image file's byte
 delivery the image pass runs on those bytes, and its outputs are checked against the plan: the same
 expansion text and the same arrays, so the tokens already sent to the plan are the processor's.
 
+The image pass at delivery stops at the resized uint8 frame (the image processor called with
+`do_rescale` and `do_normalize` off, and for Qwen-VL its patchify deferred): the frames go on the
+wire with their `FrameRecipe`, and the trainer client finishes them (msd_common/frames.py).
+
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `image_grid_thw` of an image from transformers' `smart_resize`
   (the image processor module's own) over the image processor's patch, merge and pixel limits;
 - Gemma 3 without pan-and-scan: `num_crops` 0 for every image (256 tokens each).
@@ -27,8 +31,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from msd_common.frames import CHANNELS, FrameRecipe
+
 QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3VLMoeProcessor"})
-FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class ImagePlan:
     """What the text pass reads of a conversation's images, computed from their sizes."""
 
     arrays: dict[str, np.ndarray]  # the image pass's outputs the expansion reads (image_grid_thw, num_crops)
-    pixel_bytes: int  # of the pixel values the image pass will make (the frame limit is checked at prepare)
+    pixel_bytes: int  # of the uint8 frames the image pass will make (the frame limit is checked at prepare)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def planner_of(processor: Any) -> Planner | None:
     if name == "Gemma3Processor" and not getattr(image_processor, "do_pan_and_scan", False):
         size = getattr(image_processor, "size", None) or {}
         try:
-            pixels_per_image = 3 * int(size["height"]) * int(size["width"]) * FLOAT32_BYTES
+            pixels_per_image = CHANNELS * int(size["height"]) * int(size["width"])
         except (KeyError, TypeError, ValueError):
             return None
         return lambda sizes: ImagePlan({"num_crops": np.zeros(len(sizes), np.int64)}, pixels_per_image * len(sizes))
@@ -90,8 +95,69 @@ def _qwen_plan(image_processor: Any, resize: Callable[..., tuple[int, int]], siz
                       max_pixels=size["longest_edge"])
         grids.append((1, h // patch, w // patch))
     grid = np.array(grids, np.int64).reshape(-1, 3)
-    row = 3 * int(image_processor.temporal_patch_size) * patch * patch * FLOAT32_BYTES
-    return ImagePlan({"image_grid_thw": grid}, int(grid.prod(axis=1).sum()) * row)
+    return ImagePlan({"image_grid_thw": grid}, int(grid.prod(axis=1).sum()) * CHANNELS * patch * patch)
+
+
+def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
+    """How the trainer client finishes this processor's frames: its image processor's rescale and
+    normalisation (as the call's `kwargs` set them, else its own), on its backend."""
+    ip = processor.image_processor
+
+    def arg(name: str) -> Any:
+        value = kwargs.get(name)
+        return getattr(ip, name) if value is None else value
+
+    def three(value: Any) -> tuple[float, float, float]:
+        values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value] * CHANNELS)]
+        return tuple(values)  # type: ignore[return-value]
+
+    common = dict(backend=getattr(ip, "backend", "pil"), do_rescale=bool(arg("do_rescale")),
+                  rescale_factor=float(arg("rescale_factor")), do_normalize=bool(arg("do_normalize")),
+                  mean=three(arg("image_mean")), std=three(arg("image_std")))
+    if type(processor).__name__ in QWEN_VL_PROCESSORS:
+        return FrameRecipe("qwen_patches", **common, patch=int(ip.patch_size), merge=int(ip.merge_size),
+                           temporal=int(ip.temporal_patch_size))
+    size = ip.size
+    return FrameRecipe("frames", **common, height=int(size["height"]), width=int(size["width"]))
+
+
+class FrameCapture:
+    """While active, a Qwen-VL image processor's patchify keeps each resized frame (uint8, as its
+    resize made it) instead of patchifying it; the trainer client patchifies (FrameRecipe)."""
+
+    def __init__(self, image_processor: Any) -> None:
+        self.image_processor = image_processor
+        self.frames: list[np.ndarray] = []
+
+    def __enter__(self) -> "FrameCapture":
+        def keep(images: Any, patch_size: int, merge_size: int, temporal_patch_size: int) -> tuple[Any, int, int]:
+            row = CHANNELS * temporal_patch_size * patch_size * patch_size
+            if hasattr(images, "numpy"):  # torchvision: a stack of frames of one size
+                self.frames.extend(np.ascontiguousarray(f.numpy()) for f in images.cpu())
+                return images.new_zeros((images.shape[0], 0, row)), images.shape[-2] // patch_size, \
+                    images.shape[-1] // patch_size
+            self.frames.append(np.ascontiguousarray(images))
+            return np.zeros((0, row), np.float32), images.shape[-2] // patch_size, images.shape[-1] // patch_size
+
+        self.image_processor.patchify = keep  # this instance only, for this call
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.image_processor.patchify
+
+    def in_order(self, grids: np.ndarray, patch: int) -> list[np.ndarray]:
+        """The frames in image order: the torchvision backend patchifies images grouped by size
+        (in order within a size), so each image takes the next frame of its grid's size."""
+        by_shape: dict[tuple[int, int], list[np.ndarray]] = {}
+        for f in self.frames:
+            by_shape.setdefault(f.shape[-2:], []).append(f)
+        out = []
+        for _, h, w in np.asarray(grids).tolist():
+            waiting = by_shape.get((int(h) * patch, int(w) * patch))
+            if not waiting:
+                raise ValueError(f"no resized frame of {int(h) * patch}x{int(w) * patch} for an image")
+            out.append(waiting.pop(0))
+        return out
 
 
 def disagreement(pending: PendingImages, made: dict[str, Any], replacements: list[str]) -> str | None:

@@ -32,7 +32,8 @@ with the image's path.
 
 For the Qwen-VL and Gemma 3 processors a record is planned from its images' sizes and its image
 pass runs at delivery (worker/image_plan.py): `render` returns the sample with `pending` images,
-`finish` makes their arrays.
+`finish` makes their resized uint8 frames, which the trainer client finishes into the processor's
+pixel values (msd_common/frames.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
-from .image_plan import PendingImages, disagreement, planner_of
+from msd_common.frames import FRAMES, RECIPE
+
+from .image_plan import QWEN_VL_PROCESSORS, FrameCapture, PendingImages, disagreement, frame_recipe, planner_of
 
 # A worker host (the `vision` extra) has transformers without torch: its "PyTorch was not found"
 # advice at import is for users of its models, which a worker never loads (issue 61: printed by
@@ -85,7 +88,7 @@ class ProcessedSample:
         """Each array's bytes, the planned pixel values' for pending images (one message frame holds each)."""
         sizes = {name: a.nbytes for name, a in {**self.token_arrays, **self.image_arrays}.items()}
         if self.pending is not None:
-            sizes["pixel_values"] = self.pending.plan.pixel_bytes
+            sizes[FRAMES] = self.pending.plan.pixel_bytes
         return sizes
 
 
@@ -235,7 +238,7 @@ class ProcessorChat:
         problem = None
         try:
             images = [decode_image(data, where, None) for data in pending.files]
-            made, replacements = self.processor._process_images(images, **self._image_kwargs)
+            made, replacements, frames = self._frames_pass(images)
             why = disagreement(pending, made, replacements)
             if why is not None:
                 problem = (f"{where}: planned from its images' sizes, but {why}", "error")
@@ -247,14 +250,33 @@ class ProcessorChat:
         if problem is not None:
             from PIL import Image
 
-            blank = [Image.new("RGB", size) for size in pending.sizes]
-            made, _ = self.processor._process_images(blank, **self._image_kwargs)
+            made, _, frames = self._frames_pass([Image.new("RGB", size) for size in pending.sizes])
             sample.loss_mask[:] = 0
-        unused = set(getattr(self.processor, "unused_input_names", ()) or ())
-        sample.image_arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items()
-                               if name not in unused}
+        unused = set(getattr(self.processor, "unused_input_names", ()) or ()) | {"pixel_values"}
+        arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items() if name not in unused}
+        arrays[FRAMES] = np.concatenate([f.reshape(-1) for f in frames]) if frames else np.zeros(0, np.uint8)
+        arrays[RECIPE] = frame_recipe(self.processor, self._image_kwargs).to_array()
+        sample.image_arrays = arrays
         sample.pending = None
         return problem
+
+    def _frames_pass(self, images: list[Any]) -> tuple[dict[str, Any], list[str], list[np.ndarray]]:
+        """The processor's image pass up to each image's resized uint8 frame: its outputs (their
+        pixel values left out), its image tokens' expansions, and the frames [3, H, W] in order."""
+        kwargs = {**self._image_kwargs, "do_rescale": False, "do_normalize": False}
+        image_processor = self.processor.image_processor
+        if type(self.processor).__name__ in QWEN_VL_PROCESSORS:
+            with FrameCapture(image_processor) as capture:
+                made, replacements = self.processor._process_images(images, **kwargs)
+            frames = capture.in_order(np.asarray(made["image_grid_thw"]), int(image_processor.patch_size))
+        else:  # resized to one size, nothing after normalisation: the pixel values are the frames
+            made, replacements = self.processor._process_images(images, **kwargs)
+            pixels = np.asarray(made["pixel_values"])
+            if pixels.dtype != np.uint8:
+                raise ValueError(f"the image pass without rescale and normalise gave {pixels.dtype} pixels, not uint8")
+            frames = list(pixels)
+        made = {k: v for k, v in made.items() if k != "pixel_values"}
+        return made, replacements, [np.ascontiguousarray(f, np.uint8) for f in frames]
 
     def sample_of(self, out: Any, images: int, mask: np.ndarray | None = None,
                   planned: dict[str, np.ndarray] | None = None) -> ProcessedSample:

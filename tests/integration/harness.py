@@ -30,18 +30,23 @@ def _compute_at(compute_s: Compute, step: int) -> float:
 
 def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 0.0,
             resume: dict | None = None, host: str = "127.0.0.1", relay: str | None = None,
-            relay_timeout_s: float = 30.0) -> None:
+            relay_timeout_s: float = 30.0, device: str | None = None) -> None:
     """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
     every micro-batch back to the test, spending `compute_s` per micro-batch (or per the
-    schedule) as a trainer's compute would; through `relay` (an endpoint) if given."""
+    schedule) as a trainer's compute would; through `relay` (an endpoint) if given; with
+    `device`, as torch tensors whose pixel values are made there (sent back as numpy arrays)."""
     from trainer_client import DataClient
 
-    client = DataClient(address, rank=rank, as_torch=False, timeout_s=60, host=host, relay=relay,
-                        relay_timeout_s=relay_timeout_s)
+    client = DataClient(address, rank=rank, as_torch=device is not None, timeout_s=60, host=host, relay=relay,
+                        relay_timeout_s=relay_timeout_s, device=device)
     if resume is not None:
         client.load_state_dict(resume)
     try:
         for batch in client:
+            if device is not None:
+                if "pixel_values" in batch:
+                    assert batch["pixel_values"].device.type == device, batch["pixel_values"].device
+                batch = {k: v.cpu().numpy() if hasattr(v, "numpy") else v for k, v in batch.items()}
             out.put(("batch", rank, {**{k: v for k, v in batch.items() if k != "plan"}, "received_at": time.time()}))
             pause = _compute_at(compute_s, batch["step"])
             if pause:
@@ -57,27 +62,31 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 
 
 def run_job(job_path: str, *, workers: int | None, ranks: int, steps: int, log_path: str | None = None,
             during: Callable[[LocalJob, int], None] | None = None, timeout_s: float = 90,
-            compute_s: PerRank = 0.0, max_procs: int | None = None) -> dict[int, list[dict]]:
+            compute_s: PerRank = 0.0, max_procs: int | None = None,
+            devices: dict[int, str] | None = None) -> dict[int, list[dict]]:
     """Run the job; `during(cluster, batches_so_far)` is called as batches arrive (fault injection).
     workers=None: the host runs `--procs auto --max-procs max_procs`."""
     with LocalJob(job_path, workers=workers, log_path=log_path, log_level="INFO", max_procs=max_procs) as cluster:
-        return run_ranks(cluster, ranks=ranks, steps=steps, during=during, timeout_s=timeout_s, compute_s=compute_s)[0]
+        return run_ranks(cluster, ranks=ranks, steps=steps, during=during, timeout_s=timeout_s, compute_s=compute_s,
+                         devices=devices)[0]
 
 
 def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[LocalJob, int], None] | None = None,
               timeout_s: float = 90, compute_s: PerRank = 0.0,
               resume: dict[int, dict] | None = None,
               client_host: str = "127.0.0.1", relays: dict[int, str] | None = None,
-              relay_timeout_s: float = 30.0) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+              relay_timeout_s: float = 30.0,
+              devices: dict[int, str] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
-    received, and each one's final state_dict. relays: rank -> the endpoint of the relay it uses."""
+    received, and each one's final state_dict. relays: rank -> the endpoint of the relay it uses;
+    devices: rank -> the torch device its client makes pixel values on (DataClient's device=)."""
     received: dict[int, list[dict]] = {r: [] for r in range(ranks)}
     states: dict[int, dict] = {}
     out = SPAWN.Queue()
     per_rank = compute_s if isinstance(compute_s, dict) else {r: compute_s for r in range(ranks)}
     procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, per_rank.get(r, 0.0),
                                                  (resume or {}).get(r), client_host, (relays or {}).get(r),
-                                                 relay_timeout_s)) for r in range(ranks)]
+                                                 relay_timeout_s, (devices or {}).get(r))) for r in range(ranks)]
     for p in procs:
         p.start()
     cluster.trainer_pids = [p.pid for p in procs]  # for fault injection in `during`

@@ -11,21 +11,28 @@ import numpy as np
 import pytest
 
 from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations, write_qwen2_5_vl_processor
+from msd_common.frames import FRAMES, finished
 
 pytest.importorskip("transformers")
 
 from worker.processor import ProcessorChat  # noqa: E402
 
 
+def _finished(sample) -> dict[str, np.ndarray]:
+    """A sample's image arrays as the trainer gets them: its uint8 frames finished by their recipe."""
+    return finished(sample.image_arrays)
+
+
 def _same(a, b) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-    assert list(a.token_arrays) == list(b.token_arrays) and list(a.image_arrays) == list(b.image_arrays)
+    mine, theirs = _finished(a), b.image_arrays
+    assert list(a.token_arrays) == list(b.token_arrays) and sorted(mine) == sorted(theirs)
     for k in b.token_arrays:
         np.testing.assert_array_equal(a.token_arrays[k], b.token_arrays[k])
-    for k in b.image_arrays:
-        assert a.image_arrays[k].dtype == b.image_arrays[k].dtype, k
-        np.testing.assert_array_equal(a.image_arrays[k], b.image_arrays[k])
+    for k in theirs:
+        assert mine[k].dtype == theirs[k].dtype, k
+        np.testing.assert_array_equal(mine[k], theirs[k])
     assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
 
 
@@ -52,8 +59,12 @@ def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_pa
         assert a.pending is not None and not a.image_arrays
         assert a.pending.nbytes == sum(os.path.getsize(os.path.join(data, p["image"])) for m in record["messages"]
                                        for p in m["content"] if p["type"] == "image")
-        assert a.array_bytes["pixel_values"] == b.image_arrays["pixel_values"].nbytes  # the frame limit, planned
+        planned_bytes = a.array_bytes[FRAMES]  # the frame limit, planned
         assert planned.finish(a, "test") is None and a.pending is None
+        frames = a.image_arrays[FRAMES]
+        assert frames.dtype == np.uint8 and frames.nbytes == planned_bytes
+        # on the wire: a byte per value where the processor makes float32, and Qwen-VL's temporal repeat
+        assert frames.nbytes * (8 if family == "qwen2_5_vl" else 4) == b.image_arrays["pixel_values"].nbytes
         _same(a, b)
     assert with_images >= 10
 
@@ -104,7 +115,7 @@ def test_images_are_taken_as_transformers_takes_their_paths(tmp_path):
                                                           return_assistant_tokens_mask=True, return_tensors="np")
             np.testing.assert_array_equal(sample.tokens, expected["input_ids"][0])
             np.testing.assert_array_equal(sample.image_arrays["image_grid_thw"], expected["image_grid_thw"])
-            np.testing.assert_array_equal(sample.image_arrays["pixel_values"], expected["pixel_values"])
+            np.testing.assert_array_equal(_finished(sample)["pixel_values"], expected["pixel_values"])
         if name == "rotated.jpg":  # upright: 40 wide, 90 high, in 14-pixel patches of a 28-multiple size
             grid = sample.image_arrays["image_grid_thw"][0]
             assert grid[1] > grid[2], grid
@@ -156,13 +167,13 @@ def test_an_image_that_fails_at_delivery_sends_its_sample_blank_with_nothing_to_
     [message] = [a for a in actions if isinstance(a, ToRank)]
     mask = message.message.loss_mask
     assert not mask[:spoiled.length].any() and mask[spoiled.length:].any()
-    pixels = spoiled.processed.image_arrays["pixel_values"]
+    pixels = _finished(spoiled.processed)["pixel_values"]
     assert len(pixels) == int(grids.prod(axis=1).sum())  # the planned patches, blank
     np.testing.assert_array_equal(spoiled.processed.image_arrays["image_grid_thw"], grids)
     [failed] = actions[-1].message.failed
     assert failed[:2] == [0, 0] and failed[3] == "corrupt" and "image does not decode" in failed[2]
     assert "conversations.jsonl:1" in failed[2]  # names the file and line
-    assert good.processed.image_arrays["pixel_values"].any()
+    assert good.processed.image_arrays[FRAMES].any()
 
 
 def test_the_coordinator_counts_a_sample_that_failed_at_delivery(tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_processor
+from msd_common.frames import FRAMES, finished
 from msd_common.spec import ConfigError, parse_job
 
 pytest.importorskip("transformers")
@@ -46,9 +47,10 @@ def _made(chat, record, base):
 def _same(a, b) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-    assert a.image_arrays.keys() == b.image_arrays.keys()
-    for k in a.image_arrays:
-        np.testing.assert_array_equal(a.image_arrays[k], b.image_arrays[k])
+    mine, theirs = finished(a.image_arrays), finished(b.image_arrays)  # frames as the trainer gets them
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        np.testing.assert_array_equal(mine[k], theirs[k])
     for k in a.token_arrays:
         np.testing.assert_array_equal(a.token_arrays[k], b.token_arrays[k])
 
@@ -60,7 +62,7 @@ def test_a_sample_holds_the_processor_arrays_and_masks_image_tokens(made):
     images = sum(p["type"] == "image" for m in records[0]["messages"] for p in m["content"])
     grids = sample.image_arrays["image_grid_thw"]
     assert sample.images == images == len(grids)
-    assert sample.patches == int(grids.prod(axis=1).sum()) == len(sample.image_arrays["pixel_values"])
+    assert sample.patches == int(grids.prod(axis=1).sum()) == len(finished(sample.image_arrays)["pixel_values"])
     assert sample.patch_squares == int((grids.prod(axis=1) ** 2).sum())  # the encoder attends within each image
     is_image = np.isin(sample.tokens, chat.image_token_ids)
     assert int(is_image.sum()) == sample.patches // 4  # merge 2 x 2
@@ -234,16 +236,16 @@ def test_a_parquet_source_with_image_bytes_in_a_column(made, tmp_path):
     expected = _made(ProcessorChat(proc), record, data)
     np.testing.assert_array_equal(tokens, expected.tokens)
     np.testing.assert_array_equal(mask, expected.loss_mask)
-    np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
+    np.testing.assert_array_equal(processed.image_arrays[FRAMES], expected.image_arrays[FRAMES])
     from msd_common.formats.errors import RecordError
 
     with pytest.raises(RecordError, match="does not decode"):  # the bad image skips its record only
         reader.read_prepared(1, 0)
     from msd_common import protocol as P
 
-    with pytest.MonkeyPatch.context() as m:  # pixel values past one frame of PIECES: skipped at prepare, by name
-        m.setattr(P, "MAX_FRAME_BYTES", processed.image_arrays["pixel_values"].nbytes - 1)
-        with pytest.raises(RecordError, match="pixel_values is .* bytes, more than a message frame holds") as e:
+    with pytest.MonkeyPatch.context() as m:  # image frames past one frame of PIECES: skipped at prepare, by name
+        m.setattr(P, "MAX_FRAME_BYTES", processed.image_arrays[FRAMES].nbytes - 1)
+        with pytest.raises(RecordError, match="pixel_frames is .* bytes, more than a message frame holds") as e:
             reader.read_prepared(0, 0)
         assert e.value.kind == "over_limit"
 
@@ -296,7 +298,7 @@ def test_a_webdataset_source_of_conversations_and_their_images(made, tmp_path):
         assert patches is None and reader.finish(processed, i) is None
         np.testing.assert_array_equal(tokens, expected.tokens)
         np.testing.assert_array_equal(mask, expected.loss_mask)
-        np.testing.assert_array_equal(processed.image_arrays["pixel_values"], expected.image_arrays["pixel_values"])
+        np.testing.assert_array_equal(processed.image_arrays[FRAMES], expected.image_arrays[FRAMES])
     with pytest.raises(RecordError, match="no such image file"):  # "0.png" names no entry of sample c
         reader.read_prepared(2, 0)
     with pytest.raises(ConfigError) as e:  # the built-in patchifier's keys do not apply

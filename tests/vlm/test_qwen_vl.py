@@ -46,7 +46,8 @@ def vlm_run(tmp_path_factory):
     }
     path = write_job(str(root), job)
     log = str(root / "job.log")
-    received = run_job(path, workers=2, ranks=2, steps=6, log_path=log, timeout_s=300)
+    # rank 1's client makes its pixel values with torch on a device (device="cpu" here), rank 0's with numpy
+    received = run_job(path, workers=2, ranks=2, steps=6, log_path=log, timeout_s=300, devices={1: "cpu"})
     ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
     return received, ref, open(log).read()
 

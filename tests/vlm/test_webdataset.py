@@ -14,6 +14,7 @@ import pytest
 
 from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_processor
 from msd_common.doc_keys import split_doc_key
+from msd_common.frames import finished
 from tests.conftest import write_job
 from tests.integration.harness import run_job
 from tests.vlm.conftest import pieces_of, token_id
@@ -75,7 +76,7 @@ def test_webdataset_conversations_through_a_job(tmp_path):
                 want = chat.render(records[record], str(tmp_path / "data"))
                 assert chat.finish(want, "expected") is None  # its image pass
                 np.testing.assert_array_equal(b["tokens"][row, start:start + n], want.tokens)
-                pixels = want.image_arrays["pixel_values"]
+                pixels = finished(want.image_arrays)["pixel_values"]  # its frames, finished as the client does
                 np.testing.assert_array_equal(b["pixel_values"][patches:patches + len(pixels)], pixels)
                 patches += len(pixels)
                 checked.add(record)

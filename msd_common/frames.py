@@ -1,0 +1,198 @@
+"""Images on the wire as uint8 frames, finished into the processor's pixel values by the trainer client.
+
+A processor's image pass is resize, rescale, normalise and (Qwen-VL) patchify with each still image
+repeated in the temporal slot. Only the resize needs the image; the rest is arithmetic on the
+resized frame, 4 bytes a value (Qwen-VL: 8, with the temporal repeat) where the frame has 1. So a
+worker runs the processor's own resize (the image processor called with `do_rescale` and
+`do_normalize` off, as vLLM's device path does) and sends the frame; the client finishes it at
+`next()` with the processor's arithmetic, in the same order and precision, so that
+`batch["pixel_values"]` is bit for bit what the processor gives on the workers' backend:
+
+- the PIL backend (transformers' numpy functions): rescale in float64 then cast to float32
+  (`image_transforms.rescale`), normalise in float32 (`image_transforms.normalize`);
+- the torchvision backend: rescale fused into normalise (`_fuse_mean_std_and_rescale_factor`:
+  mean and std, as float32, times 1/rescale_factor), then `(x - mean) / std` in float32.
+
+Each sample carries its recipe (`pixel_recipe`, a few float64 values) beside its frames
+(`pixel_frames`, every image's [3, H, W] uint8 flattened, image after image): two sources with
+different processors may share a micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FRAMES = "pixel_frames"
+RECIPE = "pixel_recipe"
+LAYOUTS = ("qwen_patches", "frames")  # patchified with a temporal repeat (Qwen-VL), or [images, 3, H, W]
+BACKENDS = ("pil", "torchvision")
+RECIPE_VERSION = 1.0
+CHANNELS = 3
+
+
+@dataclass(frozen=True)
+class FrameRecipe:
+    """How a sample's uint8 frames become the processor's pixel values."""
+
+    layout: str
+    backend: str
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    patch: int = 0  # qwen_patches: patch size, merge size, temporal patch size
+    merge: int = 0
+    temporal: int = 0
+    height: int = 0  # frames: every image's size (the processor resizes every image to it)
+    width: int = 0
+
+    def to_array(self) -> np.ndarray:
+        return np.array([RECIPE_VERSION, LAYOUTS.index(self.layout), BACKENDS.index(self.backend),
+                         float(self.do_rescale), self.rescale_factor, float(self.do_normalize), *self.mean,
+                         *self.std, self.patch, self.merge, self.temporal, self.height, self.width], np.float64)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> "FrameRecipe":
+        v = np.asarray(a, np.float64).reshape(-1)
+        if len(v) != 17 or v[0] != RECIPE_VERSION:
+            raise ValueError(f"{RECIPE}: expected version {RECIPE_VERSION} with 17 values, got {v.tolist()}")
+        return cls(LAYOUTS[int(v[1])], BACKENDS[int(v[2])], bool(v[3]), float(v[4]), bool(v[5]),
+                   tuple(float(x) for x in v[6:9]), tuple(float(x) for x in v[9:12]),  # type: ignore[arg-type]
+                   int(v[12]), int(v[13]), int(v[14]), int(v[15]), int(v[16]))
+
+    def shapes(self, frames: int, grids: np.ndarray | None) -> list[tuple[int, int, int]]:
+        """Each image's frame shape [3, H, W]: from its patch grid, or the processor's one size."""
+        if self.layout == "qwen_patches":
+            if grids is None:
+                raise ValueError(f"{FRAMES}: a qwen_patches recipe needs image_grid_thw")
+            return [(CHANNELS, int(h) * self.patch, int(w) * self.patch) for _, h, w in np.asarray(grids).tolist()]
+        per = CHANNELS * self.height * self.width
+        if per == 0 or frames % per:
+            raise ValueError(f"{FRAMES}: {frames} bytes are not whole {self.height}x{self.width} frames")
+        return [(CHANNELS, self.height, self.width)] * (frames // per)
+
+    def finish(self, frames: np.ndarray, grids: np.ndarray | None = None) -> np.ndarray:
+        """The pixel values of one sample's frames (numpy, on this host's CPU)."""
+        shapes = self.shapes(len(frames), grids)
+        out, at = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape))
+            out.append(self._layout(self._values(frames[at:at + n].reshape(shape))))
+            at += n
+        if at != len(frames):
+            raise ValueError(f"{FRAMES}: {len(frames)} bytes where the images' frames take {at}")
+        if not out:
+            return np.zeros((0, *self._row_shape()), np.float32)
+        return np.concatenate(out) if self.layout == "qwen_patches" else np.stack(out)
+
+    def _row_shape(self) -> tuple[int, ...]:
+        if self.layout == "qwen_patches":
+            return (CHANNELS * self.temporal * self.patch * self.patch,)
+        return (CHANNELS, self.height, self.width)
+
+    def _values(self, frame: np.ndarray) -> np.ndarray:
+        mean = np.array(self.mean, np.float32)[:, None, None]
+        std = np.array(self.std, np.float32)[:, None, None]
+        if self.backend == "torchvision":
+            if self.do_rescale and self.do_normalize:  # fused: float32 mean and std times 1/rescale_factor
+                scale = np.float32(1.0 / self.rescale_factor)
+                return (frame.astype(np.float32) - mean * scale) / (std * scale)
+            x = frame.astype(np.float32)
+            if self.do_normalize:
+                return (x - mean) / std
+            return x * np.float32(self.rescale_factor) if self.do_rescale else x
+        x = frame
+        if self.do_rescale:  # transformers' rescale: upcast to float64 first, then down to float32
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            x = (x.astype(np.float32) - mean) / std
+        return x.astype(np.float32, copy=False)
+
+    def _layout(self, x: Any) -> Any:
+        """The processor's patch layout (Qwen-VL's patchify: merge windows, the frame repeated in the
+        temporal slot), or the frame as it is."""
+        if self.layout != "qwen_patches":
+            return x
+        c, h, w = x.shape
+        p, m, t = self.patch, self.merge, self.temporal
+        gh, gw = h // p, w // p
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, *x.shape[5:]))
+        return x.reshape(gh * gw, c * t * p * p)
+
+    def finish_torch(self, frames: Any, grids: np.ndarray | None = None) -> Any:
+        """The same on a torch tensor of uint8 frames, on its device (the trainer's GPU)."""
+        import torch
+
+        shapes = self.shapes(int(frames.numel()), grids)
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=frames.device)[:, None, None]
+        std = torch.tensor(self.std, dtype=torch.float32, device=frames.device)[:, None, None]
+        out, at = [], 0
+        for shape in shapes:
+            n = shape[0] * shape[1] * shape[2]
+            frame = frames[at:at + n].reshape(shape)
+            at += n
+            if self.backend == "torchvision" and self.do_rescale and self.do_normalize:
+                scale = 1.0 / self.rescale_factor  # float32 tensors times a python float: float32, as transformers
+                x = (frame.to(torch.float32) - mean * scale) / (std * scale)
+            elif self.backend == "torchvision":
+                x = frame.to(torch.float32)
+                x = (x - mean) / std if self.do_normalize else (x * self.rescale_factor if self.do_rescale else x)
+            else:
+                x = (frame.to(torch.float64) * self.rescale_factor).to(torch.float32) if self.do_rescale \
+                    else frame.to(torch.float32)
+                x = (x - mean) / std if self.do_normalize else x
+            if self.layout == "qwen_patches":
+                c, h, w = shape
+                p, m, t = self.patch, self.merge, self.temporal
+                gh, gw = h // p, w // p
+                x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+                x = x.unsqueeze(5).expand(*x.shape[:5], t, *x.shape[5:]).reshape(gh * gw, c * t * p * p)
+            out.append(x)
+        if not out:
+            return torch.zeros((0, *self._row_shape()), dtype=torch.float32, device=frames.device)
+        return torch.cat(out) if self.layout == "qwen_patches" else torch.stack(out)
+
+
+class PendingPixels:
+    """A micro-batch's pixel values, to be made where the trainer wants them: each piece's own
+    float array, or its (uint8 frames, recipe, image_grid_thw), in packing order."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum((p[0] if isinstance(p, tuple) else p).nbytes for p in self.parts)
+
+    def finish(self) -> np.ndarray:
+        """On this host's CPU (numpy)."""
+        made = [p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p) for p in self.parts]
+        return made[0] if len(made) == 1 else np.concatenate(made)
+
+    def finish_on(self, device: Any) -> Any:
+        """On `device` (a torch device): the uint8 frames are copied there, and the float work
+        happens there."""
+        import torch
+
+        made = []
+        for p in self.parts:
+            if isinstance(p, tuple):
+                frames = torch.from_numpy(np.ascontiguousarray(p[0])).to(device, non_blocking=True)
+                made.append(p[1].finish_torch(frames, p[2]))
+            else:
+                made.append(torch.from_numpy(np.asarray(p)).to(device, non_blocking=True))
+        return made[0] if len(made) == 1 else torch.cat(made)
+
+
+def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A sample's image arrays as its trainer gets them: its frames (if any) finished into pixel_values."""
+    out = dict(arrays)
+    if FRAMES in out:
+        recipe = FrameRecipe.from_array(out.pop(RECIPE))
+        out["pixel_values"] = recipe.finish(out.pop(FRAMES), out.get("image_grid_thw"))
+    return out

@@ -1,0 +1,38 @@
+"""Frames as bytes (msd_common/frames.py): a worker sends each image's resized uint8 frame and the
+trainer client finishes it into the processor's pixel values. Checked in the reference environment
+(transformers with torch and torchvision) on both image backends, for Qwen2.5-VL (patch layout,
+temporal repeat) and Gemma 3 (one size, no repeat): finished with numpy and with torch, bit for bit
+what the image processor gives run whole, at an eighth (Qwen-VL) and a quarter (Gemma 3) of its bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from msd.testing.vlm_data import write_gemma3_processor, write_qwen2_5_vl_processor
+from tests.vlm.conftest import REFERENCE_PYTHON, ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def processors(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frames")
+    return {"qwen2_5_vl": write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=1_000_000),
+            "gemma3": write_gemma3_processor(str(root / "gemma"))}
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_frames_finished_by_the_client_equal_the_image_processor(processors, family, backend):
+    if not os.path.exists(REFERENCE_PYTHON):
+        pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
+    out = subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "vlm", "frames_check.py"),
+                          processors[family], backend], check=True, capture_output=True, text=True, timeout=240)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["frame_dtype"] == "uint8"
+    assert result["numpy_equal"] and result["torch_equal"], result
+    assert result["pixel_bytes"] == result["frame_bytes"] * (8 if family == "qwen2_5_vl" else 4)
