@@ -58,7 +58,7 @@ class _Arena:
     table packed (amortised, like a list's growth). One set of arrays lets a lookup of rows of
     many sources be one gather: a per-source step per step cost ~1 ms per 100 sources."""
 
-    FIELDS = ("record", "length", "holder", "patches", "patch_squares")
+    FIELDS = ("record", "length", "holder", "patches", "patch_squares", "nbytes")
 
     def __init__(self, n: int) -> None:
         self.tables: list[PositionTable] = []
@@ -147,6 +147,7 @@ class PositionTable:
         a.holder[at:at + n] = NOBODY
         a.patches[at:at + n] = 0
         a.patch_squares[at:at + n] = 0
+        a.nbytes[at:at + n] = 0
         positions = np.arange(self.end, self.end + n, dtype=np.int64)
         self.end += n
         a.size[self.index] = self.end - self.base
@@ -171,17 +172,24 @@ class PositionTable:
         """Per record, its images' patches squared, summed (its patches squared where not reported)."""
         return self.arena.patch_squares[self._index(positions)]
 
+    def nbytes(self, positions: np.ndarray) -> np.ndarray:
+        """Per prepared record, the bytes of its arrays beside its tokens (Prepared.array_bytes)."""
+        return self.arena.nbytes[self._index(positions)]
+
     def lengths(self, positions: np.ndarray) -> np.ndarray:
         """Prepared lengths (UNKNOWN where not prepared yet)."""
         return self.arena.length[self._index(positions)]
 
     def set_prepared(self, positions: np.ndarray, lengths: np.ndarray, worker: int | np.ndarray,
-                     patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None) -> np.ndarray:
+                     patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None,
+                     array_bytes: np.ndarray | None = None) -> np.ndarray:
         """Record what a worker (or each position's worker, an array) prepared; returns the
         lengths known before (-1 where none)."""
         i, a = self._index(positions), self.arena
         before = a.length[i].copy()
         a.length[i] = lengths
+        if array_bytes is not None and len(array_bytes) == len(i):
+            a.nbytes[i] = array_bytes
         if patches is not None and len(patches):
             a.patches[i] = patches
             squares = np.asarray(patches, dtype=np.int64) ** 2  # one image a record, unless told otherwise

@@ -262,12 +262,12 @@ class PreparationBook:
 
     def set_prepared(self, s: int, positions: np.ndarray, lengths: np.ndarray, worker_id: int | np.ndarray,
                       patches: np.ndarray | None = None, patch_squares: np.ndarray | None = None,
-                      measured: bool = True) -> None:
+                      measured: bool = True, array_bytes: np.ndarray | None = None) -> None:
         """The records at these positions of source s are prepared, held by the worker (or by
         each position's worker, an array). measured False: lengths set here, not read from the
         data (records held out or quarantined, 0): they say nothing of the source's mean length."""
         self.prepared_stamp += 1
-        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches, patch_squares)
+        before = self.tables[s].set_prepared(positions, lengths, worker_id, patches, patch_squares, array_bytes)
         changed = (before >= 0) & (before != lengths)
         for pos, was, now in zip(positions[changed].tolist(), before[changed].tolist(), lengths[changed].tolist()):
             log.error("source %s position %d: length %d differs from earlier %d (non-deterministic transform?)",

@@ -24,6 +24,7 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common.spec import JobConfig
 
+from .ahead import AheadBytes
 from .balance import imbalance
 from .deliveries import DeliveryBook
 from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHeartbeat, HostHello, MixRequest,
@@ -100,6 +101,7 @@ class CoordinatorState:
         n = len(job.sources)
         self.tasks = TaskBook()
         self.lead = PrepareLead(n, self.job.runtime.lookahead_steps)
+        self.ahead = AheadBytes(self.job.runtime.ahead_bytes, self.job.topology.dp)
         self.skips = SkipBook(job, history.durable)  # skipped records, transform errors, quarantine
         self.quarantined = self.skips.quarantined  # source -> records never handed to a worker again
         self.clock = 0.0  # the time of the last event (events bring the time; a task handed out is stamped with it)
@@ -467,7 +469,8 @@ class CoordinatorState:
         lengths = np.asarray(ev.lengths, dtype=np.int64)
         self.workforce.record(s, ev.busy_s, len(lengths), int(lengths.sum()))
         self.lead.task_done(s, ev.at - task.assigned_at)
-        self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches, ev.patch_squares)
+        self.prep.set_prepared(s, task.positions, lengths, worker.worker_id, ev.patches, ev.patch_squares,
+                               array_bytes=ev.array_bytes)
 
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
         if self.eval.owns(ev.task_id):
@@ -644,8 +647,6 @@ class CoordinatorState:
             self.deliveries.replaced(d)
             self._emit(self.layout.deliver(d.step, d.items, d.positions, d.release))
 
-    # ------------------------------------------------------------------ prepare-ahead
-
     # ------------------------------------------------------------------ planning and dispatch
 
     def _pump(self) -> None:
@@ -662,9 +663,13 @@ class CoordinatorState:
             # be among them), or not every rank is here yet: plan nothing, but prepare ahead.
             self._sent(self.prep.prepare_ahead())
             return
-        limit = self.registry.slowest() + 1 + self.job.runtime.lookahead_steps
+        slowest = self.registry.slowest()
+        self.ahead.consumed_through(slowest)
         planned = []
-        while self.end is None and self.planner.state.next_step < limit:
+        while self.end is None and self.planner.state.next_step < slowest + 1 + self.job.runtime.lookahead_steps:
+            if self.planner.state.next_step > slowest + 1 and self.ahead.full():
+                break  # runtime.ahead_bytes: the steps ahead hold enough images for some rank
+
             if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:
                 break  # the length the last attempt stopped at is still not in: planning would stop there again
             self.waiting = None
@@ -685,6 +690,7 @@ class CoordinatorState:
                     log.warning("%s", event)
                 self.planner.events.clear()
             self._record(self.planner.state)
+            self.ahead.planned(plan, lambda s, positions: self.tables[s].nbytes(positions))
             planned.append(plan)
         self._journal()  # the steps are durable before any of their deliveries goes out
         for plan in planned:
@@ -763,6 +769,7 @@ class CoordinatorState:
         start clean (they register again)."""
         step = state.next_step
         self.planner.state = state
+        self.ahead.forget_from(step)
         self.deliveries.clear()
         self.prep.reprepare.clear()
         self.tasks.clear()

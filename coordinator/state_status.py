@@ -75,6 +75,8 @@ def status_of(state: "CoordinatorState") -> dict[str, Any]:
         "worker_send_waits": sum(w.send_waits for w in state.registry.workers.values()),
         "tasks_in_flight": len(state.tasks),
         "prepare_ahead_steps": dict(zip(names, (round(float(n), 2) for n in state.lead.steps_ahead()))),
+        # the most bytes of images (a processor's arrays) any rank has coming, and runtime.ahead_bytes
+        "ahead_bytes": {"held": state.ahead.held(), "budget": state.ahead.budget},
         "step_s": None if state.lead.step_s is None else round(state.lead.step_s, 4),
         "records_reprepared": state.prep.reprepared,
         "deliveries": state.deliveries.counts(),

@@ -170,6 +170,10 @@ KEYS: tuple[Key, ...] = (
         "and adopt a clearly better one while the job runs (journaled in `cost.journal`)."),
     # runtime
     Key("runtime.lookahead_steps", "integer >= 1", "4", "Steps planned and prepared ahead of the slowest rank."),
+    Key("runtime.ahead_bytes", "integer >= 1", "4294967296 (4 GiB)", "Per rank, the bytes of image frames and "
+        "a processor's arrays delivered ahead of the slowest rank: once the steps planned ahead hold this much, "
+        "no further step is planned until ranks consume (the next step a rank needs always is). Bounds a "
+        "trainer's memory whatever the image sizes; text-only jobs never reach it."),
     Key("runtime.heartbeat_s", "number > 0", "1.0", "Heartbeat period of workers and clients; a peer silent for "
         "several periods is presumed dead."),
     Key("runtime.prepare_batch", "integer >= 1", "64; 8 with a processor source", "Documents per prepare request "

@@ -25,10 +25,11 @@ from .errors import ProtocolError
 if TYPE_CHECKING:
     import numpy as np
 
+# 13: images as uint8 frames in pieces.extras (pixel_frames, pixel_recipe), prepared.array_bytes;
 # 12: host_heartbeat.pids, worker_exited.source/record/overran_s, prepare/deliver.worker_id, delivered.unserved,
 # job_failed to workers, hosts and relays; 11: delivered.failed; 10: pieces.extras (a processor's arrays); 9: relays;
 # 8: job_failed; 7: pieces.loss_mask, epochs of prepare and deliver, eval_*; 6: welcome.count
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 # Eval passes travel as steps of their own: `pieces` of step EVAL_STEP_BASE + set * 2^32 + pass, and
 # their records are prepared as epoch EVAL_EPOCH (a worker reads them as epoch 0, caches them apart).
@@ -422,6 +423,9 @@ class Prepared(Message):
     patches: "np.ndarray" = frame("<i8")  # image patches per record (empty for a source without images)
     # the sum over each record's images of their patches squared (empty: the patches squared, one image)
     patch_squares: "np.ndarray" = frame("<i8", optional=True)
+    # per record, the bytes of its arrays beside its tokens (image frames, a processor's arrays), which
+    # runtime.ahead_bytes caps per rank; empty: none (a text source)
+    array_bytes: "np.ndarray" = frame("<i8", optional=True)
 
 
 @message("task_failed")

@@ -38,6 +38,7 @@ COPIES = ("plain", "seekable")  # runtime.copies: how compressed JSONL shards ar
 WHOLE_OBJECT_FORMATS = ("jsonl", "megatron")  # storage.whole_objects: read from a local copy of each object
 INDEX_SUFFIXES = (".msdidx.npy", ".msdidx.json")  # indexes stored beside remote shards (storage.share_indexes)
 DEFAULT_CACHE_BYTES = 64 << 30
+DEFAULT_AHEAD_BYTES = 4 << 30  # per rank: a few steps of a few hundred megapixel-sized images
 PROCESSOR_PREPARE_BATCH = 8  # runtime.prepare_batch's default in a job with a processor source
 MAX_SHUFFLE_BLOCK = 1 << 16
 
@@ -192,6 +193,9 @@ class RuntimeConfig:
     # after a fatal error the coordinator keeps its address this long (or until SIGTERM), answering
     # every hello with job_failed and the reason, so that ranks arriving late learn why
     failed_linger_s: float = 600.0
+    # per rank, the bytes of arrays beside the tokens (image frames, a processor's arrays) delivered
+    # ahead of the slowest rank: past it no further step is planned (the next step always is)
+    ahead_bytes: int = DEFAULT_AHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -896,6 +900,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
     _choice(c, index_on, "runtime.index_on", INDEX_ON)
     copies = rt.get("copies", "plain")
     _choice(c, copies, "runtime.copies", COPIES)
+    ahead_bytes = c.integer(rt.get("ahead_bytes", DEFAULT_AHEAD_BYTES), "runtime.ahead_bytes")
     linger = c.number(rt.get("failed_linger_s", 600.0), "runtime.failed_linger_s")
     if linger is not None and linger < 0:
         c.bad("runtime.failed_linger_s", "must be >= 0")
@@ -942,7 +947,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         calibrate=calibrate,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
                               cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies,
-                              600.0 if linger is None else float(linger)),
+                              600.0 if linger is None else float(linger), ahead_bytes or DEFAULT_AHEAD_BYTES),
         path=path,
         eval_sets=eval_sets,
     )

@@ -50,8 +50,9 @@ import numpy as np
 import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+# MSD_BENCH_TREE: another checkout whose msd runs a round (--baseline-tree; its commands get it on PYTHONPATH)
+sys.path.insert(0, os.environ.get("MSD_BENCH_TREE", ROOT))
+sys.path.insert(1, os.path.join(ROOT, "tools"))
 
 from bench_output import emit  # noqa: E402
 
@@ -182,6 +183,16 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
                    "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}}}, f)
+    from trainer_client.rank_core import RankCore
+
+    wire = {"bytes": 0}
+    on_pieces = RankCore.on_pieces
+
+    def counted(self: RankCore, frames: list) -> list:  # the data messages' bytes, the same in any tree
+        wire["bytes"] += sum(len(f) for f in frames)
+        return on_pieces(self, frames)
+
+    RankCore.on_pieces = counted
     before = pss_kb(os.getpid())
     started = time.perf_counter()
     cluster = MsdCommands(job, 1, in_coordinator=True)
@@ -189,14 +200,20 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     try:
         next(client)  # the worker started, the first step planned
         first_batch_s = time.perf_counter() - started
-        got = tokens = rows = 0
+        got = tokens = rows = images = 0
+        inside_next = 0.0
         t0 = time.perf_counter()
+        wire_at_start = wire["bytes"]
         while got < samples:
+            t = time.perf_counter()
             batch = next(client)
+            inside_next += time.perf_counter() - t
             got += len(batch["doc_keys"])
             tokens += int(batch["num_tokens"])
             rows += batch["tokens"].shape[0]
+            images += int(np.asarray(batch["images_per_sample"]).sum())
         seconds = time.perf_counter() - t0
+        wire_bytes = wire["bytes"] - wire_at_start  # (messages of steps ahead count, as they crossed)
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]
         loader_kb = sum(pss_kb(p) for p in loader_pids)
         trainer_kb = pss_kb(os.getpid()) - before
@@ -204,7 +221,9 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     finally:
         client.close()
         cluster.close()
-    return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds,
+        RankCore.on_pieces = on_pieces
+    return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds, "images": images,
+            "wire_bytes_per_image": wire_bytes / max(images, 1), "next_ms": 1000 * inside_next / got,
             "samples_per_s_per_worker": got / seconds,
             "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
             "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb}}
@@ -301,7 +320,15 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
     ap.add_argument("--designs", default="msd,msd-prepare,energon",
                     help="loaders alternated in the throughput rounds (msd-prepare: image_pass: prepare)")
+    ap.add_argument("--baseline-tree", help="a checkout of an earlier msd: adds design msd-before, its default "
+                    "path; then every msd round runs in a process of its own, this tree's and that one's alike")
+    ap.add_argument("--one-round", nargs=5, metavar=("IMAGE_PASS", "ROOT", "PROCESSOR", "JSONL", "PAD_ID"),
+                    help=argparse.SUPPRESS)  # one msd round in this process, its result on stdout
     args = ap.parse_args()
+    if args.one_round:
+        image_pass, root, processor, jsonl, pad_id = args.one_round
+        print(json.dumps(msd_throughput(root, processor, jsonl, args.samples, int(pad_id), image_pass)))
+        return
     if not os.path.exists(ENERGON_PYTHON):
         sys.exit(f"no Energon environment at {ENERGON_PYTHON}: run `make bench-vlm-env` (or set MSD_ENERGON_PYTHON)")
     root = tempfile.mkdtemp(prefix="msd-bench-vlm-")
@@ -317,15 +344,29 @@ def main() -> None:
                         "patches_per_sample": {"mean": float(patches.mean()), "max": int(patches.max())},
                         "data_s": time.perf_counter() - t0}
         # msd-prepare: the same job with `image_pass: prepare` (the processor run whole at prepare time)
-        rounds: dict[str, list[dict]] = {d: [] for d in args.designs.split(",")}
+        designs = args.designs.split(",") + (["msd-before"] if args.baseline_tree else [])
+        rounds: dict[str, list[dict]] = {d: [] for d in designs}
+
+        def msd_round(design: str) -> dict:
+            image_pass = "prepare" if design == "msd-prepare" else "delivery"
+            if not args.baseline_tree:
+                return msd_throughput(root, processor, jsonl, args.samples, pad_id, image_pass)
+            tree = args.baseline_tree if design == "msd-before" else ROOT
+            env = {**os.environ, "MSD_BENCH_TREE": tree, "PYTHONPATH": tree}
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--samples", str(args.samples),
+                                  "--one-round", image_pass, root, processor, jsonl, str(pad_id)],
+                                 env=env, capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                raise RuntimeError(f"{design} round failed: {out.stderr[-2000:]}")
+            return json.loads(out.stdout.strip().splitlines()[-1])
+
         for r in range(args.rounds):
             order = list(rounds) if r % 2 == 0 else list(rounds)[::-1]
             for design in order:
                 if design == "energon":
                     rounds[design].append(energon_throughput(dataset, processor, args.samples))
                 else:
-                    image_pass = "prepare" if design == "msd-prepare" else "delivery"
-                    rounds[design].append(msd_throughput(root, processor, jsonl, args.samples, pad_id, image_pass))
+                    rounds[design].append(msd_round(design))
                 print(f"# round {r} {design}: {rounds[design][-1]['samples_per_s_per_worker']:.1f} samples/s",
                       file=sys.stderr)
         for design, runs in rounds.items():
@@ -339,8 +380,24 @@ def main() -> None:
             }
             if "first_batch_s" in runs[0]:
                 result[design]["first_batch_s"] = spread([x["first_batch_s"] for x in runs])
-        result["throughput_ratio"] = (result["msd"]["samples_per_s_per_worker"]["median"]
-                                      / result["energon"]["samples_per_s_per_worker"]["median"])
+            if "wire_bytes_per_image" in runs[0]:
+                result[design]["wire_bytes_per_image"] = spread([x["wire_bytes_per_image"] for x in runs])
+                result[design]["next_ms_per_sample"] = spread([x["next_ms"] for x in runs])
+        if "energon" in result:
+            result["throughput_ratio"] = (result["msd"]["samples_per_s_per_worker"]["median"]
+                                          / result["energon"]["samples_per_s_per_worker"]["median"])
+        if "msd-before" in result:  # issue 59's targets: frames as bytes against the float pixel values before
+            now, then = result["msd"], result["msd-before"]
+            result["frames_vs_before"] = {
+                "wire_bytes_per_image": now["wire_bytes_per_image"]["median"]
+                / then["wire_bytes_per_image"]["median"],
+                "samples_per_s": now["samples_per_s_per_worker"]["median"]
+                / then["samples_per_s_per_worker"]["median"],
+                "trainer_growth_mb": [now["trainer_growth_mb"]["median"], then["trainer_growth_mb"]["median"]],
+                "next_ms_per_sample": [now["next_ms_per_sample"]["median"], then["next_ms_per_sample"]["median"]]}
+            if "energon" in result:
+                energon_growth = result["energon"]["trainer_growth_mb"]["median"]
+                result["frames_vs_before"]["energon_trainer_growth_mb"] = energon_growth
         # balance: the measured lengths, resampled to more records
         pick = np.random.default_rng(1).integers(0, len(tokens), args.balance_records)
         table = os.path.join(root, "lengths.npz")
@@ -354,7 +411,7 @@ def main() -> None:
             print(f"# balance at {ranks} ranks: msd {result['balance'][str(ranks)]['msd']['max_over_mean']:.4f}, "
                   f"energon {result['balance'][str(ranks)]['energon']['max_over_mean']:.4f}", file=sys.stderr)
         result["targets"] = {
-            "throughput_at_least_energon": result["throughput_ratio"] >= 1.0,
+            "throughput_at_least_energon": result.get("throughput_ratio", 0.0) >= 1.0,
             "padding_at_most_1pct": result["balance"]["8"]["msd"]["padding"] <= 0.01
             and result["msd"]["padding"]["median"] <= 0.01,
             "max_over_mean_8_ranks_at_most_1.05": result["balance"]["8"]["msd"]["max_over_mean"] <= 1.05,

@@ -122,6 +122,10 @@ class DataClient:
             uint8 frames, which `next()` copies to this device and finishes there (rescale,
             normalise, the processor's patch layout); the batch's other tensors stay on the CPU.
             Default: finished on the CPU, ahead of `next()`, by the client's builder thread.
+
+    Attributes:
+        waited_s: seconds `next()` has spent waiting for data.
+        bytes_received: bytes of the data messages that reached this rank (pieces and their arrays).
     """
 
     def __init__(self, coordinator: str | None = None, rank: int | None = None, *, host: str = "127.0.0.1",
@@ -161,6 +165,7 @@ class DataClient:
             memory.keep_freed_memory()
         self.next_step = 0
         self.waited_s = 0.0  # time __next__ spent waiting for data (the data-wait share of a training run)
+        self.bytes_received = 0  # of the pieces messages that reached this rank (its data on the wire)
         self.next_micro_batch = 0
         self._plan_digest: str | None = None  # from a checkpoint, until the I/O thread knows the coordinator's
         self._carried: tuple[int, dict] | None = None  # (step, coordinator state) from a checkpoint
@@ -571,6 +576,7 @@ class _Receiver:
 
     def _on_data(self, data: zmq.Socket) -> None:
         for frames in waiting(data):
+            self.c.bytes_received += sum(len(f) for f in frames)
             self.core.on_pieces(frames)
 
     def _turn(self, now: float) -> None:

@@ -58,6 +58,14 @@ class CacheEntry:
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def array_bytes(self) -> int:
+        """What it sends beside its tokens: its image patches, or a processor's arrays (planned
+        frames included)."""
+        if self.processed is not None:
+            return sum(self.processed.array_bytes.values())
+        return self.images.nbytes if self.images is not None else 0
+
 
 # Actions: what the loop is asked to do.
 @dataclass(frozen=True, slots=True)
@@ -432,6 +440,7 @@ class WorkerCore:
         patches = np.zeros(len(records) if reader.has_encoder_cost else 0, dtype=np.int64)
         squares = np.zeros(len(patches), dtype=np.int64)  # per record: its images' patches squared, summed
         lengths = np.zeros(len(records), dtype=np.int64)
+        nbytes = np.zeros(len(records), dtype=np.int64)  # per record: its arrays beside its tokens
         try:  # remote shards: the task's bytes in a few concurrent requests, not one per record
             reader.prefetch(np.array([r for r, e in zip(records.tolist(), _epochs(epochs, len(records)).tolist())
                                       if _cache_key(doc_key(s, r), e) not in self.cache], np.int64))
@@ -474,12 +483,14 @@ class WorkerCore:
                                                      prepared.patch_squares)
             entry.copies += 1
             lengths[i] = entry.length
+            nbytes[i] = entry.array_bytes
             if len(patches):
                 patches[i] = entry.patch_count
                 squares[i] = entry.patch_squares
         skipped.sort()
         return [ToCoordinator(P.Prepared(worker_id=self.worker_id, task_id=msg.task_id, skipped=skipped, busy_s=0.0,
-                                         lengths=lengths, patches=patches, patch_squares=squares))]
+                                         lengths=lengths, patches=patches, patch_squares=squares,
+                                         array_bytes=nbytes if nbytes.any() else np.zeros(0, np.int64)))]
 
     # ------------------------------------------------------------------ deliver
 

@@ -66,6 +66,8 @@ class Driver:
         self.poison: set[tuple[int, int]] = set()
         self.deaths: list[tuple[int, int]] = []  # (worker id, task id) of every such death
         self.host_peer: bytes | None = None
+        self.array_bytes = None  # (source, record) -> the bytes a worker reports beside its tokens (images)
+        self.hold_consumed = False  # ranks receive, but train on nothing (steps pile up ahead)
 
     # ------------------------------------------------------------------ peers
 
@@ -148,6 +150,8 @@ class Driver:
                              f"{ {r.rank: r.consumed for r in self.ranks.values()} }")
 
     def _consume(self) -> None:
+        if self.hold_consumed:
+            return
         for r in self.ranks.values():
             step = r.consumed + 1
             recipe = r.headers.get(step)
@@ -195,8 +199,11 @@ class Driver:
             self.add_worker(f"{worker.peer.decode()}+")  # the agent starts another process
             return
         lengths = np.zeros(len(records), dtype=np.int64)
+        nbytes = np.zeros(len(records) if self.array_bytes is not None else 0, dtype=np.int64)
         skipped = []
         for i, rec in enumerate(records.tolist()):
+            if self.array_bytes is not None:
+                nbytes[i] = self.array_bytes(s, rec)
             try:
                 tokens, _ = self.readers[s].read_sample(rec)
             except Exception as e:  # the real worker's skip
@@ -208,7 +215,7 @@ class Driver:
         worker.busy_s += 0.001 * len(records)
         self.pending.append(Prepared(at=self.now, peer=worker.peer, worker_id=worker.worker_id,
                                      task_id=ins.message.task_id, skipped=skipped, busy_s=0.001 * len(records),
-                                     lengths=lengths, patches=np.zeros(0, dtype=np.int64)))
+                                     lengths=lengths, patches=np.zeros(0, dtype=np.int64), array_bytes=nbytes))
 
     def _deliver(self, worker: FakeWorker, ins: Send) -> None:
         items, release = np.asarray(ins.message.items), np.asarray(ins.message.release)

@@ -159,6 +159,10 @@ def test_an_image_that_fails_at_delivery_sends_its_sample_blank_with_nothing_to_
     assert reply.message.skipped == []
     spoiled, good = core.cache[doc_key(0, 0)], core.cache[doc_key(0, 1)]
     assert spoiled.processed.pending is not None and good.processed.pending is not None
+    # what each record will send beside its tokens (its planned frames: runtime.ahead_bytes counts them)
+    planned = [e.processed.pending.plan.pixel_bytes for e in (spoiled, good)]
+    assert min(planned) > 0 and reply.message.array_bytes.tolist() == [e.array_bytes for e in (spoiled, good)]
+    assert all(e.array_bytes >= p for e, p in zip((spoiled, good), planned))
     grids = spoiled.processed.pending.plan.arrays["image_grid_thw"]
     spoiled.processed.pending.files[0] = spoiled.processed.pending.files[0][:40]  # cut after prepare
     items = np.array([[0, 0, doc_key(0, 0), 0, spoiled.length], [0, 1, doc_key(0, 1), 0, good.length]], np.uint64)
