@@ -171,9 +171,12 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                    image_pass: str = "delivery") -> dict:
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
 
+    # the client of the tree measured (MSD_BENCH_TREE), imported before bench_e2e puts this tree first
+    from trainer_client import DataClient
+    from trainer_client.rank_core import RankCore
+
     from bench_e2e import MsdCommands
     from e2e_ranks import descendants
-    from trainer_client import DataClient
 
     run = tempfile.mkdtemp(prefix="msd-round-", dir=root)  # a fresh job directory: no state from a round before
     job = os.path.join(run, "job.yaml")
@@ -183,8 +186,6 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
                    "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}}}, f)
-    from trainer_client.rank_core import RankCore
-
     wire = {"bytes": 0}
     on_pieces = RankCore.on_pieces
 

@@ -287,8 +287,8 @@ class DataClient:
         ready = self._step
         m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
-        if isinstance(batch.get("pixel_values"), PendingPixels):  # device=: its uint8 frames finished there
-            batch["pixel_values"] = batch["pixel_values"].finish_on(self.device)
+        if isinstance(batch.get("pixel_values"), PendingPixels):  # uint8 frames until the trainer takes them
+            batch["pixel_values"] = self._finish_pixels(batch["pixel_values"])
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
             self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])
@@ -299,6 +299,20 @@ class DataClient:
             self._builder.ask(self._step, self.next_micro_batch)
         self._handed, self._handed_at = (ready.step, m), time.perf_counter()
         return batch
+
+    def _finish_pixels(self, pending: PendingPixels) -> Any:
+        """A micro-batch's pixel values, made as the trainer takes it: the micro-batch built ahead
+        holds its images as uint8 frames (a quarter or an eighth of the float values), and only the
+        one the trainer holds has float pixel values, on `device` where one is given."""
+        if self.device is not None:
+            return pending.finish_on(self.device)
+        values = pending.finish()
+        if not self.as_torch:
+            return values
+        import torch
+
+        out = torch.from_numpy(values)
+        return out.pin_memory() if self.pin_memory else out
 
     def _compute_report(self, step: int) -> list:
         """[step, seconds per micro-batch] of the last step whose every micro-batch's compute is
@@ -326,7 +340,7 @@ class DataClient:
     def _build(self, ready: ReadyStep, m: int, ahead: bool = False) -> Batch:
         """Micro-batch m of a finished step, as the trainer gets it (ahead: by the builder's thread,
         which may raise buffers.NoSpareBuffer)."""
-        batch = ready.micro_batch(m, self._pool, ahead, pixels_to=self.device)
+        batch = ready.micro_batch(m, self._pool, ahead, pixels_to=self.device or "cpu")
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
 
     def _finished_step(self) -> ReadyStep | None:

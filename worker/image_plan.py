@@ -17,10 +17,10 @@ wire with their `FrameRecipe`, and the trainer client finishes them (msd_common/
 
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `image_grid_thw` of an image from transformers' `smart_resize`
   (the image processor module's own) over the image processor's patch, merge and pixel limits;
-- Gemma 3 without pan-and-scan: `num_crops` 0 for every image (256 tokens each).
+- Gemma 3: `num_crops` of each image, 0 without pan-and-scan, else the image processor's own
+  `pan_and_scan` run on a view of the image's shape that holds no pixels (256 tokens an image or crop).
 
-Any other processor (or Gemma 3 with pan-and-scan) runs whole at prepare time, as a transform's
-processor call does.
+Any other processor runs whole at prepare time, as a transform's processor call does.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class PendingImages:
         return sum(len(f) for f in self.files)
 
 
-Planner = Callable[[list[tuple[int, int]]], ImagePlan]
+Planner = Callable[[list[tuple[int, int]], dict[str, Any]], ImagePlan]  # (sizes, the image pass's arguments)
 
 
 def planner_of(processor: Any) -> Planner | None:
@@ -70,15 +70,41 @@ def planner_of(processor: Any) -> Planner | None:
     if name in QWEN_VL_PROCESSORS and _has(image_processor, "patch_size", "merge_size", "temporal_patch_size", "size"):
         resize = getattr(sys.modules.get(type(image_processor).__module__), "smart_resize", None)
         if resize is not None:
-            return lambda sizes: _qwen_plan(image_processor, resize, sizes)
-    if name == "Gemma3Processor" and not getattr(image_processor, "do_pan_and_scan", False):
+            return lambda sizes, kwargs: _qwen_plan(image_processor, resize, sizes)
+    if name == "Gemma3Processor":
         size = getattr(image_processor, "size", None) or {}
         try:
-            pixels_per_image = CHANNELS * int(size["height"]) * int(size["width"])
+            frame = CHANNELS * int(size["height"]) * int(size["width"])
         except (KeyError, TypeError, ValueError):
             return None
-        return lambda sizes: ImagePlan({"num_crops": np.zeros(len(sizes), np.int64)}, pixels_per_image * len(sizes))
+
+        def gemma3_plan(sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
+            crops = np.array([_gemma3_crops(image_processor, kwargs, w, h) for w, h in sizes], np.int64)
+            return ImagePlan({"num_crops": crops}, frame * int(len(sizes) + crops.sum()))
+
+        return gemma3_plan
     return None
+
+
+def _gemma3_crops(image_processor: Any, kwargs: dict[str, Any], width: int, height: int) -> int:
+    """Gemma 3's pan-and-scan crops of an image this size (with the arguments the processor passes,
+    else the image processor's own), by the image processor's own method on an image of that shape
+    that holds no pixels (a zero-stride view: it reads the shape only)."""
+
+    def arg(name: str) -> Any:
+        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+
+    if not arg("do_pan_and_scan"):
+        return 0
+    args = (arg("pan_and_scan_min_crop_size"), arg("pan_and_scan_max_num_crops"),
+            arg("pan_and_scan_min_ratio_to_activate"))
+    if hasattr(image_processor, "pan_and_scan"):  # the PIL backend: one image, channels first
+        return len(image_processor.pan_and_scan(np.broadcast_to(np.zeros((1, 1, 1), np.uint8),
+                                                                (CHANNELS, height, width)), *args))
+    import torch  # the torchvision backend: a stack of images of one size
+
+    return len(image_processor.pan_and_scan_batched(torch.zeros(1, 1, 1, 1, dtype=torch.uint8)
+                                                    .expand(1, CHANNELS, height, width), *args))
 
 
 def _has(obj: Any, *names: str) -> bool:

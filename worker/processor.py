@@ -181,18 +181,9 @@ class ProcessorChat:
             record, entries = _webdataset_record(record)
         messages, files = self._messages(record, base_dir, entries)
         tools = record.get(self.tools_key)
-        pending = None
-        if files and self.planner is not None:
-            sizes = [image.size for image in _images_of(messages)]
-            try:
-                plan = self.planner(sizes)
-            except ValueError as e:  # smart_resize refuses an aspect ratio past 200, as the image pass would
-                raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {e}") from None
-            # each image token's text, as the processor's own replace_image_token expands it for the plan
-            replacements = [self.processor.replace_image_token(plan.arrays, i) for i in range(len(files))]
-            pending = PendingImages(files, sizes, plan, replacements)
+        planned: list[PendingImages] = []  # the plan the image pass made of the images' sizes
         try:
-            with self._planned_image_pass(pending):
+            with self._planned_image_pass(files if self.planner is not None else [], planned):
                 out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools,
                                                          tokenize=True, return_dict=True,
                                                          return_assistant_tokens_mask=True, return_tensors="np")
@@ -201,27 +192,36 @@ class ProcessorChat:
         except Exception as e:  # the template's raise_exception, a count the processor refuses, ...
             first = (str(e).splitlines() or [""])[0]
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
-        if pending is None:
+        if not planned:
             return self.sample_of(out, len(files))
+        pending = planned[-1]
         out = {k: v for k, v in out.items() if k not in pending.plan.arrays}
         sample = self.sample_of(out, len(files), planned=pending.plan.arrays)
         sample.pending = pending
         return sample
 
     @contextlib.contextmanager
-    def _planned_image_pass(self, pending: PendingImages | None) -> Iterator[None]:
-        """While the processor runs, its image pass returns the plan's arrays and expansions
-        instead of processing the images."""
-        if pending is None:
+    def _planned_image_pass(self, files: list[bytes], planned: list[PendingImages]) -> Iterator[None]:
+        """While the processor runs, its image pass plans from the images' sizes (with the arguments
+        the processor passes it), and returns the plan's arrays and expansions instead of processing
+        the images; the plan is appended to `planned`."""
+        if not files:
             yield
             return
         processor = self.processor
 
-        def planned(images: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
+        def plan_images(images: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
             self._image_kwargs = kwargs  # the same on every call: the image pass at delivery takes them
-            return dict(pending.plan.arrays), list(pending.replacements)
+            from transformers.image_utils import make_flat_list_of_images  # as _process_images flattens them
 
-        processor._process_images = planned  # this instance only, for this call
+            sizes = [image.size for image in make_flat_list_of_images(images)]
+            plan = self.planner(sizes, kwargs)  # ValueError: smart_resize refuses an aspect past 200, as it would
+            # each image token's text, as the processor's own replace_image_token expands it for the plan
+            replacements = [processor.replace_image_token(plan.arrays, i, **kwargs) for i in range(len(sizes))]
+            planned.append(PendingImages(files, sizes, plan, replacements))
+            return dict(plan.arrays), list(replacements)
+
+        processor._process_images = plan_images  # this instance only, for this call
         try:
             yield
         finally:
@@ -420,11 +420,6 @@ def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
         raise ImageRecordError(f"{name}: image does not decode ({e})") from None
-
-
-def _images_of(messages: list[dict[str, Any]]) -> list[Any]:
-    return [part["image"] for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
 def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -69,15 +69,28 @@ def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_pa
     assert with_images >= 10
 
 
-def test_gemma3_with_pan_and_scan_runs_its_image_pass_at_prepare(tmp_path):
-    """Its crops depend on each image's aspect, beyond what the plan computes: the processor runs whole."""
+def test_gemma3_pan_and_scan_crops_are_planned_from_image_sizes(tmp_path):
+    """With pan-and-scan (the processor called with do_pan_and_scan), a wide or tall image also
+    gives crops: the plan counts them from the image's size with the image processor's own
+    pan_and_scan, equal to what its image pass makes, and its frames are the pass's, finished."""
+    from PIL import Image
+
     proc = write_gemma3_processor(str(tmp_path / "p"), pan_and_scan=True)
-    data = str(tmp_path / "data")
-    records = write_image_conversations(data, 2, seed=1, sizes=(40, 120), max_images=1)
     chat = ProcessorChat(proc)
-    assert chat.planner is None
-    sample = chat.render(records[0], data)
-    assert sample.pending is None and "pixel_values" in sample.image_arrays
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "wide"}]}]}
+    Image.new("RGB", (60, 40)).save(tmp_path / "a.png")
+    chat.render(record, str(tmp_path))  # the arguments the processor passes its image pass
+    kwargs = {**chat._image_kwargs, "do_pan_and_scan": True}
+    sizes = [(1400, 300), (300, 1400), (800, 800), (900, 500), (2000, 260), (513, 1100)]
+    plan = chat.planner(sizes, kwargs)
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    made, replacements = chat.processor._process_images(images, **kwargs)
+    np.testing.assert_array_equal(plan.arrays["num_crops"], made["num_crops"])
+    assert plan.arrays["num_crops"].sum() >= 6 and 0 in plan.arrays["num_crops"]  # crops, and images without
+    assert replacements == [chat.processor.replace_image_token(plan.arrays, i, **kwargs) for i in range(len(sizes))]
+    assert plan.pixel_bytes * 4 == np.asarray(made["pixel_values"]).nbytes  # frames: a byte a value
 
 
 def _photo(path, size=(90, 40), orientation=None, mode="RGB"):
