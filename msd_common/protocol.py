@@ -197,6 +197,9 @@ def _check_prepared(header: dict, arrays: dict) -> None:
     squares = arrays["patch_squares"]
     if squares.size and (len(squares) != len(patches) or int(squares.min()) < 0):
         raise ProtocolError("prepared: patch_squares must be empty, or one non-negative sum per record with patches")
+    nbytes = arrays["array_bytes"]
+    if nbytes.size and (len(nbytes) != len(lengths) or int(nbytes.min()) < 0):
+        raise ProtocolError("prepared: array_bytes must be empty, or one non-negative count per record")
 
 
 def _check_deliver(header: dict, arrays: dict) -> None:
@@ -319,17 +322,21 @@ class Message:
     KIND: ClassVar[MessageType]
     TYPE: ClassVar[str]
 
+    # `@message` writes these three for each class, for its own fields (_specialise).
+
     def header(self) -> dict[str, Any]:
-        return {"type": self.TYPE, **{name: getattr(self, name) for name in self.KIND.fields}}
+        """The header map: "type" and the header fields."""
+        raise NotImplementedError("declared with @message")
 
     def frames(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, spec.name) for spec in self.KIND.arrays)
+        """The array frames, in order."""
+        raise NotImplementedError("declared with @message")
 
     @classmethod
     def from_wire(cls, header: dict[str, Any], arrays: dict[str, Any]) -> "Message":
         """The message of a header and arrays that wire.decode checked against this type. Fields
         the schema does not name (a newer peer's additions) are left out."""
-        return cls(**{name: header[name] for name in cls.KIND.fields}, **arrays)
+        raise NotImplementedError("declared with @message")
 
 
 def hdr(check: Check, default: Any = MISSING) -> Any:

@@ -121,7 +121,7 @@ class DataClient:
         device: where `pixel_values` are made (a torch device, e.g. "cuda:0"): images arrive as
             uint8 frames, which `next()` copies to this device and finishes there (rescale,
             normalise, the processor's patch layout); the batch's other tensors stay on the CPU.
-            Default: finished on the CPU, ahead of `next()`, by the client's builder thread.
+            Default: finished on the CPU at `next()` (the micro-batch built ahead holds the frames).
 
     Attributes:
         waited_s: seconds `next()` has spent waiting for data.
