@@ -34,6 +34,7 @@ from msd_common.topology import Topology
 from . import balance
 from msd_common.spec import EvalSetConfig, JobConfig
 from .holdout import Holdout, sample
+from .instructions import Send
 
 log = logging.getLogger("msd.coordinator")
 
@@ -141,10 +142,10 @@ class EvalBook:
     """Every eval set of the job and the passes being served; the coordinator's state owns one."""
 
     def __init__(self, job: JobConfig, holdout: Holdout, num_records: list[int], topology: Topology,
-                 send: Callable[..., None], workers: Callable[[], dict], trainers: Callable[[], dict]) -> None:
+                 workers: Callable[[], dict], trainers: Callable[[], dict]) -> None:
         self.job = job
         self.topology = topology
-        self._send = send
+        self._outbox: list[Send] = []  # what the call being answered sends (each entry point returns it)
         self._workers = workers  # worker id -> WorkerInfo (identity)
         self._trainers = trainers  # rank -> TrainerInfo (identity, address)
         self.sets: list[EvalSet] = []
@@ -158,20 +159,29 @@ class EvalBook:
         self._rr = 0  # round robin over workers
         self.losses: dict[str, dict[str, tuple[int, float]]] = {}  # set -> source -> (step, mean loss)
 
+    def _send(self, peer: bytes, message: P.Message) -> None:
+        self._outbox.append(Send(peer, message))
+
+    def _sends(self) -> list[Send]:
+        out, self._outbox = self._outbox, []
+        return out
+
     # ------------------------------------------------------------------ requests
 
-    def request(self, rank: int, name: str, pass_no: int, peer: bytes) -> None:
+    def request(self, rank: int, name: str, pass_no: int, peer: bytes) -> list[Send]:
+        """A rank asks for a pass: what to send (its header and deliveries, prepare tasks)."""
         e = self.by_name.get(name)
         if e is None:
             known = ", ".join(self.by_name) or "none"
             self._refuse(peer, rank, name, pass_no, f"the job has no eval set {name!r} (its eval sets: {known})")
-            return
+            return self._sends()
         if pass_no > e.current and not e.released and rank not in e.served:
             # a rank past the current pass had it already (from a coordinator before a restart):
             # it counts as served, so that the pass's copies go once the others have had it
             e.served[rank] = peer
         e.waiting[rank] = (pass_no, peer)  # an older pass (a rank that restarted) is served again too
         self._advance(e)
+        return self._sends()
 
     def _refuse(self, peer: bytes, rank: int, name: str, pass_no: int, reason: str) -> None:
         self._send(peer, P.EvalHeader(set=name, pass_no=pass_no, rank=rank, step=0, row_len=1, reason=reason,
@@ -322,10 +332,10 @@ class EvalBook:
     def owns(self, task_id: int) -> bool:
         return task_id >= EVAL_TASK_BASE
 
-    def prepared(self, task_id: int, worker_id: int, lengths: np.ndarray) -> None:
+    def prepared(self, task_id: int, worker_id: int, lengths: np.ndarray) -> list[Send]:
         task = self.tasks.get(task_id)
         if task is None or task.worker_id != worker_id or len(lengths) != len(task.indices):
-            return
+            return []
         del self.tasks[task_id]
         e = self.sets[task.set_index]
         known = e.lengths[task.indices]
@@ -336,18 +346,22 @@ class EvalBook:
         e.lengths[task.indices] = np.where(known >= 0, known, lengths)
         e.holder[task.indices[lengths > 0]] = worker_id
         self._advance(e)
+        return self._sends()
 
-    def failed(self, task_id: int) -> None:
+    def failed(self, task_id: int) -> list[Send]:
         task = self.tasks.pop(task_id, None)
         if task is not None:
             self._advance(self.sets[task.set_index])
+        return self._sends()
 
-    def worker_gone(self, worker_id: int) -> None:
+    def worker_gone(self, worker_id: int) -> list[Send]:
         self._forget_workers(lambda held_by: held_by == worker_id)
+        return self._sends()
 
-    def reset(self) -> None:
+    def reset(self) -> list[Send]:
         """Every worker starts clean (a rewind): no copy is held any more."""
         self._forget_workers(lambda held_by: held_by >= 0)
+        return self._sends()
 
     def _forget_workers(self, gone: Callable[[Any], Any]) -> None:
         """The copies the workers `gone` marks are lost: their tasks are dropped, their records are
@@ -365,11 +379,12 @@ class EvalBook:
                 e.released = False
             self._advance(e)
 
-    def pump(self) -> None:
+    def pump(self) -> list[Send]:
         """Workers came (or were waited for): carry on with what is waiting."""
         for e in self.sets:
             if e.waiting or e.resend or (e.served and not e.released):
                 self._advance(e)
+        return self._sends()
 
     # ------------------------------------------------------------------ reports
 

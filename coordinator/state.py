@@ -136,7 +136,7 @@ class CoordinatorState:
         for name, record in quarantined:
             if not self.skips.replay(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
-        self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology, self._send,
+        self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology,
                              lambda: self.registry.workers, lambda: self.registry.trainers)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
         # seconds each rank that left had waited for data: status and metrics keep the run's waits
@@ -244,7 +244,7 @@ class CoordinatorState:
         log.info("worker %d registered (host %s pid %d)", worker.worker_id, ev.host, ev.pid,
                  extra={"worker_id": worker.worker_id, "peer": ev.peer.hex()})
         self._send(ev.peer, worker_welcome(self.job, worker.worker_id))
-        self.eval.pump()  # a pass waiting for workers
+        self._sent(self.eval.pump())  # a pass waiting for workers
 
     def _on_host_hello(self, ev: HostHello) -> None:
         refusal = version_refusal(ev.version, f"worker host {ev.host}")
@@ -432,7 +432,7 @@ class CoordinatorState:
         self._forget_peer(ev.peer, "left")
 
     def _on_eval_request(self, ev: EvalRequest, trainer: TrainerInfo) -> None:
-        self.eval.request(ev.rank, ev.set, ev.pass_no, ev.peer)
+        self._sent(self.eval.request(ev.rank, ev.set, ev.pass_no, ev.peer))
 
     def _on_eval_report(self, ev: EvalReport, trainer: TrainerInfo) -> None:
         losses = self.eval.report(ev.set, ev.step, ev.losses, ev.rank)
@@ -443,7 +443,7 @@ class CoordinatorState:
         if self.eval.owns(ev.task_id):
             for _, reason, kind in ev.skipped:
                 log.warning("eval: record skipped (%s): %s", kind, reason.split("\n", 1)[0])
-            self.eval.prepared(ev.task_id, worker.worker_id, ev.lengths)
+            self._sent(self.eval.prepared(ev.task_id, worker.worker_id, ev.lengths))
             return
         task = self.tasks.complete(ev.task_id, worker.worker_id)
         if task is None:
@@ -475,7 +475,7 @@ class CoordinatorState:
     def _on_task_failed(self, ev: TaskFailed, worker: WorkerInfo) -> None:
         if self.eval.owns(ev.task_id):
             log.error("worker %d failed eval task %d: %s", worker.worker_id, ev.task_id, ev.reason)
-            self.eval.failed(ev.task_id)
+            self._sent(self.eval.failed(ev.task_id))
             return
         log.error("worker %d failed task %d: %s", worker.worker_id, ev.task_id, ev.reason,
                   extra={"worker_id": worker.worker_id})
@@ -598,7 +598,7 @@ class CoordinatorState:
         while len(self._dead_pids) > 4096:
             del self._dead_pids[next(iter(self._dead_pids))]
         self.tasks.withdraw(wid)  # back to the queue: assigned below, or when a worker registers
-        self.eval.worker_gone(wid)
+        self._sent(self.eval.worker_gone(wid))
         if blame is not None:
             self._blame(blame, wid)
         lost = {s: t.held_by(wid) for s, t in enumerate(self.tables)}
@@ -779,7 +779,7 @@ class CoordinatorState:
             self.end = None
         for w in self.registry.forget_workers():
             self._send(w.identity, P.UnknownPeer(reason=f"plan rewound to step {step}: start clean"))
-        self.eval.reset()
+        self._sent(self.eval.reset())
         self.prep.reset_tables()
 
     def _replay_mixture_change(self, at_step: int, weights: list[float]) -> None:

@@ -46,15 +46,13 @@ def test_holdout_ranges_are_disjoint_and_a_count_is_exact():
 
 def test_an_empty_set_is_served_as_a_pass_of_padding(dataset_dir):
     job = _job(dataset_dir, {"h": {"holdout": {"web": 1e-12}}})
-    sent = []
     trainers = {0: type("T", (), {"address": "tcp://x"})(), 1: type("T", (), {"address": "tcp://y"})()}
     book = evaluation.EvalBook(job, Holdout(job.seed, [100, 40, 10], [dict(e.holdout) for e in job.eval_sets]),
-                               [100, 40, 10], job.topology, lambda peer, m: sent.append((peer, m)),
-                               lambda: {}, lambda: trainers)
+                               [100, 40, 10], job.topology, lambda: {}, lambda: trainers)
     assert len(book.sets[0].records) == 0
-    book.request(0, "h", 0, b"r0")
-    [(peer, header)] = sent
-    assert peer == b"r0" and isinstance(header, P.EvalHeader) and header.reason == ""
+    [send] = book.request(0, "h", 0, b"r0")  # the book returns what to send
+    header = send.message
+    assert send.peer == b"r0" and isinstance(header, P.EvalHeader) and header.reason == ""
     assert len(header.pieces) == 0 and len(header.counts) == 2  # one micro-batch of 2 rows, all padding
-    book.request(0, "nope", 0, b"r0")
-    assert "no eval set 'nope'" in sent[-1][1].reason
+    [refusal] = book.request(0, "nope", 0, b"r0")
+    assert "no eval set 'nope'" in refusal.message.reason
