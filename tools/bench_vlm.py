@@ -168,7 +168,7 @@ def pss_kb(pid: int) -> int:
 
 
 def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int,
-                   image_pass: str = "delivery") -> dict:
+                   image_pass: str = "delivery", ahead_bytes: int | None = None) -> dict:
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
 
     # the client of the tree measured (MSD_BENCH_TREE), imported before bench_e2e puts this tree first
@@ -185,7 +185,8 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                                                   "image_pass": image_pass}},
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
-                   "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}}}, f)
+                   "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}},
+                   **({"runtime": {"ahead_bytes": ahead_bytes}} if ahead_bytes else {})}, f)
     wire = {"bytes": 0}
     on_pieces = RankCore.on_pieces
 

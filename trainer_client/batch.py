@@ -58,7 +58,7 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "(concatenated along the first axis, as the model's forward takes them). Images planned from their "
              "sizes (Qwen-VL, Gemma 3) arrive as uint8 frames, resized by the processor; the client makes "
              "these values from them with the processor's own rescale and normalise (the workers' image "
-             "backend, bit for bit) and its patch layout at `next()`: on the CPU, or on "
+             "backend, bit for bit) and its patch layout: on the CPU, ahead of `next()`, or at `next()` on "
              "`DataClient(device=...)`, where this tensor then lives."),
     BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
              "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),

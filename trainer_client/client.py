@@ -121,7 +121,9 @@ class DataClient:
         device: where `pixel_values` are made (a torch device, e.g. "cuda:0"): images arrive as
             uint8 frames, which `next()` copies to this device and finishes there (rescale,
             normalise, the processor's patch layout); the batch's other tensors stay on the CPU.
-            Default: finished on the CPU at `next()` (the micro-batch built ahead holds the frames).
+            Default: finished on the CPU by the client's builder thread, ahead of `next()` while
+            the trainer computes (at `next()` they would cost it ~50 ms a micro-batch of 8,192
+            tokens of images: tools/bench_next_vlm.py).
 
     Attributes:
         waited_s: seconds `next()` has spent waiting for data.
@@ -287,8 +289,8 @@ class DataClient:
         ready = self._step
         m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
-        if isinstance(batch.get("pixel_values"), PendingPixels):  # uint8 frames until the trainer takes them
-            batch["pixel_values"] = self._finish_pixels(batch["pixel_values"])
+        if isinstance(batch.get("pixel_values"), PendingPixels):  # device=: uint8 frames until the trainer takes them
+            batch["pixel_values"] = batch["pixel_values"].finish_on(self.device)
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
             self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])
@@ -299,20 +301,6 @@ class DataClient:
             self._builder.ask(self._step, self.next_micro_batch)
         self._handed, self._handed_at = (ready.step, m), time.perf_counter()
         return batch
-
-    def _finish_pixels(self, pending: PendingPixels) -> Any:
-        """A micro-batch's pixel values, made as the trainer takes it: the micro-batch built ahead
-        holds its images as uint8 frames (a quarter or an eighth of the float values), and only the
-        one the trainer holds has float pixel values, on `device` where one is given."""
-        if self.device is not None:
-            return pending.finish_on(self.device)
-        values = pending.finish()
-        if not self.as_torch:
-            return values
-        import torch
-
-        out = torch.from_numpy(values)
-        return out.pin_memory() if self.pin_memory else out
 
     def _compute_report(self, step: int) -> list:
         """[step, seconds per micro-batch] of the last step whose every micro-batch's compute is
@@ -340,7 +328,7 @@ class DataClient:
     def _build(self, ready: ReadyStep, m: int, ahead: bool = False) -> Batch:
         """Micro-batch m of a finished step, as the trainer gets it (ahead: by the builder's thread,
         which may raise buffers.NoSpareBuffer)."""
-        batch = ready.micro_batch(m, self._pool, ahead, pixels_to=self.device or "cpu")
+        batch = ready.micro_batch(m, self._pool, ahead, pixels_to=self.device)
         return _to_torch(batch, self.pin_memory) if self.as_torch else Batch(batch)
 
     def _finished_step(self) -> ReadyStep | None:
