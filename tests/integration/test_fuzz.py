@@ -25,7 +25,7 @@ def _valid_samples():
     return [
         wire.encode(P.make(P.WorkerHeartbeat, worker_id=0, cached_records=3, busy_s=0.5, backlog=0, send_waits=0)),
         wire.encode(P.make(P.Prepared, worker_id=0, task_id=1, skipped=[], busy_s=0.1), np.array([3, 4], "<i8"),
-                    np.zeros(0, "<i8"), np.zeros(0, "<i8")),
+                    np.zeros(0, "<i8"), np.zeros(0, "<i8"), np.array([0, 1 << 20], "<i8")),
         wire.encode(P.make(P.Delivered, worker_id=0, delivery_id=2, failed=[], unserved=0)),
         wire.encode(P.make(P.Consumed, rank=0, step=1, waited_s=0.0, compute_step=-1, compute_s=[])),
         wire.encode(P.make(P.TrainerHeartbeat, rank=0)),
