@@ -75,19 +75,33 @@ class FrameRecipe:
             raise ValueError(f"{FRAMES}: {frames} bytes are not whole {self.height}x{self.width} frames")
         return [(CHANNELS, self.height, self.width)] * (frames // per)
 
-    def finish(self, frames: np.ndarray, grids: np.ndarray | None = None) -> np.ndarray:
-        """The pixel values of one sample's frames (numpy, on this host's CPU)."""
+    def rows(self, shapes: list[tuple[int, int, int]]) -> int:
+        """Rows of the pixel values of images of these frame shapes."""
+        if self.layout == "qwen_patches":
+            return sum((h // self.patch) * (w // self.patch) for _, h, w in shapes)
+        return len(shapes)
+
+    def finish(self, frames: np.ndarray, grids: np.ndarray | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """The pixel values of one sample's frames (numpy, on this host's CPU), written into `out`
+        (rows of a micro-batch's array) where given: no array per image, no concatenation."""
         shapes = self.shapes(len(frames), grids)
-        out, at = [], 0
+        if out is None:
+            out = np.empty((self.rows(shapes), *self._row_shape()), np.float32)
+        at = row = 0
         for shape in shapes:
-            n = int(np.prod(shape))
-            out.append(self._layout(self._values(frames[at:at + n].reshape(shape))))
-            at += n
+            n = shape[0] * shape[1] * shape[2]
+            x = self._values(frames[at:at + n].reshape(shape))
+            if self.layout == "qwen_patches":
+                k = (shape[1] // self.patch) * (shape[2] // self.patch)
+                self._patchify_into(x, out[row:row + k])
+            else:
+                k = 1
+                out[row] = x
+            at, row = at + n, row + k
         if at != len(frames):
             raise ValueError(f"{FRAMES}: {len(frames)} bytes where the images' frames take {at}")
-        if not out:
-            return np.zeros((0, *self._row_shape()), np.float32)
-        return np.concatenate(out) if self.layout == "qwen_patches" else np.stack(out)
+        return out
 
     def _row_shape(self) -> tuple[int, ...]:
         if self.layout == "qwen_patches":
@@ -105,24 +119,25 @@ class FrameRecipe:
             if self.do_normalize:
                 return (x - mean) / std
             return x * np.float32(self.rescale_factor) if self.do_rescale else x
-        x = frame
         if self.do_rescale:  # transformers' rescale: upcast to float64 first, then down to float32
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            x = (x.astype(np.float32) - mean) / std
-        return x.astype(np.float32, copy=False)
+            wide = frame.astype(np.float64)
+            wide *= self.rescale_factor
+            x = wide.astype(np.float32)
+        else:
+            x = frame.astype(np.float32)
+        if self.do_normalize:  # in place: the same float32 operations, no array more
+            x -= mean
+            x /= std
+        return x
 
-    def _layout(self, x: Any) -> Any:
-        """The processor's patch layout (Qwen-VL's patchify: merge windows, the frame repeated in the
-        temporal slot), or the frame as it is."""
-        if self.layout != "qwen_patches":
-            return x
+    def _patchify_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Qwen-VL's patchify of one image into its rows of `out`: merge windows, the frame
+        repeated in the temporal slot."""
         c, h, w = x.shape
         p, m, t = self.patch, self.merge, self.temporal
         gh, gw = h // p, w // p
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, *x.shape[5:]))
-        return x.reshape(gh * gw, c * t * p * p)
+        out.reshape(gh // m, gw // m, m, m, c, t, p, p)[...] = x[:, :, :, :, :, None]
 
     def finish_torch(self, frames: Any, grids: np.ndarray | None = None) -> Any:
         """The same on a torch tensor of uint8 frames, on its device (the trainer's GPU)."""
@@ -170,9 +185,26 @@ class PendingPixels:
         return sum((p[0] if isinstance(p, tuple) else p).nbytes for p in self.parts)
 
     def finish(self) -> np.ndarray:
-        """On this host's CPU (numpy)."""
-        made = [p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p) for p in self.parts]
-        return made[0] if len(made) == 1 else np.concatenate(made)
+        """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
+        sizes = []
+        for p in self.parts:
+            if isinstance(p, tuple):
+                recipe = p[1]
+                sizes.append((recipe.rows(recipe.shapes(len(p[0]), p[2])), recipe._row_shape()))
+            else:
+                sizes.append((len(p), tuple(np.shape(p)[1:])))
+        if len({shape for _, shape in sizes}) != 1:  # arrays of different shapes: as the processors made them
+            return np.concatenate([p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p)
+                                   for p in self.parts])
+        out = np.empty((sum(n for n, _ in sizes), *sizes[0][1]), np.float32)
+        row = 0
+        for p, (n, _) in zip(self.parts, sizes):
+            if isinstance(p, tuple):
+                p[1].finish(p[0], p[2], out[row:row + n])
+            else:
+                out[row:row + n] = p
+            row += n
+        return out
 
     def finish_on(self, device: Any) -> Any:
         """On `device` (a torch device): the uint8 frames are copied there, and the float work
