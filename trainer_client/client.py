@@ -122,7 +122,7 @@ class DataClient:
             uint8 frames, which `next()` copies to this device and finishes there (rescale,
             normalise, the processor's patch layout); the batch's other tensors stay on the CPU.
             Default: finished on the CPU by the client's builder thread, ahead of `next()` while
-            the trainer computes (at `next()` they would cost it ~50 ms a micro-batch of 8,192
+            the trainer computes (at `next()` they would cost it ~25 ms a micro-batch of 8,192
             tokens of images: tools/bench_next_vlm.py).
 
     Attributes:
