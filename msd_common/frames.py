@@ -21,7 +21,7 @@ different processors may share a micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -88,10 +88,12 @@ class FrameRecipe:
         shapes = self.shapes(len(frames), grids)
         if out is None:
             out = np.empty((self.rows(shapes), *self._row_shape()), np.float32)
+        mean = np.array(self.mean, np.float32)[:, None, None]
+        std = np.array(self.std, np.float32)[:, None, None]
         at = row = 0
         for shape in shapes:
             n = shape[0] * shape[1] * shape[2]
-            x = self._values(frames[at:at + n].reshape(shape))
+            x = self._values(frames[at:at + n].reshape(shape), mean, std, lambda a, dtype: a.astype(dtype))
             if self.layout == "qwen_patches":
                 k = (shape[1] // self.patch) * (shape[2] // self.patch)
                 self._patchify_into(x, out[row:row + k])
@@ -108,23 +110,24 @@ class FrameRecipe:
             return (CHANNELS * self.temporal * self.patch * self.patch,)
         return (CHANNELS, self.height, self.width)
 
-    def _values(self, frame: np.ndarray) -> np.ndarray:
-        mean = np.array(self.mean, np.float32)[:, None, None]
-        std = np.array(self.std, np.float32)[:, None, None]
+    def _values(self, frame: Any, mean: Any, std: Any, cast: Callable[[Any, str], Any]) -> Any:
+        """One frame [3, H, W] rescaled and normalised as the backend does it, by the same
+        operations on a numpy array or a torch tensor (`cast(x, "float32" | "float64")`; mean and
+        std float32 [3, 1, 1]; a python float times a float32 array stays float32 in both)."""
         if self.backend == "torchvision":
+            x = cast(frame, "float32")
             if self.do_rescale and self.do_normalize:  # fused: float32 mean and std times 1/rescale_factor
-                scale = np.float32(1.0 / self.rescale_factor)
-                return (frame.astype(np.float32) - mean * scale) / (std * scale)
-            x = frame.astype(np.float32)
+                scale = 1.0 / self.rescale_factor
+                return (x - mean * scale) / (std * scale)
             if self.do_normalize:
                 return (x - mean) / std
-            return x * np.float32(self.rescale_factor) if self.do_rescale else x
+            return x * self.rescale_factor if self.do_rescale else x
         if self.do_rescale:  # transformers' rescale: upcast to float64 first, then down to float32
-            wide = frame.astype(np.float64)
+            wide = cast(frame, "float64")
             wide *= self.rescale_factor
-            x = wide.astype(np.float32)
+            x = cast(wide, "float32")
         else:
-            x = frame.astype(np.float32)
+            x = cast(frame, "float32")
         if self.do_normalize:  # in place: the same float32 operations, no array more
             x -= mean
             x /= std
@@ -149,18 +152,9 @@ class FrameRecipe:
         out, at = [], 0
         for shape in shapes:
             n = shape[0] * shape[1] * shape[2]
-            frame = frames[at:at + n].reshape(shape)
+            x = self._values(frames[at:at + n].reshape(shape), mean, std,
+                             lambda a, dtype: a.to(getattr(torch, dtype)))
             at += n
-            if self.backend == "torchvision" and self.do_rescale and self.do_normalize:
-                scale = 1.0 / self.rescale_factor  # float32 tensors times a python float: float32, as transformers
-                x = (frame.to(torch.float32) - mean * scale) / (std * scale)
-            elif self.backend == "torchvision":
-                x = frame.to(torch.float32)
-                x = (x - mean) / std if self.do_normalize else (x * self.rescale_factor if self.do_rescale else x)
-            else:
-                x = (frame.to(torch.float64) * self.rescale_factor).to(torch.float32) if self.do_rescale \
-                    else frame.to(torch.float32)
-                x = (x - mean) / std if self.do_normalize else x
             if self.layout == "qwen_patches":
                 c, h, w = shape
                 p, m, t = self.patch, self.merge, self.temporal
@@ -179,10 +173,6 @@ class PendingPixels:
 
     def __init__(self, parts: list[Any]) -> None:
         self.parts = parts
-
-    @property
-    def nbytes(self) -> int:
-        return sum((p[0] if isinstance(p, tuple) else p).nbytes for p in self.parts)
 
     def finish(self) -> np.ndarray:
         """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""

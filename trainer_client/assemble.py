@@ -71,7 +71,6 @@ class StepAssembler:
         # piece -> a processor's arrays of it, by name; name -> (dtype, row shape, per_token)
         self.extras: dict[int, dict[str, np.ndarray]] = {}
         self.extra_specs: dict[str, tuple[np.dtype, tuple, bool]] = {}
-        self.pixels_to: Any = None  # a device: the pixel values are left as PendingPixels, made there
         self.refs = np.asarray(refs, dtype=np.uint64).reshape(-1, len(RECIPE_PIECE))
         self.counts = np.asarray(counts, dtype=np.int64)
         self.row_len, self.pad_id, self.mbs = row_len, pad_id, micro_batch_size
@@ -214,7 +213,8 @@ class StepAssembler:
         return {"seg_len": seg_len, "seg_pad": seg_pad, "ends": ends, "seg_row_end": seg_row_end,
                 "piece_ends": piece_ends, "row_pieces": row_pieces}
 
-    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False) -> dict[str, Any]:
+    def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False,
+                    pixels_later: bool = False) -> dict[str, Any]:
         """Micro-batch m of the step, in arrays of its own (views of one buffer: from `pool` where
         given, else allocated), so that a trainer holding it holds only it: a client builds each
         micro-batch just before the trainer takes it, not the whole step at once."""
@@ -276,10 +276,11 @@ class StepAssembler:
         if self.patch_bytes:
             out.update(self._images(range(p0, p1), self.dst, first_row))
         if self.rope == "mrope" or self.extras:
-            out.update(self._processor_arrays(range(p0, p1), base, out["position_ids"]))
+            out.update(self._processor_arrays(range(p0, p1), base, out["position_ids"], pixels_later))
         return out
 
-    def _processor_arrays(self, pieces: range, base: int, position_ids: np.ndarray) -> dict[str, np.ndarray]:
+    def _processor_arrays(self, pieces: range, base: int, position_ids: np.ndarray,
+                          pixels_later: bool = False) -> dict[str, np.ndarray]:
         """A processor's arrays of a micro-batch's pieces: per-token ones laid out as the tokens
         ([B, L], 0 elsewhere), image ones concatenated in packing order, the images of each piece,
         and for mrope jobs position_ids [3, B, L]: a piece's own three rows where it has them (a
@@ -296,7 +297,7 @@ class StepAssembler:
                     d = int(self.dst[i]) - base
                     flat[:, d: d + len(three)] = three.T
             out["position_ids"] = rows3
-        pixels = self._pixel_values(with_extras)
+        pixels = self._pixel_values(with_extras, pixels_later)
         if pixels is not None:
             out["pixel_values"] = pixels
         for name, (dtype, row_shape, per_token) in sorted(self.extra_specs.items()):
@@ -327,10 +328,10 @@ class StepAssembler:
             return len(recipe.shapes(len(mine[FRAMES]), None))
         return len(mine.get("pixel_values", ()))
 
-    def _pixel_values(self, pieces: list[int]) -> Any:
+    def _pixel_values(self, pieces: list[int], later: bool = False) -> Any:
         """The processor's pixel values of these pieces, in packing order: a piece's own, or its
-        uint8 frames finished here (msd_common/frames.py), or, where `pixels_to` names a device,
-        the frames to finish there (PendingPixels)."""
+        uint8 frames finished here (msd_common/frames.py), or, `later`, the frames to finish
+        elsewhere (PendingPixels: on the trainer's device)."""
         parts = []
         for i in pieces:
             mine = self.extras[i]
@@ -341,7 +342,7 @@ class StepAssembler:
         if not parts:
             return None
         pending = PendingPixels(parts)
-        return pending if self.pixels_to is not None else pending.finish()
+        return pending if later else pending.finish()
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
         """pixel_patches [n, patch_bytes] of a micro-batch's pieces in packing order, the patches

@@ -294,8 +294,8 @@ class ReadyStep:
     def micro_batch(self, m: int, pool: BufferPool | None = None, ahead: bool = False,
                     pixels_to: Any = None) -> dict[str, Any]:
         """pixels_to: a device where the pixel values are made at next(); they stay PendingPixels here."""
-        self.assembler.pixels_to = pixels_to
-        batch = for_rank(self.assembler.micro_batch(m, pool, ahead), self.batch_info, self.rank, self.metadata_only)
+        batch = for_rank(self.assembler.micro_batch(m, pool, ahead, pixels_later=pixels_to is not None),
+                         self.batch_info, self.rank, self.metadata_only)
         batch["step"], batch["micro_batch"] = self.step, m
         if m == 0:
             batch["plan"] = self.plan

@@ -252,7 +252,7 @@ class ProcessorChat:
 
             made, _, frames = self._frames_pass([Image.new("RGB", size) for size in pending.sizes])
             sample.loss_mask[:] = 0
-        unused = set(getattr(self.processor, "unused_input_names", ()) or ()) | {"pixel_values"}
+        unused = set(getattr(self.processor, "unused_input_names", ()) or ())  # (pixel values: as frames)
         arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items() if name not in unused}
         arrays[FRAMES] = np.concatenate([f.reshape(-1) for f in frames]) if frames else np.zeros(0, np.uint8)
         arrays[RECIPE] = frame_recipe(self.processor, self._image_kwargs).to_array()
