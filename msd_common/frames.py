@@ -27,7 +27,13 @@ import numpy as np
 
 FRAMES = "pixel_frames"
 RECIPE = "pixel_recipe"
-LAYOUTS = ("qwen_patches", "frames")  # patchified with a temporal repeat (Qwen-VL), or [images, 3, H, W]
+VIDEO_FRAMES = "video_frames"  # a sample's videos: every video's [T, 3, H, W] uint8, video after video
+VIDEO_RECIPE = "video_recipe"
+# what each frame array becomes: (recipe, grids, the processor's name for it)
+FINISHED = ((FRAMES, RECIPE, "image_grid_thw", "pixel_values"),
+            (VIDEO_FRAMES, VIDEO_RECIPE, "video_grid_thw", "pixel_values_videos"))
+# patchified with a temporal repeat (Qwen-VL images), [images, 3, H, W], patchified over frames (Qwen-VL videos)
+LAYOUTS = ("qwen_patches", "frames", "qwen_video")
 BACKENDS = ("pil", "torchvision")
 RECIPE_VERSION = 1.0
 CHANNELS = 3
@@ -64,8 +70,14 @@ class FrameRecipe:
                    tuple(float(x) for x in v[6:9]), tuple(float(x) for x in v[9:12]),  # type: ignore[arg-type]
                    int(v[12]), int(v[13]), int(v[14]), int(v[15]), int(v[16]))
 
-    def shapes(self, frames: int, grids: np.ndarray | None) -> list[tuple[int, int, int]]:
-        """Each image's frame shape [3, H, W]: from its patch grid, or the processor's one size."""
+    def shapes(self, frames: int, grids: np.ndarray | None) -> list[tuple[int, ...]]:
+        """Each image's frame shape [3, H, W] (a video's [T, 3, H, W]): from its patch grid, or the
+        processor's one size."""
+        if self.layout == "qwen_video":
+            if grids is None:
+                raise ValueError(f"{VIDEO_FRAMES}: a qwen_video recipe needs video_grid_thw")
+            return [(int(t) * self.temporal, CHANNELS, int(h) * self.patch, int(w) * self.patch)
+                    for t, h, w in np.asarray(grids).tolist()]
         if self.layout == "qwen_patches":
             if grids is None:
                 raise ValueError(f"{FRAMES}: a qwen_patches recipe needs image_grid_thw")
@@ -75,8 +87,10 @@ class FrameRecipe:
             raise ValueError(f"{FRAMES}: {frames} bytes are not whole {self.height}x{self.width} frames")
         return [(CHANNELS, self.height, self.width)] * (frames // per)
 
-    def rows(self, shapes: list[tuple[int, int, int]]) -> int:
-        """Rows of the pixel values of images of these frame shapes."""
+    def rows(self, shapes: list[tuple[int, ...]]) -> int:
+        """Rows of the pixel values of images (videos) of these frame shapes."""
+        if self.layout == "qwen_video":
+            return sum((t // self.temporal) * (h // self.patch) * (w // self.patch) for t, _, h, w in shapes)
         if self.layout == "qwen_patches":
             return sum((h // self.patch) * (w // self.patch) for _, h, w in shapes)
         return len(shapes)
@@ -92,9 +106,12 @@ class FrameRecipe:
         std = np.array(self.std, np.float32)[:, None, None]
         at = row = 0
         for shape in shapes:
-            n = shape[0] * shape[1] * shape[2]
+            n = int(np.prod(shape))
             x = self._values(frames[at:at + n].reshape(shape), mean, std, lambda a, dtype: a.astype(dtype))
-            if self.layout == "qwen_patches":
+            if self.layout == "qwen_video":
+                k = self.rows([shape])
+                self._patchify_video_into(x, out[row:row + k])
+            elif self.layout == "qwen_patches":
                 k = (shape[1] // self.patch) * (shape[2] // self.patch)
                 self._patchify_into(x, out[row:row + k])
             else:
@@ -106,7 +123,7 @@ class FrameRecipe:
         return out
 
     def _row_shape(self) -> tuple[int, ...]:
-        if self.layout == "qwen_patches":
+        if self.layout in ("qwen_patches", "qwen_video"):
             return (CHANNELS * self.temporal * self.patch * self.patch,)
         return (CHANNELS, self.height, self.width)
 
@@ -142,6 +159,13 @@ class FrameRecipe:
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
         out.reshape(gh // m, gw // m, m, m, c, t, p, p)[...] = x[:, :, :, :, :, None]
 
+    def _patchify_video_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Qwen-VL's patchify of one video [T, 3, H, W] (T whole temporal patches) into its rows."""
+        frames, c, h, w = x.shape
+        p, m, t = self.patch, self.merge, self.temporal
+        x = x.reshape(frames // t, t, c, h // p // m, m, p, w // p // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        out.reshape(x.shape)[...] = x
+
     def finish_torch(self, frames: Any, grids: np.ndarray | None = None) -> Any:
         """The same on a torch tensor of uint8 frames, on its device (the trainer's GPU)."""
         import torch
@@ -151,11 +175,16 @@ class FrameRecipe:
         std = torch.tensor(self.std, dtype=torch.float32, device=frames.device)[:, None, None]
         out, at = [], 0
         for shape in shapes:
-            n = shape[0] * shape[1] * shape[2]
+            n = int(np.prod(shape))
             x = self._values(frames[at:at + n].reshape(shape), mean, std,
                              lambda a, dtype: a.to(getattr(torch, dtype)))
             at += n
-            if self.layout == "qwen_patches":
+            if self.layout == "qwen_video":
+                f, c, h, w = shape
+                p, m, t = self.patch, self.merge, self.temporal
+                x = x.reshape(f // t, t, c, h // p // m, m, p, w // p // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+                x = x.reshape(self.rows([shape]), c * t * p * p)
+            elif self.layout == "qwen_patches":
                 c, h, w = shape
                 p, m, t = self.patch, self.merge, self.temporal
                 gh, gw = h // p, w // p
@@ -164,7 +193,7 @@ class FrameRecipe:
             out.append(x)
         if not out:
             return torch.zeros((0, *self._row_shape()), dtype=torch.float32, device=frames.device)
-        return torch.cat(out) if self.layout == "qwen_patches" else torch.stack(out)
+        return torch.stack(out) if self.layout == "frames" else torch.cat(out)
 
 
 class PendingPixels:
@@ -212,9 +241,10 @@ class PendingPixels:
 
 
 def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A sample's image arrays as its trainer gets them: its frames (if any) finished into pixel_values."""
+    """A sample's image arrays as its trainer gets them: its frames (if any) finished into
+    pixel_values, its videos' into pixel_values_videos."""
     out = dict(arrays)
-    if FRAMES in out:
-        recipe = FrameRecipe.from_array(out.pop(RECIPE))
-        out["pixel_values"] = recipe.finish(out.pop(FRAMES), out.get("image_grid_thw"))
+    for frames, recipe, grids, name in FINISHED:
+        if frames in out:
+            out[name] = FrameRecipe.from_array(out.pop(recipe)).finish(out.pop(frames), out.get(grids))
     return out

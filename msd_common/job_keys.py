@@ -129,6 +129,12 @@ KEYS: tuple[Key, ...] = (
         "size at prepare time and a worker keeps the image files, not their pixel values, until delivery; "
         "other processors run whole at prepare time. `prepare`: every processor runs whole at prepare time. "
         "The samples are the same."),
+    Key(f"{SRC}.video_fps", "number > 0", "the video processor's", "With a processor that takes videos (Qwen2-VL, "
+        "Qwen2.5-VL, Qwen3-VL): frames sampled per second of video, within the video processor's min and max "
+        "frames, as `apply_chat_template(..., fps=N)` samples them. Unset: the video processor's own sampling "
+        "(Qwen3-VL: 2 per second; Qwen2-VL and Qwen2.5-VL: every frame). Needs `msd[video]` on worker hosts."),
+    Key(f"{SRC}.max_video_s", "number > 0", "none", "With a processor: a video longer than this many seconds "
+        "(read from its container, nothing decoded) skips its record as over the limit, before its step is planned."),
     # batch
     Key("batch.seq_len", "integer >= 2", "required", "Tokens per row (packed sequence)."),
     Key("batch.micro_batch_size", "integer >= 1", "required", "Rows per micro-batch."),

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import numpy as np
 
-TEXT, IMAGE = 0, 1  # token types, as the processors' mm_token_type_ids
+TEXT, IMAGE, VIDEO = 0, 1, 2  # token types, as the processors' mm_token_type_ids
 
 
-def mrope_position_ids(token_types: np.ndarray, image_grid_thw: np.ndarray, spatial_merge_size: int) -> np.ndarray:
-    """int64 [3, n] position ids of one sample whose tokens have `token_types` (TEXT or IMAGE, n
-    of them) and whose images, in order, have the patch grids `image_grid_thw` ([images, 3]).
-    Raises ValueError when the image tokens and the grids disagree."""
+def mrope_position_ids(token_types: np.ndarray, image_grid_thw: np.ndarray, spatial_merge_size: int,
+                       video_grid_thw: np.ndarray | None = None,
+                       video_intervals: np.ndarray | None = None) -> np.ndarray:
+    """int64 [3, n] position ids of one sample whose tokens have `token_types` (TEXT, IMAGE or
+    VIDEO, n of them) and whose images, in order, have the patch grids `image_grid_thw` ([images, 3]).
+    Videos: one grid per run of video tokens (Qwen3-VL's timestamps cut a video into a run per
+    temporal patch, each of grid (1, h, w)), and each run's temporal spacing (Qwen2.5-VL:
+    tokens_per_second x second_per_grid_ts, in float32 as its get_rope_index computes it; else 1).
+    Raises ValueError when the vision tokens and the grids disagree."""
     types = np.asarray(token_types)
-    grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    by_type = {IMAGE: np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3),
+               VIDEO: np.asarray(video_grid_thw if video_grid_thw is not None else np.zeros((0, 3)),
+                                 dtype=np.int64).reshape(-1, 3)}
+    spacing = np.ones(len(by_type[VIDEO]), np.float32) if video_intervals is None else \
+        np.asarray(video_intervals, np.float32).reshape(-1)
     n = len(types)
     out = np.empty((3, n), dtype=np.int64)
     if n == 0:
@@ -30,25 +39,34 @@ def mrope_position_ids(token_types: np.ndarray, image_grid_thw: np.ndarray, spat
     change = np.flatnonzero(types[1:] != types[:-1]) + 1
     starts = np.concatenate([[0], change])
     ends = np.concatenate([change, [n]])
-    position, image = 0, 0
+    position = 0
+    used = {IMAGE: 0, VIDEO: 0}
     m = spatial_merge_size
     for start, end in zip(starts.tolist(), ends.tolist()):
-        if types[start] == TEXT:
+        kind = int(types[start])
+        if kind == TEXT:
             out[:, start:end] = np.arange(position, position + end - start)
             position += end - start
             continue
-        if image >= len(grids):
-            raise ValueError(f"more images in the tokens than the {len(grids)} grids given")
-        t, h, w = grids[image].tolist()
+        what = "image" if kind == IMAGE else "video"
+        grids, k = by_type[kind], used[kind]
+        if k >= len(grids):
+            raise ValueError(f"more {what}s in the tokens than the {len(grids)} grids given")
+        t, h, w = grids[k].tolist()
         ht, wt = h // m, w // m
         if t * ht * wt != end - start:
-            raise ValueError(f"image {image}: {end - start} image tokens, but its grid {t}x{h}x{w} merged "
+            raise ValueError(f"{what} {k}: {end - start} tokens, but its grid {t}x{h}x{w} merged "
                              f"{m}x{m} makes {t * ht * wt}")
-        out[0, start:end] = np.repeat(np.arange(t), ht * wt) + position
+        temporal = np.arange(t)
+        if kind == VIDEO and spacing[k] != 1:
+            temporal = (np.arange(t, dtype=np.float32) * spacing[k]).astype(np.int64)
+        out[0, start:end] = np.repeat(temporal, ht * wt) + position
         out[1, start:end] = np.tile(np.repeat(np.arange(ht), wt), t) + position
         out[2, start:end] = np.tile(np.arange(wt), t * ht) + position
         position += max(h, w) // m
-        image += 1
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} image grids for {image} images in the tokens")
+        used[kind] += 1
+    for kind, grids in by_type.items():
+        if used[kind] != len(grids):
+            what = "image" if kind == IMAGE else "video"
+            raise ValueError(f"{len(grids)} {what} grids for {used[kind]} {what}s in the tokens")
     return out

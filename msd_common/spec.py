@@ -93,6 +93,11 @@ class SourceConfig:
     # when a processor's image pass runs: "delivery" (planned from image sizes, worker/image_plan.py,
     # for the families that can be) or "prepare" (whole, at prepare time); the samples are the same
     image_pass: str = "delivery"
+    # videos (worker/video_plan.py): frames sampled per second (None: as the video processor does
+    # by default), and the seconds past which a video skips its record (None: no limit but the
+    # processor's frame cap)
+    video_fps: float | None = None
+    max_video_s: float | None = None
     # one record's sample (read, transform, processor, an image pass at delivery) taking longer than
     # this is poison: its worker process is stopped and the record quarantined (not part of the stream)
     max_sample_s: float = DEFAULT_MAX_SAMPLE_S
@@ -290,6 +295,7 @@ class JobConfig:
                        seed=self.seed, transform=s.transform, transform_args=s.transform_args,
                        transform_hash=s.transform_hash, chat=s.chat, processor=s.processor,
                        image_backend=s.image_backend, processor_hash=s.processor_hash, image_pass=s.image_pass,
+                       video_fps=s.video_fps, max_video_s=s.max_video_s,
                        max_sample_s=s.max_sample_s)
             for s in self.sources))
 
@@ -343,7 +349,8 @@ def _stream_fields(source: SourceConfig, where: bool = False) -> dict[str, Any]:
     for key, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES), ("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
                          ("shuffle_block", 1), ("transform", None), ("transform_args", None), ("transform_hash", None),
                          ("max_transform_errors", 100), ("chat", None), ("packing", "concat"),
-                         ("image_backend", "pil"), ("processor_hash", None)):
+                         ("image_backend", "pil"), ("processor_hash", None), ("video_fps", None),
+                         ("max_video_s", None)):
         if out[key] == default:
             del out[key]
     return out
@@ -646,7 +653,7 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
 
     path = raw.get("processor")
     if path is None:
-        for k in ("image_backend", "image_pass"):
+        for k in ("image_backend", "image_pass", "video_fps", "max_video_s"):
             if k in raw:
                 c.bad(f"{key}.{k}", "applies to a source with a processor only")
                 return None
@@ -668,6 +675,17 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
     ok = _choice(c, backend, f"{key}.image_backend", IMAGE_BACKENDS) and ok
     image_pass = raw.get("image_pass", "delivery")
     ok = _choice(c, image_pass, f"{key}.image_pass", IMAGE_PASSES) and ok
+    video: dict[str, float | None] = {}
+    for k in ("video_fps", "max_video_s"):
+        value = raw.get(k)
+        if value is not None:
+            value = c.number(value, f"{key}.{k}")
+            if value is None:
+                ok = False
+            elif value <= 0:
+                c.bad(f"{key}.{k}", f"must be > 0, got {value:g}")
+                ok = False
+        video[k] = value
     chat = (user_code or {}).get("chat") or {"messages_key": "messages", "train_on": "assistant", "tools_key": "tools"}
     if chat.get("train_on") == "last":
         c.bad(f"{key}.chat.train_on", "a source with a processor trains on assistant or all (the processor's mask)")
@@ -682,7 +700,7 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
         return None
     if transform:  # the transform's tokens and mask: no template of ours to check
         return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": None,
-                "image_pass": image_pass}
+                "image_pass": image_pass, **video}
     try:
         template, origin = find_template(chat.get("template") or path)
     except (ChatError, OSError, ValueError) as e:
@@ -695,7 +713,7 @@ def _processor(c: _Checker, key: str, raw: dict, fmt: Any, base: str, user_code:
               "per model family, e.g. qwen2_5_vl_training.jinja), or set chat.train_on: all")
         return None
     return {"processor": path, "image_backend": backend, "processor_hash": info.digest, "chat": chat,
-            "image_pass": image_pass}
+            "image_pass": image_pass, **video}
 
 
 def _user_code(c: _Checker, key: str, raw: dict, fmt: Any, tokenizer: str | None, base: str) -> dict[str, Any] | None:

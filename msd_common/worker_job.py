@@ -48,6 +48,8 @@ class SourceSpec:
     image_backend: str = "pil"
     processor_hash: str | None = None
     image_pass: str = "delivery"  # when a processor's image pass runs (worker/image_plan.py)
+    video_fps: float | None = None  # videos: frames sampled per second (None: the video processor's default)
+    max_video_s: float | None = None  # videos: longer ones skip their record
     max_sample_s: float = DEFAULT_MAX_SAMPLE_S  # one record's sample taking longer is poison (host agent)
 
     @property
@@ -99,7 +101,8 @@ _SOURCE_SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "cache_dir": (str, _NONE), "cache_bytes": (int, _NONE), "copies": (str,), "storage": (dict, _NONE),
     "seed": (int,), "transform": (str, _NONE), "transform_args": (dict, _NONE), "transform_hash": (str, _NONE),
     "chat": (dict, _NONE), "processor": (str, _NONE), "image_backend": (str,), "processor_hash": (str, _NONE),
-    "image_pass": (str,), "max_sample_s": (float, int),
+    "image_pass": (str,), "max_sample_s": (float, int), "video_fps": (float, int, _NONE),
+    "max_video_s": (float, int, _NONE),
 }
 
 

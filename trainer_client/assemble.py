@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
-from msd_common.frames import FRAMES, RECIPE, FrameRecipe, PendingPixels
+from msd_common.frames import FINISHED, FRAMES, RECIPE, FrameRecipe, PendingPixels
 from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
@@ -297,12 +297,14 @@ class StepAssembler:
                     d = int(self.dst[i]) - base
                     flat[:, d: d + len(three)] = three.T
             out["position_ids"] = rows3
-        pixels = self._pixel_values(with_extras, pixels_later)
-        if pixels is not None:
-            out["pixel_values"] = pixels
+        made_here = {"position_ids"}
+        for frames, recipe, grids, name in FINISHED:
+            pixels = self._pixel_values(with_extras, pixels_later, frames, recipe, grids, name)
+            if pixels is not None:
+                out[name] = pixels
+            made_here.update((frames, recipe, name))
         for name, (dtype, row_shape, per_token) in sorted(self.extra_specs.items()):
-            if name in ("position_ids", FRAMES, RECIPE, "pixel_values") or \
-                    not any(name in self.extras[i] for i in with_extras):
+            if name in made_here or not any(name in self.extras[i] for i in with_extras):
                 continue
             if per_token:
                 laid = np.zeros((shape[0] * shape[1], *row_shape), dtype=np.int64 if dtype.kind in "iub" else dtype)
@@ -315,6 +317,9 @@ class StepAssembler:
             else:
                 out[name] = np.concatenate([self.extras[i][name] for i in with_extras if name in self.extras[i]])
         out["images_per_sample"] = np.array([self._images_of(i) for i in pieces], np.int64)
+        if "video_grid_thw" in self.extra_specs:
+            out["videos_per_sample"] = np.array([len(self.extras.get(i, {}).get("video_grid_thw", ()))
+                                                 for i in pieces], np.int64)
         return out
 
     def _images_of(self, piece: int) -> int:
@@ -328,17 +333,18 @@ class StepAssembler:
             return len(recipe.shapes(len(mine[FRAMES]), None))
         return len(mine.get("pixel_values", ()))
 
-    def _pixel_values(self, pieces: list[int], later: bool = False) -> Any:
-        """The processor's pixel values of these pieces, in packing order: a piece's own, or its
-        uint8 frames finished here (msd_common/frames.py), or, `later`, the frames to finish
-        elsewhere (PendingPixels: on the trainer's device)."""
+    def _pixel_values(self, pieces: list[int], later: bool = False, frames: str = FRAMES, recipe: str = RECIPE,
+                      grids: str = "image_grid_thw", name: str = "pixel_values") -> Any:
+        """The processor's pixel values (`name`: of images, or of videos) of these pieces, in packing
+        order: a piece's own, or its uint8 frames finished here (msd_common/frames.py), or, `later`,
+        the frames to finish elsewhere (PendingPixels: on the trainer's device)."""
         parts = []
         for i in pieces:
             mine = self.extras[i]
-            if FRAMES in mine:
-                parts.append((mine[FRAMES], FrameRecipe.from_array(mine[RECIPE]), mine.get("image_grid_thw")))
-            elif "pixel_values" in mine:
-                parts.append(mine["pixel_values"])
+            if frames in mine:
+                parts.append((mine[frames], FrameRecipe.from_array(mine[recipe]), mine.get(grids)))
+            elif name in mine:
+                parts.append(mine[name])
         if not parts:
             return None
         pending = PendingPixels(parts)

@@ -71,6 +71,18 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("images_per_sample", "int64", "[P]", "jobs with a processor source", "Images of each piece, in "
              "`doc_keys` order (0 for text): its rows of `image_grid_thw`, or for processors without one its rows "
              "of `pixel_values` (Gemma 3: one per image, and one per crop with pan-and-scan)."),
+    BatchKey("pixel_values_videos", "float32", "[patches, 1176] (Qwen2.5-VL)", "jobs with a processor source, "
+             "micro-batches with videos", "The video processor's pixel values, video after video in packing order. "
+             "Only the sampled frames are decoded (PyAV), resized by the video processor and sent as uint8; the "
+             "client rescales, normalises and patchifies them as the video processor does (torchvision, bit for "
+             "bit), on the CPU ahead of `next()` or at `next()` on `DataClient(device=...)`."),
+    BatchKey("video_grid_thw", "int64", "[videos, 3]", "jobs with a processor source, micro-batches with videos",
+             "Each video's (temporal, height, width) patch grid, in packing order."),
+    BatchKey("second_per_grid_ts", "float32", "[videos]", "Qwen2.5-VL, micro-batches with videos",
+             "Seconds of video per temporal patch, as the processor reports it (the model spaces the temporal "
+             "positions by it; `position_ids` already do)."),
+    BatchKey("videos_per_sample", "int64", "[P]", "jobs whose processor takes videos", "Videos of each piece, in "
+             "`doc_keys` order: its rows of `video_grid_thw`."),
     BatchKey("cu_seqlens_padded", "int32", "[S + 1]", "cp > 1", "Segment boundaries with each segment padded to a "
              "multiple of 2 x cp (rows are flattened to `[1, n]`)."),
     BatchKey("cp_cu_seqlens", "int32", "[S + 1]", "cp > 1", "This context-parallel rank's share of each segment."),

@@ -289,8 +289,9 @@ class DataClient:
         ready = self._step
         m = self.next_micro_batch  # (ready.first for the first step after a resume mid-step)
         batch = self._builder.take(ready, m)  # built ahead while the trainer computed, or built now
-        if isinstance(batch.get("pixel_values"), PendingPixels):  # device=: uint8 frames until the trainer takes them
-            batch["pixel_values"] = batch["pixel_values"].finish_on(self.device)
+        for name in ("pixel_values", "pixel_values_videos"):
+            if isinstance(batch.get(name), PendingPixels):  # device=: uint8 frames until the trainer takes them
+                batch[name] = batch[name].finish_on(self.device)
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
             self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])

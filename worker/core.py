@@ -577,7 +577,7 @@ class WorkerCore:
             for i, key, ep, off, n in zip(at.tolist(), keys.tolist(), epochs[at].tolist(), offsets.tolist(),
                                           lengths.tolist()):
                 entry = self.cache[_cache_key(key, ep)]
-                if entry.processed is not None and entry.processed.pending is not None:
+                if entry.processed is not None and entry.processed.waiting:
                     self._finish_images(reader, entry, key)  # its image pass (it may zero the loss mask)
                 pieces.tokens[i] = entry.tokens[off: off + n]
                 if entry.loss_mask is not None:

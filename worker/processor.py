@@ -51,9 +51,11 @@ from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
-from msd_common.frames import FRAMES, RECIPE
+from msd_common.frames import FRAMES, RECIPE, VIDEO_FRAMES, VIDEO_RECIPE
 
 from .image_plan import QWEN_VL_PROCESSORS, FrameCapture, PendingImages, disagreement, frame_recipe, planner_of
+from .video import VIDEO_EXTS, VideoError, VideoInfo, decode, probe
+from .video_plan import PLANNED_VIDEO_PROCESSORS, PendingVideos, PlannedVideoProcessor, resized_frames, video_recipe
 
 # A worker host (the `vision` extra) has transformers without torch: its "PyTorch was not found"
 # advice at import is for users of its models, which a worker never loads (issue 61: printed by
@@ -63,6 +65,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 LLAVA_IMAGE = "<image>"
 IMAGE_KEYS = ("image", "path", "url")
+VIDEO_KEYS = ("video", "path", "url")
 SAMPLE_KEYS = ("input_ids", "attention_mask", "assistant_masks")  # taken apart: the rest is passed on
 
 
@@ -82,14 +85,23 @@ class ProcessedSample:
     patches: int = 0  # what the vision encoder's cost counts: rows of a 2-D pixel_values, else image tokens
     patch_squares: int = 0  # each image's patches squared, summed (the encoder attends within an image)
     pending: PendingImages | None = None  # images whose pass runs at delivery (ProcessorChat.finish)
+    pending_videos: PendingVideos | None = None  # videos whose frames are decoded at delivery
+    videos: int = 0
 
     @property
     def array_bytes(self) -> dict[str, int]:
-        """Each array's bytes, the planned pixel values' for pending images (one message frame holds each)."""
+        """Each array's bytes, the planned frames' for pending images and videos (one message frame holds each)."""
         sizes = {name: a.nbytes for name, a in {**self.token_arrays, **self.image_arrays}.items()}
         if self.pending is not None:
             sizes[FRAMES] = self.pending.plan.pixel_bytes
+        if self.pending_videos is not None:
+            sizes[VIDEO_FRAMES] = self.pending_videos.frame_bytes
         return sizes
+
+    @property
+    def waiting(self) -> bool:
+        """Images or videos whose pass runs at delivery."""
+        return self.pending is not None or self.pending_videos is not None
 
 
 @functools.lru_cache(maxsize=4)
@@ -151,7 +163,8 @@ class ProcessorChat:
 
     def __init__(self, path: str, backend: str = "pil", train_on: str = "assistant",
                  messages_key: str = "messages", tools_key: str = "tools", max_image_pixels: int | None = None,
-                 template: str | None = None, plan_from_sizes: bool = True) -> None:
+                 template: str | None = None, plan_from_sizes: bool = True, video_fps: float | None = None,
+                 max_video_s: float | None = None) -> None:
         self.info = read_processor_dir(path)
         self.processor = load_processor(path, backend)
         # a processor whose image outputs follow from image sizes is planned from them (image_plan.py)
@@ -163,6 +176,7 @@ class ProcessorChat:
                 self.template = f.read()
         self.train_on, self.messages_key, self.tools_key = train_on, messages_key, tools_key
         self.max_image_pixels = max_image_pixels
+        self.video_fps, self.max_video_s = video_fps, max_video_s
         # the tokens that stand for image features: Qwen's <|image_pad|>, Gemma 3's <image_soft_token>
         # (not its image_token_id, which is the <start_of_image> marker the template writes)
         ids = [i for i in getattr(self.processor, "image_token_ids", None) or () if i is not None]
@@ -172,6 +186,9 @@ class ProcessorChat:
         if not ids:
             raise ValueError(f"{path}: the processor names no image token")
         self.image_token_ids = np.array(sorted(set(ids)), np.int32)
+        ids = [i for i in getattr(self.processor, "video_token_ids", None) or () if i is not None]
+        self.video_token_ids = np.array(sorted(set(ids)), np.int32)
+        self.tokens_per_second = _tokens_per_second(path)
 
     def render(self, record: dict[str, Any], base_dir: str) -> ProcessedSample:
         """The sample of one record; raises ProcessorRecordError (or ImageRecordError) naming what is wrong.
@@ -179,26 +196,50 @@ class ProcessorChat:
         entries: dict[str, bytes] = {}
         if "__key__" in record:  # a WebDataset sample: its JSON entry is the record, its images entries
             record, entries = _webdataset_record(record)
-        messages, files = self._messages(record, base_dir, entries)
+        messages, files, videos = self._messages(record, base_dir, entries)
         tools = record.get(self.tools_key)
         planned: list[PendingImages] = []  # the plan the image pass made of the images' sizes
+        sampling = {"fps": self.video_fps} if videos and self.video_fps is not None else {}
         try:
-            with self._planned_image_pass(files if self.planner is not None else [], planned):
+            with self._planned_image_pass(files if self.planner is not None else [], planned), \
+                    self._planned_videos([info for _, info in videos]) as planned_videos:
                 out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools,
                                                          tokenize=True, return_dict=True,
-                                                         return_assistant_tokens_mask=True, return_tensors="np")
+                                                         return_assistant_tokens_mask=True, return_tensors="np",
+                                                         **sampling)
         except ImageRecordError:
             raise
         except Exception as e:  # the template's raise_exception, a count the processor refuses, ...
             first = (str(e).splitlines() or [""])[0]
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
-        if not planned:
-            return self.sample_of(out, len(files))
-        pending = planned[-1]
-        out = {k: v for k, v in out.items() if k not in pending.plan.arrays}
-        sample = self.sample_of(out, len(files), planned=pending.plan.arrays)
-        sample.pending = pending
+        planned_arrays = dict(planned[-1].plan.arrays) if planned else {}
+        out = {k: v for k, v in out.items() if k not in planned_arrays}
+        sample = self.sample_of(out, len(files), planned=planned_arrays, videos=len(videos))
+        sample.pending = planned[-1] if planned else None
+        if planned_videos is not None and planned_videos.planned is not None:
+            p = planned_videos.planned
+            sample.pending_videos = PendingVideos([data for data, _ in videos], p.indices, p.grids, p.kwargs, p.patch,
+                                                  p.temporal)
         return sample
+
+    @contextlib.contextmanager
+    def _planned_videos(self, infos: list[VideoInfo]) -> Iterator[PlannedVideoProcessor | None]:
+        """While the processor runs, its video processor plans from the videos' probed metadata."""
+        if not infos:
+            yield None
+            return
+        real = getattr(self.processor, "video_processor", None)
+        if real is None:
+            raise ProcessorRecordError("the record has videos, and this host's processor has no video processor "
+                                       "(transformers builds it only with torchvision: install msd[video])")
+        if type(real).__name__ not in PLANNED_VIDEO_PROCESSORS:
+            raise ProcessorRecordError(f"videos of {type(real).__name__} are not supported yet")
+        planner = PlannedVideoProcessor(real, infos)
+        self.processor.video_processor = planner  # this instance only, for this call
+        try:
+            yield planner
+        finally:
+            self.processor.video_processor = real
 
     @contextlib.contextmanager
     def _planned_image_pass(self, files: list[bytes], planned: list[PendingImages]) -> Iterator[None]:
@@ -232,9 +273,10 @@ class ProcessorChat:
         the plan said. Returns None, or (reason, kind) when it failed or disagrees: the sample's
         tokens are already planned, so it is delivered with images of the planned sizes left blank
         and nothing to train on (its whole loss mask 0), and the failure is counted by its caller."""
+        video_problem = self._finish_videos(sample, where)
         pending = sample.pending
         if pending is None:
-            return None
+            return video_problem
         problem = None
         try:
             images = [decode_image(data, where, None) for data in pending.files]
@@ -256,8 +298,37 @@ class ProcessorChat:
         arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items() if name not in unused}
         arrays[FRAMES] = np.concatenate([f.reshape(-1) for f in frames]) if frames else np.zeros(0, np.uint8)
         arrays[RECIPE] = frame_recipe(self.processor, self._image_kwargs).to_array()
-        sample.image_arrays = arrays
+        sample.image_arrays = {**sample.image_arrays, **arrays}
         sample.pending = None
+        return problem or video_problem
+
+    def _finish_videos(self, sample: ProcessedSample, where: str) -> tuple[str, str] | None:
+        """Decode a planned sample's sampled video frames and resize them with the video processor;
+        on a failure or a disagreement with the plan, blank frames of the planned sizes and nothing
+        to train on. Returns None or (reason, kind)."""
+        pending = sample.pending_videos
+        if pending is None:
+            return None
+        real = self.processor.video_processor
+        problem = None
+        try:
+            decoded = [decode(data, indices) for data, indices in zip(pending.files, pending.indices)]
+            grids, frames = resized_frames(real, decoded, pending)
+            if not np.array_equal(grids, pending.grids):
+                problem = (f"{where}: planned from its videos' metadata, but its video_grid_thw {grids.tolist()} "
+                           f"differs from the planned {pending.grids.tolist()}", "error")
+        except VideoError as e:
+            problem = (f"{where}: a video's {e}", "corrupt")
+        except Exception as e:  # noqa: BLE001 - one bad video never stops the job
+            first = (str(e).splitlines() or [""])[0]
+            problem = (f"{where}: the video processor failed at delivery: {type(e).__name__}: {first}", "corrupt")
+        if problem is not None:
+            frames = pending.blank()
+            sample.loss_mask[:] = 0
+        sample.image_arrays = {**sample.image_arrays, "video_grid_thw": pending.grids,
+                               VIDEO_FRAMES: np.concatenate([f.reshape(-1) for f in frames]),
+                               VIDEO_RECIPE: video_recipe(real).to_array()}
+        sample.pending_videos = None
         return problem
 
     def _frames_pass(self, images: list[Any]) -> tuple[dict[str, Any], list[str], list[np.ndarray]]:
@@ -279,7 +350,7 @@ class ProcessorChat:
         return made, replacements, [np.ascontiguousarray(f, np.uint8) for f in frames]
 
     def sample_of(self, out: Any, images: int, mask: np.ndarray | None = None,
-                  planned: dict[str, np.ndarray] | None = None) -> ProcessedSample:
+                  planned: dict[str, np.ndarray] | None = None, videos: int = 0) -> ProcessedSample:
         """The sample of what the processor returned (`input_ids`, `assistant_masks` and its other
         arrays, batch of one), or of a transform's Sample made with it (`mask`: its loss mask, or
         None for every token but the image tokens). `planned`: the image outputs a plan from
@@ -287,13 +358,14 @@ class ProcessorChat:
         tokens = np.asarray(out["input_ids"]).reshape(-1).astype(np.int32)
         n = len(tokens)
         is_image = np.isin(tokens, self.image_token_ids)
+        is_video = np.isin(tokens, self.video_token_ids)
         if mask is not None:
             mask = np.asarray(mask).reshape(-1).astype(np.uint8)
         elif self.train_on == "all" or "assistant_masks" not in out:
-            mask = (~is_image).astype(np.uint8)
+            mask = (~(is_image | is_video)).astype(np.uint8)
         else:
             mask = np.asarray(out["assistant_masks"]).reshape(-1).astype(np.uint8)
-        mask[is_image] = 0
+        mask[is_image | is_video] = 0
         token_arrays: dict[str, np.ndarray] = {}
         image_arrays: dict[str, np.ndarray] = {}
         for name, value in out.items():
@@ -307,12 +379,14 @@ class ProcessorChat:
             else:
                 image_arrays[name] = np.ascontiguousarray(value)
         known = {**image_arrays, **(planned or {})}
+        video_grids = np.asarray(known.get("video_grid_thw", np.zeros((0, 3))), np.int64).reshape(-1, 3)
         if self.info.rope == "mrope":
-            grids = known.get("image_grid_thw", np.zeros((0, 3), np.int64))
+            types = is_image.astype(np.int8) + 2 * is_video.astype(np.int8)
             try:
-                positions = mrope_position_ids(is_image.astype(np.int8), grids, self.info.merge_size)
+                positions = mrope_position_ids(types, known.get("image_grid_thw", np.zeros((0, 3), np.int64)),
+                                               self.info.merge_size, *self._video_runs(video_grids, known))
             except ValueError as e:
-                raise ProcessorRecordError(f"image tokens and grids disagree: {e}") from None
+                raise ProcessorRecordError(f"vision tokens and grids disagree: {e}") from None
             token_arrays["position_ids"] = np.ascontiguousarray(positions.T.astype(np.int32))  # [n, 3]
         pixels, grids = image_arrays.get("pixel_values"), known.get("image_grid_thw")
         if pixels is not None and pixels.ndim == 2:
@@ -321,31 +395,53 @@ class ProcessorChat:
             patches = int(np.asarray(grids, np.int64).prod(axis=1).sum())
         else:
             patches = int(is_image.sum())
-        if not images:
+        per_video = video_grids.prod(axis=1)  # the encoder attends within a video
+        if not images and not videos:
             return ProcessedSample(tokens, mask, token_arrays, image_arrays)
-        if grids is not None and grids.ndim == 2 and len(grids) == images:  # each image's own patches
+        if not images:
+            per_image = np.zeros(0)
+        elif grids is not None and grids.ndim == 2 and len(grids) == images:  # each image's own patches
             per_image = grids.astype(np.int64).prod(axis=1)
         else:  # images of one size (Gemma 3: 256 tokens each)
             per_image = np.full(images, patches / images)
-        return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches,
-                               int(round(float((per_image.astype(np.float64) ** 2).sum()))))
+        squares = float((per_image.astype(np.float64) ** 2).sum() + (per_video.astype(np.float64) ** 2).sum())
+        return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches + int(per_video.sum()),
+                               int(round(squares)), videos=videos)
 
-    def _messages(self, record: dict[str, Any], base_dir: str,
-                  entries: dict[str, bytes] | None = None) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """The record's messages, each image part's value opened (checked and decoded), and each
-        image's file bytes, in order. `entries`: a WebDataset sample's image entries (suffix -> bytes),
-        which an image value may name; they are also the spare images of parts without one."""
+    def _video_runs(self, grids: np.ndarray, known: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The grid of each run of video tokens, and its temporal spacing, as the model's get_rope_index
+        takes them: Qwen3-VL's timestamps cut each video into runs of one temporal patch; Qwen2.5-VL
+        spaces a video's temporal patches by tokens_per_second x second_per_grid_ts."""
+        if self.info.processor_class.startswith("Qwen3VL"):
+            runs = np.repeat(grids, grids[:, 0], axis=0)
+            runs[:, 0] = 1
+            return runs, None
+        seconds = known.get("second_per_grid_ts")
+        if seconds is None or not len(grids):
+            return grids, None
+        return grids, np.float32(self.tokens_per_second) * np.asarray(seconds, np.float32).reshape(-1)
+
+    def _messages(self, record: dict[str, Any], base_dir: str, entries: dict[str, bytes] | None = None
+                  ) -> tuple[list[dict[str, Any]], list[bytes], list[tuple[bytes, VideoInfo]]]:
+        """The record's messages, each image part's value opened (checked and decoded), each
+        image's file bytes, in order, and each video's bytes and probed metadata, in order (its part
+        left with a name the template does not read). `entries`: a WebDataset sample's image and
+        video entries (suffix -> bytes), which a value may name; they are also the spare images and
+        videos of parts without one."""
         entries = entries or {}
-        spare = _as_list(record.get("images")) or [entries[k] for k in sorted(entries)]
+        by_kind = {"image": {k: v for k, v in entries.items() if k.rsplit(".", 1)[-1] not in VIDEO_EXTS},
+                   "video": {k: v for k, v in entries.items() if k.rsplit(".", 1)[-1] in VIDEO_EXTS}}
+        spare = {"image": _as_list(record.get("images")) or [by_kind["image"][k] for k in sorted(by_kind["image"])],
+                 "video": _as_list(record.get("videos")) or [by_kind["video"][k] for k in sorted(by_kind["video"])]}
         if self.messages_key in record:
             messages = record[self.messages_key]
         elif "conversations" in record:
-            messages, spare = _llava_messages(record["conversations"], record.get("image")), []
+            messages, spare["image"] = _llava_messages(record["conversations"], record.get("image")), []
         else:
             raise ProcessorRecordError(f"no {self.messages_key!r} field (nor LLaVA-style 'conversations')")
         if not isinstance(messages, list) or not messages:
             raise ProcessorRecordError(f"{self.messages_key}: expected a non-empty list of messages")
-        out, files = [], []
+        out, files, videos = [], [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ProcessorRecordError(f"{self.messages_key}[{i}]: expected a mapping with a string 'role'")
@@ -353,51 +449,69 @@ class ProcessorChat:
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
-                    if isinstance(part, dict) and part.get("type") == "image":
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in ("image", "video"):
                         where = f"{self.messages_key}[{i}].content[{j}]"
-                        value = next((part[k] for k in IMAGE_KEYS if part.get(k) is not None), None)
+                        value = next((part[k] for k in (IMAGE_KEYS if kind == "image" else VIDEO_KEYS)
+                                      if part.get(k) is not None), None)
                         if value is None:
-                            if not spare:
-                                raise ProcessorRecordError(f"{where}: an image part without a value, and no "
-                                                           "'images' entry left for it")
-                            value = spare.pop(0)
-                        if isinstance(value, str) and value in entries:
-                            value = entries[value]
-                        data, name = read_image_file(value, base_dir, where)
-                        part = {"type": "image", "image": decode_image(data, name, self.max_image_pixels)}
-                        files.append(data)
+                            if not spare[kind]:
+                                raise ProcessorRecordError(f"{where}: an {kind} part without a value, and no "
+                                                           f"'{kind}s' entry left for it")
+                            value = spare[kind].pop(0)
+                        if isinstance(value, str) and value in by_kind[kind]:
+                            value = by_kind[kind][value]
+                        data, name = read_media_file(value, base_dir, where, kind)
+                        if kind == "image":
+                            part = {"type": "image", "image": decode_image(data, name, self.max_image_pixels)}
+                            files.append(data)
+                        else:
+                            videos.append((data, self._probe(data, name)))
+                            part = {"type": "video", "video": f"msd-video-{len(videos) - 1}"}
                     parts.append(part)
                 message = {**message, "content": parts}
             out.append({k: v for k, v in message.items() if v is not None})
-        return out, files
+        return out, files, videos
+
+    def _probe(self, data: bytes, name: str) -> VideoInfo:
+        """A video's metadata, read without decoding; a corrupt video, or one over max_video_s, skips
+        its record before its step is planned."""
+        try:
+            info = probe(data)
+        except VideoError as e:
+            raise ImageRecordError(f"{name}: {e}") from None
+        if self.max_video_s is not None and info.duration > self.max_video_s:
+            raise ImageRecordError(f"{name}: video of {info.duration:.1f} s is over max_video_s ({self.max_video_s:g})",
+                                   "over_limit")
+        return info
 
 
 class ImageRecordError(ProcessorRecordError):
-    """An image of the record is missing, corrupt, truncated (kind "corrupt") or over the size limit
-    ("over_limit")."""
+    """An image or video of the record is missing, corrupt, truncated (kind "corrupt") or over the
+    size or duration limit ("over_limit")."""
 
     def __init__(self, message: str, kind: str = "corrupt") -> None:
         super().__init__(message)
         self.kind = kind
 
 
-def read_image_file(value: Any, base_dir: str, where: str) -> tuple[bytes, str]:
-    """(the bytes, a name for messages) of an image part's value: a path (relative to `base_dir`),
-    bytes, or {"bytes", "path"}."""
+def read_media_file(value: Any, base_dir: str, where: str, kind: str = "image") -> tuple[bytes, str]:
+    """(the bytes, a name for messages) of an image or video part's value: a path (relative to
+    `base_dir`), bytes, or {"bytes", "path"}."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value), f"{where} (bytes)"
     if not isinstance(value, str) or not value:
-        raise ImageRecordError(f"{where}: expected an image path or bytes, got {type(value).__name__}")
+        raise ImageRecordError(f"{where}: expected an {kind} path or bytes, got {type(value).__name__}")
     if "://" in value:
-        raise ImageRecordError(f"{where}: {value!r}: URLs are not fetched by workers; store the image with the data")
+        raise ImageRecordError(f"{where}: {value!r}: URLs are not fetched by workers; store the {kind} with the data")
     path = value if os.path.isabs(value) else os.path.join(base_dir, value)
     try:
         with open(path, "rb") as f:
             return f.read(), f"{where}: {path}"
     except OSError:
-        raise ImageRecordError(f"{where}: {path}: no such image file") from None
+        raise ImageRecordError(f"{where}: {path}: no such {kind} file") from None
 
 
 def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
@@ -435,8 +549,22 @@ def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not JSON ({e})") from None
     if not isinstance(record, dict):
         raise ProcessorRecordError(f"sample {sample['__key__']!r}: its .json entry is not an object")
-    images = {k: v for k, v in sample.items() if k.rsplit(".", 1)[-1] in IMAGE_EXTS}
-    return record, images
+    media = {k: v for k, v in sample.items() if k.rsplit(".", 1)[-1] in {*IMAGE_EXTS, *VIDEO_EXTS}}
+    return record, media
+
+
+def _tokens_per_second(path: str) -> float:
+    """Qwen2.5-VL's temporal spacing of video positions: the model configuration's
+    vision_config.tokens_per_second where the directory holds it, else transformers' default."""
+    import orjson
+
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            value = (orjson.loads(f.read()).get("vision_config") or {}).get("tokens_per_second")
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 4.0  # Qwen2_5_VLVisionConfig's default
 
 
 def _as_list(value: Any) -> list[Any]:

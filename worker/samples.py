@@ -176,7 +176,8 @@ class SourceReader:
             self._processor = ProcessorChat(self.spec.processor, self.spec.image_backend,
                                             chat.get("train_on", "assistant"), chat.get("messages_key", "messages"),
                                             chat.get("tools_key", "tools"), self.spec.max_image_pixels,
-                                            chat.get("template"), self.spec.image_pass == "delivery")
+                                            chat.get("template"), self.spec.image_pass == "delivery",
+                                            self.spec.video_fps, self.spec.max_video_s)
         return self._processor
 
     def _processed(self, record_index: int) -> ProcessedSample:

@@ -165,3 +165,54 @@ def write_gemma3_processor(path: str, vocab_size: int = 600, pan_and_scan: bool 
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(trl_template("gemma3_training"))
     return path
+
+
+# Qwen/Qwen3-VL-8B-Instruct's preprocessor_config.json and video_preprocessor_config.json
+QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+}
+QWEN3_VL_VIDEO: dict[str, Any] = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+}
+
+
+def write_video_config(path: str, family: str, max_pixels: int, fps: float | None = None) -> str:
+    """The video processor's configuration (video_preprocessor_config.json) in a Qwen-VL processor
+    directory: the published one of `family` ("qwen2_5_vl" or "qwen3_vl"), its pixel budget lowered
+    to `max_pixels` (per frame for Qwen2.5-VL, per video for Qwen3-VL) and, where given, sampling at
+    `fps` frames per second."""
+    if family == "qwen2_5_vl":
+        video = {k: v for k, v in QWEN2_5_VL_PREPROCESSOR.items() if k not in ("image_processor_type", "max_pixels")}
+        video.update({"max_pixels": max_pixels, "video_processor_type": "Qwen2VLVideoProcessor"})
+    else:
+        video = {**QWEN3_VL_VIDEO, "size": {**QWEN3_VL_VIDEO["size"], "longest_edge": max_pixels}}
+    if fps is not None:
+        video.update({"fps": fps, "do_sample_frames": True})
+    with open(os.path.join(path, "video_preprocessor_config.json"), "wb") as f:
+        f.write(orjson.dumps(video, option=orjson.OPT_INDENT_2))
+    return path
+
+
+def write_qwen3_vl_processor(path: str, vocab_size: int = 600, max_pixels: int | None = None) -> str:
+    """A Qwen3-VL processor directory: the published image processor configuration (its budget
+    lowered to `max_pixels` where given), a BPE tokenizer trained here with the Qwen special tokens,
+    and TRL's Qwen3-VL training template."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(QWEN_VL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "model_max_length": 1 << 20}
+    preprocessor = dict(QWEN3_VL_PREPROCESSOR)
+    if max_pixels is not None:
+        preprocessor["size"] = {**preprocessor["size"], "longest_edge": max_pixels}
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(trl_template("qwen3_vl_training"))
+    return path

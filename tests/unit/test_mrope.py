@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from msd_common.mrope import IMAGE, TEXT, mrope_position_ids
+from msd_common.mrope import IMAGE, TEXT, VIDEO, mrope_position_ids
 
 torch = pytest.importorskip("torch")
 
@@ -57,3 +57,54 @@ def test_grids_that_disagree_with_the_tokens_are_refused():
         mrope_position_ids(types, np.zeros((0, 3)), 2)
     with pytest.raises(ValueError, match="2 image grids"):
         mrope_position_ids(types, np.array([[1, 4, 4], [1, 2, 2]]), 2)
+
+
+def _video_sample(rng: np.random.Generator, merge: int, split: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token types, image grids and video grids of text with images and videos between; `split`:
+    each video's temporal patches as runs apart (Qwen3-VL's timestamps between them)."""
+    types, images, videos = [TEXT] * int(rng.integers(1, 9)), [], []
+    for _ in range(int(rng.integers(1, 4))):
+        t, h, w = int(rng.integers(1, 6)), merge * int(rng.integers(1, 5)), merge * int(rng.integers(1, 5))
+        if rng.random() < 0.3:
+            images.append((1, h, w))
+            types += [IMAGE] * (h * w // merge ** 2)
+        else:
+            videos.append((t, h, w))
+            for _ in range(t if split else 1):
+                types += [VIDEO] * ((1 if split else t) * h * w // merge ** 2) + ([TEXT] * 3 if split else [])
+        types += [TEXT] * int(rng.integers(1, 6))
+    return (np.array(types), np.array(images, np.int64).reshape(-1, 3), np.array(videos, np.int64).reshape(-1, 3))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_videos_equal_to_the_models_get_rope_index(family):
+    """Qwen2.5-VL spaces a video's temporal patches by tokens_per_second x second_per_grid_ts (in
+    float32); Qwen3-VL gives each temporal patch its own run of (1, h, w)."""
+    if family == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel as Model
+    else:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as Model
+    merge, tokens_per_second = 2, 2
+    model = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(
+        spatial_merge_size=merge, tokens_per_second=tokens_per_second)))
+    model.get_vision_position_ids = functools.partial(Model.get_vision_position_ids, model)
+    rng = np.random.default_rng(11)
+    videos_seen = 0
+    for _ in range(40):
+        types, images, videos = _video_sample(rng, merge, split=family == "qwen3_vl")
+        seconds = rng.choice([0.5, 1.0, 1.3333334, 2.0 / 3.0, 0.4], len(videos)).astype(np.float32)
+        kwargs = {"image_grid_thw": torch.from_numpy(images) if len(images) else None,
+                  "video_grid_thw": torch.from_numpy(videos.copy()) if len(videos) else None}
+        if family == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.from_numpy(seconds)
+            runs, spacing = videos, np.float32(tokens_per_second) * seconds
+        else:
+            runs = np.repeat(videos, videos[:, 0], axis=0)
+            runs[:, 0] = 1
+            spacing = None
+        theirs, _ = Model.get_rope_index(model, torch.zeros((1, len(types)), dtype=torch.long),
+                                         torch.from_numpy(types[None]).int(), **kwargs)
+        ours = mrope_position_ids(types, images, merge, runs, spacing)
+        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+        videos_seen += len(videos)
+    assert videos_seen > 40
