@@ -14,6 +14,9 @@ VLM_VENV := .venv-vlm
 VLM_STAMP := $(VLM_VENV)/.installed
 VLM_TORCH := torch==2.14.1 torchvision==0.29.1
 VLM_TRANSFORMERS := transformers==5.24.0
+# videos: PyAV (the workers' decoder, FFmpeg bundled), torchcodec (transformers' own video loader, the
+# reference), and what importing the worker's modules needs there
+VLM_VIDEO := av==18.1.0 torchcodec==0.17.0 orjson zstandard pyzstd
 
 .PHONY: install .venv-vlm demo test lint simulate test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
 
@@ -28,6 +31,7 @@ $(VLM_STAMP): Makefile
 	$(PYTHON) -m venv $(VLM_VENV)
 	$(VLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLM_TORCH)
 	$(VLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLM_TRANSFORMERS)
+	$(VLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLM_VIDEO)
 	touch $(VLM_STAMP)
 
 .venv-vlm: $(VLM_STAMP)

@@ -29,6 +29,25 @@ def reference(processor_dir: str, conversations: str, out: str, backend: str = "
     return by_record
 
 
+def torchcodec_env(folder: str) -> dict[str, str]:
+    """The environment in which the reference environment's torchcodec (transformers' default video
+    loader) loads: it needs FFmpeg's shared libraries, which this machine has only inside the PyAV
+    wheel (renamed there); links under their usual names in `folder` make them reachable."""
+    import glob
+
+    libs = subprocess.run([REFERENCE_PYTHON, "-c", "import av, os; print(os.path.join(os.path.dirname("
+                           "os.path.dirname(av.__file__)), 'av.libs'))"], check=True, capture_output=True,
+                          text=True, timeout=120).stdout.strip()
+    os.makedirs(folder, exist_ok=True)
+    for name in ("avutil", "avcodec", "avformat", "avdevice", "avfilter", "swscale", "swresample"):
+        for path in glob.glob(os.path.join(libs, f"lib{name}-*.so.*")):
+            major = os.path.basename(path).split(".so.")[1].split(".")[0]
+            link = os.path.join(folder, f"lib{name}.so.{major}")
+            if not os.path.exists(link):
+                os.symlink(path, link)
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join([folder, libs, os.environ.get("LD_LIBRARY_PATH", "")])}
+
+
 def write_notes(root: str, n: int) -> str:
     """A text source beside the images: n JSONL notes of growing length in ROOT/text/notes.jsonl."""
     import orjson

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoProcessor  # noqa: E402
 
-from msd_common.frames import VIDEO_FRAMES, finished  # noqa: E402
+from msd_common.frames import VIDEO_FRAMES, VIDEO_RECIPE, FrameRecipe, PendingPixels, finished  # noqa: E402
 from worker.processor import ImageRecordError, ProcessorChat  # noqa: E402
 
 # (name, frames, frame rate, width, height, codec)
@@ -105,6 +105,10 @@ def compare(family: str, path: str, work: str, fps: float | None) -> list[dict]:
                                             torch.from_numpy(np.asarray(ref["mm_token_type_ids"]).reshape(1, -1)),
                                             **kwargs)
         theirs_pixels = np.asarray(ref["pixel_values_videos"])
+        recipe = FrameRecipe.from_array(sample.image_arrays[VIDEO_RECIPE])
+        part = (sample.image_arrays[VIDEO_FRAMES], recipe, ours["video_grid_thw"])
+        on_torch = PendingPixels([part, part]).finish_on("cpu").numpy()  # the device path, two pieces
+        in_one = PendingPixels([part, part]).finish()  # the CPU path, into one array
         results.append({
             "family": family, "fps": fps, "problem": problem,
             "tokens": bool(np.array_equal(sample.tokens, ids)),
@@ -114,6 +118,8 @@ def compare(family: str, path: str, work: str, fps: float | None) -> list[dict]:
                 np.asarray(ours["second_per_grid_ts"], np.float64), np.asarray(ref["second_per_grid_ts"], np.float64))),
             "pixels": bool(ours["pixel_values_videos"].dtype == theirs_pixels.dtype
                            and np.array_equal(ours["pixel_values_videos"], theirs_pixels)),
+            "torch": bool(np.array_equal(on_torch, np.concatenate([theirs_pixels, theirs_pixels]))),
+            "one_array": bool(np.array_equal(in_one, np.concatenate([theirs_pixels, theirs_pixels]))),
             "positions": bool(np.array_equal(sample.token_arrays["position_ids"].T, positions[:, 0].numpy())),
             "grids": np.asarray(ref["video_grid_thw"]).tolist(),
             "wire_bytes": int(sample.image_arrays[VIDEO_FRAMES].nbytes), "planned_bytes": planned_bytes,
