@@ -228,3 +228,25 @@ def test_image_pass_prepare_runs_the_processor_whole_and_the_key_is_checked(tmp_
     with pytest.raises(ConfigError) as e:
         _job(tmp_path, processor=None, image_pass="prepare")
     assert any("sources.vqa.image_pass" in p and "processor only" in p for p in e.value.problems), e.value.problems
+
+
+def test_the_video_keys_are_checked_and_decide_the_stream(tmp_path):
+    """sources.<name>.video_fps and max_video_s: numbers > 0, with a processor only; both change
+    which frames or records the stream holds, so the job's digest changes with them (and not for
+    jobs that leave them out)."""
+    from msd_common.spec import ConfigError
+
+    write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    write_image_conversations(str(tmp_path / "data"), 2, seed=1, sizes=(40, 80), max_images=1)
+    plain, sampled, capped = _job(tmp_path), _job(tmp_path, video_fps=2), _job(tmp_path, max_video_s=60)
+    assert len({plain.digest(), sampled.digest(), capped.digest()}) == 3
+    (spec,) = sampled.worker_job().sources
+    assert (spec.video_fps, spec.max_video_s) == (2.0, None)
+    for key, value, why in (("video_fps", 0, "must be > 0"), ("max_video_s", -1, "must not be negative"),
+                            ("video_fps", "2", "expected a finite number")):
+        with pytest.raises(ConfigError) as e:
+            _job(tmp_path, **{key: value})
+        assert any(p.startswith(f"sources.vqa.{key}") and why in p for p in e.value.problems), e.value.problems
+    with pytest.raises(ConfigError) as e:
+        _job(tmp_path, processor=None, max_video_s=10)
+    assert any("sources.vqa.max_video_s" in p and "processor only" in p for p in e.value.problems), e.value.problems
