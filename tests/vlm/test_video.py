@@ -60,3 +60,7 @@ def test_bad_and_long_videos_skip_their_record_before_planning(checked):
     assert refused["missing"][0] == "corrupt" and "no such video file" in refused["missing"][1]
     assert refused["too_long"] == ["over_limit", "messages[0].content[0]: " + refused["too_long"][1].split(": ", 1)[1]]
     assert "over max_video_s (2)" in refused["too_long"][1]
+
+
+def test_videos_named_by_bytes_a_videos_list_or_webdataset_entries_make_the_same_sample(checked):
+    assert checked["forms"] == {"bytes": True, "videos_list": True, "webdataset": True}

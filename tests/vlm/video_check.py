@@ -128,6 +128,40 @@ def compare(family: str, path: str, work: str, fps: float | None) -> list[dict]:
     return results
 
 
+def forms(path: str, work: str) -> dict:
+    """The same conversation with its videos named three other ways (bytes in the part, the record's
+    `videos` list, a WebDataset sample's entries): whether each gives the path form's sample."""
+    import orjson
+
+    chat = ProcessorChat(path, backend="torchvision", video_fps=2.0)
+
+    def made(record: dict) -> tuple[np.ndarray, np.ndarray]:
+        sample = chat.render(record, work)
+        assert chat.finish(sample, "forms") is None
+        return sample.tokens, sample.image_arrays[VIDEO_FRAMES]
+
+    messages = conversations()[1]
+    names = [p["video"] for m in messages for p in m["content"] if p["type"] == "video"]
+    data = {}
+    for name in names:
+        with open(os.path.join(work, name), "rb") as f:
+            data[name] = f.read()
+    bare = [{**m, "content": [{"type": "video"} if p["type"] == "video" else p for p in m["content"]]}
+            for m in messages]
+    by_bytes = [{**m, "content": [{"type": "video", "video": data[p["video"]]} if p["type"] == "video" else p
+                                  for p in m["content"]]} for m in messages]
+    suffixes = [f"{i}.{name.rsplit('.', 1)[1]}" for i, name in enumerate(names)]
+    webdataset = {"__key__": "s0", "json": orjson.dumps({"messages": bare}),
+                  **{suffix: data[name] for suffix, name in zip(suffixes, names)}}
+    want = made({"messages": messages})
+    out = {}
+    for form, record in (("bytes", {"messages": by_bytes}), ("videos_list", {"messages": bare, "videos": names}),
+                         ("webdataset", webdataset)):
+        got = made(record)
+        out[form] = bool(np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]))
+    return out
+
+
 def refused(path: str, work: str) -> dict:
     """What happens to videos that must skip their record before planning: (kind, message)."""
     out = {}
@@ -157,7 +191,7 @@ def main(q25: str, q3: str, work: str) -> None:
         write_video(os.path.join(work, name), frames, fps, width, height, codec)
     results = compare("qwen2_5_vl", q25, work, 2.0) + compare("qwen2_5_vl", q25, work, None) + \
         compare("qwen3_vl", q3, work, None) + compare("qwen3_vl", q3, work, 4.0)
-    print(json.dumps({"results": results, "refused": refused(q25, work)}))
+    print(json.dumps({"results": results, "refused": refused(q25, work), "forms": forms(q25, work)}))
 
 
 if __name__ == "__main__":
