@@ -64,3 +64,25 @@ def test_bad_and_long_videos_skip_their_record_before_planning(checked):
 
 def test_videos_named_by_bytes_a_videos_list_or_webdataset_entries_make_the_same_sample(checked):
     assert checked["forms"] == {"bytes": True, "videos_list": True, "webdataset": True}
+
+
+def test_a_job_serves_videos_to_its_ranks_as_the_processor_makes_them(tmp_path):
+    """Real processes (coordinator, 2 worker processes, 2 ranks, rank 1 finishing on a torch
+    device) in the reference environment, where workers have torchvision and PyAV: every piece
+    equals apply_chat_template of its record; the corrupt and the too long video skip their
+    records, named with their kind and line."""
+    if not os.path.exists(REFERENCE_PYTHON):
+        pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
+    q25 = write_video_config(write_qwen2_5_vl_processor(str(tmp_path / "q25"), max_pixels=20_000), "qwen2_5_vl",
+                             12_000)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "vlm", "video_job.py"), q25, str(work)],
+                         capture_output=True, text=True, timeout=360, env=torchcodec_env(str(tmp_path / "ff")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == {"0": 5, "1": 5}
+    assert result["problems"] == [] and result["pieces"] >= 20 and result["videos"] >= 20, result
+    assert result["bad_records_seen"] == []
+    assert set(result["records_seen"]) == set(range(14)) - {5, 9}
+    assert [tuple(s) for s in result["skipped"]] == [("corrupt", 6), ("over_limit", 10)]
