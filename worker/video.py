@@ -11,6 +11,7 @@ over that duration. Frame i is the stream's i-th frame in presentation order, as
 
 from __future__ import annotations
 
+import bisect
 import io
 from dataclasses import dataclass
 
@@ -76,25 +77,69 @@ def probe(data: bytes) -> VideoInfo:
 
 
 def decode(data: bytes, indices: list[int]) -> np.ndarray:
-    """uint8 [len(indices), H, W, 3] (RGB): the frames at these indices (ascending, repeats allowed),
-    decoded in order up to the last one; only those are converted to RGB."""
+    """uint8 [len(indices), H, W, 3] (RGB): the frames at these indices (ascending, repeats allowed).
+    Frame i is the frame with the i-th smallest timestamp. Decoding starts at the keyframe before
+    each wanted frame whenever one lies past the frames decoded so far (a long video sampled
+    sparsely decodes a group of pictures per sampled frame, not the whole video); only the wanted
+    frames are converted to RGB. Where timestamps cannot be trusted, every frame is decoded in order."""
     av = _av()
     wanted = sorted(set(int(i) for i in indices))
-    got: dict[int, np.ndarray] = {}
     try:
         with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            at = 0
-            for i, frame in enumerate(container.decode(stream)):
-                if i == wanted[at]:
-                    got[i] = frame.to_ndarray(format="rgb24")
-                    at += 1
-                    if at == len(wanted):
-                        break
+            got = _by_keyframes(container, wanted)
+        if got is None:
+            with av.open(io.BytesIO(data)) as container:
+                got = _in_order(container, wanted)
     except (av.FFmpegError, ValueError, OSError, IndexError) as e:
         raise VideoError(f"its frames do not decode ({e})") from None
     missing = [i for i in wanted if i not in got]
     if missing:
         raise VideoError(f"frame {missing[0]} is past the frames that decode ({len(got)} of {len(wanted)} found)")
     return np.stack([got[int(i)] for i in indices])
+
+
+def _in_order(container, wanted: list[int]) -> dict[int, np.ndarray]:
+    """Every frame decoded from the start, up to the last wanted one."""
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    got: dict[int, np.ndarray] = {}
+    at = 0
+    for i, frame in enumerate(container.decode(stream)):
+        if i == wanted[at]:
+            got[i] = frame.to_ndarray(format="rgb24")
+            at += 1
+            if at == len(wanted):
+                break
+    return got
+
+
+def _by_keyframes(container, wanted: list[int]) -> dict[int, np.ndarray] | None:
+    """The wanted frames, seeking to the keyframe before one whenever that keyframe lies past the
+    frames decoded so far; None where packets lack timestamps or a decoded frame's timestamp is
+    not one of theirs (then the caller decodes in order)."""
+    stream = container.streams.video[0]
+    packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
+    if not packets or any(pts is None for pts, _ in packets):
+        return None
+    times = sorted(pts for pts, _ in packets)
+    keys = sorted(pts for pts, key in packets if key)
+    if len(set(times)) != len(times) or not keys or keys[0] != times[0] or wanted[-1] >= len(times):
+        return None
+    index = {pts: i for i, pts in enumerate(times)}
+    targets = {times[i]: i for i in wanted}
+    got: dict[int, np.ndarray] = {}
+    frames, last = None, None  # the decoder from the last seek, and the timestamp of its last frame
+    for i in wanted:
+        t = times[i]
+        key = keys[bisect.bisect_right(keys, t) - 1]
+        if frames is None or last is None or key > last:
+            container.seek(key, stream=stream, backward=True, any_frame=False)
+            frames, last = container.decode(stream), None
+        while last is None or last < t:
+            frame = next(frames, None)
+            if frame is None or frame.pts not in index:
+                return None
+            last = frame.pts
+            if last in targets and targets[last] not in got:
+                got[targets[last]] = frame.to_ndarray(format="rgb24")
+    return got

@@ -27,17 +27,20 @@ from transformers import AutoProcessor  # noqa: E402
 from msd_common.frames import VIDEO_FRAMES, VIDEO_RECIPE, FrameRecipe, PendingPixels, finished  # noqa: E402
 from worker.processor import ImageRecordError, ProcessorChat  # noqa: E402
 
-# (name, frames, frame rate, width, height, codec)
-VIDEOS = [("a.mp4", 75, 25, 160, 120, "libx264"), ("b.mp4", 31, 10, 96, 200, "mpeg4"),
-          ("c.webm", 50, 24, 320, 180, "libvpx-vp9"), ("d.mp4", 9, 30, 64, 64, "libx264")]
+# (name, frames, frame rate, width, height, codec, keyframe interval: the decoder seeks between them)
+VIDEOS = [("a.mp4", 75, 25, 160, 120, "libx264", 8), ("b.mp4", 31, 10, 96, 200, "mpeg4", None),
+          ("c.webm", 50, 24, 320, 180, "libvpx-vp9", 6), ("d.mp4", 9, 30, 64, 64, "libx264", None)]
 
 
-def write_video(path: str, frames: int, fps: int, width: int, height: int, codec: str) -> None:
+def write_video(path: str, frames: int, fps: int, width: int, height: int, codec: str,
+                gop: int | None = None) -> None:
     """A video whose frames differ (a moving block over a drifting colour, and noise)."""
     rng = np.random.default_rng(frames)
     with av.open(path, "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if gop is not None:
+            stream.codec_context.gop_size = gop
         for i in range(frames):
             a = rng.integers(0, 60, (height, width, 3), dtype=np.uint8)
             a[..., 1] += np.uint8(i * 3 % 190)
@@ -187,8 +190,8 @@ def refused(path: str, work: str) -> dict:
 
 
 def main(q25: str, q3: str, work: str) -> None:
-    for name, frames, fps, width, height, codec in VIDEOS:
-        write_video(os.path.join(work, name), frames, fps, width, height, codec)
+    for name, frames, fps, width, height, codec, gop in VIDEOS:
+        write_video(os.path.join(work, name), frames, fps, width, height, codec, gop)
     results = compare("qwen2_5_vl", q25, work, 2.0) + compare("qwen2_5_vl", q25, work, None) + \
         compare("qwen3_vl", q3, work, None) + compare("qwen3_vl", q3, work, 4.0)
     print(json.dumps({"results": results, "refused": refused(q25, work), "forms": forms(q25, work)}))
