@@ -202,7 +202,7 @@ class ProcessorChat:
         sampling = {"fps": self.video_fps} if videos and self.video_fps is not None else {}
         try:
             with self._planned_image_pass(files if self.planner is not None else [], planned), \
-                    self._planned_videos([info for _, info in videos]) as planned_videos:
+                    self._planned_videos(videos) as planned_videos:
                 out = self.processor.apply_chat_template(messages, chat_template=self.template, tools=tools,
                                                          tokenize=True, return_dict=True,
                                                          return_assistant_tokens_mask=True, return_tensors="np",
@@ -216,16 +216,13 @@ class ProcessorChat:
         out = {k: v for k, v in out.items() if k not in planned_arrays}
         sample = self.sample_of(out, len(files), planned=planned_arrays, videos=len(videos))
         sample.pending = planned[-1] if planned else None
-        if planned_videos is not None and planned_videos.planned is not None:
-            p = planned_videos.planned
-            sample.pending_videos = PendingVideos([data for data, _ in videos], p.indices, p.grids, p.kwargs, p.patch,
-                                                  p.temporal)
+        sample.pending_videos = planned_videos.planned if planned_videos is not None else None
         return sample
 
     @contextlib.contextmanager
-    def _planned_videos(self, infos: list[VideoInfo]) -> Iterator[PlannedVideoProcessor | None]:
+    def _planned_videos(self, videos: list[tuple[bytes, VideoInfo]]) -> Iterator[PlannedVideoProcessor | None]:
         """While the processor runs, its video processor plans from the videos' probed metadata."""
-        if not infos:
+        if not videos:
             yield None
             return
         real = getattr(self.processor, "video_processor", None)
@@ -234,7 +231,7 @@ class ProcessorChat:
                                        "(transformers builds it only with torchvision: install msd[video])")
         if type(real).__name__ not in PLANNED_VIDEO_PROCESSORS:
             raise ProcessorRecordError(f"videos of {type(real).__name__} are not supported yet")
-        planner = PlannedVideoProcessor(real, infos)
+        planner = PlannedVideoProcessor(real, videos)
         self.processor.video_processor = planner  # this instance only, for this call
         try:
             yield planner

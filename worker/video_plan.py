@@ -65,10 +65,9 @@ class PlannedVideoProcessor:
     """Stands in for a processor's video processor during its text pass: the outputs that pass reads
     (video_grid_thw, the sampled frames' metadata), from each video's probed metadata."""
 
-    def __init__(self, real: Any, infos: list[VideoInfo]) -> None:
-        self.real, self.infos = real, infos
-        self.planned: PendingVideos | None = None
-        self.indices: list[list[int]] = []
+    def __init__(self, real: Any, videos: list[tuple[bytes, VideoInfo]]) -> None:
+        self.real, self.videos = real, videos
+        self.planned: PendingVideos | None = None  # once the processor has called it
 
     def __getattr__(self, name: str) -> Any:  # merge_size, temporal_patch_size, ... as the real one's
         return getattr(self.real, name)
@@ -82,20 +81,19 @@ class PlannedVideoProcessor:
             kwargs.setdefault(name, getattr(real, name, None))
         call = {k: v for k, v in kwargs.items() if k not in NOT_SAMPLING}
         sample = call.pop("do_sample_frames")
-        metadata, grids = [], []
-        for info in self.infos:
+        metadata, sampled = [], []
+        for _, info in self.videos:
             meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height,
                                  duration=info.duration, video_backend="torchcodec")
             indices = real.sample_frames(metadata=meta, **call) if sample else np.arange(info.frames)
             meta.frames_indices = indices
             metadata.append(meta)
-            self.indices.append([int(i) for i in np.asarray(indices).tolist()])
+            sampled.append([int(i) for i in np.asarray(indices).tolist()])
         settings = real._standardize_kwargs(**{k: v for k, v in call.items() if k != "return_metadata"})
-        for info, indices in zip(self.infos, self.indices):
-            grids.append(video_grid(real, settings, len(indices), info.height, info.width))
-        grid = np.array(grids, np.int64).reshape(-1, 3)
-        self.planned = PendingVideos([], self.indices, grid, given, int(settings["patch_size"]),
-                                     int(settings["temporal_patch_size"]))
+        grid = np.array([video_grid(real, settings, len(indices), info.height, info.width)
+                         for (_, info), indices in zip(self.videos, sampled)], np.int64).reshape(-1, 3)
+        self.planned = PendingVideos([data for data, _ in self.videos], sampled, grid, given,
+                                     int(settings["patch_size"]), int(settings["temporal_patch_size"]))
         return {"video_grid_thw": grid, "video_metadata": metadata}
 
 
