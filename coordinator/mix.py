@@ -1,12 +1,40 @@
-"""`msd mix`: ask a running coordinator to use new mixture weights from a later step on; and the
-coordinator's check of such a request (`check_weights`)."""
+"""`msd mix`: ask a running coordinator to use new mixture weights from a later step on; the
+coordinator's check of such a request (`check_weights`); and the run's mixture changes
+(`MixtureChanges`: `msd mix`'s and mixture.adapt's, journaled before anything is planned with them)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from msd_common import protocol as P
+
+from .instructions import AppendMixture, Instruction
+
+log = logging.getLogger("msd.coordinator")
+
+
+class MixtureChanges:
+    """Weights changed at run time, in the order made; the planner plans with them."""
+
+    def __init__(self, planner: Any, names: list[str], durable: bool) -> None:
+        self.planner, self.names, self.durable = planner, names, durable
+        self.changes: list[tuple[int, list[float]]] = []
+
+    def replay(self, at_step: int, weights: list[float]) -> None:
+        """A change made earlier in the run (the mixture journal, a carried state)."""
+        self.planner.set_weights(at_step, weights, replaying=True)
+        self.changes.append((at_step, list(weights)))
+        log.info("mixture journal: weights %s from step %d", weights, at_step)
+
+    def change(self, at_step: int, weights: list[float], why: str) -> list[Instruction]:
+        """New weights from a step not planned yet; what to journal first (durable runs)."""
+        self.planner.set_weights(at_step, weights)
+        self.changes.append((at_step, weights))
+        log.warning("mixture changed from step %d (%s): %s", at_step, why, dict(zip(self.names, weights)),
+                    extra={"step": at_step})
+        return [AppendMixture(at_step, tuple(weights))] if self.durable else []
 
 
 def parse_weights(items: tuple[str, ...]) -> dict[str, float]:

@@ -118,7 +118,7 @@ def adopt(state: "CoordinatorState", ev: TrainerHello) -> list[Instruction]:
     state.fresh = False
     state.adopted = (ev.resume_step, c)
     for at, weights in c["mixture_changes"]:
-        state._replay_mixture_change(int(at), weights)
+        state.mixtures.replay(int(at), weights)
         if durable:
             out.append(AppendMixture(int(at), tuple(weights)))
     for at, coefficients in c.get("cost_changes", []):

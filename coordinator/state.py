@@ -24,6 +24,7 @@ import numpy as np
 from msd_common import protocol as P
 from msd_common.spec import JobConfig
 
+from .adapt import AdaptBook
 from .ahead import AheadBytes
 from .balance import imbalance
 from .deliveries import DeliveryBook
@@ -34,11 +35,11 @@ from .events import (Consumed, Delivered, EvalReport, EvalRequest, Event, HostHe
 from .history import StepHistory
 from .calibration_book import CalibrationBook
 from .evaluation import EvalBook
-from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, AppendMixture, CompactJournal,
+from .instructions import (AppendCostChange, AppendEvalLoss, AppendJournal, CompactJournal,
                            Instruction, Send, Stop, WriteStatus)
 from .layout import StepLayout
 from .lead import PrepareLead
-from .mix import check_weights
+from .mix import MixtureChanges, check_weights
 from .plan import NeedLength, Planner, PlannerState, SourceExhausted, StepPlan
 from .positions import NOBODY
 from .preparation import PreparationBook
@@ -82,10 +83,10 @@ class CoordinatorState:
         calibrate.TERMS) (the cost journal)."""
         self.job = job
         self.planner = Planner(job, sources.num_records)
-        self.mixture_changes: list[tuple[int, list[float]]] = []  # as asked (msd mix), in order
+        self.mixtures = MixtureChanges(self.planner, [s.name for s in job.sources], history.durable)
+        self.mixture_changes = self.mixtures.changes  # msd mix's and mixture.adapt's, in order
         for at_step, weights in mixture_changes:
-            self._replay_mixture_change(at_step, weights)
-            log.info("mixture journal: weights %s from step %d", weights, at_step)
+            self.mixtures.replay(at_step, weights)
         # balance.calibrate: the micro-batches' features, the ranks' compute times, the models adopted
         self.calibration = CalibrationBook(job, self.planner, self._dp_rank, cost_changes)
         self.topology = job.topology
@@ -136,6 +137,9 @@ class CoordinatorState:
         for name, record in quarantined:
             if not self.skips.replay(name, record):
                 log.warning("quarantine journal names source %r, which this job does not have; ignored", name)
+        self.adapt = AdaptBook(job.adapt, [src.name for src in job.sources], job.runtime.lookahead_steps,
+                               self._dp_rank, [at for at, _ in self.mixture_changes],
+                               self.planner.state.next_step) if job.adapt else None  # mixture.adapt
         self.eval = EvalBook(job, self.planner.holdout, self.planner.num_records, self.topology,
                              lambda: self.registry.workers, lambda: self.registry.trainers)
         self._dead_pids: dict[tuple[int, int], int] = {}  # (agent, pid) -> worker id of workers forgotten
@@ -327,16 +331,9 @@ class CoordinatorState:
         """New weights from a later step on (msd mix): checked, journaled, then answered."""
         names = [s.name for s in self.job.sources]
         weights, problems = check_weights(names, self.planner.state.next_step, ev.at_step, ev.weights)
-        if weights is None:
-            self._send(ev.peer, P.MixReply(ok=0, reason=problems, at_step=ev.at_step))
-            return
-        if self.history.durable:  # durable before the answer, and before any step planned with it goes out
-            self._out.append(AppendMixture(ev.at_step, tuple(weights)))
-        self.planner.set_weights(ev.at_step, weights)
-        self.mixture_changes.append((ev.at_step, weights))
-        log.warning("mixture changed from step %d: %s", ev.at_step, dict(zip(names, weights)),
-                    extra={"step": ev.at_step})
-        self._send(ev.peer, P.MixReply(ok=1, reason="", at_step=ev.at_step))
+        if weights is not None:  # journaled before the answer, and before any step planned with it goes out
+            self._out.extend(self.mixtures.change(ev.at_step, weights, "msd mix"))
+        self._send(ev.peer, P.MixReply(ok=int(weights is not None), reason=problems, at_step=ev.at_step))
 
     # ------------------------------------------------------------------ messages of registered peers
 
@@ -386,6 +383,8 @@ class CoordinatorState:
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
         self._consumed(trainer, ev.step, ev.waited_s)
+        if self.adapt is not None:
+            self.adapt.report(trainer.rank, ev.loss_step, ev.loss_sources, ev.loss_sums, ev.loss_tokens)
         self.lead.consumed(ev.at, self.registry.slowest())
         if self.job.calibrate and ev.compute_step >= 0 and ev.compute_s:
             adopted = self.calibration.timed(trainer.rank, ev.compute_step, ev.compute_s, self.planner.state.next_step)
@@ -665,10 +664,14 @@ class CoordinatorState:
             return
         slowest = self.registry.slowest()
         self.ahead.consumed_through(slowest)
+        for decision in self.adapt.decide(slowest, self.planner.weights_at) if self.adapt is not None else ():
+            self._out.extend(self.mixtures.change(decision.at_step, decision.weights, "mixture.adapt"))
         planned = []
         while self.end is None and self.planner.state.next_step < slowest + 1 + self.job.runtime.lookahead_steps:
             if self.planner.state.next_step > slowest + 1 and self.ahead.full():
                 break  # runtime.ahead_bytes: the steps ahead hold enough images for some rank
+            if self.adapt is not None and self.adapt.holds(self.planner.state.next_step):
+                break  # mixture.adapt: a decision this step needs waits for its losses
 
             if self.waiting is not None and self.tables[self.waiting[0]].window(self.waiting[1], 1)[1][0] < 0:
                 break  # the length the last attempt stopped at is still not in: planning would stop there again
@@ -781,11 +784,6 @@ class CoordinatorState:
             self._send(w.identity, P.UnknownPeer(reason=f"plan rewound to step {step}: start clean"))
         self._sent(self.eval.reset())
         self.prep.reset_tables()
-
-    def _replay_mixture_change(self, at_step: int, weights: list[float]) -> None:
-        """A mixture change made earlier in the run (the mixture journal, a carried state)."""
-        self.planner.set_weights(at_step, weights, replaying=True)
-        self.mixture_changes.append((at_step, list(weights)))
 
     def _on_state_request(self, ev: StateRequest, trainer: TrainerInfo) -> None:
         self._emit([resume.state_reply(self, ev)])

@@ -77,6 +77,8 @@ def status_of(state: "CoordinatorState") -> dict[str, Any]:
         "prepare_ahead_steps": dict(zip(names, (round(float(n), 2) for n in state.lead.steps_ahead()))),
         # the most bytes of images (a processor's arrays) any rank has coming, and runtime.ahead_bytes
         "ahead_bytes": {"held": state.ahead.held(), "budget": state.ahead.budget},
+        # mixture.adapt: the policy, the weights it set last and the losses behind them
+        **({"adapt": state.adapt.status()} if state.adapt is not None else {}),
         "step_s": None if state.lead.step_s is None else round(state.lead.step_s, 4),
         "records_reprepared": state.prep.reprepared,
         "deliveries": state.deliveries.counts(),

@@ -153,6 +153,19 @@ KEYS: tuple[Key, ...] = (
     # mixture
     Key("mixture.weights", "mapping source -> number >= 0", "required", "Relative weight of each source (a single "
         "stage); sources left out have weight 0."),
+    Key("mixture.adapt", "mapping", "none", "Mixing that learns from the trainer's loss (single-stage mixtures): "
+        "the ranks report training loss per source (`DataClient.report_loss`), and every `every_steps` steps a "
+        "policy maps the losses to new weights, journaled as a mixture change (exact on resume). A decision taken "
+        "after step k applies from step k + runtime.lookahead_steps + 2."),
+    Key("mixture.adapt.policy", "odm | ado | loss_share | package.module:function", "required", "The policy: "
+        "`odm` (EXP3 on per-source loss, Albalak et al. 2023), `ado` (per-source power-law fits), `loss_share` "
+        "(weights in proportion to loss), or your own function `(step, history) -> {source: weight}`."),
+    Key("mixture.adapt.every_steps", "integer >= 1", "required", "Steps between decisions (a window of losses)."),
+    Key("mixture.adapt.warmup_steps", "integer >= 0", "0", "No decision before this many steps have run."),
+    Key("mixture.adapt.min_weight", "number >= 0", "0", "No adapted source's weight goes below this."),
+    Key("mixture.adapt.max_step_change", "number > 0", "1", "The most one decision moves a source's weight."),
+    Key("mixture.adapt.sources", "list of source names", "all", "The sources adapted; the others keep their "
+        "weights."),
     Key("mixture[].weights", "mapping source -> number >= 0", "required", "A curriculum stage's weights."),
     Key("mixture[].until_step", "integer", "required but on the last", "The stage plans steps up to this one "
         "(exclusive); the last stage runs to the end."),

@@ -628,6 +628,12 @@ class Consumed(Message):
     # the step whose micro-batches compute_s times, in seconds each (balance.calibrate; -1 and [] otherwise)
     compute_step: int = hdr(integer(-1), -1)
     compute_s: list = hdr(seq(number(), 1 << 16), ())
+    # the trainer's training loss of step loss_step (DataClient.report_loss; -1 and [] otherwise):
+    # per source index, the summed loss and the tokens it was summed over (mixture.adapt)
+    loss_step: int = hdr(integer(-1), -1)
+    loss_sources: list = hdr(seq(integer(), 1 << 16), ())
+    loss_sums: list = hdr(seq(number(), 1 << 16), ())
+    loss_tokens: list = hdr(seq(integer(), 1 << 16), ())
 
 
 @message("trainer_heartbeat")

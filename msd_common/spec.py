@@ -203,6 +203,22 @@ class RuntimeConfig:
     ahead_bytes: int = DEFAULT_AHEAD_BYTES
 
 
+ADAPT_POLICIES = ("odm", "ado", "loss_share")  # mixture.adapt.policy's built-ins (coordinator/adapt.py)
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """mixture.adapt: the policy that maps the trainers' per-source losses to weights, and its limits."""
+
+    policy: str
+    every_steps: int
+    min_weight: float = 0.0
+    max_step_change: float = 1.0  # the most one decision moves a source's weight
+    warmup_steps: int = 0
+    sources: tuple[str, ...] = ()  # the sources adapted (empty: all); the others keep their weights
+    policy_hash: str | None = None  # a user's policy: its module's code (part of the job's identity)
+
+
 @dataclass(frozen=True)
 class JobConfig:
     seed: int
@@ -219,6 +235,7 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     path: str = "<job>"
     eval_sets: tuple[EvalSetConfig, ...] = ()
+    adapt: AdaptConfig | None = None  # mixture.adapt
 
     def eval_set(self, name: str) -> EvalSetConfig:
         for e in self.eval_sets:
@@ -318,6 +335,7 @@ class JobConfig:
             # eval sets change which records training holds: part of the stream (absent when none,
             # so a job without them keeps its digest)
             **({"eval": [asdict(e) for e in self.eval_sets]} if self.eval_sets else {}),
+            **({"adapt": asdict(self.adapt)} if self.adapt else {}),  # (absent without: digests kept)
         }))
 
     def digest(self) -> str:
@@ -877,6 +895,8 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         c.bad("batch.global_batch_size", f"{gbs} is not a multiple of topology.dp x micro_batch_size = {dp * mbs}")
 
     stages = _stages(c, top.get("mixture", {}), names)
+    mixture = top.get("mixture")
+    adapt = _adapt(c, mixture.get("adapt"), names) if isinstance(mixture, dict) else None
 
     bal = c.mapping(top.get("balance", {}), "balance", allowed("balance"))
     calibrate = bal.get("calibrate", False)
@@ -962,7 +982,7 @@ def parse_job(raw: Any, path: str = "<job>", base_dir: str | None = None) -> Job
         curve_keys=curve,
         balance_method=method,
         token_slack=slack,
-        calibrate=calibrate,
+        calibrate=calibrate, adapt=adapt,
         runtime=RuntimeConfig(lookahead, heartbeat, prepare_batch, status_every, allocation, shrink_after, stimulus_mb,
                               cache_dir, cache_bytes or DEFAULT_CACHE_BYTES, index_on, copies,
                               600.0 if linger is None else float(linger), ahead_bytes or DEFAULT_AHEAD_BYTES),
@@ -1066,6 +1086,43 @@ def _stages(c: _Checker, mixture: Any, names: list[str]) -> tuple[Stage, ...]:
         if isinstance(until, int):
             start = until
     return tuple(stages)
+
+
+def _adapt(c: _Checker, raw: Any, names: list[str]) -> AdaptConfig | None:
+    """mixture.adapt, checked (a user's policy imported and its code hashed), or None."""
+    if raw is None:
+        return None
+    where = "mixture.adapt"
+    m = c.mapping(raw, where, allowed(where), {"policy", "every_steps"})
+    policy, policy_hash = m.get("policy"), None
+    if not isinstance(policy, str) or (policy not in ADAPT_POLICIES and ":" not in policy):
+        c.bad(f"{where}.policy", f"expected one of {', '.join(ADAPT_POLICIES)} or package.module:function, "
+                                 f"got {policy!r}")
+    elif ":" in policy:
+        from .usercode import TransformImportError, code_hash, load
+
+        try:
+            load(policy)
+            policy_hash = code_hash(policy)
+        except TransformImportError as e:
+            c.bad(f"{where}.policy", str(e).replace("transform ", "policy ", 1))
+    every = c.integer(m.get("every_steps"), f"{where}.every_steps", 1) if "every_steps" in m else None
+    warmup = c.integer(m.get("warmup_steps", 0), f"{where}.warmup_steps", 0)
+    min_weight = c.number(m.get("min_weight", 0.0), f"{where}.min_weight")
+    change = c.number(m.get("max_step_change", 1.0), f"{where}.max_step_change")
+    if change is not None and change <= 0:
+        c.bad(f"{where}.max_step_change", f"must be > 0, got {change:g}")
+    sources = m.get("sources", list(names))
+    if not isinstance(sources, list) or any(s not in names for s in sources) or len(set(sources)) < 2:
+        c.bad(f"{where}.sources", f"expected a list of at least two of the job's sources ({', '.join(names)}), "
+                                  f"got {sources!r}")
+        sources = list(names)
+    if min_weight is not None and min_weight * len(set(sources)) >= 1:
+        c.bad(f"{where}.min_weight", f"{min_weight:g} x {len(set(sources))} adapted sources leaves no room to adapt")
+    if None in (every, warmup, min_weight, change) or not isinstance(policy, str):
+        return None
+    return AdaptConfig(policy, every, min_weight, change, warmup,
+                       tuple(n for n in names if n in sources) if set(sources) != set(names) else (), policy_hash)
 
 
 def _weights(c: _Checker, mixture: Any, names: list[str], where: str, allowed: set[str]) -> dict[str, float]:

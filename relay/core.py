@@ -219,8 +219,9 @@ class RelayCore:
             if complete or now - self.held_since[step] > self.hold_s:
                 if not complete:
                     self.late_steps += 1
-                for r in sorted(held):  # with compute times (balance.calibrate): a message of its own
-                    (self.consumed if held[r].compute_step < 0 else self.up_queue).append(held[r])
+                for r in sorted(held):  # with compute times or losses (mixture.adapt): a message of its own
+                    plain = held[r].compute_step < 0 and held[r].loss_step < 0
+                    (self.consumed if plain else self.up_queue).append(held[r])
                 del self.held[step], self.held_since[step]
 
     @staticmethod

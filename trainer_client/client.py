@@ -27,6 +27,8 @@ import zmq
 from msd_common import memory, security
 from msd_common.errors import MsdError, PeerLostError, RejectedError
 from msd_common.frames import PendingPixels
+
+from .losses import LossSums
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
@@ -179,6 +181,7 @@ class DataClient:
         self._handed: tuple[int, int] | None = None  # (step, micro-batch) handed out by the last next()
         self._handed_at = 0.0
         self._manual_compute = False  # the trainer reports its compute itself
+        self._losses = LossSums()  # report_loss: per step and source, for mixture.adapt
         self._ctx = zmq.Context()
         self.keys_dir = keys_dir
         self.metadata_only = metadata_only
@@ -294,13 +297,15 @@ class DataClient:
                 batch[name] = batch[name].finish_on(self.device)
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
-            self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step)])
+            self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step),
+                           self._losses.report(ready.step - 1)])
             self._step = self._finished_step()  # the next step if it is in; this one's tokens are let go
         else:
             self.next_step, self.next_micro_batch = ready.step, m + 1
         if self._step is not None:
             self._builder.ask(self._step, self.next_micro_batch)
         self._handed, self._handed_at = (ready.step, m), time.perf_counter()
+        self._losses.handed(ready.step, batch)
         return batch
 
     def _compute_report(self, step: int) -> list:
@@ -314,6 +319,15 @@ class DataClient:
         if not info or not info.get("calibrate") or not done:
             return [-1, []]
         return [step - 1, [float(done[m]) for m in sorted(done)]]
+
+    def report_loss(self, loss: Any) -> None:
+        """The trainer's training loss of the micro-batch `next()` returned last, before reduction:
+        per token (`[rows, seq_len]`, as the batch's `tokens`; positions outside `loss_mask` are not
+        counted) or one value per sample (`[pieces]`, in `doc_keys` order: each sample's mean loss).
+        The client sums loss and tokens per source and sends them with the step's `consumed` (no
+        message of its own); with `mixture.adapt` the coordinator's policy turns them into weights.
+        numpy arrays and torch tensors (any device) are taken."""
+        self._losses.add(loss)
 
     def report_compute_seconds(self, seconds: float, step: int | None = None, micro_batch: int | None = None) -> None:
         """The trainer's own measure of a micro-batch's compute (default: the one just taken), for

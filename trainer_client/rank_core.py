@@ -136,8 +136,10 @@ class RankCore:
             return [Send(P.EvalReport(rank=self.rank, set=str(cmd[1]), step=int(cmd[2]), losses=cmd[3]))]
         if kind == "consumed":
             self.registration.spoke(now)
+            loss_step, sources, sums, tokens = cmd[5] if len(cmd) > 5 else (-1, [], [], [])
             return [Send(P.Consumed(rank=self.rank, step=int(cmd[1]), waited_s=float(cmd[2]),
-                                compute_step=int(cmd[3]), compute_s=list(cmd[4])))]
+                                    compute_step=int(cmd[3]), compute_s=list(cmd[4]), loss_step=int(loss_step),
+                                    loss_sources=list(sources), loss_sums=list(sums), loss_tokens=list(tokens)))]
         if kind == "state":
             return [Send(P.StateRequest(rank=self.rank, step=int(cmd[1])))]
         if kind == "close":

@@ -30,11 +30,14 @@ def _compute_at(compute_s: Compute, step: int) -> float:
 
 def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 0.0,
             resume: dict | None = None, host: str = "127.0.0.1", relay: str | None = None,
-            relay_timeout_s: float = 30.0, device: str | None = None) -> None:
+            relay_timeout_s: float = 30.0, device: str | None = None,
+            losses: dict[int, float] | None = None) -> None:
     """Trainer process: receive `steps` steps (from `resume`, a state_dict, if given) and send
     every micro-batch back to the test, spending `compute_s` per micro-batch (or per the
     schedule) as a trainer's compute would; through `relay` (an endpoint) if given; with
-    `device`, as torch tensors whose pixel values are made there (sent back as numpy arrays)."""
+    `device`, as torch tensors whose pixel values are made there (sent back as numpy arrays);
+    `losses`: source -> the loss of every sample of that source, reported after each micro-batch
+    (DataClient.report_loss, one value per sample)."""
     from trainer_client import DataClient
 
     client = DataClient(address, rank=rank, as_torch=device is not None, timeout_s=60, host=host, relay=relay,
@@ -48,6 +51,9 @@ def collect(address: str, rank: int, steps: int, out: Any, compute_s: Compute = 
                     assert batch["pixel_values"].device.type == device, batch["pixel_values"].device
                 batch = {k: v.cpu().numpy() if hasattr(v, "numpy") else v for k, v in batch.items()}
             out.put(("batch", rank, {**{k: v for k, v in batch.items() if k != "plan"}, "received_at": time.time()}))
+            if losses is not None:
+                sources = split_doc_key(np.asarray(batch["doc_keys"]))[0]
+                client.report_loss(np.array([losses[int(s)] for s in sources]))
             pause = _compute_at(compute_s, batch["step"])
             if pause:
                 time.sleep(pause)
@@ -76,7 +82,8 @@ def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[Lo
               resume: dict[int, dict] | None = None,
               client_host: str = "127.0.0.1", relays: dict[int, str] | None = None,
               relay_timeout_s: float = 30.0,
-              devices: dict[int, str] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+              devices: dict[int, str] | None = None,
+              losses: dict[int, float] | None = None) -> tuple[dict[int, list[dict]], dict[int, dict]]:
     """Trainer processes for ranks 0..ranks-1 against a running job, until `steps`: what each
     received, and each one's final state_dict. relays: rank -> the endpoint of the relay it uses;
     devices: rank -> the torch device its client makes pixel values on (DataClient's device=)."""
@@ -86,7 +93,8 @@ def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[Lo
     per_rank = compute_s if isinstance(compute_s, dict) else {r: compute_s for r in range(ranks)}
     procs = [SPAWN.Process(target=collect, args=(cluster.address, r, steps, out, per_rank.get(r, 0.0),
                                                  (resume or {}).get(r), client_host, (relays or {}).get(r),
-                                                 relay_timeout_s, (devices or {}).get(r))) for r in range(ranks)]
+                                                 relay_timeout_s, (devices or {}).get(r), losses))
+             for r in range(ranks)]
     for p in procs:
         p.start()
     cluster.trainer_pids = [p.pid for p in procs]  # for fault injection in `during`

@@ -68,6 +68,9 @@ class Driver:
         self.host_peer: bytes | None = None
         self.array_bytes = None  # (source, record) -> the bytes a worker reports beside its tokens (images)
         self.hold_consumed = False  # ranks receive, but train on nothing (steps pile up ahead)
+        # source -> mean loss per token a rank reports (DataClient.report_loss) for the step before the
+        # one it consumes, over that step's pieces; None: ranks report no loss
+        self.loss_of = None
 
     # ------------------------------------------------------------------ peers
 
@@ -157,7 +160,20 @@ class Driver:
             recipe = r.headers.get(step)
             if recipe is not None and len(r.arrived.get(step, ())) == len(recipe):
                 r.consumed = step
-                self.pending.append(Consumed(at=self.now, peer=r.peer, rank=r.rank, step=step, waited_s=r.waited_s))
+                self.pending.append(Consumed(at=self.now, peer=r.peer, rank=r.rank, step=step, waited_s=r.waited_s,
+                                             **self._losses(r, step - 1)))
+
+    def _losses(self, r: FakeRank, step: int) -> dict:
+        """The losses a rank reports with its `consumed` (of the step before)."""
+        recipe = r.headers.get(step)
+        if self.loss_of is None or recipe is None:
+            return {}
+        sources = split_doc_key(recipe[:, 0])[0].astype(np.int64)
+        lengths = recipe[:, 2].astype(np.int64)
+        mine = sorted(set(sources.tolist()))
+        tokens = [int(lengths[sources == s].sum()) for s in mine]
+        return {"loss_step": step, "loss_sources": mine, "loss_tokens": tokens,
+                "loss_sums": [self.loss_of(s) * n for s, n in zip(mine, tokens)]}
 
     # ------------------------------------------------------------------ what peers do with messages
 

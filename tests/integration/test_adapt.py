@@ -1,0 +1,65 @@
+"""mixture.adapt through a real job: ranks report their training loss per sample
+(`DataClient.report_loss`), the coordinator's policy moves weight toward the source learnt least,
+each change is journaled at the step its decision fixes, and the state dir's manifest of every step
+is exactly what the ranks received, the changes included; a restart of the coordinator on its state
+dir carries the same trajectory on."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from coordinator.journal import read_mixture_journal
+from msd.cli import main
+from msd.testing.local import LocalJob
+from tests.conftest import job_dict, write_job
+from tests.integration.harness import run_ranks
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+LOOKAHEAD, EVERY = 2, 3
+LOSSES = {0: 3.0, 1: 1.0, 2: 1.0}  # web is learnt least
+
+
+def test_losses_steer_the_mixture_journaled_and_exact(dataset_dir, tmp_path):
+    mixture = {"weights": {"web": 0.2, "code": 0.4, "long": 0.4},
+               "adapt": {"policy": "loss_share", "every_steps": EVERY, "max_step_change": 0.05}}
+    path = write_job(dataset_dir, job_dict(mixture=mixture, runtime={"heartbeat_s": 0.5, "prepare_batch": 16,
+                                                                     "lookahead_steps": LOOKAHEAD}), "adapt.yaml")
+    state = str(tmp_path / "state")
+    steps, events = 24, []
+
+    def during(cluster, batches):  # 2 ranks x 2 micro-batches a step
+        if batches >= 4 * 13 and not events:
+            cluster.restart_coordinator()
+            events.append("restart")
+
+    with LocalJob(path, workers=2, log_level="INFO", state_dir=state, log_path=str(tmp_path / "log")) as cluster:
+        received, _ = run_ranks(cluster, ranks=2, steps=steps, during=during, timeout_s=200, losses=LOSSES)
+    assert events == ["restart"]
+    changes = read_mixture_journal(state)
+    first = EVERY - 1 + LOOKAHEAD + 2  # the first decision's step: fixed by the step, not the timing
+    at = [a for a, _ in changes]
+    assert at[:3] == [first, first + EVERY, first + 2 * EVERY], changes
+    assert all((a - first) % EVERY == 0 for a in at) and max(at) > 15  # decisions after the restart too
+    web = [w[0] for _, w in changes]
+    assert web[0] == pytest.approx(0.25)  # toward web (loss 3 against 1), 0.05 a decision at most
+    assert all(0 < b - a <= 0.05 + 1e-9 for a, b in zip(web, web[1:]))
+
+    got = {}
+    for rank, batches in received.items():
+        for b in batches:
+            got[(b["step"], rank, b["micro_batch"])] = list(zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(),
+                                                                b["piece_lengths"].tolist()))
+    shares = []
+    for step in range(steps):
+        r = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", str(step), "--json"])
+        assert r.exit_code == 0, r.output
+        m = orjson.loads(r.output)
+        for rank, pieces in m["ranks"].items():
+            for mb in (0, 1):
+                want = [(p["doc_key"], p["offset"], p["length"]) for p in pieces if p["micro_batch"] == mb]
+                assert want == got[(step, int(rank), mb)], (step, rank, mb)
+        shares.append(m["source_tokens"]["web"] / sum(m["source_tokens"].values()))
+    assert sum(shares[:first]) / first < 0.3 < sum(shares[-6:]) / 6  # web's realised share grew
