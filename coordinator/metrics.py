@@ -43,7 +43,7 @@ class _Totals(Collector):
     def __init__(self) -> None:
         self.copy: dict[str, Any] = {"skipped": {}, "wait": {}, "delivered": {}, "reprepared": 0, "consumed": {},
                                      "target": {}, "target_so_far": {}, "realised": {}, "eval_loss": {},
-                                     "long_docs": {}, "cost": {},
+                                     "long_docs": {}, "cost": {}, "train_loss": {},
                                      "relays": []}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -81,6 +81,11 @@ class _Totals(Collector):
                                       "report_eval)", labels=["set", "source"])
         for (name, source), loss in c["eval_loss"].items():
             eval_loss.add_metric([name, source], loss)
+        train_loss = GaugeMetricFamily("msd_train_loss", "The trainers' mean training loss per source over the last "
+                                       "mixture.adapt window (DataClient.report_loss), which its policy decided on",
+                                       labels=["source"])
+        for source, loss in c["train_loss"].items():
+            train_loss.add_metric([source], loss)
         long_docs = CounterMetricFamily("msd_long_documents", "Records longer than seq_len, truncated or dropped "
                                         "(long_docs), by source", labels=["source", "kind"])
         for (source, kind), n in c["long_docs"].items():
@@ -100,7 +105,7 @@ class _Totals(Collector):
         for r in c["relays"]:
             for key, family in relay_families.items():
                 family.add_metric([r["host"], str(r["relay_id"])], len(r["ranks"]) if key == "ranks" else r[key])
-        yield from (skipped, wait, delivered, reprepared, eval_loss, long_docs, coefficient, fit_error,
+        yield from (skipped, wait, delivered, reprepared, eval_loss, train_loss, long_docs, coefficient, fit_error,
                     *relay_families.values())
 
 
@@ -213,4 +218,7 @@ class CoordinatorMetrics:
                             "long_docs": {(src.name, kind): n for src in state.job.sources
                                           for kind, n in state.prep.long_docs[src.index].items()},
                             "cost": state.calibration.status(state.planner.state.next_step),
+                            "train_loss": {source: loss for source, loss in (state.adapt.status()["last_loss"] if
+                                                                              state.adapt is not None else {}).items()
+                                           if loss is not None},
                             "relays": state.relay_status()}

@@ -20,7 +20,8 @@ import numpy as np
 import orjson
 
 from coordinator.balance import imbalance
-from coordinator.journal import read_cost_changes, read_eval_journal, read_quarantine_journal
+from coordinator.journal import (read_cost_changes, read_eval_journal, read_mixture_journal,
+                                 read_quarantine_journal)
 from .replay import Replay
 from coordinator.statedir import STATUS_FILE
 
@@ -61,7 +62,33 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
             "target_share": target_share,
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
             "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
-            "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir)}
+            "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir),
+            "mixture_changes": read_mixture_journal(state_dir),
+            "job_weights": [replay.job.weights_at(s) for s in range(max(steps, default=0) + 1)]}
+
+
+def weights_figure(names: list[str], job_weights: list[list[float]], changes: list[tuple[int, list[float]]]):
+    """Each source's weight over the steps: the job file's mixture, with its run-time changes (msd
+    mix, mixture.adapt) from their steps on; None without changes."""
+    import matplotlib.pyplot as plt
+
+    if not changes or not job_weights:
+        return None
+    weights = np.array(job_weights, dtype=np.float64)
+    for at, w in sorted(changes, key=lambda c: c[0]):
+        if at < len(weights):
+            weights[at:] = np.asarray(w, dtype=np.float64) / max(sum(w), 1e-12)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for i, name in enumerate(names):
+        ax.step(np.arange(len(weights)), weights[:, i], where="post", label=name)
+    for at, _ in changes:
+        ax.axvline(at, color="grey", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("weight")
+    ax.set_title("mixture weights (vertical lines: run-time changes)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def figure(data: dict[str, Any]):
@@ -226,6 +253,26 @@ def write_report(data: dict[str, Any], out: str) -> None:
     else:
         cost_html = '<p id="cost-fit">The job file\'s cost model throughout (no balance.calibrate change).</p>'
 
+    weights_fig = weights_figure(data["names"], data.get("job_weights") or [], data.get("mixture_changes") or [])
+    adapt = status.get("adapt")
+    if weights_fig is not None:
+        buf = io.BytesIO()
+        weights_fig.savefig(buf, format="png", dpi=100)
+        plt.close(weights_fig)
+        losses = (adapt or {}).get("last_loss") or {}
+        rows_w = "".join(f"<tr><td>{at}</td>{''.join(f'<td>{v / max(sum(w), 1e-12):.4f}</td>' for v in w)}</tr>"
+                         for at, w in data["mixture_changes"])
+        loss_row = ("<tr><td>last training loss</td>" + "".join(
+            f"<td>{losses[n]:.4f}</td>" if losses.get(n) is not None else "<td>-</td>" for n in data["names"])
+            + "</tr>") if adapt else ""
+        weights_html = (f'<p>{e("mixture.adapt: " + adapt["policy"]) if adapt else "Changed with msd mix."}</p>'
+                        f'<table id="mixture-changes"><tr><th>from step</th>'
+                        f'{"".join(f"<th>{e(n)}</th>" for n in data["names"])}</tr>{rows_w}{loss_row}</table>'
+                        f'<img id="mixture-weights" alt="mixture weights over the steps" '
+                        f'src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">')
+    else:
+        weights_html = '<p id="mixture-weights">The job file\'s mixture throughout (no run-time change).</p>'
+
     relays = status.get("relays") or []
     if relays:  # as the coordinator last saw them (status.json)
         rows_r = "".join(f"<tr><td>{e(r['host'])} ({e(r['address'])})</td><td>{len(r['ranks'])}</td>"
@@ -255,6 +302,7 @@ steps {data['steps'][0] if data['steps'] else '-'} to {data['steps'][-1] if data
 <h2>Mix and skipped records</h2>
 <table id="sources"><tr><th>source</th><th>target share (mean)</th><th>realised share</th><th>skipped</th></tr>
 {rows}</table>
+<h2>Mixture weights</h2>{weights_html}
 <h2>Quarantined records</h2><ul id="quarantined">{quarantined}</ul>
 <h2>Evaluation</h2>{evals_html}
 <h2>Cost model</h2>{cost_html}

@@ -63,3 +63,15 @@ def test_losses_steer_the_mixture_journaled_and_exact(dataset_dir, tmp_path):
                 assert want == got[(step, int(rank), mb)], (step, rank, mb)
         shares.append(m["source_tokens"]["web"] / sum(m["source_tokens"].values()))
     assert sum(shares[:first]) / first < 0.3 < sum(shares[-6:]) / 6  # web's realised share grew
+
+    # what the run shows: status (the policy and the losses behind its last decision), and the report
+    status = orjson.loads((tmp_path / "state" / "status.json").read_bytes())
+    assert status["adapt"]["policy"] == "loss_share"
+    assert status["adapt"]["last_loss"]["web"] == pytest.approx(3.0)
+    assert status["adapt"]["last_loss"]["code"] == pytest.approx(1.0) and status["adapt"]["failed"] is None
+    out = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["report", "--state-dir", state, "--out", str(out), "--max-steps", "10"])
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    assert 'id="mixture-weights"' in page and "mixture.adapt: loss_share" in page and "<img id=\"mixture-weights\"" in page
+    assert page.count("<tr><td>") >= len(changes)  # a row per change
