@@ -3,7 +3,7 @@ script to copy.
 
     python tools/train_tiny.py --coordinator tcp://127.0.0.1:5555 --steps 20 [--world-size 2]
         [--save CKPT_DIR] [--resume CKPT_DIR] [--losses LOSSES.json]
-        [--eval-every N --eval-set heldout [--eval-losses EVAL.json]]
+        [--eval-every N --eval-set heldout [--eval-losses EVAL.json]] [--report-loss]
 
 Each data-parallel rank is a process (gloo on CPU here; NCCL on GPUs is the same code with
 `--backend nccl` and a device per rank). What it shows:
@@ -76,11 +76,15 @@ def document_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Te
     return (same & causal)[:, None]
 
 
-def micro_batch_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+def micro_batch_loss(model: nn.Module, batch: dict, client=None) -> torch.Tensor:
+    """The micro-batch's mean loss over `loss_mask`; with `client`, its loss per token is reported
+    first (client.report_loss: per source, for the job's mixture.adapt)."""
     tokens = batch["tokens"]
     b, n = tokens.shape
     logits = model(tokens, batch["position_ids"], document_mask(batch["cu_seqlens"], b, n))
     per_token = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["labels"].view(-1), reduction="none")
+    if client is not None:
+        client.report_loss(per_token.detach().view(b, n))
     mask = batch["loss_mask"].view(-1)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -114,7 +118,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    model = nn.parallel.DistributedDataParallel(TinyLM(vocab=args.vocab))
+    model = nn.parallel.DistributedDataParallel(TinyLM(dim=args.dim, vocab=args.vocab))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     client = DataClient(args.coordinator, rank=rank, timeout_s=120)
     start = 0
@@ -125,6 +129,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
         client.load_state_dict(ckpt["data"])
         start = ckpt["step"]
     accumulate = client.micro_batches_per_step  # known before the first batch
+    reporter = client if args.report_loss else None
     losses, evals = [], []
     for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -134,10 +139,10 @@ def train(rank: int, args: argparse.Namespace) -> None:
             assert batch["step"] == step and batch["micro_batch"] == m
             if m < accumulate - 1:
                 with model.no_sync():  # gradients all-reduced once, with the last micro-batch
-                    loss = micro_batch_loss(model, batch) / accumulate
+                    loss = micro_batch_loss(model, batch, reporter) / accumulate
                     loss.backward()
             else:
-                loss = micro_batch_loss(model, batch) / accumulate
+                loss = micro_batch_loss(model, batch, reporter) / accumulate
                 loss.backward()
             total += loss.detach()
         optimizer.step()
@@ -187,6 +192,9 @@ def main() -> None:
     ap.add_argument("--eval-set", default="heldout", help="the job's eval set to evaluate on")
     ap.add_argument("--eval-repeat", type=int, default=1, help="passes per evaluation (the same weights each)")
     ap.add_argument("--eval-losses", default=None, help="write [[step, {source: loss}], ...] here (JSON)")
+    ap.add_argument("--report-loss", action="store_true", help="report each micro-batch's loss per token "
+                    "(client.report_loss), for a job with mixture.adapt")
+    ap.add_argument("--dim", type=int, default=64)
     args = ap.parse_args()
     torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size, join=True)
 

@@ -178,3 +178,14 @@ def test_report_loss_sums_per_source_over_the_trained_tokens():
     assert sums.report(4) == [-1, [], [], []]  # sent once
     with pytest.raises(ValueError, match="per token"):
         sums.add(np.zeros((3, 3)))
+
+
+def test_report_loss_takes_torch_tensors_as_the_client_hands_them():
+    torch = pytest.importorskip("torch")
+    numpy_sums, torch_sums = LossSums(), LossSums()
+    numpy_sums.handed(2, _batch())
+    torch_sums.handed(2, {k: torch.from_numpy(np.asarray(v)) for k, v in _batch().items()})
+    loss = np.linspace(0, 1, 16, dtype=np.float32).reshape(2, 8)
+    numpy_sums.add(loss)
+    torch_sums.add(torch.from_numpy(loss).requires_grad_())  # detached, as a trainer's loss would be
+    assert torch_sums.report(2) == numpy_sums.report(2)
