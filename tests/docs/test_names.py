@@ -81,7 +81,7 @@ def _key_exists(path: str) -> bool:
     parts = path.split(".")
     if parts[0] in NAMED and len(parts) > 2:
         parts[1] = "<name>"
-    if parts[0] == "mixture" and len(parts) > 1 and parts[1] != "weights":
+    if parts[0] == "mixture" and len(parts) > 1 and parts[1] not in ("weights", "adapt"):
         parts[0] = "mixture[]"
     known = {k.path for k in KEYS}
     return any(".".join(parts[:n]) in known for n in range(len(parts), 0, -1)) and (
