@@ -84,6 +84,7 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
         r = CliRunner().invoke(main, ["report", "--state-dir", state, "--out", str(out), "--max-steps", "10"])
         assert r.exit_code == 0, r.output
     _check_report(html_path.read_text(), ["web", "code", "long"])
+    assert '<img id="mixture-weights"' in html_path.read_text()  # the msd mix at step 16, plotted
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _look_at_report(html_path)
     # made after the job, it shows what the job measured (issue 48: the wait panel was empty, the
@@ -145,7 +146,7 @@ def _check_report(text, sources):
     p = Parser()
     p.feed(text)
     assert p.open == []  # every element closed
-    [src] = p.images
+    src = p.images[0]  # the mix, balance and wait panels (then the mixture weights' after run-time changes)
     assert src.startswith("data:image/png;base64,")
     png = base64.b64decode(src.split(",", 1)[1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
