@@ -70,18 +70,24 @@ def trl_template(name: str) -> str:
 def write_qwen2_5_vl_processor(path: str, vocab_size: int = 600, max_pixels: int | None = None) -> str:
     """A Qwen2.5-VL processor directory at `path` (see the module's docstring). `max_pixels`
     lowers the image budget (tests keep images small); the rest is the published configuration."""
+    preprocessor = dict(QWEN2_5_VL_PREPROCESSOR)
+    if max_pixels is not None:
+        preprocessor["max_pixels"] = max_pixels
+    return _write_qwen_dir(path, vocab_size, preprocessor, "qwen2_5_vl_training")
+
+
+def _write_qwen_dir(path: str, vocab_size: int, preprocessor: dict[str, Any], template: str) -> str:
+    """A Qwen-VL processor directory: a BPE tokenizer trained here with the Qwen special tokens, the
+    image processor's configuration, and one of TRL's training templates."""
     os.makedirs(path, exist_ok=True)
     train_bpe(QWEN_VL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "model_max_length": 1 << 20}
-    preprocessor = dict(QWEN2_5_VL_PREPROCESSOR)
-    if max_pixels is not None:
-        preprocessor["max_pixels"] = max_pixels
     for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor)):
         with open(os.path.join(path, name), "wb") as f:
             f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template("qwen2_5_vl_training"))
+        f.write(trl_template(template))
     return path
 
 
@@ -203,16 +209,7 @@ def write_qwen3_vl_processor(path: str, vocab_size: int = 600, max_pixels: int |
     """A Qwen3-VL processor directory: the published image processor configuration (its budget
     lowered to `max_pixels` where given), a BPE tokenizer trained here with the Qwen special tokens,
     and TRL's Qwen3-VL training template."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(QWEN_VL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
-    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "model_max_length": 1 << 20}
     preprocessor = dict(QWEN3_VL_PREPROCESSOR)
     if max_pixels is not None:
         preprocessor["size"] = {**preprocessor["size"], "longest_edge": max_pixels}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template("qwen3_vl_training"))
-    return path
+    return _write_qwen_dir(path, vocab_size, preprocessor, "qwen3_vl_training")
