@@ -65,6 +65,20 @@ class RelayBook:
             if t is not None and t.via == relay.relay_id:
                 t.last_seen = ev.at
 
+    def losses(self, ev: RelayReport, relay: RelayInfo) -> list[tuple[int, int, list[int], list[float], list[int]]]:
+        """The training losses of a relay_up (mixture.adapt), as each rank's `consumed` would carry
+        them: (rank, step, sources, loss sums, tokens), for the ranks registered through this relay."""
+        grouped: dict[tuple[int, int], tuple[list[int], list[float], list[int]]] = {}
+        trainers = self.registry.trainers
+        for (rank, step, source, tokens), total in zip(ev.losses.tolist(), ev.loss_sums.tolist()):
+            t = trainers.get(rank)
+            if t is not None and t.via == relay.relay_id:
+                sources, sums, counts = grouped.setdefault((rank, step), ([], [], []))
+                sources.append(source)
+                sums.append(total)
+                counts.append(tokens)
+        return [(rank, step, *values) for (rank, step), values in grouped.items()]
+
     def consumed(self, ev: RelayReport, relay: RelayInfo) -> list[tuple[TrainerInfo, int, float]]:
         """The `consumed` of a relay_up, each as its rank's own message would be (for the ranks
         registered through this relay only): (rank, step, seconds waited)."""

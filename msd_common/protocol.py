@@ -157,6 +157,7 @@ DELIVER_TARGET = columns("DeliverTarget", "rank", "address")  # coordinator -> w
 RECIPE_PIECE = columns("RecipePiece", "doc_key", "offset", "length")  # coordinator -> trainer (step recipe)
 PIECE_ITEM = columns("PieceItem", "piece", "doc_key", "offset", "length")  # worker -> trainer
 RELAY_CONSUMED = columns("RelayConsumed", "rank", "step")  # relay -> coordinator
+RELAY_LOSS = columns("RelayLoss", "rank", "step", "source", "tokens")  # relay -> coordinator (mixture.adapt)
 
 
 @dataclass(frozen=True)
@@ -804,6 +805,10 @@ class RelayUp(Message):
     late_steps: int = hdr(integer(), 0)
     consumed: "np.ndarray" = frame("<i8", RELAY_CONSUMED)
     waited_s: "np.ndarray" = frame("<f8")
+    # the ranks' training losses that came with their `consumed` (DataClient.report_loss): a row per
+    # rank, step and source, and its summed loss
+    losses: "np.ndarray" = frame("<i8", RELAY_LOSS, optional=True)
+    loss_sums: "np.ndarray" = frame("<f8", optional=True)
 
 
 @message("relay_welcome")

@@ -130,8 +130,12 @@ class RelayCore:
             return []
         rows = np.array([(m.rank, m.step) for m in self.consumed], dtype=np.int64).reshape(-1, 2)
         waits = np.array([m.waited_s for m in self.consumed], dtype=np.float64)
+        losses = [(m.rank, m.loss_step, s, n, x) for m in self.consumed if m.loss_step >= 0
+                  for s, n, x in zip(m.loss_sources, m.loss_tokens, m.loss_sums)]
         out = [ToCoordinator(P.RelayUp(relay_id=self.relay_id, messages=[m.header() for m in self.up_queue],
-                                       consumed=rows, waited_s=waits, **self._counters(now)))]
+                                       consumed=rows, waited_s=waits, **self._counters(now),
+                                       losses=np.array([r[:4] for r in losses], np.int64).reshape(-1, 4),
+                                       loss_sums=np.array([r[4] for r in losses], np.float64)))]
         self.registration.spoke(now)  # it says what a heartbeat says: one message a step per host
         self.up_queue, self.consumed = [], []
         return out
@@ -219,9 +223,8 @@ class RelayCore:
             if complete or now - self.held_since[step] > self.hold_s:
                 if not complete:
                     self.late_steps += 1
-                for r in sorted(held):  # with compute times or losses (mixture.adapt): a message of its own
-                    plain = held[r].compute_step < 0 and held[r].loss_step < 0
-                    (self.consumed if plain else self.up_queue).append(held[r])
+                for r in sorted(held):  # with compute times (balance.calibrate): a message of its own
+                    (self.consumed if held[r].compute_step < 0 else self.up_queue).append(held[r])
                 del self.held[step], self.held_since[step]
 
     @staticmethod

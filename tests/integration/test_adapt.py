@@ -75,3 +75,36 @@ def test_losses_steer_the_mixture_journaled_and_exact(dataset_dir, tmp_path):
     page = out.read_text()
     assert '<img id="mixture-weights"' in page and "mixture.adapt: loss_share" in page
     assert page.count("<tr><td>") >= len(changes)  # a row per change
+
+
+def test_behind_relays_the_same_losses_give_the_same_trajectory(dataset_dir, tmp_path):
+    """dp=2 x tp=2, every rank receiving, two relays (a host each): the ranks' losses reach the
+    coordinator in the relays' gathered tables, one report per data-parallel rank counts, and the
+    trajectory and the stream are those of the ranks speaking to it directly."""
+    from msd.testing.processes import stop
+    from tests.integration.harness import signature
+    from tests.integration.test_relay import start_relay
+
+    mixture = {"weights": {"web": 0.2, "code": 0.4, "long": 0.4},
+               "adapt": {"policy": "loss_share", "every_steps": EVERY, "max_step_change": 0.05}}
+    job = job_dict(mixture=mixture, topology={"dp": 2, "tp": 2, "delivery": "all"},
+                   runtime={"heartbeat_s": 0.5, "prepare_batch": 16, "lookahead_steps": LOOKAHEAD})
+    steps, runs = 14, {}
+    for how in ("direct", "relays"):
+        path = write_job(dataset_dir, job, f"adapt-{how}.yaml")
+        state = str(tmp_path / how)
+        with LocalJob(path, workers=1, state_dir=state) as cluster:
+            local = [f"ipc://{tmp_path}/{how}-relay-{i}.sock" for i in range(2)]
+            relays = [start_relay(cluster.address, e, str(tmp_path / f"{how}-{i}.log")) for i, e in enumerate(local)] \
+                if how == "relays" else []
+            try:
+                received, _ = run_ranks(cluster, ranks=4, steps=steps, timeout_s=150, losses=LOSSES,
+                                        relays={0: local[0], 1: local[0], 2: local[1], 3: local[1]} if relays else None)
+            finally:
+                stop(relays)
+        # (a decision for a step past the run's last may or may not be taken before the ranks leave)
+        runs[how] = ([c for c in read_mixture_journal(state) if c[0] < steps], signature(received))
+    assert runs["relays"] == runs["direct"]
+    changes = runs["direct"][0]
+    assert [at for at, _ in changes][:2] == [EVERY - 1 + LOOKAHEAD + 2, 2 * EVERY - 1 + LOOKAHEAD + 2]
+    assert changes[0][1][0] == pytest.approx(0.25)  # as one report per DP rank (tp peers not counted twice)
