@@ -55,6 +55,9 @@ def test_relay_step_gives_each_rank_the_step_header_of_its_dp_rank():
         np.testing.assert_array_equal(a["counts"], counts[row])
 
 
+NO_LOSSES = (np.zeros((0, 4), np.int64), np.zeros(0))  # relay_up's loss tables (mixture.adapt), empty
+
+
 def test_malformed_relay_messages_are_refused():
     bad_step = P.make(P.RelayStep, step=0, row_len=8, dps=[0], ranks=[[0, 1]], piece_counts=[1], rank_costs=[1.0],
                       naive_costs=[1.0], max_over_mean=1.0, naive_max_over_mean=1.0)
@@ -62,13 +65,13 @@ def test_malformed_relay_messages_are_refused():
         wire.decode(wire.encode(bad_step, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint32)), P.RELAY_INBOX)
     up = P.make(P.RelayUp, relay_id=0, messages=[], ranks=[0], bytes_in=0, bytes_out=0, queued=0, late_steps=0)
     with pytest.raises(ProtocolError, match="one waited_s"):
-        wire.decode(wire.encode(up, np.zeros((2, 2), np.int64), np.zeros(1)), P.COORDINATOR_INBOX)
+        wire.decode(wire.encode(up, np.zeros((2, 2), np.int64), np.zeros(1), *NO_LOSSES), P.COORDINATOR_INBOX)
     # a relay passes up its ranks' messages; each is checked as the rank's own, and one that is not a
     # rank's (here a worker's) is dropped, the rest kept
     header, arrays = wire.decode(wire.encode({**up, "messages": [
         P.make(P.TrainerHeartbeat, rank=3), P.make(P.WorkerHeartbeat, worker_id=1, cached_records=0, busy_s=0.0,
                                                     backlog=0, send_waits=0)]},
-        np.array([[3, 9]], np.int64), np.array([0.5])), P.COORDINATOR_INBOX)
+        np.array([[3, 9]], np.int64), np.array([0.5]), *NO_LOSSES), P.COORDINATOR_INBOX)
     events = RelayEnvelopes().unpack(b"relay", 1.0, header, arrays)
     assert [type(e).__name__ for e in events] == ["TrainerHeartbeat", "RelayReport"]
     assert events[0].peer == relayed_identity(b"relay", 3) and events[0].via == b"relay"
