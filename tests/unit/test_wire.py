@@ -91,9 +91,10 @@ def test_oversized_and_undecodable_headers():
     with pytest.raises(ProtocolError, match="frames"):
         wire.decode([b"x"] * (P.MAX_FRAMES + P.MAX_EXTRA_FRAMES + 1), P.COORDINATOR_INBOX)
     # only a type that takes trailing frames (pieces' extras) may have more than its arrays
-    with pytest.raises(ProtocolError, match="expected 2 data frames, got 3"):
+    with pytest.raises(ProtocolError, match="expected 4 data frames, got 5"):
         wire.decode(_frames(P.make(P.RelayUp, relay_id=1, messages=[], ranks=[], bytes_in=0, bytes_out=0, queued=0,
-                                   late_steps=0), np.zeros((0, len(P.RELAY_CONSUMED)), "<i8"), np.zeros(0, "<f8"))
+                                   late_steps=0), np.zeros((0, len(P.RELAY_CONSUMED)), "<i8"), np.zeros(0, "<f8"),
+                            np.zeros((0, len(P.RELAY_LOSS)), "<i8"), np.zeros(0, "<f8"))
                     + [b"x"], P.COORDINATOR_INBOX)
     # binary blobs are never accepted in headers (nothing may smuggle payloads or objects there)
     with pytest.raises(ProtocolError):
