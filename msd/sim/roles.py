@@ -353,9 +353,11 @@ class SimWorker:
 
 
 def documents(batches: list[dict[str, Any]]) -> list:
-    """What a step (or an eval pass) holds over all its ranks, whatever the DP: per document,
-    where its tokens in the step start and a digest of them (its pieces joined in order)."""
-    pieces: dict[int, list[tuple[int, bytes]]] = {}
+    """What a step (or an eval pass) holds over all its ranks, whatever the DP: per document, where
+    its tokens in the step start and a digest of every token it has there, by position within the
+    document (counted: a small source can bring one document twice to a step, in two epochs, and
+    how its pieces are cut across rows depends on the DP, so the pieces are not joined in order)."""
+    pieces: dict[int, list[tuple[int, np.ndarray]]] = {}
     for batch in batches:
         tokens = np.asarray(batch["tokens"]).reshape(len(batch["pieces_per_row"]), -1)
         keys, offsets, lengths = (np.asarray(batch[k]).tolist() for k in ("doc_keys", "doc_offsets", "piece_lengths"))
@@ -363,13 +365,16 @@ def documents(batches: list[dict[str, Any]]) -> list:
         for row, n in enumerate(np.asarray(batch["pieces_per_row"]).tolist()):
             at = 0
             for _ in range(n):
-                pieces.setdefault(keys[i], []).append((offsets[i], tokens[row, at:at + lengths[i]].tobytes()))
+                pieces.setdefault(keys[i], []).append((offsets[i], tokens[row, at:at + lengths[i]]))
                 at += lengths[i]
                 i += 1
     out = []
     for key, parts in sorted(pieces.items()):
-        parts.sort()
-        out.append([key, parts[0][0], hashlib.blake2b(b"".join(t for _, t in parts), digest_size=8).hexdigest()])
+        positions = np.concatenate([np.arange(o, o + len(t), dtype=np.int64) for o, t in parts])
+        values = np.concatenate([t.astype(np.int64) for _, t in parts])
+        order = np.lexsort((values, positions))
+        digest = hashlib.blake2b(positions[order].tobytes() + values[order].tobytes(), digest_size=8).hexdigest()
+        out.append([key, min(o for o, _ in parts), digest])
     return out
 
 
