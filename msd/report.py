@@ -35,6 +35,7 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
     except (OSError, orjson.JSONDecodeError):
         status = {}
     steps = sorted(replay.journaled)
+    changes = read_mixture_journal(state_dir)  # run-time changes (msd mix, mixture.adapt): the weights plot
     last = max([status.get("last_consumed_step", -1), *(status.get("consumed") or {}).values()])
     if last >= 0:  # the steps some rank trained on, not the ones planned ahead of them
         steps = [s for s in steps if s <= last + 1]
@@ -63,8 +64,8 @@ def gather(replay: Replay, state_dir: str, max_steps: int = 200) -> dict[str, An
             "total_realised": (delivered[-1] / max(delivered[-1].sum(), 1)) if len(delivered) else np.zeros(len(names)),
             "balance": balance, "status": status, "quarantined": read_quarantine_journal(state_dir),
             "evals": read_eval_journal(state_dir), "cost_changes": read_cost_changes(state_dir),
-            "mixture_changes": read_mixture_journal(state_dir),
-            "job_weights": [replay.job.weights_at(s) for s in range(max(steps, default=0) + 1)]}
+            "mixture_changes": changes,
+            "job_weights": [replay.job.weights_at(s) for s in range(max(steps, default=0) + 1)] if changes else []}
 
 
 def weights_figure(names: list[str], job_weights: list[list[float]], changes: list[tuple[int, list[float]]]):

@@ -39,6 +39,12 @@ RECIPE_VERSION = 1.0
 CHANNELS = 3
 
 
+def per_channel(value: Any) -> tuple[float, float, float]:
+    """A processor's mean or std (one number, or one per channel) as three floats."""
+    values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value] * CHANNELS)]
+    return tuple(values)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class FrameRecipe:
     """How a sample's uint8 frames become the processor's pixel values."""

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from msd_common.frames import CHANNELS, FrameRecipe
+from msd_common.frames import CHANNELS, FrameRecipe, per_channel
 
 QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3VLMoeProcessor"})
 
@@ -133,13 +133,9 @@ def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
         value = kwargs.get(name)
         return getattr(ip, name) if value is None else value
 
-    def three(value: Any) -> tuple[float, float, float]:
-        values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value] * CHANNELS)]
-        return tuple(values)  # type: ignore[return-value]
-
     common = dict(backend=getattr(ip, "backend", "pil"), do_rescale=bool(arg("do_rescale")),
                   rescale_factor=float(arg("rescale_factor")), do_normalize=bool(arg("do_normalize")),
-                  mean=three(arg("image_mean")), std=three(arg("image_std")))
+                  mean=per_channel(arg("image_mean")), std=per_channel(arg("image_std")))
     if type(processor).__name__ in QWEN_VL_PROCESSORS:
         return FrameRecipe("qwen_patches", **common, patch=int(ip.patch_size), merge=int(ip.merge_size),
                            temporal=int(ip.temporal_patch_size))

@@ -86,7 +86,6 @@ class ProcessedSample:
     patch_squares: int = 0  # each image's patches squared, summed (the encoder attends within an image)
     pending: PendingImages | None = None  # images whose pass runs at delivery (ProcessorChat.finish)
     pending_videos: PendingVideos | None = None  # videos whose frames are decoded at delivery
-    videos: int = 0
 
     @property
     def array_bytes(self) -> dict[str, int]:
@@ -403,7 +402,7 @@ class ProcessorChat:
             per_image = np.full(images, patches / images)
         squares = float((per_image.astype(np.float64) ** 2).sum() + (per_video.astype(np.float64) ** 2).sum())
         return ProcessedSample(tokens, mask, token_arrays, image_arrays, images, patches + int(per_video.sum()),
-                               int(round(squares)), videos=videos)
+                               int(round(squares)))
 
     def _video_runs(self, grids: np.ndarray, known: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """The grid of each run of video tokens, and its temporal spacing, as the model's get_rope_index

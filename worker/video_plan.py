@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_common.frames import CHANNELS, FrameRecipe
+from msd_common.frames import CHANNELS, FrameRecipe, per_channel
 
 from .video import VideoInfo
 
@@ -130,12 +130,9 @@ def video_recipe(video_processor: Any) -> FrameRecipe:
     normalisation, Qwen-VL's video patch layout."""
     vp = video_processor
 
-    def three(value: Any) -> tuple[float, float, float]:
-        values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value] * CHANNELS)]
-        return tuple(values)  # type: ignore[return-value]
-
     return FrameRecipe("qwen_video", "torchvision", bool(vp.do_rescale), float(vp.rescale_factor),
-                       bool(vp.do_normalize), three(vp.image_mean), three(vp.image_std), patch=int(vp.patch_size),
+                       bool(vp.do_normalize), per_channel(vp.image_mean), per_channel(vp.image_std),
+                       patch=int(vp.patch_size),
                        merge=int(vp.merge_size), temporal=int(vp.temporal_patch_size))
 
 
