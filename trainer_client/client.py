@@ -305,7 +305,7 @@ class DataClient:
         if self._step is not None:
             self._builder.ask(self._step, self.next_micro_batch)
         self._handed, self._handed_at = (ready.step, m), time.perf_counter()
-        self._losses.handed(ready.step, batch)
+        self._losses.handed(ready.step, batch, m)
         return batch
 
     def _compute_report(self, step: int) -> list:
@@ -320,14 +320,20 @@ class DataClient:
             return [-1, []]
         return [step - 1, [float(done[m]) for m in sorted(done)]]
 
-    def report_loss(self, loss: Any) -> None:
+    def report_loss(self, loss: Any, step: int | None = None, micro_batch: int | None = None) -> None:
         """The trainer's training loss of the micro-batch `next()` returned last, before reduction:
         per token (`[rows, seq_len]`, as the batch's `tokens`; positions outside `loss_mask` are not
         counted) or one value per sample (`[pieces]`, in `doc_keys` order: each sample's mean loss).
         The client sums loss and tokens per source and sends them with the step's `consumed` (no
         message of its own); with `mixture.adapt` the coordinator's policy turns them into weights.
-        numpy arrays and torch tensors (any device) are taken."""
-        self._losses.add(loss)
+        numpy arrays and torch tensors (any device) are taken.
+
+        step, micro_batch: the micro-batch the loss is of, when it is not the one taken last (a
+        trainer that takes all of a step's micro-batches before computing them, as the Hugging Face
+        Trainer does with gradient accumulation): the batch's `step` and `micro_batch`. Any
+        micro-batch of the current or the previous step can be named; a step's sums go with the
+        step after it, when that step's last micro-batch is taken."""
+        self._losses.add(loss, None if step is None else (step, 0 if micro_batch is None else micro_batch))
 
     def report_compute_seconds(self, seconds: float, step: int | None = None, micro_batch: int | None = None) -> None:
         """The trainer's own measure of a micro-batch's compute (default: the one just taken), for
@@ -459,7 +465,8 @@ class DataClient:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a state_dict(); call before iterating."""
         if self._thread is not None:
-            raise RuntimeError("load_state_dict() must be called before the first batch is requested")
+            raise RuntimeError("load_state_dict() must be called before the client starts: before its first "
+                               "next(), start(), batch_shape or micro_batches_per_step")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported DataClient state version {state.get('version')!r}")
         self.next_step = int(state["next_step"])

@@ -25,17 +25,30 @@ def _numpy(value: Any) -> np.ndarray:
 class LossSums:
     def __init__(self) -> None:
         self.by_step: dict[int, dict[int, list[float]]] = {}  # step -> source -> [loss sum, tokens]
-        self.last: tuple[int, dict[str, Any]] | None = None  # the micro-batch handed last: (step, its layout)
+        # (step, micro-batch) -> its layout, for the micro-batches of this step and the one before: a
+        # trainer that takes a step's micro-batches before computing any (the Hugging Face Trainer's
+        # gradient accumulation) reports each one's loss after the next has been taken
+        self.layouts: dict[tuple[int, int], dict[str, Any]] = {}
+        self.last: tuple[int, int] | None = None  # the micro-batch handed last
 
-    def handed(self, step: int, batch: dict[str, Any]) -> None:
+    def handed(self, step: int, batch: dict[str, Any], micro_batch: int = 0) -> None:
         """next() returned this micro-batch: what report_loss will need of it."""
-        self.last = (step, {k: batch[k] for k in ("doc_keys", "pieces_per_row", "piece_lengths", "loss_mask")
-                            if k in batch})
+        for old in [at for at in self.layouts if at[0] < step - 1]:
+            del self.layouts[old]
+        self.last = (step, micro_batch)
+        self.layouts[self.last] = {k: batch[k] for k in ("doc_keys", "pieces_per_row", "piece_lengths", "loss_mask")
+                                   if k in batch}
 
-    def add(self, loss: Any) -> None:
+    def add(self, loss: Any, at: tuple[int, int] | None = None) -> None:
+        """The loss of micro-batch `at` (step, micro-batch), by default the one handed last."""
         if self.last is None:
             raise RuntimeError("report_loss: no micro-batch was taken yet (call it after next())")
-        step, batch = self.last
+        at = self.last if at is None else (int(at[0]), int(at[1]))
+        if at not in self.layouts:
+            raise ValueError(f"report_loss: micro-batch {at[1]} of step {at[0]} is not among those taken in this "
+                             f"step or the one before (the last taken: step {self.last[0]}, micro-batch "
+                             f"{self.last[1]})")
+        step, batch = at[0], self.layouts[at]
         keys = _numpy(batch["doc_keys"]).astype(np.uint64)
         sources = split_doc_key(keys)[0].astype(np.int64)
         lengths = _numpy(batch["piece_lengths"]).astype(np.int64)

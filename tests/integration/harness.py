@@ -135,6 +135,35 @@ def signature(received: dict[int, list[dict]]) -> list[tuple]:
     return sorted(out)
 
 
+def manifest(state_dir: str, step: int, *extra: str) -> dict:
+    """`msd manifest --json` of one step, from a job's state dir."""
+    import orjson
+    from click.testing import CliRunner
+
+    from msd.cli import main
+
+    r = CliRunner().invoke(main, ["manifest", "--state-dir", state_dir, "--step", str(step), "--json", *extra])
+    assert r.exit_code == 0, r.output
+    return orjson.loads(r.output)
+
+
+def manifest_pieces(m: dict) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    """A manifest's pieces as (rank, micro_batch) -> [(doc_key, offset, length), ...], in order,
+    as `received_pieces` gives a run's."""
+    out: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for rank, pieces in m["ranks"].items():
+        for p in pieces:
+            out.setdefault((int(rank), p["micro_batch"]), []).append((p["doc_key"], p["offset"], p["length"]))
+    return out
+
+
+def received_pieces(received: dict[int, list[dict]], step: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    """What the ranks received of one step, as `manifest_pieces` lays a manifest out."""
+    return {(rank, b["micro_batch"]): list(zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(),
+                                               b["piece_lengths"].tolist()))
+            for rank, batches in received.items() for b in batches if b["step"] == step}
+
+
 def check_content(job_path: str, received: dict[int, list[dict]]) -> int:
     """Assert the tokens of every piece equal the source document's tokens at that offset; return
     the number of pieces checked."""

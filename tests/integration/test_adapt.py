@@ -14,7 +14,7 @@ from coordinator.journal import read_mixture_journal
 from msd.cli import main
 from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
-from tests.integration.harness import run_ranks
+from tests.integration.harness import manifest, manifest_pieces, received_pieces, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -47,20 +47,10 @@ def test_losses_steer_the_mixture_journaled_and_exact(dataset_dir, tmp_path):
     assert web[0] == pytest.approx(0.25)  # toward web (loss 3 against 1), 0.05 a decision at most
     assert all(0 < b - a <= 0.05 + 1e-9 for a, b in zip(web, web[1:]))
 
-    got = {}
-    for rank, batches in received.items():
-        for b in batches:
-            got[(b["step"], rank, b["micro_batch"])] = list(zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(),
-                                                                b["piece_lengths"].tolist()))
     shares = []
     for step in range(steps):
-        r = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", str(step), "--json"])
-        assert r.exit_code == 0, r.output
-        m = orjson.loads(r.output)
-        for rank, pieces in m["ranks"].items():
-            for mb in (0, 1):
-                want = [(p["doc_key"], p["offset"], p["length"]) for p in pieces if p["micro_batch"] == mb]
-                assert want == got[(step, int(rank), mb)], (step, rank, mb)
+        m = manifest(state, step)
+        assert manifest_pieces(m) == received_pieces(received, step), step
         shares.append(m["source_tokens"]["web"] / sum(m["source_tokens"].values()))
     assert sum(shares[:first]) / first < 0.3 < sum(shares[-6:]) / 6  # web's realised share grew
 

@@ -12,6 +12,7 @@ from msd.cli import main
 from coordinator.journal import read_cost_journal
 from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
+from tests.integration.harness import manifest, manifest_pieces
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -69,14 +70,9 @@ def test_calibration_is_adopted_journaled_and_replayed(dataset_dir, tmp_path):
     assert status["cost_model"]["calibrate"] and status["cost_model"]["changes"]
     # the stream served, before and after the change, is the one the journal replays
     for step in (at - 1, at, steps - 1):
-        m = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", str(step), "--json"])
-        assert m.exit_code == 0, m.output
-        manifest = orjson.loads(m.output)
-        for rank, pieces in manifest["ranks"].items():
-            for mb in (0, 1):
-                want = [(p["doc_key"], p["offset"], p["length"]) for p in pieces if p["micro_batch"] == mb]
-                got = next(list(zip(k, o, n)) for s, b, k, o, n in received[int(rank)] if s == step and b == mb)
-                assert want == got, (step, rank, mb)
+        got = {(rank, b): list(zip(k, o, n)) for rank, batches in received.items()
+               for s, b, k, o, n in batches if s == step}
+        assert manifest_pieces(manifest(state, step)) == got, step
     report = tmp_path / "report.html"
     r = CliRunner().invoke(main, ["report", "--state-dir", state, "--out", str(report), "--max-steps", "10"])
     assert r.exit_code == 0, r.output

@@ -11,15 +11,9 @@ from msd.testing.local import LocalJob
 from tests.conftest import job_dict, write_job
 from msd_common.doc_keys import split_doc_key
 
-from .harness import run_ranks
+from .harness import manifest, manifest_pieces, received_pieces, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-
-def _manifest(state, step, *extra):
-    r = CliRunner().invoke(main, ["manifest", "--state-dir", state, "--step", str(step), "--json", *extra])
-    assert r.exit_code == 0, r.output
-    return orjson.loads(r.output)
 
 
 def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dataset_dir, tmp_path):
@@ -41,18 +35,13 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
     assert events == ["mix", "restart"]
 
     got = {}  # (step, rank, micro_batch) -> [(doc_key, offset, length), ...]
-    for rank, batches in received.items():
-        for b in batches:
-            got[(b["step"], rank, b["micro_batch"])] = list(zip(b["doc_keys"].tolist(), b["doc_offsets"].tolist(),
-                                                                 b["piece_lengths"].tolist()))
+    for step in range(steps):
+        got.update({(step, *at): pieces for at, pieces in received_pieces(received, step).items()})
     long_share = []
     for step in range(steps):
-        m = _manifest(state, step)
+        m = manifest(state, step)
         assert m["step"] == step and m["dp"] == 2
-        for rank, pieces in m["ranks"].items():
-            for mb in (0, 1):
-                want = [(p["doc_key"], p["offset"], p["length"]) for p in pieces if p["micro_batch"] == mb]
-                assert want == got[(step, int(rank), mb)], (step, rank, mb)
+        assert manifest_pieces(m) == received_pieces(received, step), step
         long_share.append(m["source_tokens"]["long"] / sum(m["source_tokens"].values()))
     assert max(long_share[:16]) < 0.5 < min(long_share[17:])  # the mix took effect at step 16
 
@@ -69,7 +58,7 @@ def test_manifest_equals_what_the_ranks_received_through_a_mix_and_a_restart(dat
         assert tokens == row["source_tokens"], row["step"]
 
     # one rank, resolved to files and lines
-    one = _manifest(state, 20, "--rank", "1", "--resolve")
+    one = manifest(state, 20, "--rank", "1", "--resolve")
     assert list(one["ranks"]) == ["1"]
     for p in one["ranks"]["1"]:
         assert p["where"] and (p["source"] != "web" or ".jsonl:" in p["where"])

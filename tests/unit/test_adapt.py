@@ -189,3 +189,22 @@ def test_report_loss_takes_torch_tensors_as_the_client_hands_them():
     numpy_sums.add(loss)
     torch_sums.add(torch.from_numpy(loss).requires_grad_())  # detached, as a trainer's loss would be
     assert torch_sums.report(2) == numpy_sums.report(2)
+
+
+def test_report_loss_names_a_micro_batch_taken_before_the_last():
+    """A trainer that takes a step's micro-batches before computing them (the Hugging Face
+    Trainer's gradient accumulation) names each one: its sums are those of reporting it at once."""
+    at_once, later = LossSums(), LossSums()
+    loss = np.arange(16, dtype=np.float32).reshape(2, 8)
+    at_once.handed(4, _batch(), 0)
+    at_once.add(loss)
+    at_once.handed(4, _batch(), 1)
+    at_once.add(loss * 2)
+    later.handed(4, _batch(), 0)
+    later.handed(4, _batch(), 1)
+    later.add(loss * 2, at=(4, 1))
+    later.add(loss, at=(4, 0))
+    assert later.report(4) == at_once.report(4)
+    later.handed(6, _batch(), 0)  # layouts of steps before the one before are let go
+    with pytest.raises(ValueError, match="micro-batch 0 of step 4"):
+        later.add(loss, at=(4, 0))
