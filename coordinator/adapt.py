@@ -79,8 +79,8 @@ def ado(step: int, history: History) -> dict[str, float]:
     """After ADO (2024), reduced: each source's loss against its cumulative tokens is fitted with a
     power law L = a * n^-b (least squares in log-log over the windows so far); a source's preference
     is what its next tokens are predicted to teach, b * L(n) (the loss drop per relative growth of
-    its data), mixed half and half with the weights in force. With fewer than three windows of a
-    source, its weight stays."""
+    its data). The weights go toward the preferences as far as max_step_change lets them in one
+    decision. With fewer than three windows of a source, its weight stays."""
     prefs: dict[str, float] = {}
     for s, losses in history.loss.items():
         cumulative, points = 0, []
@@ -99,7 +99,7 @@ def ado(step: int, history: History) -> dict[str, float]:
         return dict(history.weights)
     mass = sum(history.weights[s] for s in prefs)
     total = sum(prefs.values())
-    return {s: 0.5 * w + 0.5 * (mass * prefs[s] / total if s in prefs else w) for s, w in history.weights.items()}
+    return {s: (mass * prefs[s] / total if s in prefs else w) for s, w in history.weights.items()}
 
 
 BUILT_IN: dict[str, Policy] = {"odm": odm, "ado": ado, "loss_share": loss_share}

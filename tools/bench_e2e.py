@@ -298,6 +298,7 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     steps: dict[int, dict[int, tuple]] = {}
     pss_ranks, pss_ours, done = {}, 0, 0  # kB: (before, now, children now) per rank; our loader's processes
     running = None  # our worker processes at that moment
+    report_s: dict[int, float] = {}  # rank -> seconds per micro-batch in DataClient.report_loss
     ours_mb = None  # PSS of each of our processes at that moment
     try:
         deadline = time.monotonic() + timeout_s
@@ -320,6 +321,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
                     pss_ours = sum(by_process.values())
                     running = len(cluster.worker_pids())
                     ours_mb = {f"{e2e_ranks.process_name(pid)} {pid}": kb / 1024 for pid, kb in by_process.items()}
+            elif msg[0] == "report":
+                report_s[msg[1]] = msg[2]
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -336,6 +339,8 @@ def run_design(design: str, point: dict, data: tuple, params: dict, k: int, root
     # coordinator, host agent and workers)
     result["pss_mb_change_of_trainers"] = sum(now - before for before, now, _ in reports) / 1024
     result["pss_mb_loader_processes"] = (sum(kids for _, _, kids in reports) + pss_ours) / 1024
+    if report_s:
+        result["report_loss_ms_per_micro_batch"] = 1000 * sum(report_s.values()) / len(report_s)
     if running is not None:
         result["worker_processes_running"] = running
         result["pss_mb_by_process"] = ours_mb

@@ -56,7 +56,8 @@ GRID = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (512, 1, 10**5), (1024, 
 QUICK = [(8, 1, 10**5), (64, 1, 10**5), (256, 1, 10**5), (64, 64, 10**5), (64, 306, 10**5)]
 
 
-def write_job(root: str, dp: int, prefixes: list[str], records: int, tokens: int = TOKENS_PER_RANK) -> str:
+def write_job(root: str, dp: int, prefixes: list[str], records: int, tokens: int = TOKENS_PER_RANK,
+              adapt: str | None = None) -> str:
     job = {
         "seed": 3,
         "sources": {f"src{i:03d}": {"format": "megatron", "paths": [p]} for i, p in enumerate(prefixes)},
@@ -66,7 +67,9 @@ def write_job(root: str, dp: int, prefixes: list[str], records: int, tokens: int
         "balance": {"cost": {"quadratic": 1.0, "linear": 0.0}},
         "runtime": {"heartbeat_s": 2.0, "lookahead_steps": 2},
     }
-    path = os.path.join(root, f"job-{dp}-{len(prefixes)}-{records}-{tokens}.yaml")  # one per point
+    if adapt:  # mixture.adapt on the ranks' reported losses (tools/scale_ranks.py --loss-sources)
+        job["mixture"]["adapt"] = {"policy": adapt, "every_steps": 5}
+    path = os.path.join(root, f"job-{dp}-{len(prefixes)}-{records}-{tokens}-{adapt or 'static'}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(job, f, sort_keys=False)
     return path
@@ -138,10 +141,11 @@ finally:
 
 
 def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None,
-              step_s: float = 0.0, per_relay: int = 0, tokens: int = TOKENS_PER_RANK) -> dict:
-    """per_relay: ranks behind each relay (tools/scale_ranks.py --per-relay), 0 for none."""
+              step_s: float = 0.0, per_relay: int = 0, tokens: int = TOKENS_PER_RANK, adapt: str | None = None) -> dict:
+    """per_relay: ranks behind each relay (tools/scale_ranks.py --per-relay), 0 for none; adapt: a
+    mixture.adapt policy, the ranks then reporting a loss for every source with each consumed."""
     prefixes = sources(root, count, records)
-    job = write_job(root, dp, prefixes, records, tokens)
+    job = write_job(root, dp, prefixes, records, tokens, adapt)
     msd = os.path.join(os.path.dirname(sys.executable), "msd")
     port, metrics = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -168,7 +172,7 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
                                "--coordinator", address, "--ranks",
                                f"{i * RANKS_PER_PROCESS}:{min(dp, (i + 1) * RANKS_PER_PROCESS)}",
                                "--steps", str(steps), "--out", out, *(["--step-s", str(step_s)] if step_s else []),
-                               "--per-relay", str(per_relay)])
+                               "--per-relay", str(per_relay), "--loss-sources", str(count if adapt else 0)])
              for i, out in enumerate(outs)]
     samples, peak_sockets = [], 0
     try:

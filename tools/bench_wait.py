@@ -12,6 +12,8 @@ within every repeat:
 - `msd-two`: `msd coordinator` and `msd worker --procs 2`, two commands;
 - `msd-one`: `msd coordinator --worker-procs auto`, one command;
 - `msd-relay`: as msd-two, the ranks behind one `msd relay` (MSD_RELAY=auto), as on a trainer host;
+- `msd-loss`: as msd-two, each rank reporting a per-token loss after each micro-batch's compute
+  (`DataClient.report_loss`, a `[rows, seq_len]` tensor), timed on its own;
 - `megatron`: per-rank DataLoaders (2 workers each) over megatron-core's GPTDataset on the same
   files (tools/e2e_ranks.megatron_rank).
 Per design and compute time: the data wait (time inside `next()` over the run's wall time, mean
@@ -39,7 +41,8 @@ from bench_output import emit  # noqa: E402
 from bench_remote import make_corpus  # noqa: E402
 
 DESIGNS = {"msd-two": ("ours", "separate", 2), "msd-one": ("ours", "coordinator", "auto"),
-           "msd-relay": ("ours", "separate", 2), "megatron": ("megatron", None, None)}
+           "msd-relay": ("ours", "separate", 2), "msd-loss": ("ours", "separate", 2),
+           "megatron": ("megatron", None, None)}
 DEFAULT_DESIGNS = "msd-two,msd-one,megatron"
 
 
@@ -63,7 +66,8 @@ def run_once(design: str, compute_ms: float, a: argparse.Namespace, corpus: str,
     point = {"ranks": a.ranks, "workers": 2, "sources": 1, "seq_len": a.seq_len}
     steps = a.steps or max(30, min(200, int(10.0 / max(2 * compute_ms / 1000, 0.02))))  # ~10 s of compute
     params = {"seq_len": a.seq_len, "micro_batches": 2, "warmup": a.warmup, "seed": 5, "steps": steps,
-              "a": bench_e2e.A_7B, "b": bench_e2e.B_7B, "time_scale": 1.0, "compute_s": compute_ms / 1000}
+              "a": bench_e2e.A_7B, "b": bench_e2e.B_7B, "time_scale": 1.0, "compute_s": compute_ms / 1000,
+              "report_loss": design == "msd-loss"}
     prefixes = sorted(os.path.join(corpus, "megatron", f[:-4]) for f in os.listdir(os.path.join(corpus, "megatron"))
                       if f.endswith(".bin"))
     data = ([], prefixes, [1.0] * len(prefixes))
@@ -73,7 +77,9 @@ def run_once(design: str, compute_ms: float, a: argparse.Namespace, corpus: str,
     tokens_per_step = a.ranks * 2 * a.seq_len
     return {"design": design, "compute_ms": compute_ms, "steps": steps, "data_wait_share": r["data_wait_share"],
             "steps_per_s": r["steps_per_s"], "tokens_per_s": r["steps_per_s"] * tokens_per_step,
-            "loader_pss_mb": r["loader_pss_mb"], "wall_s": r["wall_s"]}
+            "loader_pss_mb": r["loader_pss_mb"], "wall_s": r["wall_s"],
+            **({"report_loss_ms_per_micro_batch": r["report_loss_ms_per_micro_batch"]}
+               if "report_loss_ms_per_micro_batch" in r else {})}
 
 
 def spread(values: list[float]) -> dict:

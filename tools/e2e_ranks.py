@@ -98,13 +98,15 @@ def piece_costs(lengths: np.ndarray, a: float, b: float) -> np.ndarray:
 # ---------------------------------------------------------------- the simulated trainer
 
 def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank: int, pss_before: int,
-          loader_children: bool) -> None:
+          loader_children: bool, report: Any = None) -> None:
     """Consume p["warmup"] + p["steps"] steps of p["micro_batches"] micro-batches each.
-    `batches` yields (piece lengths, the batch) per micro-batch."""
+    `batches` yields (piece lengths, the batch) per micro-batch. `report(batch)`, if given, runs
+    after each micro-batch's compute (the trainer's own time, as `DataClient.report_loss`)."""
     a, b, scale = p["a"], p["b"], p["time_scale"]
     total = p["warmup"] + p["steps"]
     mid = p["warmup"] + p["steps"] // 2
     it = iter(batches)
+    reported = 0.0  # seconds in report(), over the run
     for step in range(total):
         wait = compute = 0.0
         largest = cost_sum = 0.0
@@ -119,11 +121,17 @@ def train(batches: Iterator[tuple[np.ndarray, Any]], p: dict, barrier, out, rank
             dt = p["compute_s"] if p.get("compute_s") is not None else float(c.sum()) * scale
             time.sleep(dt)
             compute += dt
+            if report is not None:
+                t1 = time.perf_counter()
+                report(_batch)
+                reported += time.perf_counter() - t1
         if step == mid:
             now, kids = pss_now(os.getpid(), loader_children)
             out.put(("pss", rank, pss_before, now, kids))
         barrier.wait()
         out.put(("step", rank, step, time.perf_counter(), wait, compute, largest, cost_sum))
+    if report is not None:
+        out.put(("report", rank, reported / (total * p["micro_batches"])))
     out.put(("done", rank))
 
 
@@ -154,8 +162,14 @@ def ours_rank(address: str, rank: int, p: dict, barrier, out) -> None:
             yield batch["piece_lengths"].numpy() if hasattr(batch["piece_lengths"], "numpy") else batch[
                 "piece_lengths"], batch
 
+    def report(batch) -> None:  # a per-token loss as a trainer has it before reducing it
+        import torch
+
+        client.report_loss(torch.full(batch["tokens"].shape, 2.0))
+
     try:
-        train(batches(), p, barrier, out, rank, before, loader_children=False)
+        train(batches(), p, barrier, out, rank, before, loader_children=False,
+              report=report if p.get("report_loss") else None)
     finally:
         client.close()
 

@@ -42,9 +42,10 @@ from msd_common.sockets import make_socket, send_nowait, waiting  # noqa: E402
 
 class LightRank:
     def __init__(self, ctx: zmq.Context, rank: int, coordinator: str, pace: "Pace",
-                 relay: "SimRelay | None" = None) -> None:
+                 relay: "SimRelay | None" = None, loss_sources: int = 0) -> None:
         self.rank = rank
         self.pace = pace
+        self.loss_sources = loss_sources  # report a training loss for this many sources (mixture.adapt)
         self.relay = relay
         self.ready: collections.deque[int] = collections.deque()  # finished steps not consumed yet
         self.state = ReceivingState(rank, 0, 0, None)
@@ -69,6 +70,14 @@ class LightRank:
         self.first_batch_at: float | None = None
         self.steps_done = 0
         self.ended = False
+
+    def _losses(self, step: int) -> dict:
+        """What DataClient.report_loss sends with a consumed: the step before's sums per source."""
+        if not self.loss_sources or step < 0:
+            return {}
+        sources = list(range(self.loss_sources))
+        return {"loss_step": step, "loss_sources": sources, "loss_tokens": [64] * len(sources),
+                "loss_sums": [64 * (2.0 + 0.1 * s + 0.01 * (self.rank % 7)) for s in sources]}
 
     def _hello(self, address: str) -> P.TrainerHello:
         return P.TrainerHello(version=P.PROTOCOL_VERSION, rank=self.rank, data_address=address,
@@ -106,7 +115,8 @@ class LightRank:
             step = self.ready.popleft()
             if self.first_batch_at is None:
                 self.first_batch_at = time.time()
-            self._send(P.Consumed(rank=self.rank, step=step, waited_s=0.0, compute_step=-1, compute_s=[]))
+            self._send(P.Consumed(rank=self.rank, step=step, waited_s=0.0, compute_step=-1, compute_s=[],
+                                  **self._losses(step - 1)))
             self.registration.spoke(now)
             self.steps_done = step + 1
         if self.relay is None:
@@ -138,6 +148,8 @@ class SimRelay:
         self.relay_id: int | None = None
         self.queue: list[P.Message] = []
         self.consumed: list[tuple[int, int]] = []  # (rank, step) rows of relay_up's table
+        self.losses: list[tuple[int, int, int, int]] = []  # (rank, step, source, tokens) rows
+        self.loss_sums: list[float] = []
         self.held: dict[int, list[P.Consumed]] = {}
         self.registration = Registration(
             lambda: P.RelayHello(version=P.PROTOCOL_VERSION, host=f"sim-{index}", data_address=self.address,
@@ -150,7 +162,11 @@ class SimRelay:
             held = self.held.setdefault(message.step, [])
             held.append(message)
             if len(held) == len(self.ranks):
-                self.consumed.extend((m.rank, m.step) for m in self.held.pop(message.step))
+                for m in self.held.pop(message.step):
+                    self.consumed.append((m.rank, m.step))
+                    for source, total, tokens in zip(m.loss_sources, m.loss_sums, m.loss_tokens):
+                        self.losses.append((m.rank, m.loss_step, source, tokens))
+                        self.loss_sums.append(total)
         else:
             self.queue.append(message)
 
@@ -192,10 +208,13 @@ class SimRelay:
             self.queue, self.consumed = [], []
 
     def _up(self, messages: list[P.Message], consumed: list[tuple[int, int]]) -> None:
+        losses = {"losses": np.array(self.losses, dtype=np.int64).reshape(-1, 4),
+                  "loss_sums": np.array(self.loss_sums, dtype=np.float64)} if self.losses else {}
+        self.losses, self.loss_sums = [], []
         send_nowait(self.control, P.RelayUp(relay_id=self.relay_id, messages=[m.header() for m in messages],
                                             ranks=sorted(self.ranks),
                                             consumed=np.array(consumed, dtype=np.int64).reshape(-1, 2),
-                                            waited_s=np.zeros(len(consumed))))
+                                            waited_s=np.zeros(len(consumed)), **losses))
         self.registration.spoke(time.monotonic())
 
     def close(self) -> None:
@@ -222,13 +241,13 @@ class Pace:
 
 
 def run(coordinator: str, first: int, last: int, steps: int, timeout_s: float, step_s: float | None = None,
-        per_relay: int = 0) -> dict:
+        per_relay: int = 0, loss_sources: int = 0) -> dict:
     ctx = zmq.Context()
     pace = Pace(step_s)
     relays = [SimRelay(ctx, coordinator, i) for i in range(first // per_relay, -(-last // per_relay))] \
         if per_relay else []
-    ranks = [LightRank(ctx, r, coordinator, pace, relays[(r - first) // per_relay] if per_relay else None)
-             for r in range(first, last)]
+    ranks = [LightRank(ctx, r, coordinator, pace, relays[(r - first) // per_relay] if per_relay else None,
+                       loss_sources) for r in range(first, last)]
     for lr in ranks:
         if lr.relay is not None:
             lr.relay.ranks[lr.rank] = lr
@@ -269,9 +288,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--step-s", type=float, default=None, help="consume a step every S seconds at most")
     ap.add_argument("--per-relay", type=int, default=0, help="ranks per simulated relay (0: ranks speak directly)")
+    ap.add_argument("--loss-sources", type=int, default=0, help="report a training loss per source (this many)")
     args = ap.parse_args()
     first, last = (int(x) for x in args.ranks.split(":"))
-    result = run(args.coordinator, first, last, args.steps, args.timeout_s, args.step_s, args.per_relay)
+    result = run(args.coordinator, first, last, args.steps, args.timeout_s, args.step_s, args.per_relay,
+                 args.loss_sources)
     with open(args.out, "wb") as f:
         f.write(orjson.dumps(result))
 

@@ -115,7 +115,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(args.port))
     dist.init_process_group(args.backend, rank=rank, world_size=args.world_size)
-    torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
+    torch.manual_seed(args.seed)  # the same initial model on every rank (DDP also broadcasts it)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     model = nn.parallel.DistributedDataParallel(TinyLM(dim=args.dim, vocab=args.vocab))
@@ -195,6 +195,7 @@ def main() -> None:
     ap.add_argument("--report-loss", action="store_true", help="report each micro-batch's loss per token "
                     "(client.report_loss), for a job with mixture.adapt")
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     args = ap.parse_args()
     torch.multiprocessing.spawn(train, args=(args,), nprocs=args.world_size, join=True)
 

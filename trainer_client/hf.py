@@ -107,6 +107,20 @@ class MsdCallback(TrainerCallback):
         os.replace(path + ".tmp", path)
 
 
+LOSS_CHUNK = 1024  # positions whose float32 logits are made at once (1024 x a 150k vocabulary: 600 MB)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy (0 where ignored), without gradients, a chunk of positions at a
+    time so that the float32 copy of the logits stays small."""
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for i in range(0, len(labels), LOSS_CHUNK):
+            out[i:i + LOSS_CHUNK] = F.cross_entropy(logits[i:i + LOSS_CHUNK].float(), labels[i:i + LOSS_CHUNK],
+                                                    ignore_index=IGNORE_INDEX, reduction="none")
+    return out
+
+
 def _per_token_loss(outputs: list[Any], labels: torch.Tensor | None) -> torch.Tensor | None:
     """The loss per position of the flattened micro-batch, position i the loss of token i + 1 (as
     msd's loss_mask is laid out), from the first model output that has it: TRL's fused head gives
@@ -118,9 +132,7 @@ def _per_token_loss(outputs: list[Any], labels: torch.Tensor | None) -> torch.Te
             break
         logits = getattr(out, "logits", None)
         if logits is not None and labels is not None:
-            with torch.no_grad():
-                per = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                      ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape[0], -1)
+            per = _cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).view(labels.shape[0], -1)
             break
     else:
         return None

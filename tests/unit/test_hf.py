@@ -95,3 +95,14 @@ def test_the_loss_per_token_is_the_models_own_loss_where_trained():
     # TRL's fused head gives the log-probabilities of the next tokens, one position short
     fused = type("Fused", (), {"log_probs": -per.reshape(1, -1)[:, :-1]})()
     torch.testing.assert_close(_per_token_loss([fused], batch["labels"]).reshape(per.shape), per)
+
+
+def test_the_loss_per_token_is_the_same_a_chunk_of_positions_at_a_time(monkeypatch):
+    import trainer_client.hf as hf
+
+    model = _tiny_llama()
+    batch = hf_batch(_msd_batch([PIECES[:2], [PIECES[2]]], row_len=9))
+    out = model(**batch)
+    whole = _per_token_loss([out], batch["labels"])
+    monkeypatch.setattr(hf, "LOSS_CHUNK", 5)
+    torch.testing.assert_close(_per_token_loss([out], batch["labels"]), whole, rtol=0, atol=0)
