@@ -91,8 +91,13 @@ def seq(item: Check, max_len: int = MAX_LIST_LEN, length: int | None = None) -> 
             _fail(path, f"expected list, got {type(value).__name__}")
         if len(value) > max_len or (length is not None and len(value) != length):
             _fail(path, f"list of length {len(value)} not allowed")
-        for i, v in enumerate(value):
-            item(v, f"{path}[{i}]")
+        try:
+            for v in value:
+                item(v, path)
+        except ProtocolError:  # named by the element's own path: made only when one fails
+            for i, v in enumerate(value):
+                item(v, f"{path}[{i}]")
+            raise
 
     return check
 

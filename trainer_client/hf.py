@@ -146,6 +146,8 @@ class MsdTrainerMixin:
     DataClient) and `report_loss=` (default True) beside the Trainer's own arguments."""
 
     def __init__(self, *args: Any, data_client: DataClient, report_loss: bool = True, **kwargs: Any) -> None:
+        if not data_client.as_torch:
+            raise ValueError("an msd Trainer needs DataClient(as_torch=True): the Trainer takes torch tensors")
         self.data_client = data_client
         self.report_loss_per_source = report_loss
         training_args = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
