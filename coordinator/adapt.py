@@ -25,6 +25,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
+from msd_common.protocol import RELAY_LOSS
 from msd_common.spec import AdaptConfig
 
 log = logging.getLogger("msd.coordinator")
@@ -162,13 +165,18 @@ class AdaptBook:
         self.policy = load_policy(config.policy)
         self.adapted = [n for n in names if not config.sources or n in config.sources]
         self.reports: dict[int, dict[int, dict[int, tuple[float, int]]]] = {}  # step -> dp rank -> source -> sums
+        # relays' loss tables (RELAY_LOSS rows, summed losses), kept as they came until their steps fold
+        self.tables: list[tuple[np.ndarray, np.ndarray]] = []
         self.history = History(loss={n: [] for n in self.adapted}, tokens={n: [] for n in self.adapted})
-        self.window: dict[str, list[float]] = {n: [0.0, 0.0] for n in self.adapted}  # loss sum, tokens
+        # per adapted source: each gathered step's loss sum, and the tokens, since the last decision
+        self.window: dict[str, list] = {n: [[], 0] for n in self.adapted}
         self.taken = set(journaled)  # apply steps already decided (the journal's changes)
         self.first_open = next_step  # decisions applying before this are planned already
         self.next_k = self.first_decision()  # the next step after which a decision is due
         while self.next_k + self.delay < next_step:  # (planned already: their windows' losses are gone)
             self.next_k += config.every_steps
+        # the steps up to this one are in the window or the history (a restart: those before the open window)
+        self.gathered = self.next_k - config.every_steps if self.next_k > self.first_decision() else -1
         self.failed: str | None = None  # the last policy failure, for status
 
     def first_decision(self) -> int:
@@ -185,42 +193,100 @@ class AdaptBook:
         if dp not in by_dp:
             by_dp[dp] = {int(s): (float(x), int(n)) for s, x, n in zip(sources, sums, tokens)}
 
+    def report_table(self, table: np.ndarray, sums: np.ndarray) -> None:
+        """A relay's losses: RELAY_LOSS rows (rank, step, source, tokens) and their summed losses,
+        counted as `report` counts a rank's when their steps fold."""
+        self.tables.append((table, sums))
+
     def holds(self, step: int) -> bool:
         """Whether `step` must wait for a decision not taken yet."""
         return self.next_k + self.delay <= step
 
     def decide(self, slowest: int, weights_at: Callable[[int], list[float]]) -> list[Decision]:
         """Every decision whose step's losses are all in (each rank has consumed the step after),
-        in order: the new weights where they change."""
+        in order: the new weights where they change. Steps whose losses are all in are folded into
+        the window as they complete, so the book holds the steps in flight only."""
         out = []
-        while self.next_k + 1 <= slowest:
+        while True:
+            self._gather(min(slowest - 1, self.next_k))
+            if self.next_k + 1 > slowest:
+                return out
             k, at = self.next_k, self.next_k + self.delay
             self.next_k += self.config.every_steps
-            self._fold(k)
+            self._close(k)
             if at in self.taken or at < self.first_open:
                 continue
             self.taken.add(at)
             decision = self._decide(k, at, weights_at(at))
             if decision is not None:
                 out.append(decision)
-        return out
 
-    def _fold(self, k: int) -> None:
-        """Steps up to k into the current window; at a decision step the window closes."""
-        for step in sorted(s for s in self.reports if s <= k):
-            for by_source in self.reports.pop(step).values():
-                for s, (loss, tokens) in by_source.items():
-                    name = self.names[s] if 0 <= s < len(self.names) else None
-                    if name in self.window:
-                        self.window[name][0] += loss
-                        self.window[name][1] += tokens
+    def _gather(self, upto: int) -> None:
+        """The losses of the steps after those gathered, up to `upto` (every one complete), into the
+        window: per source, each step's loss summed exactly (math.fsum), so neither the order the
+        reports came in nor when they were gathered changes a bit of the window's total."""
+        if upto <= self.gathered:
+            return
+        after, self.gathered = self.gathered, upto
+        per_step: dict[int, dict[int, tuple[list[float], int]]] = {}
+        direct = []  # (step, dp rank) whose report came from the rank itself
+        for step in [s for s in self.reports if s <= upto]:
+            for dp, by_source in self.reports.pop(step).items() if step > after else ():
+                direct.append((step, dp))
+                for source, (loss, n) in by_source.items():
+                    parts, tokens = per_step.setdefault(step, {}).get(source, ([], 0))
+                    parts.append(loss)
+                    per_step[step][source] = (parts, tokens + n)
+        for (step, source), (losses, n) in self._table_rows(after, upto, direct).items():
+            parts, tokens = per_step.setdefault(step, {}).get(source, ([], 0))
+            per_step[step][source] = (parts + losses, tokens + n)
+        for step in sorted(per_step):
+            for source, (parts, n) in per_step[step].items():
+                name = self.names[source] if 0 <= source < len(self.names) else None
+                if name in self.window:
+                    self.window[name][0].append(math.fsum(parts))
+                    self.window[name][1] += n
+
+    def _close(self, k: int) -> None:
+        """The window of the decision after step k closes into the history."""
         if self.history.steps and self.history.steps[-1] >= k:
             return
         self.history.steps.append(k)
-        for name, (loss, tokens) in self.window.items():
-            self.history.loss[name].append(loss / tokens if tokens else float("nan"))
-            self.history.tokens[name].append(int(tokens))
-        self.window = {n: [0.0, 0.0] for n in self.adapted}
+        for name, (parts, n) in self.window.items():
+            self.history.loss[name].append(math.fsum(parts) / n if n else float("nan"))
+            self.history.tokens[name].append(int(n))
+        self.window = {n: [[], 0] for n in self.adapted}
+
+    def _table_rows(self, after: int, upto: int, direct: list[tuple[int, int]]) -> dict:
+        """The relays' rows of the steps after `after` up to `upto`, as (step, source) -> (loss sums,
+        tokens), counted as `report` counts: one report per data-parallel rank and step (the lowest
+        rank's rows: its tensor-parallel peers report the same), none where the rank's own report
+        came. Rows of later steps are kept, of earlier ones dropped."""
+        if not self.tables:
+            return {}
+        table = np.concatenate([t for t, _ in self.tables])
+        sums = np.concatenate([x for _, x in self.tables])
+        steps = table[:, RELAY_LOSS.step]
+        due = steps <= upto
+        self.tables = [(table[~due], sums[~due])] if not due.all() else []
+        due &= steps > after
+        table, sums, steps = table[due], sums[due], steps[due]
+        ranks = table[:, RELAY_LOSS.rank]
+        dp_of = {r: self.dp_of(r) for r in np.unique(ranks).tolist()}
+        key = steps << 32 | np.array([dp_of[r] for r in ranks.tolist()], np.int64)
+        order = np.lexsort((ranks, key))
+        first = np.r_[True, key[order][1:] != key[order][:-1]]  # each (step, dp)'s lowest rank starts its run
+        lowest = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+        keep = np.zeros(len(key), bool)
+        keep[order] = ranks[order] == ranks[order][lowest]
+        if direct:
+            keep &= ~np.isin(key, [s << 32 | d for s, d in direct])
+        out = {}
+        sources = table[:, RELAY_LOSS.source]
+        for step, source in {(a, b) for a, b in zip(steps[keep].tolist(), sources[keep].tolist())}:
+            mine = keep & (steps == step) & (sources == source)
+            out[(step, source)] = (sums[mine].tolist(), int(table[mine, RELAY_LOSS.tokens].sum()))
+        return out
 
     def _decide(self, k: int, at: int, weights: list[float]) -> Decision | None:
         current = {n: weights[self.names.index(n)] for n in self.adapted}

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from msd_common import protocol as P
+from msd_common.protocol import RELAY_LOSS
 from msd_common.topology import Topology
 
 from .events import RelayHeartbeat, RelayHello, RelayReport
@@ -65,19 +68,21 @@ class RelayBook:
             if t is not None and t.via == relay.relay_id:
                 t.last_seen = ev.at
 
-    def losses(self, ev: RelayReport, relay: RelayInfo) -> list[tuple[int, int, list[int], list[float], list[int]]]:
-        """The training losses of a relay_up (mixture.adapt), as each rank's `consumed` would carry
-        them: (rank, step, sources, loss sums, tokens), for the ranks registered through this relay."""
-        grouped: dict[tuple[int, int], tuple[list[int], list[float], list[int]]] = {}
+    def losses(self, ev: RelayReport, relay: RelayInfo) -> tuple[np.ndarray, np.ndarray] | None:
+        """The training losses of a relay_up (mixture.adapt), the rows of the ranks registered
+        through this relay only: its RELAY_LOSS table and summed losses (None without rows). A
+        table, not a row each: behind relays the coordinator gets a rank's losses every step."""
+        table, sums = ev.losses, ev.loss_sums
+        if table is None or not len(table):
+            return None
         trainers = self.registry.trainers
-        for (rank, step, source, tokens), total in zip(ev.losses.tolist(), ev.loss_sums.tolist()):
-            t = trainers.get(rank)
-            if t is not None and t.via == relay.relay_id:
-                sources, sums, counts = grouped.setdefault((rank, step), ([], [], []))
-                sources.append(source)
-                sums.append(total)
-                counts.append(tokens)
-        return [(rank, step, *values) for (rank, step), values in grouped.items()]
+        ranks = table[:, RELAY_LOSS.rank]
+        mine = [r for r in np.unique(ranks).tolist()
+                if (t := trainers.get(r)) is not None and t.via == relay.relay_id]
+        if len(mine) < len(np.unique(ranks)):
+            keep = np.isin(ranks, mine)
+            table, sums = table[keep], sums[keep]
+        return (table, sums) if len(table) else None
 
     def consumed(self, ev: RelayReport, relay: RelayInfo) -> list[tuple[TrainerInfo, int, float]]:
         """The `consumed` of a relay_up, each as its rank's own message would be (for the ranks

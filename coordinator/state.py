@@ -406,8 +406,8 @@ class CoordinatorState:
         """A relay_up's report: the relay's counters, and the `consumed` of its ranks."""
         for trainer, step, waited in self.relay_book.consumed(ev, relay):
             self._consumed(trainer, step, waited)
-        for report in self.relay_book.losses(ev, relay) if self.adapt is not None else ():
-            self.adapt.report(*report)
+        if self.adapt is not None and (losses := self.relay_book.losses(ev, relay)) is not None:
+            self.adapt.report_table(*losses)
         self.lead.consumed(ev.at, self.registry.slowest())
 
     def _dp_rank(self, rank: int) -> int:

@@ -211,3 +211,39 @@ def test_report_loss_names_a_micro_batch_taken_before_the_last():
     later.handed(6, _batch(), 0)  # layouts of steps before the one before are let go
     with pytest.raises(ValueError, match="micro-batch 0 of step 4"):
         later.add(loss, at=(4, 0))
+
+
+def _book(dp_of=lambda r: r // 2):
+    from coordinator.adapt import AdaptBook
+
+    return AdaptBook(AdaptConfig("loss_share", 2), ["web", "code"], 2, dp_of, [], 0)
+
+
+def _reports(step: int) -> list[tuple[int, list[int], list[float], list[int]]]:
+    """(rank, sources, loss sums, tokens) of 4 ranks, 2 per data-parallel rank (tp 2): peers alike."""
+    return [(r, [0, 1], [0.1 * (step + 1) + 1e-9 * (r // 2), 3.3 + step / 7], [10 + r // 2, 20]) for r in range(4)]
+
+
+def test_relay_tables_count_as_the_ranks_own_reports_in_any_order():
+    """A relay's table of its ranks' losses counts as their own reports: one per data-parallel
+    rank, and summed exactly, so that neither the way they came nor their order changes a bit."""
+    from msd_common.protocol import RELAY_LOSS
+
+    direct, tables, backwards = _book(), _book(), _book()
+    for step in range(6):
+        reports = _reports(step)
+        for r, sources, sums, tokens in reports:
+            direct.report(r, step, sources, sums, tokens)
+        for r, sources, sums, tokens in reversed(reports):
+            backwards.report(r, step, sources, sums, tokens)
+        rows = [(r, step, s, n) for r, sources, sums, tokens in reports for s, n in zip(sources, tokens)]
+        table = np.array(rows, np.int64).reshape(-1, len(RELAY_LOSS))
+        tables.report_table(table[::-1], np.array([x for _, _, sums, _ in reports for x in sums])[::-1])
+        weights = lambda at: [0.5, 0.5]  # noqa: E731
+        for book in (direct, tables, backwards):
+            book.decide(step, weights)
+            assert len(book.reports) <= 1 and sum(len(t) for t, _ in book.tables) <= 8  # the steps in flight only
+    assert direct.history.steps == [1, 3]
+    assert tables.history == direct.history == backwards.history
+    mean = math.fsum(0.1 * (s + 1) * 2 + 1e-9 for s in range(2, 4)) / (2 * 21)
+    assert direct.history.loss["web"][1] == pytest.approx(mean)
