@@ -167,6 +167,8 @@ class AdaptBook:
         self.reports: dict[int, dict[int, dict[int, tuple[float, int]]]] = {}  # step -> dp rank -> source -> sums
         # relays' loss tables (RELAY_LOSS rows, summed losses), kept as they came until their steps fold
         self.tables: list[tuple[np.ndarray, np.ndarray]] = []
+        self._dp_of_rank = np.zeros(0, np.int64)  # rank -> data-parallel rank, for the tables
+        self._peers = False  # whether some ranks share a data-parallel rank
         self.history = History(loss={n: [] for n in self.adapted}, tokens={n: [] for n in self.adapted})
         # per adapted source: each gathered step's loss sum, and the tokens, since the last decision
         self.window: dict[str, list] = {n: [[], 0] for n in self.adapted}
@@ -272,21 +274,31 @@ class AdaptBook:
         due &= steps > after
         table, sums, steps = table[due], sums[due], steps[due]
         ranks = table[:, RELAY_LOSS.rank]
-        dp_of = {r: self.dp_of(r) for r in np.unique(ranks).tolist()}
-        key = steps << 32 | np.array([dp_of[r] for r in ranks.tolist()], np.int64)
-        order = np.lexsort((ranks, key))
-        first = np.r_[True, key[order][1:] != key[order][:-1]]  # each (step, dp)'s lowest rank starts its run
-        lowest = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
-        keep = np.zeros(len(key), bool)
-        keep[order] = ranks[order] == ranks[order][lowest]
+        key = steps << 32 | self._dp_ranks(ranks)
+        keep = np.ones(len(key), bool)
+        if self._peers:  # ranks that share a data-parallel rank (tensor, pipeline or context parallel)
+            order = np.lexsort((ranks, key))
+            first = np.r_[True, key[order][1:] != key[order][:-1]]  # each (step, dp)'s lowest rank starts its run
+            lowest = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+            keep[order] = ranks[order] == ranks[order][lowest]
         if direct:
             keep &= ~np.isin(key, [s << 32 | d for s, d in direct])
+        group = (steps << 32 | table[:, RELAY_LOSS.source])[keep]  # (step, source)
+        order = np.argsort(group, kind="stable")
+        group, sums, tokens = group[order], sums[keep][order], table[keep, RELAY_LOSS.tokens][order]
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]).tolist() if len(group) else []
         out = {}
-        sources = table[:, RELAY_LOSS.source]
-        for step, source in {(a, b) for a, b in zip(steps[keep].tolist(), sources[keep].tolist())}:
-            mine = keep & (steps == step) & (sources == source)
-            out[(step, source)] = (sums[mine].tolist(), int(table[mine, RELAY_LOSS.tokens].sum()))
+        for a, b in zip(starts, starts[1:] + [len(group)]):
+            out[(int(group[a] >> 32), int(group[a] & 0xFFFFFFFF))] = (sums[a:b].tolist(), int(tokens[a:b].sum()))
         return out
+
+    def _dp_ranks(self, ranks: np.ndarray) -> np.ndarray:
+        """Each rank's data-parallel rank (a lookup table, grown to the highest rank seen)."""
+        top = int(ranks.max()) + 1 if len(ranks) else 0
+        if len(self._dp_of_rank) < top:
+            self._dp_of_rank = np.array([self.dp_of(r) for r in range(top)], np.int64)
+            self._peers = len(np.unique(self._dp_of_rank)) < top
+        return self._dp_of_rank[ranks]
 
     def _decide(self, k: int, at: int, weights: list[float]) -> Decision | None:
         current = {n: weights[self.names.index(n)] for n in self.adapted}

@@ -76,11 +76,10 @@ class RelayBook:
         if table is None or not len(table):
             return None
         trainers = self.registry.trainers
-        ranks = table[:, RELAY_LOSS.rank]
-        mine = [r for r in np.unique(ranks).tolist()
-                if (t := trainers.get(r)) is not None and t.via == relay.relay_id]
-        if len(mine) < len(np.unique(ranks)):
-            keep = np.isin(ranks, mine)
+        present = set(table[:, RELAY_LOSS.rank].tolist())  # (a set of a few ranks: cheaper than np.unique)
+        mine = {r for r in present if (t := trainers.get(r)) is not None and t.via == relay.relay_id}
+        if mine != present:
+            keep = np.isin(table[:, RELAY_LOSS.rank], list(mine))
             table, sums = table[keep], sums[keep]
         return (table, sums) if len(table) else None
 
