@@ -250,3 +250,17 @@ def test_relay_tables_count_as_the_ranks_own_reports_in_any_order(tp):
         mean = math.fsum(0.1 * (s + 1) * 2 + 1e-9 for s in range(2, 4)) / (2 * 21)
         assert direct.history.loss["web"][1] == pytest.approx(mean)
         assert direct.history.tokens["web"][1] == 2 * 21
+
+
+def test_report_loss_keeps_63_bit_doc_keys_and_leaves_out_a_nan_loss():
+    """Doc keys are read as integers (a float32 would round a record's bits into the source's),
+    and a micro-batch whose loss is NaN is left out of the report instead of stopping the job."""
+    torch = pytest.importorskip("torch")
+    batch = {k: torch.from_numpy(np.asarray(v)) for k, v in _batch().items()}
+    batch["doc_keys"] = torch.tensor([doc_key(0, (1 << 48) - 1), doc_key(1, 2), doc_key(2, 9)], dtype=torch.int64)
+    sums = LossSums()
+    sums.handed(3, batch, 0)
+    sums.add(torch.ones(2, 8))
+    sums.handed(3, batch, 1)
+    sums.add(torch.full((2, 8), float("nan")))
+    assert sums.report(3) == [3, [0, 1, 2], [4.0, 2.0, 5.0], [4, 2, 5]]
