@@ -8,9 +8,8 @@ after it, when every micro-batch of the step has been trained on (its last one's
 after the next step's first `next()`).
 
 On the trainer's thread `report_loss` costs little: a micro-batch's layout is made once, and a
-per-token loss that is a torch tensor is summed per piece where it lies (on a GPU: no copy to the
-host and no wait for the GPU then); the few sums are read when the step's report goes, a step
-later."""
+per-token loss on a GPU is summed per piece there (no copy to the host and no wait for the GPU
+then); the few sums are read when the step's report goes, a step later."""
 
 from __future__ import annotations
 
@@ -109,8 +108,11 @@ class LossSums:
             layout = self.layouts[at] = _layout(layout)
         shape = tuple(getattr(loss, "shape", np.shape(loss)))
         if shape == layout.trained.shape:  # per token
-            sums = (_piece_sums_torch(loss, layout) if hasattr(loss, "detach") else
-                    _piece_sums_numpy(np.asarray(loss, np.float64), layout))
+            if hasattr(loss, "detach") and loss.device.type != "cpu":
+                sums = _piece_sums_torch(loss, layout)
+            else:  # (numpy: torch's CPU kernels cost more here, and may start threads)
+                values = loss.detach().float().numpy() if hasattr(loss, "detach") else np.asarray(loss)
+                sums = _piece_sums_numpy(values.astype(np.float64), layout)
         elif shape == (len(layout.lengths),):  # one mean per sample: weighted by its trained tokens
             values = loss.detach().float().cpu().numpy() if hasattr(loss, "detach") else np.asarray(loss)
             sums = (values.astype(np.float64) * np.asarray(layout.tokens)).tolist()

@@ -264,3 +264,17 @@ def test_report_loss_keeps_63_bit_doc_keys_and_leaves_out_a_nan_loss():
     sums.handed(3, batch, 1)
     sums.add(torch.full((2, 8), float("nan")))
     assert sums.report(3) == [3, [0, 1, 2], [4.0, 2.0, 5.0], [4, 2, 5]]
+
+
+def test_a_devices_loss_is_summed_where_it_lies_as_the_hosts_is():
+    """The path of a loss on a GPU (summed there, read a step later), run here on the CPU: the
+    same sums as the host's numpy path."""
+    torch = pytest.importorskip("torch")
+    from trainer_client.losses import _layout, _piece_sums_numpy, _piece_sums_torch
+
+    layout = _layout(_batch())
+    loss = np.linspace(0, 3, 16).reshape(2, 8)
+    on_device = _piece_sums_torch(torch.from_numpy(loss).to(torch.bfloat16).float(), layout)
+    assert isinstance(on_device, torch.Tensor)  # not read yet
+    np.testing.assert_allclose(on_device.tolist(), _piece_sums_numpy(torch.from_numpy(loss).to(torch.bfloat16)
+                                                                      .double().numpy(), layout), rtol=1e-12)
