@@ -23,9 +23,10 @@ What the Trainer would otherwise do to a dataset, and what it gets instead:
   (`msd-data-rank{rank}.json`). `train(resume_from_checkpoint=...)` loads it before the first
   batch, and the Trainer's own skipping of trained batches is turned off (`ignore_data_skip`): the
   client resumes the stream where the checkpoint left it.
-- **Loss per source.** Each training micro-batch's loss per token is reported to the coordinator
-  with `client.report_loss`, for `mixture.adapt`, `msd status` and the `msd_train_loss` metric. It
-  comes from the model's own output: TRL's per-token log-probabilities, or the logits otherwise.
+- **Loss per source.** Each training micro-batch's loss per token is taken from the model's own
+  output (TRL's per-token log-probabilities, or the logits otherwise) and reported by
+  `MsdCallback` with `client.report_loss` when the micro-batch's substep or step ends, for
+  `mixture.adapt`, `msd status` and the `msd_train_loss` metric.
 
 Text jobs only: a micro-batch with pixel values is refused with a message. Needs transformers and
 accelerate (`pip install megascale-data[hf]`), and TRL for `MsdSFTTrainer`.
@@ -92,11 +93,25 @@ class MsdTrainData:
 
 
 class MsdCallback(TrainerCallback):
-    """Writes the client's state into every checkpoint the Trainer saves, beside its own
-    `rng_state_{process}.pth`, so that `train(resume_from_checkpoint=...)` resumes the stream too."""
+    """Reports each trained micro-batch's loss per token to the client (`report_loss`, summed per
+    source there) once its step or substep ends, and writes the client's state into every
+    checkpoint the Trainer saves, beside its own `rng_state_{process}.pth`, so that
+    `train(resume_from_checkpoint=...)` resumes the stream too."""
 
     def __init__(self, client: DataClient) -> None:
         self.client = client
+        self.pending: list[tuple[torch.Tensor, int, int]] = []  # (loss per token, step, micro-batch)
+
+    def _report(self) -> None:
+        for loss, step, micro_batch in self.pending:
+            self.client.report_loss(loss, step=step, micro_batch=micro_batch)
+        self.pending.clear()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._report()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._report()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -166,7 +181,8 @@ class MsdTrainerMixin:
                 kwargs["train_dataset"] = _placeholder_dataset()
             training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
         super().__init__(*args, **kwargs)
-        self.add_callback(MsdCallback(data_client))
+        self.data_callback = MsdCallback(data_client)
+        self.add_callback(self.data_callback)
 
     def get_train_dataloader(self) -> MsdTrainData:
         per_step = self.data_client.micro_batches_per_step
@@ -207,9 +223,9 @@ class MsdTrainerMixin:
         finally:
             hook.remove()
         per_token = _per_token_loss(outputs, inputs.get("labels"))
-        if per_token is not None:
+        if per_token is not None:  # MsdCallback reports it when the micro-batch's substep or step ends
             step, micro_batch, rows = at
-            self.data_client.report_loss(per_token.reshape(rows, -1), step=step, micro_batch=micro_batch)
+            self.data_callback.pending.append((per_token.reshape(rows, -1), step, micro_batch))
         return result
 
 
