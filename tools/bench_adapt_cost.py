@@ -17,7 +17,6 @@ adapt its loss table taken (RelayBook.losses, AdaptBook.report_table) and the st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,10 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from bench_output import emit  # noqa: E402
 from bench_scale import run_point  # noqa: E402
 
 
-def in_process(dp: int, per_relay: int, sources: int, rounds: int, steps: int = 10) -> dict:
+def in_process(dp: int, per_relay: int, sources: int, rounds: int, policy: str = "ado", steps: int = 10) -> dict:
     """CPU ms per step of the relay_ups' part of the coordinator's work, with and without adapt."""
     import time
 
@@ -64,7 +64,7 @@ def in_process(dp: int, per_relay: int, sources: int, rounds: int, steps: int = 
                                                         waited_s=np.zeros(len(ranks)), **extra))]
 
     def run(adapt: bool) -> float:
-        adapt_book = AdaptBook(AdaptConfig("ado", 5), [f"s{i}" for i in range(sources)], 2, lambda r: r, [], 0)
+        adapt_book = AdaptBook(AdaptConfig(policy, 5), [f"s{i}" for i in range(sources)], 2, lambda r: r, [], 0)
         messages = {step: [frames(i, step, adapt) for i in range(len(relays))] for step in range(1, steps + 1)}
         started = time.process_time()
         for step in range(1, steps + 1):
@@ -78,15 +78,15 @@ def in_process(dp: int, per_relay: int, sources: int, rounds: int, steps: int = 
                 adapt_book.decide(step, lambda at: [1.0 / sources] * sources)
         return 1000 * (time.process_time() - started) / steps
 
-    cpu: dict[str, list[float]] = {"static": [], "ado": []}
+    cpu: dict[str, list[float]] = {"static": [], policy: []}
     for _ in range(rounds):
         cpu["static"].append(run(False))
-        cpu["ado"].append(run(True))
+        cpu[policy].append(run(True))
     med = {d: statistics.median(v) for d, v in cpu.items()}
     return {"dp": dp, "per_relay": per_relay, "sources": sources, "rounds": rounds,
             "relay_ups_ms_per_step": {d: {"median": round(med[d], 2), "min": round(min(v), 2), "max": round(max(v), 2)}
                                       for d, v in cpu.items()},
-            "adapt_ms_per_step": round(med["ado"] - med["static"], 2)}
+            "adapt_ms_per_step": round(med[policy] - med["static"], 2)}
 
 
 def main() -> None:
@@ -102,10 +102,7 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true", help="count the relay_ups' part in one process")
     args = ap.parse_args()
     if args.in_process:
-        out = in_process(args.dp, args.per_relay or 8, args.sources, args.rounds)
-        print(json.dumps(out, indent=1))
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        emit(in_process(args.dp, args.per_relay or 8, args.sources, args.rounds, args.policy), args.json)
         return
     root = args.data_dir or tempfile.mkdtemp(prefix="msd-adapt-cost-")
     runs: dict[str, list[dict]] = {"static": [], args.policy: []}
@@ -121,10 +118,7 @@ def main() -> None:
                                         summary["static"]["median_ms_per_step"], 3)
     out = {"dp": args.dp, "per_relay": args.per_relay, "sources": args.sources, "steps": args.steps,
            "policy": args.policy, "cpu_ms_per_step": cpu, "summary": summary, "runs": runs}
-    print(json.dumps(summary, indent=1))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":
