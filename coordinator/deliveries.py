@@ -23,14 +23,6 @@ from typing import Callable
 import numpy as np
 
 
-def address_table(ranks: list[int], trainers: dict) -> tuple[list[str], np.ndarray]:
-    """A `deliver`'s addresses (each once) and its targets table (protocol.DELIVER_TARGET rows:
-    each registered rank and the index of its data address)."""
-    index: dict[str, int] = {}
-    rows = [(r, index.setdefault(trainers[r].address, len(index))) for r in ranks if r in trainers]
-    return list(index), np.array(rows, dtype=np.uint64).reshape(-1, 2)
-
-
 class DeliveryState(enum.Enum):
     SENT = "sent"
     ACKED = "acknowledged"
@@ -47,6 +39,9 @@ class Delivery:
     release: np.ndarray  # [source, position] of prepared copies this delivery uses up
     ranks: list[int] = field(default_factory=list)  # the ranks it sends to
     state: DeliveryState = DeliveryState.SENT
+    # the registry's ranks_generation when it was opened, if all its ranks were registered then:
+    # while no rank has come or gone since, each of them has consumed at least the slowest step
+    registered: int | None = None
 
     def needs(self) -> set[tuple[int, int]]:
         """The (source, position) of every prepared copy it reads or releases."""
@@ -64,9 +59,9 @@ class DeliveryBook:
         return len(self._live)
 
     def open(self, worker_id: int, step: int, items: np.ndarray, positions: np.ndarray,
-             release: np.ndarray, ranks: list[int]) -> Delivery:
-        """A delivery about to be sent to `worker_id` (SENT)."""
-        d = Delivery(self._next_id, worker_id, step, items, positions, release, ranks)
+             release: np.ndarray, ranks: list[int], registered: int | None = None) -> Delivery:
+        """A delivery about to be sent to `worker_id` (SENT); registered: see Delivery."""
+        d = Delivery(self._next_id, worker_id, step, items, positions, release, ranks, registered=registered)
         self._next_id += 1
         self._live[d.delivery_id] = d
         self._by_worker.setdefault(worker_id, set()).add(d.delivery_id)
@@ -103,15 +98,24 @@ class DeliveryBook:
         del self._live[d.delivery_id]
         self.orphaned -= 1
 
-    def finish_consumed(self, consumed: Callable[[int], int], slowest: int | None = None) -> int:
+    def finish_consumed(self, consumed: Callable[[int], int], slowest: int | None = None,
+                        generation: int | None = None) -> int:
         """ACKED -> DONE for every delivery whose ranks have all consumed its step;
         consumed(rank) is the last step that rank consumed (-1 for a rank not registered);
         slowest, if given, the lowest of those over the registered ranks: a delivery of a later
         step is skipped without asking each of its ranks (called once per burst of messages, the
-        per-rank check made a step O(ranks^2)). Returns how many were done."""
-        done = [d for d in self._live.values()
-                if d.state is DeliveryState.ACKED and (slowest is None or d.step <= slowest)
-                and all(consumed(r) >= d.step for r in d.ranks)]
+        per-rank check made a step O(ranks^2)), and one of an earlier step opened at the
+        registry's ranks `generation` with all its ranks registered is done without asking them
+        either. Returns how many were done."""
+        def finished(d: Delivery) -> bool:
+            if slowest is None:
+                return all(consumed(r) >= d.step for r in d.ranks)
+            if d.step > slowest:
+                return False
+            return (generation is not None and d.registered == generation) or all(consumed(r) >= d.step
+                                                                                  for r in d.ranks)
+
+        done = [d for d in self._live.values() if d.state is DeliveryState.ACKED and finished(d)]
         for d in done:
             del self._live[d.delivery_id]
             mine = self._by_worker.get(d.worker_id)

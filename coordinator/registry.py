@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterable, Literal
 
 Role = Literal["worker", "trainer", "host", "relay"]
 
@@ -83,6 +83,9 @@ class Registry:
         self._at_step: collections.Counter[int] = collections.Counter()
         self._floor: int | None = None
         self._present: tuple[set[int], bool] | None = None  # all_present's answer, until ranks change
+        # changes whenever a rank registers or is forgotten: what is derived from who the ranks
+        # are and how they are reached (a step's routing) is kept until it changes
+        self.ranks_generation = 0
 
     def slowest(self) -> int:
         """The lowest consumed step over the registered ranks (-1 without any)."""
@@ -95,6 +98,31 @@ class Registry:
         if self._present is None or self._present[0] is not ranks:
             self._present = (ranks, ranks <= self.trainers.keys())
         return self._present[1]
+
+    def consumed(self, rows: Iterable[tuple[TrainerInfo, int, float]], last: int) -> int:
+        """Ranks' `consumed` reports, (rank, step, seconds waited) each, a step counted up to `last`
+        and never back; returns the furthest step of these ranks (-1 without any). One pass for
+        all, and the counts of ranks per step changed once per step: a relay's ranks come
+        together, a few thousand a step at DP 4,096."""
+        furthest, olds, news = -1, [], []
+        for trainer, step, waited_s in rows:
+            step = min(step, last)
+            if step > trainer.consumed:
+                olds.append(trainer.consumed)
+                news.append(step)
+                trainer.consumed = step
+            furthest = max(furthest, trainer.consumed)
+            if waited_s > trainer.waited_s:
+                trainer.waited_s = waited_s
+        if len(news) == 1:  # a rank's own message
+            self._count(news[0], 1)
+            self._count(olds[0], -1)
+        elif news:
+            for step, n in collections.Counter(news).items():
+                self._count(step, n)
+            for step, n in collections.Counter(olds).items():
+                self._count(step, -n)
+        return furthest
 
     def set_consumed(self, trainer: TrainerInfo, step: int) -> None:
         """A rank's consumed step changes (only through here, so that slowest() stays right)."""
@@ -141,6 +169,7 @@ class Registry:
         self._count(info.consumed, 1)
         self._roles[info.identity] = ("trainer", info.rank)
         self._present = None
+        self.ranks_generation += 1
 
     def add_host(self, info: HostInfo) -> None:
         """Register a host agent; an earlier registration of the same agent is replaced."""
@@ -171,6 +200,7 @@ class Registry:
         gone = table.pop(pid, None)
         if role == "trainer":
             self._present = None
+            self.ranks_generation += 1
             if gone is not None:
                 self._count(gone.consumed, -1)
         return role, gone

@@ -17,7 +17,7 @@ any later send), then the steps are dispatched and more records are asked for.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -93,7 +93,7 @@ class CoordinatorState:
         self.receivers = set(job.topology.receivers())  # global ranks that get data
         self.planned: list[tuple[int, float, float, list[int]]] = []  # see handle()
         self.digest = job.digest()
-        self.earlier_digests = [job.digest_before_0_4()]  # checkpoints of 0.3.0 carry this one
+        self.earlier_digests = job.earlier_digests()  # checkpoints of 0.3.0 and 0.4.0 carry these
         self.rope = job.rope  # read once: the processor directory's JSON
         self.batch_info = trainer_batch_info(job, self.rope, self.earlier_digests)  # every rank's welcome says it
         self.heartbeat_s = job.runtime.heartbeat_s
@@ -382,7 +382,7 @@ class CoordinatorState:
             self._sent(self.prep.assign_queued())
 
     def _on_consumed(self, ev: Consumed, trainer: TrainerInfo) -> None:
-        self._consumed(trainer, ev.step, ev.waited_s)
+        self._consumed([(trainer, ev.step, ev.waited_s)])
         if self.adapt is not None:
             self.adapt.report(trainer.rank, ev.loss_step, ev.loss_sources, ev.loss_sums, ev.loss_tokens)
         self.lead.consumed(ev.at, self.registry.slowest())
@@ -395,17 +395,14 @@ class CoordinatorState:
                                                   (float(calibrator.current_error or 0.0), float(fit.error)),
                                                   tuple(tuple(r) for r in calibrator.evidence)))
 
-    def _consumed(self, trainer: TrainerInfo, step: int, waited_s: float) -> None:
+    def _consumed(self, rows: Iterable[tuple[TrainerInfo, int, float]]) -> None:
         # (a rank may be further on than a rewound plan: it assembled steps the last coordinator delivered)
-        planned = max(self.planner.state.next_step, self.planned_until)
-        self.registry.set_consumed(trainer, max(trainer.consumed, min(step, planned - 1)))
-        self.last_consumed_step = max(self.last_consumed_step, trainer.consumed)
-        trainer.waited_s = max(trainer.waited_s, waited_s)
+        last = max(self.planner.state.next_step, self.planned_until) - 1
+        self.last_consumed_step = max(self.last_consumed_step, self.registry.consumed(rows, last))
 
     def _on_relay_report(self, ev: RelayReport, relay: RelayInfo) -> None:
         """A relay_up's report: the relay's counters, and the `consumed` of its ranks."""
-        for trainer, step, waited in self.relay_book.consumed(ev, relay):
-            self._consumed(trainer, step, waited)
+        self._consumed(self.relay_book.consumed(ev, relay))
         if self.adapt is not None and (losses := self.relay_book.losses(ev, relay)) is not None:
             self.adapt.report_table(*losses)
         self.lead.consumed(ev.at, self.registry.slowest())
@@ -653,7 +650,7 @@ class CoordinatorState:
     def _pump(self) -> None:
         trainers = self.registry.trainers
         self.deliveries.finish_consumed(lambda r: trainers[r].consumed if r in trainers else -1,
-                                        self.registry.slowest())
+                                        self.registry.slowest(), self.registry.ranks_generation)
         if not self.registry.workers:
             return
         self._sent(self.prep.assign_queued())  # tasks queued while no worker lived

@@ -47,7 +47,7 @@ class Restored:
 
 def restore(state_dir: str | None, job: JobConfig, allow_config_change: bool) -> Restored:
     changed = check_job_change(state_dir, job, allow_config_change)
-    journal = JournalFile(state_dir, job.digest(), (job.digest_before_0_4(),)) if state_dir else None
+    journal = JournalFile(state_dir, job.digest(), tuple(job.earlier_digests())) if state_dir else None
     loaded = journal.load(accept_changed_job=changed) if journal else []
     if changed and loaded:  # the entries of the old job: keep its last state, under this digest
         loaded = loaded[-1:]

@@ -80,7 +80,7 @@ def write_state_file(state_dir: str, job: JobConfig, address: str) -> None:
     path = os.path.join(state_dir, STATE_FILE)
     try:
         previous = read_state_file(state_dir)
-        if previous.get("digest") not in (job.digest(), job.digest_before_0_4()):
+        if previous.get("digest") not in (job.digest(), *job.earlier_digests()):
             log.warning("%s: the job file changed since the last run (digest %s, now %s)", path,
                         previous.get("digest"), job.digest())
     except (OSError, orjson.JSONDecodeError):

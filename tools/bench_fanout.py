@@ -9,7 +9,9 @@ real protocol and ReceivingState), either each speaking for itself (direct) or b
 relays of --per-relay ranks each (a trainer host: the real relay protocol to the coordinator and
 one data socket for the workers; the relay hands pieces to its ranks in-process rather than over
 ipc). The ranks consume a step a second, as a synchronous job does. Reported: the coordinator's
-CPU per step and the messages it handles, and the sockets of each worker process (its data
+CPU per step (all its threads; and its event loop's alone, without the HTTP threads that serve
+/metrics, scraped every --scrape-every-s: their CPU per scrape) and the messages it handles, and
+the sockets of each worker process (its data
 connections, one per rank or one per relay, plus its few own).
 
 Part 2, the trainer's data wait at 8 ranks on one host through one real `msd relay` against the
@@ -36,11 +38,12 @@ from bench_scale import run_point  # noqa: E402
 TOKENS = 2048  # per rank per step: the coordinator's work is per rank and per piece, not per token
 
 
-def fan_out(data_dir: str, dps: list[int], per_relay: int, steps: int) -> list[dict]:
+def fan_out(data_dir: str, dps: list[int], per_relay: int, steps: int, scrape_s: float) -> list[dict]:
     rows = []
     for dp in dps:
         for relay in (0, per_relay):  # direct, then behind relays
-            row = run_point(data_dir, dp, 1, 10**5, steps, step_s=1.0, per_relay=relay, tokens=TOKENS)
+            row = run_point(data_dir, dp, 1, 10**5, steps, step_s=1.0, per_relay=relay, tokens=TOKENS,
+                            scrape_s=scrape_s)
             rows.append(row)
     return rows
 
@@ -51,13 +54,16 @@ def main() -> None:
     ap.add_argument("--dp", default="64,512,4096")
     ap.add_argument("--per-relay", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--scrape-every-s", type=float, default=3.0,
+                    help="how often /metrics is scraped (the coordinator's HTTP threads pay per scrape)")
     ap.add_argument("--skip-wait", action="store_true")
     ap.add_argument("--wait-rounds", type=int, default=3)
     ap.add_argument("--wait-compute-ms", default="0,50", help="bench_wait.py's --compute-ms")
     ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/megascale-data/bench-scale"))
     args = ap.parse_args()
     result: dict = {"per_relay": args.per_relay, "tokens_per_rank_per_step": TOKENS,
-                    "fan_out": fan_out(args.data_dir, [int(x) for x in args.dp.split(",")], args.per_relay, args.steps)}
+                    "fan_out": fan_out(args.data_dir, [int(x) for x in args.dp.split(",")], args.per_relay, args.steps,
+                                      args.scrape_every_s)}
     if not args.skip_wait:  # bench_wait.py itself, two of its designs alternated in each round
         out = os.path.join(tempfile.mkdtemp(prefix="msd-fanout-"), "wait.json")
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_wait.py"),

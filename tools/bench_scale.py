@@ -75,8 +75,9 @@ def write_job(root: str, dp: int, prefixes: list[str], records: int, tokens: int
     return path
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def _cpu_s(pid: int, thread: int | None = None) -> float:
+    """utime+stime of a process (all its threads, those gone included), or of one of its threads."""
+    with open(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -141,7 +142,8 @@ finally:
 
 
 def run_point(root: str, dp: int, count: int, records: int, steps: int, profile: str | None = None,
-              step_s: float = 0.0, per_relay: int = 0, tokens: int = TOKENS_PER_RANK, adapt: str | None = None) -> dict:
+              step_s: float = 0.0, per_relay: int = 0, tokens: int = TOKENS_PER_RANK, adapt: str | None = None,
+              scrape_s: float = SCRAPE_EVERY_S) -> dict:
     """per_relay: ranks behind each relay (tools/scale_ranks.py --per-relay), 0 for none; adapt: a
     mixture.adapt policy, the ranks then reporting a loss for every source with each consumed."""
     prefixes = sources(root, count, records)
@@ -177,14 +179,17 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
     samples, peak_sockets = [], 0
     try:
         while any(p.poll() is None for p in ranks):
-            time.sleep(SCRAPE_EVERY_S)
+            time.sleep(scrape_s)
             if coord.poll() is not None or host.poll() is not None:
                 raise RuntimeError(f"the coordinator or worker host exited early; logs in {logs}")
             try:
                 scraped = _scrape(metrics)
             except OSError:
                 continue
-            samples.append((time.monotonic(), _cpu_s(coord.pid), _slowest_step(scraped), scraped))
+            # the main thread is the event loop: the state, the sockets, the metrics' copy; the
+            # others serve the scrapes (and write the state dir)
+            samples.append((time.monotonic(), _cpu_s(coord.pid), _slowest_step(scraped), scraped,
+                            _cpu_s(coord.pid, coord.pid)))
             for w in host_worker_pids(host.pid):  # the agent's children (worker/forks.py)
                 try:
                     peak_sockets = max(peak_sockets, _sockets(w))
@@ -210,8 +215,12 @@ def run_point(root: str, dp: int, count: int, records: int, steps: int, profile:
            "coordinator_mapped_files_rss_mb": round(memory.get("RssFile", 0) / 2**20, 1),
            "max_sockets_per_worker_process": peak_sockets}
     if len(window) >= 2 and window[-1][2] > window[0][2]:
-        (t0, c0, s0, m0), (t1, c1, s1, m1) = window[0], window[-1]
+        (t0, c0, s0, m0, loop0), (t1, c1, s1, m1, loop1) = window[0], window[-1]
         row["coordinator_cpu_ms_per_step"] = round(1000 * (c1 - c0) / (s1 - s0), 2)
+        row["coordinator_loop_cpu_ms_per_step"] = round(1000 * (loop1 - loop0) / (s1 - s0), 2)
+        # the rest: the HTTP threads serving /metrics (a scrape's text has a line per rank and relay)
+        row["scrape_every_s"] = scrape_s
+        row["coordinator_cpu_ms_per_scrape"] = round(1000 * ((c1 - c0) - (loop1 - loop0)) / (len(window) - 1), 1)
         row["steps_per_s"] = round((s1 - s0) / (t1 - t0), 2)
         rates = {}
         for (name, labels), v in m1.items():
