@@ -4,8 +4,9 @@ torch). Workers load the processor itself (worker/processor.py).
 
 What is read here: which processor and image processor classes the directory names, whether the
 family's position ids are the three-row multimodal RoPE of the Qwen-VL models, and a hash of the
-files that decide a sample (tokenizer, image processor configuration, chat template): a host whose
-copy differs would make another stream, so it does not serve, as with a transform.
+files that decide a sample (tokenizer, image and video processor configurations, chat template, the
+model configuration's video timing): a host whose copy differs would make another stream, so it
+does not serve, as with a transform.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ MROPE_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3V
 
 # the files whose bytes decide a sample (those present are hashed, in this order)
 DECIDING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                  "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json")
+                  "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json",
+                  "video_preprocessor_config.json")
+DECIDING_FILES_0_4 = DECIDING_FILES[:-1]
+# what the model's config.json decides of a sample: Qwen2.5-VL's video positions are spaced by
+# vision_config.tokens_per_second. Only these keys are hashed: the rest of config.json (dtype,
+# layer sizes) makes no other sample, and a host whose copy differs there serves.
+DECIDING_CONFIG_KEYS = (("vision_config", "tokens_per_second"),)
 
 
 class ProcessorDirError(ValueError):
@@ -91,13 +98,24 @@ def read_processor_dir(path: str) -> ProcessorInfo:
     return ProcessorInfo(path, processor_class, str(image_type), rope, merge, processor_digest(path))
 
 
-def processor_digest(path: str) -> str:
-    """Hash of the files of a processor directory that decide a sample."""
+def processor_digest(path: str, as_of_0_4: bool = False) -> str:
+    """Hash of what in a processor directory decides a sample: its DECIDING_FILES, and the
+    DECIDING_CONFIG_KEYS of its config.json. as_of_0_4: as 0.4.0 hashed it, without the video
+    processor's configuration and config.json (its jobs' digests, which their checkpoints carry)."""
     h = hashlib.sha256()
-    for name in DECIDING_FILES:
+    for name in DECIDING_FILES_0_4 if as_of_0_4 else DECIDING_FILES:
         file = os.path.join(path, name)
         if os.path.isfile(file):
             h.update(name.encode() + b"\0")
             with open(file, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config) and not as_of_0_4:
+        model = _json(config)
+        for keys in DECIDING_CONFIG_KEYS:
+            value: object = model
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                h.update(".".join(("config.json", *keys)).encode() + b"\0" + orjson.dumps(value))
     return h.hexdigest()[:16]

@@ -12,7 +12,7 @@ import glob
 import hashlib
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -316,17 +316,24 @@ class JobConfig:
                        max_sample_s=s.max_sample_s)
             for s in self.sources))
 
-    def stream_definition(self, where: bool = False) -> dict[str, Any]:
+    def stream_definition(self, where: bool = False, processors_as_of_0_4: bool = False) -> dict[str, Any]:
         """Everything that defines the global stream of batches (which documents, which tokens,
         in which step), as plain JSON: not the topology (the same global batches can be laid
         out over any number of ranks) and not runtime knobs. The data by its identity, not by
         where it lies: each source's files relative to their common directory (or bucket prefix),
         a tokenizer by its content, so that the same job over the same data moved elsewhere (a
         new cluster, a restored bucket) is the same job. where True: as 0.3.0 defined it, with the
-        absolute paths (digest_before_0_4)."""
+        absolute paths (digest_before_0_4). processors_as_of_0_4: each processor directory hashed as
+        0.4.0 hashed it (earlier_digests)."""
+        sources = self.sources
+        if processors_as_of_0_4:
+            from .processor_dir import processor_digest
+
+            sources = tuple(replace(s, processor_hash=processor_digest(s.processor, as_of_0_4=True))
+                            if s.processor is not None else s for s in sources)
         return orjson.loads(orjson.dumps({
             "seed": self.seed,
-            "sources": [_stream_fields(s, where) for s in self.sources],
+            "sources": [_stream_fields(s, where) for s in sources],
             "batch": asdict(self.batch),
             "stages": [asdict(st) for st in self.stages],
             "cost": asdict(self.cost),
@@ -347,6 +354,18 @@ class JobConfig:
         and its trainers' checkpoints carry it, and are taken as this job's."""
         return hashlib.sha256(orjson.dumps(self.stream_definition(where=True),
                                            option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def earlier_digests(self) -> list[str]:
+        """The digests earlier versions gave this job, whose state dirs' journals and trainers'
+        checkpoints are taken as this job's: 0.3.0's (digest_before_0_4), and 0.4.0's where a
+        processor directory hashes otherwise now (it did not cover the video configuration)."""
+        earlier = [self.digest_before_0_4()]
+        if any(s.processor is not None for s in self.sources):
+            as_of_0_4 = hashlib.sha256(orjson.dumps(self.stream_definition(processors_as_of_0_4=True),
+                                                    option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+            if as_of_0_4 != self.digest():
+                earlier.append(as_of_0_4)
+        return earlier
 
 
 def _stream_fields(source: SourceConfig, where: bool = False) -> dict[str, Any]:

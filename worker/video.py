@@ -7,6 +7,10 @@ mode) reports, so that the frames a video processor samples from it are the ones
 its own loader: the frame count is the count of the stream's packets, the duration runs from the
 first packet's time to the end of the last (pts plus duration), and the frame rate is the count
 over that duration. Frame i is the stream's i-th frame in presentation order, as decoded.
+
+A video recorded on its side (a phone's: its display matrix says how to rotate it) is read
+upright, as torchcodec reads it: its size is the rotated one, and each decoded frame is rotated
+before it is resized. PyAV reads that rotation from a decoded frame, so `probe` decodes the first.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ class VideoInfo:
     frames: int
     fps: float
     duration: float  # seconds
-    width: int
+    width: int  # as displayed: a video rotated by 90 or 270 degrees has its coded height here
     height: int
+    rotation: int = 0  # degrees counter-clockwise that each decoded frame is turned by to stand upright
 
 
 def _av():
@@ -73,11 +78,33 @@ def probe(data: bytes) -> VideoInfo:
     fps = count / seconds if seconds > 0 else float(stream.average_rate or 0)
     if fps <= 0:
         raise VideoError("no frame rate")
-    return VideoInfo(count, fps, seconds, width, height)
+    rotation = _rotation(av, data)
+    if rotation % 180:
+        width, height = height, width
+    return VideoInfo(count, fps, seconds, width, height, rotation)
+
+
+def _rotation(av, data: bytes) -> int:
+    """The rotation of the video's frames (0, 90, 180 or 270), from its first decoded frame."""
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            frame = next(container.decode(video=0), None)
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise VideoError(f"its first frame does not decode ({e})") from None
+    if frame is None:
+        raise VideoError("its first frame does not decode")
+    return 90 * (round(frame.rotation / 90) % 4)
+
+
+def _upright(frame) -> np.ndarray:
+    """A decoded frame as uint8 [H, W, 3] RGB, turned by its display rotation as torchcodec turns it."""
+    rgb = frame.to_ndarray(format="rgb24")
+    turns = round(frame.rotation / 90) % 4
+    return np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb
 
 
 def decode(data: bytes, indices: list[int]) -> np.ndarray:
-    """uint8 [len(indices), H, W, 3] (RGB): the frames at these indices (ascending, repeats allowed).
+    """uint8 [len(indices), H, W, 3] (RGB, upright): the frames at these indices (ascending, repeats allowed).
     Frame i is the frame with the i-th smallest timestamp. Decoding starts at the keyframe before
     each wanted frame whenever one lies past the frames decoded so far (a long video sampled
     sparsely decodes a group of pictures per sampled frame, not the whole video); only the wanted
@@ -106,7 +133,7 @@ def _in_order(container, wanted: list[int]) -> dict[int, np.ndarray]:
     at = 0
     for i, frame in enumerate(container.decode(stream)):
         if i == wanted[at]:
-            got[i] = frame.to_ndarray(format="rgb24")
+            got[i] = _upright(frame)
             at += 1
             if at == len(wanted):
                 break
@@ -141,5 +168,5 @@ def _by_keyframes(container, wanted: list[int]) -> dict[int, np.ndarray] | None:
                 return None
             last = frame.pts
             if last in targets and targets[last] not in got:
-                got[targets[last]] = frame.to_ndarray(format="rgb24")
+                got[targets[last]] = _upright(frame)
     return got

@@ -6,13 +6,14 @@ Qwen-VL processor is built here without its video processor)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import numpy as np
 import pytest
 
-from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_processor
+from msd.testing.vlm_data import write_image_conversations, write_qwen2_5_vl_processor, write_video_config
 from msd_common.frames import FRAMES, finished
 from msd_common.spec import ConfigError, parse_job
 
@@ -367,3 +368,47 @@ def test_a_transform_makes_samples_with_the_sources_processor(made, tmp_path, mo
     assert processed.patches == expected.patches and processed.images == 1
     _same(processed, expected)
     sys.modules.pop("vqa_mod", None)
+
+
+def test_the_processor_digest_covers_the_video_configuration_and_the_models_video_timing(tmp_path):
+    """A host whose video processor samples other frames, or whose model spaces video positions
+    otherwise (Qwen2.5-VL's tokens_per_second), makes other samples: its digest differs. Another
+    dtype in config.json makes none: the digest stays."""
+    import shutil
+
+    from msd_common.processor_dir import processor_digest
+
+    base = write_qwen2_5_vl_processor(str(tmp_path / "base"), max_pixels=60_000)
+    with open(os.path.join(base, "config.json"), "w") as f:
+        json.dump({"torch_dtype": "bfloat16", "vision_config": {"tokens_per_second": 2}}, f)
+    digest = processor_digest(base)
+
+    def changed(name: str, value: dict) -> str:
+        copy = str(tmp_path / f"copy-{len(os.listdir(tmp_path))}")
+        shutil.copytree(base, copy)
+        with open(os.path.join(copy, name), "w") as f:
+            json.dump(value, f)
+        return processor_digest(copy)
+
+    assert changed("config.json", {"torch_dtype": "float32", "vision_config": {"tokens_per_second": 2}}) == digest
+    assert changed("config.json", {"torch_dtype": "bfloat16", "vision_config": {"tokens_per_second": 4}}) != digest
+    assert changed("video_preprocessor_config.json", {"fps": 2.0}) != digest
+
+
+def test_a_job_started_by_0_4_with_a_video_configuration_is_still_this_job(tmp_path):
+    """0.4.0 hashed a processor directory without its video configuration: the digest it gave a job
+    (in its state dir and its trainers' checkpoints) is among this job's earlier digests."""
+    import shutil
+
+    with_video = write_video_config(write_qwen2_5_vl_processor(str(tmp_path / "q25"), max_pixels=60_000),
+                                    "qwen2_5_vl", 12_000)
+    with open(os.path.join(with_video, "config.json"), "w") as f:
+        json.dump({"vision_config": {"tokens_per_second": 2}}, f)
+    without = str(tmp_path / "as-0.4-saw-it")
+    shutil.copytree(with_video, without, ignore=shutil.ignore_patterns("video_preprocessor_config.json",
+                                                                       "config.json"))
+    job = parse_job(_job(tmp_path, with_video), str(tmp_path / "job.yaml"))
+    as_0_4_saw_it = parse_job(_job(tmp_path, without), str(tmp_path / "job.yaml"))
+    assert job.digest() != as_0_4_saw_it.digest()
+    assert as_0_4_saw_it.digest() in job.earlier_digests()
+    assert as_0_4_saw_it.earlier_digests() == [as_0_4_saw_it.digest_before_0_4()]  # nothing else to take

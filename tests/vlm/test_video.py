@@ -41,6 +41,10 @@ def test_videos_equal_apply_chat_template_token_mask_pixel_and_position(checked)
         assert r["problem"] is None, r
         for what in ("tokens", "mask", "grid", "seconds", "pixels", "torch", "one_array", "positions"):
             assert r[what], (what, r)
+    # a video with a display rotation (a phone's) is sampled, sized and decoded upright, as transformers'
+    # loader reads it: its grid is taller than wide although its frames are coded 160 x 96
+    rotated = [r for r in results if r["rotated"]]
+    assert len(rotated) == 4 and all(r["grids"][0][1] > r["grids"][0][2] for r in rotated), rotated
     # sampling by fps took fewer frames than the whole video (Qwen2.5-VL samples every frame unasked)
     whole = {r["grids"][0][0] for r in results if r["family"] == "qwen2_5_vl" and r["fps"] is None}
     sampled = {r["grids"][0][0] for r in results if r["family"] == "qwen2_5_vl" and r["fps"] == 2.0}

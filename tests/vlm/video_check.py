@@ -30,17 +30,22 @@ from worker.processor import ImageRecordError, ProcessorChat  # noqa: E402
 # (name, frames, frame rate, width, height, codec, keyframe interval: the decoder seeks between them)
 VIDEOS = [("a.mp4", 75, 25, 160, 120, "libx264", 8), ("b.mp4", 31, 10, 96, 200, "mpeg4", None),
           ("c.webm", 50, 24, 320, 180, "libvpx-vp9", 6), ("d.mp4", 9, 30, 64, 64, "libx264", None)]
+# recorded on its side, as a phone records: its display matrix turns it 90 degrees (a quarter turn)
+ROTATED = ("e.mp4", 20, 15, 160, 96, "libx264", 6, 90)
 
 
 def write_video(path: str, frames: int, fps: int, width: int, height: int, codec: str,
-                gop: int | None = None) -> None:
-    """A video whose frames differ (a moving block over a drifting colour, and noise)."""
+                gop: int | None = None, rotation: int = 0) -> None:
+    """A video whose frames differ (a moving block over a drifting colour, and noise); with
+    `rotation`, a display matrix that turns it by that many degrees counter-clockwise."""
     rng = np.random.default_rng(frames)
     with av.open(path, "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if gop is not None:
             stream.codec_context.gop_size = gop
+        if rotation:
+            stream.set_display_rotation(rotation)
         for i in range(frames):
             a = rng.integers(0, 60, (height, width, 3), dtype=np.uint8)
             a[..., 1] += np.uint8(i * 3 % 190)
@@ -68,6 +73,7 @@ def conversations() -> list[list[dict]]:
         [user(video("a.mp4"), text("what moves here")), assistant("a white block, going down")],
         [user(video("b.mp4"), text("and these two")), assistant("a block"),
          user(video("c.webm"), video("d.mp4"), text("compare them")), assistant("the second is shorter")],
+        [user(video(ROTATED[0]), text("which way up")), assistant("the block is on the left")],
     ]
 
 
@@ -114,6 +120,7 @@ def compare(family: str, path: str, work: str, fps: float | None) -> list[dict]:
         in_one = PendingPixels([part, part]).finish()  # the CPU path, into one array
         results.append({
             "family": family, "fps": fps, "problem": problem,
+            "rotated": any(p.get("video") == ROTATED[0] for m in messages for p in m["content"]),
             "tokens": bool(np.array_equal(sample.tokens, ids)),
             "mask": bool(np.array_equal(sample.loss_mask, mask)),
             "grid": bool(np.array_equal(ours["video_grid_thw"], ref["video_grid_thw"])),
@@ -192,6 +199,7 @@ def refused(path: str, work: str) -> dict:
 def main(q25: str, q3: str, work: str) -> None:
     for name, frames, fps, width, height, codec, gop in VIDEOS:
         write_video(os.path.join(work, name), frames, fps, width, height, codec, gop)
+    write_video(os.path.join(work, ROTATED[0]), *ROTATED[1:])
     results = compare("qwen2_5_vl", q25, work, 2.0) + compare("qwen2_5_vl", q25, work, None) + \
         compare("qwen3_vl", q3, work, None) + compare("qwen3_vl", q3, work, 4.0)
     print(json.dumps({"results": results, "refused": refused(q25, work), "forms": forms(q25, work)}))
