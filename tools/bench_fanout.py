@@ -9,8 +9,9 @@ real protocol and ReceivingState), either each speaking for itself (direct) or b
 relays of --per-relay ranks each (a trainer host: the real relay protocol to the coordinator and
 one data socket for the workers; the relay hands pieces to its ranks in-process rather than over
 ipc). The ranks consume a step a second, as a synchronous job does. Reported: the coordinator's
-CPU per step (all its threads; and its event loop's alone, without the HTTP threads that serve
-/metrics, scraped every --scrape-every-s: their CPU per scrape) and the messages it handles, and
+CPU per step (all its threads; its event loop's alone; the others': ZeroMQ's I/O thread and the
+HTTP threads serving /metrics, scraped every --scrape-every-s; a scrape's own CPU is measured in
+this process after the fleet, `scrape`) and the messages it handles, and
 the sockets of each worker process (its data
 connections, one per rank or one per relay, plus its few own).
 
@@ -36,6 +37,33 @@ from bench_output import emit  # noqa: E402
 from bench_scale import run_point  # noqa: E402
 
 TOKENS = 2048  # per rank per step: the coordinator's work is per rank and per piece, not per token
+
+
+def scrape_cost(dp: int, per_relay: int, repeats: int = 9) -> dict:
+    """CPU ms of one /metrics scrape's text (prometheus-client's generate_latest) in this process,
+    for DP ranks and their relays as a run's copy of the state holds them: median and spread."""
+    import statistics
+    import time
+
+    from prometheus_client import generate_latest
+
+    from coordinator.metrics import CoordinatorMetrics
+
+    metrics = CoordinatorMetrics()
+    relays = [{"host": f"host-{i}", "relay_id": i, "ranks": list(range(i * per_relay, (i + 1) * per_relay)),
+               "bytes_in": 1 << 40, "bytes_out": 1 << 42, "queued": 0, "late_steps": 0}
+              for i in range(dp // per_relay if per_relay else 0)]
+    metrics.totals.copy = {**metrics.totals.copy, "wait": {str(r): 12.5 + r / 7 for r in range(dp)},
+                           "consumed": {str(r): 1234 for r in range(dp)}, "relays": relays}
+    generate_latest(metrics.registry)
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        text = generate_latest(metrics.registry)
+        times.append(1000 * (time.process_time() - started))
+    return {"dp": dp, "relays": len(relays), "lines": text.count(b"\n"),
+            "cpu_ms_median": round(statistics.median(times), 1), "cpu_ms_min": round(min(times), 1),
+            "cpu_ms_max": round(max(times), 1)}
 
 
 def fan_out(data_dir: str, dps: list[int], per_relay: int, steps: int, scrape_s: float) -> list[dict]:
@@ -64,6 +92,7 @@ def main() -> None:
     result: dict = {"per_relay": args.per_relay, "tokens_per_rank_per_step": TOKENS,
                     "fan_out": fan_out(args.data_dir, [int(x) for x in args.dp.split(",")], args.per_relay, args.steps,
                                       args.scrape_every_s)}
+    result["scrape"] = [scrape_cost(dp, args.per_relay) for dp in (int(x) for x in args.dp.split(","))]
     if not args.skip_wait:  # bench_wait.py itself, two of its designs alternated in each round
         out = os.path.join(tempfile.mkdtemp(prefix="msd-fanout-"), "wait.json")
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_wait.py"),
