@@ -124,14 +124,6 @@ class Registry:
                 self._count(step, -n)
         return furthest
 
-    def set_consumed(self, trainer: TrainerInfo, step: int) -> None:
-        """A rank's consumed step changes (only through here, so that slowest() stays right)."""
-        old, trainer.consumed = trainer.consumed, step
-        if step == old:
-            return
-        self._count(old, -1)
-        self._count(step, 1)
-
     def _count(self, step: int, n: int) -> None:
         left = self._at_step[step] = self._at_step[step] + n
         if left <= 0:

@@ -120,8 +120,9 @@ def test_a_task_that_killed_its_worker_is_split_into_one_task_per_record_keeping
 
 
 def test_the_registry_knows_the_slowest_rank_without_asking_every_rank_each_time():
-    """slowest() (cached, kept by set_consumed) always equals min(consumed) over the ranks, through
-    ranks consuming, coming, going and rewinding."""
+    """slowest() (cached, kept by Registry.consumed) always equals min(consumed) over the ranks,
+    through ranks consuming (one rank's message, or a relay's rows of several at once, capped at the
+    plan's last step), coming, going and rewinding (a rank registered again further back)."""
     import random
 
     from coordinator.registry import Registry, TrainerInfo
@@ -133,8 +134,15 @@ def test_the_registry_knows_the_slowest_rank_without_asking_every_rank_each_time
         op = rng.random()
         ranks = list(reg.trainers)
         if op < 0.85 and ranks:
-            t = reg.trainers[rng.choice(ranks)]
-            reg.set_consumed(t, t.consumed + rng.randint(0, 2) if rng.random() < 0.98 else rng.randint(-1, 5))
+            chosen = [reg.trainers[r] for r in rng.sample(ranks, rng.randint(1, len(ranks)))]
+            rows = [(t, t.consumed + rng.randint(0, 2) if rng.random() < 0.98 else rng.randint(-1, 5), rng.random())
+                    for t in chosen]
+            before = {t.rank: t.consumed for t in chosen}
+            last = rng.randint(0, 40)
+            furthest = reg.consumed(rows, last)
+            for t, step, _ in rows:  # never back, never past the plan
+                assert t.consumed == max(before[t.rank], min(step, last))
+            assert furthest == max(t.consumed for t in chosen)
         elif op < 0.93 and len(ranks) > 1:
             reg.remove(reg.trainers[rng.choice(ranks)].identity)
         else:
