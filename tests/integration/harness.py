@@ -98,7 +98,7 @@ def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[Lo
     for p in procs:
         p.start()
     cluster.trainer_pids = [p.pid for p in procs]  # for fault injection in `during`
-    done, deadline = 0, time.monotonic() + timeout_s
+    done, deadline, finished = 0, time.monotonic() + timeout_s, False
     try:
         while done < ranks:
             if time.monotonic() > deadline:
@@ -117,11 +117,14 @@ def run_ranks(cluster: LocalJob, *, ranks: int, steps: int, during: Callable[[Lo
                 received[rank].append(payload)
                 if during is not None:
                     during(cluster, sum(len(b) for b in received.values()))
-    finally:
+        finished = True
+    finally:  # ranks that finished get 10 s in all to exit; after a failure, those left are stuck: killed
+        end = time.monotonic() + (10 if finished else 0)
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
+                p.join(5)
     return received, states
 
 

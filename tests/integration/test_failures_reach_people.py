@@ -27,6 +27,7 @@ def _failing_job(dataset_dir: str, tmp_path) -> str:
         "import time\ndef f(record, ctx):\n    time.sleep(0.3)\n    return record['no_such_field']\n")
     job = job_dict()
     job["sources"]["web"].update(transform="failing_slowly:f", max_transform_errors=5)
+    job["runtime"]["failed_linger_s"] = 5  # long enough to tell every rank why; then the coordinator exits
     job["sources"] = {k: {**v, "paths": [f"{dataset_dir}/{v['paths'][0]}"]} for k, v in job["sources"].items()}
     return write_job(str(tmp_path), job)
 
