@@ -32,8 +32,10 @@ VIDEO_RECIPE = "video_recipe"
 # what each frame array becomes: (recipe, grids, the processor's name for it)
 FINISHED = ((FRAMES, RECIPE, "image_grid_thw", "pixel_values"),
             (VIDEO_FRAMES, VIDEO_RECIPE, "video_grid_thw", "pixel_values_videos"))
-# patchified with a temporal repeat (Qwen-VL images), [images, 3, H, W], patchified over frames (Qwen-VL videos)
-LAYOUTS = ("qwen_patches", "frames", "qwen_video")
+# patchified with a temporal repeat (Qwen-VL images), [images, 3, H, W], patchified over frames (Qwen-VL videos),
+# [1, tiles, 3, S, S] (Idefics3: a batch of one, every sample's tiles along the second axis)
+LAYOUTS = ("qwen_patches", "frames", "qwen_video", "tiles")
+PIXEL_MASK = "pixel_attention_mask"  # the tiled layout's: which pixels of each tile are the image's (all: none padded)
 BACKENDS = ("pil", "torchvision")
 RECIPE_VERSION = 1.0
 CHANNELS = 3
@@ -199,15 +201,21 @@ class FrameRecipe:
             out.append(x)
         if not out:
             return torch.zeros((0, *self._row_shape()), dtype=torch.float32, device=frames.device)
-        return torch.stack(out) if self.layout == "frames" else torch.cat(out)
+        return torch.stack(out) if self.layout in ("frames", "tiles") else torch.cat(out)
 
 
 class PendingPixels:
     """A micro-batch's pixel values, to be made where the trainer wants them: each piece's own
     float array, or its (uint8 frames, recipe, image_grid_thw), in packing order."""
 
-    def __init__(self, parts: list[Any]) -> None:
+    def __init__(self, parts: list[Any], tiled: bool = False) -> None:
+        """tiled: the pieces' own arrays (made whole at prepare time) are tiles too."""
         self.parts = parts
+        layouts = {p[1].layout == "tiles" for p in parts if isinstance(p, tuple)}
+        if len(layouts) > 1 or (tiled and False in layouts):
+            raise ValueError("pixel values of tiled (Idefics3) and other processors in one micro-batch")
+        self.tiled = tiled or layouts == {True}  # [1, tiles, 3, S, S]: one batch of every piece's tiles
+
 
     def finish(self) -> np.ndarray:
         """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
@@ -219,6 +227,8 @@ class PendingPixels:
             else:
                 sizes.append((len(p), tuple(np.shape(p)[1:])))
         if len({shape for _, shape in sizes}) != 1:  # arrays of different shapes: as the processors made them
+            if self.tiled:
+                raise ValueError(f"tiles of different sizes in one micro-batch: {sorted({s for _, s in sizes})}")
             return np.concatenate([p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p)
                                    for p in self.parts])
         out = np.empty((sum(n for n, _ in sizes), *sizes[0][1]), np.float32)
@@ -229,7 +239,7 @@ class PendingPixels:
             else:
                 out[row:row + n] = p
             row += n
-        return out
+        return out[None] if self.tiled else out
 
     def finish_on(self, device: Any) -> Any:
         """On `device` (a torch device): the uint8 frames are copied there, and the float work
@@ -243,14 +253,25 @@ class PendingPixels:
                 made.append(p[1].finish_torch(frames, p[2]))
             else:
                 made.append(torch.from_numpy(np.asarray(p)).to(device, non_blocking=True))
-        return made[0] if len(made) == 1 else torch.cat(made)
+        out = made[0] if len(made) == 1 else torch.cat(made)
+        return out[None] if self.tiled else out
 
 
 def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A sample's image arrays as its trainer gets them: its frames (if any) finished into
-    pixel_values, its videos' into pixel_values_videos."""
+    """A sample's image arrays as its processor run whole gives them to the trainer: its frames (if
+    any) finished into pixel_values, its videos' into pixel_values_videos (tiles: the sample's own
+    [tiles, 3, S, S] and its pixel mask [tiles, S, S], which the client batches along a leading axis)."""
     out = dict(arrays)
     for frames, recipe, grids, name in FINISHED:
         if frames in out:
-            out[name] = FrameRecipe.from_array(out.pop(recipe)).finish(out.pop(frames), out.get(grids))
+            made = (out.pop(frames), FrameRecipe.from_array(out.pop(recipe)), out.get(grids))
+            out[name] = made[1].finish(made[0], made[2])
+            if made[1].layout == "tiles":  # a sample's own [tiles, ...], as its processor run whole gives (squeezed)
+                out[PIXEL_MASK] = tile_mask(*made[:2])
     return out
+
+
+def tile_mask(frames: np.ndarray, recipe: FrameRecipe) -> np.ndarray:
+    """The pixel_attention_mask [tiles, S, S] of one sample's tiles: every pixel (the image
+    processor pads no tile within a sample)."""
+    return np.ones((recipe.rows(recipe.shapes(len(frames), None)), recipe.height, recipe.width), bool)

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
-from msd_common.frames import FINISHED, FRAMES, RECIPE, FrameRecipe, PendingPixels
+from msd_common.frames import FINISHED, FRAMES, PIXEL_MASK, RECIPE, FrameRecipe, PendingPixels, tile_mask
 from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
@@ -299,9 +299,12 @@ class StepAssembler:
             out["position_ids"] = rows3
         made_here = {"position_ids"}
         for frames, recipe, grids, name in FINISHED:
-            pixels = self._pixel_values(with_extras, pixels_later, frames, recipe, grids, name)
+            pixels = self._pixel_values(with_extras, frames, recipe, grids, name)
             if pixels is not None:
-                out[name] = pixels
+                out[name] = pixels if pixels_later else pixels.finish()
+                if pixels.tiled:  # Idefics3's mask, a batch of one as its pixel values
+                    out[PIXEL_MASK] = self._tile_mask(with_extras)
+                    made_here.add(PIXEL_MASK)
             made_here.update((frames, recipe, name))
         for name, (dtype, row_shape, per_token) in sorted(self.extra_specs.items()):
             if name in made_here or not any(name in self.extras[i] for i in with_extras):
@@ -333,11 +336,11 @@ class StepAssembler:
             return len(recipe.shapes(len(mine[FRAMES]), None))
         return len(mine.get("pixel_values", ()))
 
-    def _pixel_values(self, pieces: list[int], later: bool = False, frames: str = FRAMES, recipe: str = RECIPE,
-                      grids: str = "image_grid_thw", name: str = "pixel_values") -> Any:
+    def _pixel_values(self, pieces: list[int], frames: str = FRAMES, recipe: str = RECIPE,
+                      grids: str = "image_grid_thw", name: str = "pixel_values") -> PendingPixels | None:
         """The processor's pixel values (`name`: of images, or of videos) of these pieces, in packing
-        order: a piece's own, or its uint8 frames finished here (msd_common/frames.py), or, `later`,
-        the frames to finish elsewhere (PendingPixels: on the trainer's device)."""
+        order, to be made (msd_common/frames.py): a piece's own, or its uint8 frames finished; here,
+        or on the trainer's device."""
         parts = []
         for i in pieces:
             mine = self.extras[i]
@@ -345,10 +348,19 @@ class StepAssembler:
                 parts.append((mine[frames], FrameRecipe.from_array(mine[recipe]), mine.get(grids)))
             elif name in mine:
                 parts.append(mine[name])
-        if not parts:
-            return None
-        pending = PendingPixels(parts)
-        return pending if later else pending.finish()
+        return PendingPixels(parts, tiled=any(PIXEL_MASK in self.extras[i] for i in pieces)) if parts else None
+
+    def _tile_mask(self, pieces: list[int]) -> np.ndarray:
+        """pixel_attention_mask [1, tiles, S, S] of these pieces' tiles: a piece's own (its processor
+        run whole at prepare time), else all ones (tiles planned from sizes: none padded)."""
+        parts = []
+        for i in pieces:
+            mine = self.extras[i]
+            if PIXEL_MASK in mine:
+                parts.append(mine[PIXEL_MASK].astype(bool, copy=False))
+            elif FRAMES in mine:
+                parts.append(tile_mask(mine[FRAMES], FrameRecipe.from_array(mine[RECIPE])))
+        return np.concatenate(parts)[None]
 
     def _images(self, pieces: range, dst: np.ndarray, first_row: int) -> dict[str, np.ndarray]:
         """pixel_patches [n, patch_bytes] of a micro-batch's pieces in packing order, the patches

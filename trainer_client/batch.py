@@ -53,13 +53,19 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
              "patch's placeholder token."),
     BatchKey("pixel_values", "float32", "the processor's: [patches, 1176] (Qwen2.5-VL), [images, 3, 896, 896] "
-             "(Gemma 3)", "jobs with a processor source, "
+             "(Gemma 3), [1, tiles, 3, 364, 364] (Idefics3)", "jobs with a processor source, "
              "micro-batches with images", "The processor's pixel values, image after image in packing order "
-             "(concatenated along the first axis, as the model's forward takes them). Images planned from their "
-             "sizes (Qwen-VL, Gemma 3) arrive as uint8 frames, resized by the processor; the client makes "
+             "(concatenated along the first axis, as the model's forward takes them; Idefics3: every "
+             "piece's tiles along the second axis of one batch, which their forward flattens). Images planned from "
+             "their sizes (Qwen-VL, Gemma 3, Idefics3) arrive as uint8 frames, resized by the processor; "
+             "the client makes "
              "these values from them with the processor's own rescale and normalise (the workers' image "
              "backend, bit for bit) and its patch layout: on the CPU, ahead of `next()`, or at `next()` on "
              "`DataClient(device=...)`, where this tensor then lives."),
+    BatchKey("pixel_attention_mask", "bool", "[1, tiles, 364, 364]", "jobs with an Idefics3 processor "
+             "source, micro-batches with images", "Which pixels of each tile of `pixel_values` are the image's: all "
+             "of them (the image processor pads none within a sample). The processor's values as bool, not int64: "
+             "an eighth of the bytes; the model's forward takes either."),
     BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
              "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),
     BatchKey("mm_token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",
@@ -70,7 +76,8 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "each other both ways)."),
     BatchKey("images_per_sample", "int64", "[P]", "jobs with a processor source", "Images of each piece, in "
              "`doc_keys` order (0 for text): its rows of `image_grid_thw`, or for processors without one its rows "
-             "of `pixel_values` (Gemma 3: one per image, and one per crop with pan-and-scan)."),
+             "of `pixel_values` (Gemma 3: one per image, and one per crop with pan-and-scan; Idefics3: "
+             "its tiles, each image's global view among them)."),
     BatchKey("pixel_values_videos", "float32", "[patches, 1176] (Qwen2.5-VL)", "jobs with a processor source, "
              "micro-batches with videos", "The video processor's pixel values, video after video in packing order. "
              "Only the sampled frames are decoded (PyAV), resized by the video processor and sent as uint8; the "

@@ -236,6 +236,10 @@ class DeliveryPieces:
         if name not in self.extra_specs:
             self.extra_specs[name] = [name, a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str,
                                       list(a.shape[1:]), int(per_token)]
+        elif list(a.shape[1:]) != self.extra_specs[name][2]:  # its rank refuses the message: say why, here
+            log.error("a processor's %s of rows %s and another sample's of rows %s are in one delivery: this "
+                      "processor's samples cannot share a micro-batch (its pixel values are a batch of one); the "
+                      "ranks will wait for them", name, list(a.shape[1:]), self.extra_specs[name][2])
 
     def join_extras(self, order: list[int]) -> tuple[list, np.ndarray, list[np.ndarray]]:
         """The extras of these pieces (in order): their declarations, rows [items x extras], and

@@ -18,13 +18,20 @@ wire with their `FrameRecipe`, and the trainer client finishes them (msd_common/
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `image_grid_thw` of an image from transformers' `smart_resize`
   (the image processor module's own) over the image processor's patch, merge and pixel limits;
 - Gemma 3: `num_crops` of each image, 0 without pan-and-scan, else the image processor's own
-  `pan_and_scan` run on a view of the image's shape that holds no pixels (256 tokens an image or crop).
+  `pan_and_scan` run on a view of the image's shape that holds no pixels (256 tokens an image or crop);
+- Idefics3 (SmolVLM's first models ship its processor): each image's tile `rows` and `cols` (0 and
+  0: no split), from its size resized as the image processor resizes it: its longest edge to `size`
+  (the module's own `get_resize_output_image_size`, on a view that holds no pixels), then up to
+  whole tiles of `max_image_size` (`resize_for_vision_encoder`'s arithmetic); rows x cols tiles and
+  a global view an image, `image_seq_len` tokens each. The processor's own call drops rows and cols: they
+  shape the text only, and are not sent (`PendingImages.plan_only`).
 
 Any other processor runs whole at prepare time, as a transform's processor call does.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,6 +41,9 @@ import numpy as np
 from msd_common.frames import CHANNELS, FrameRecipe, per_channel
 
 QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3VLMoeProcessor"})
+# square tiles and a global view (SmolVLM's first models ship this processor; SmolVLM2's SmolVLMProcessor, with
+# the same image processor, reads its video processor in every apply_chat_template: not planned yet)
+TILED_PROCESSORS = frozenset({"Idefics3Processor"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class PendingImages:
     sizes: list[tuple[int, int]]  # (width, height) as the processor sees each image (EXIF orientation applied)
     plan: ImagePlan
     replacements: list[str]  # each image token's expansion in the planned text
+    plan_only: frozenset[str] = frozenset()  # planned arrays the processor's call drops (Idefics3's rows, cols)
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +94,10 @@ def planner_of(processor: Any) -> Planner | None:
             return ImagePlan({"num_crops": crops}, frame * int(len(sizes) + crops.sum()))
 
         return gemma3_plan
+    if name in TILED_PROCESSORS and _has(image_processor, "max_image_size"):
+        module = sys.modules.get(type(image_processor).__module__)
+        if hasattr(module, "get_resize_output_image_size"):
+            return lambda sizes, kwargs: _tiles_plan(image_processor, module, sizes, kwargs)
     return None
 
 
@@ -105,6 +120,54 @@ def _gemma3_crops(image_processor: Any, kwargs: dict[str, Any], width: int, heig
 
     return len(image_processor.pan_and_scan_batched(torch.zeros(1, 1, 1, 1, dtype=torch.uint8)
                                                     .expand(1, CHANNELS, height, width), *args))
+
+
+def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
+    """Idefics3's and SmolVLM's tile rows and columns of images of these sizes, with the arguments
+    the processor passes, else the image processor's own."""
+
+    def arg(name: str) -> Any:
+        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+
+    tile, size = _edge(arg("max_image_size"), "longest_edge"), arg("size")
+    rows, cols, tiles = [], [], 0
+    for width, height in sizes:
+        if arg("do_resize"):
+            if _edge(size, "longest_edge"):  # the longest edge to size, the module's own arithmetic
+                view = np.broadcast_to(np.zeros((1, 1, 1), np.uint8), (CHANNELS, height, width))
+                height, width = module.get_resize_output_image_size(view,
+                                                                    resolution_max_side=_edge(size, "longest_edge"))
+            else:
+                height, width = _edge(size, "height"), _edge(size, "width")
+        r = c = 0
+        if arg("do_image_splitting"):
+            height, width = _whole_tiles(int(height), int(width), tile)
+            if height > tile or width > tile:  # split_images: whole tiles, then the global view
+                r, c = (height - tile) // tile + 1, (width - tile) // tile + 1
+        rows.append(r)
+        cols.append(c)
+        tiles += r * c + 1
+    return ImagePlan({"rows": np.array([rows], np.int64), "cols": np.array([cols], np.int64)},
+                     CHANNELS * tile * tile * tiles)
+
+
+def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
+    """The size `resize_for_vision_encoder` (Idefics3's, SmolVLM's) resizes an image of this size to:
+    its longest edge up to whole tiles, the other edge from the aspect ratio, then up to whole tiles."""
+    aspect_ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect_ratio) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect_ratio) / tile) * tile
+    return height, width
+
+
+def _edge(size: Any, key: str) -> int | None:
+    """`size[key]` of a processor's size (a dict, or transformers' SizeDict), None where unset."""
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return int(value) if value else None
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -139,6 +202,9 @@ def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
     if type(processor).__name__ in QWEN_VL_PROCESSORS:
         return FrameRecipe("qwen_patches", **common, patch=int(ip.patch_size), merge=int(ip.merge_size),
                            temporal=int(ip.temporal_patch_size))
+    if type(processor).__name__ in TILED_PROCESSORS:
+        tile = _edge(arg("max_image_size"), "longest_edge")
+        return FrameRecipe("tiles", **common, height=tile, width=tile)
     size = ip.size
     return FrameRecipe("frames", **common, height=int(size["height"]), width=int(size["width"]))
 

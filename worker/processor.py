@@ -30,7 +30,7 @@ Each image is then taken as transformers' `load_image` takes a path (its EXIF or
 converted to RGB), so that a rotated photo or a transparent PNG gives the pixels the processor gives
 with the image's path.
 
-For the Qwen-VL and Gemma 3 processors a record is planned from its images' sizes and its image
+For the Qwen-VL, Gemma 3 and Idefics3 processors a record is planned from its images' sizes and its image
 pass runs at delivery (worker/image_plan.py): `render` returns the sample with `pending` images,
 `finish` makes their resized uint8 frames, which the trainer client finishes into the processor's
 pixel values (msd_common/frames.py).
@@ -39,6 +39,7 @@ pixel values (msd_common/frames.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -51,9 +52,10 @@ from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
-from msd_common.frames import FRAMES, RECIPE, VIDEO_FRAMES, VIDEO_RECIPE
+from msd_common.frames import FRAMES, PIXEL_MASK, RECIPE, VIDEO_FRAMES, VIDEO_RECIPE
 
-from .image_plan import QWEN_VL_PROCESSORS, FrameCapture, PendingImages, disagreement, frame_recipe, planner_of
+from .image_plan import (QWEN_VL_PROCESSORS, TILED_PROCESSORS, FrameCapture, PendingImages, disagreement, frame_recipe,
+                         planner_of)
 from .video import VIDEO_EXTS, VideoError, VideoInfo, decode, probe
 from .video_plan import PLANNED_VIDEO_PROCESSORS, PendingVideos, PlannedVideoProcessor, resized_frames, video_recipe
 
@@ -212,6 +214,8 @@ class ProcessorChat:
             first = (str(e).splitlines() or [""])[0]
             raise ProcessorRecordError(f"the processor failed: {type(e).__name__}: {first}") from None
         planned_arrays = dict(planned[-1].plan.arrays) if planned else {}
+        if planned:  # what the processor's call drops of the plan (Idefics3's rows and cols) is not sent
+            planned[-1] = dataclasses.replace(planned[-1], plan_only=frozenset(planned_arrays) - set(out))
         out = {k: v for k, v in out.items() if k not in planned_arrays}
         sample = self.sample_of(out, len(files), planned=planned_arrays, videos=len(videos))
         sample.pending = planned[-1] if planned else None
@@ -290,7 +294,9 @@ class ProcessorChat:
 
             made, _, frames = self._frames_pass([Image.new("RGB", size) for size in pending.sizes])
             sample.loss_mask[:] = 0
-        unused = set(getattr(self.processor, "unused_input_names", ()) or ())  # (pixel values: as frames)
+        # what the processor's call leaves out (the pixel values go as frames; Idefics3's pixel mask is made by
+        # the client: all ones, every tile whole)
+        unused = {*(getattr(self.processor, "unused_input_names", ()) or ()), *pending.plan_only, PIXEL_MASK}
         arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items() if name not in unused}
         arrays[FRAMES] = np.concatenate([f.reshape(-1) for f in frames]) if frames else np.zeros(0, np.uint8)
         arrays[RECIPE] = frame_recipe(self.processor, self._image_kwargs).to_array()
@@ -336,12 +342,19 @@ class ProcessorChat:
             with FrameCapture(image_processor) as capture:
                 made, replacements = self.processor._process_images(images, **kwargs)
             frames = capture.in_order(np.asarray(made["image_grid_thw"]), int(image_processor.patch_size))
-        else:  # resized to one size, nothing after normalisation: the pixel values are the frames
+        else:  # resized to one size, nothing after normalisation: the pixel values are the frames (or tiles)
             made, replacements = self.processor._process_images(images, **kwargs)
             pixels = np.asarray(made["pixel_values"])
-            if pixels.dtype != np.uint8:
-                raise ValueError(f"the image pass without rescale and normalise gave {pixels.dtype} pixels, not uint8")
-            frames = list(pixels)
+            if pixels.dtype != np.uint8:  # Idefics3's torchvision backend pads into float32: whole values
+                whole = pixels.astype(np.uint8)
+                if not np.array_equal(whole, pixels):
+                    raise ValueError(f"the image pass without rescale and normalise gave {pixels.dtype} pixels, "
+                                     "not uint8")
+                pixels = whole
+            mask = made.get(PIXEL_MASK)
+            if mask is not None and not np.asarray(mask).all():
+                raise ValueError("the image pass padded a tile (a pixel mask not all ones)")
+            frames = list(pixels.reshape(-1, *pixels.shape[-3:]))  # Idefics3: [1, tiles, 3, S, S]
         made = {k: v for k, v in made.items() if k != "pixel_values"}
         return made, replacements, [np.ascontiguousarray(f, np.uint8) for f in frames]
 
@@ -374,6 +387,11 @@ class ProcessorChat:
                 token_arrays[name] = np.ascontiguousarray(value.reshape(n))
             else:
                 image_arrays[name] = np.ascontiguousarray(value)
+        if type(self.processor).__name__ in TILED_PROCESSORS:  # a batch of one: its tiles, which the client batches
+            for name in ("pixel_values", PIXEL_MASK):
+                a = image_arrays.get(name)
+                if a is not None and a.ndim in (4, 5) and len(a) == 1:
+                    image_arrays[name] = a[0].astype(bool) if name == PIXEL_MASK else a[0]
         known = {**image_arrays, **(planned or {})}
         video_grids = np.asarray(known.get("video_grid_thw", np.zeros((0, 3))), np.int64).reshape(-1, 3)
         if self.info.rope == "mrope":

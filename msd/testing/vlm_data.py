@@ -213,3 +213,50 @@ def write_qwen3_vl_processor(path: str, vocab_size: int = 600, max_pixels: int |
     if max_pixels is not None:
         preprocessor["size"] = {**preprocessor["size"], "longest_edge": max_pixels}
     return _write_qwen_dir(path, vocab_size, preprocessor, "qwen3_vl_training")
+
+
+IDEFICS3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<fake_token_around_image>", "<image>",
+                    "<end_of_utterance>", "<global-img>",
+                    *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+
+# HuggingFaceM4/Idefics3-8B-Llama3's preprocessor_config.json and processor_config.json: an image is
+# resized to 1456 on its longest edge, cut into 364 x 364 tiles (rows x columns) and also resized
+# whole to one tile (the global view); 169 image tokens a tile
+IDEFICS3_PREPROCESSOR: dict[str, Any] = {
+    "do_convert_rgb": True,
+    "do_image_splitting": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Idefics3ImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": 364},
+    "processor_class": "Idefics3Processor",
+    "resample": 1,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"longest_edge": 1456},
+}
+IDEFICS3_PROCESSOR = {"image_seq_len": 169, "processor_class": "Idefics3Processor"}
+
+
+def write_idefics3_processor(path: str, vocab_size: int = 600, longest_edge: int | None = None) -> str:
+    """An Idefics3 processor directory at `path` (SmolVLM's first models ship the same classes): the
+    published image processor and processor configuration (with `longest_edge`, images resized to
+    that edge instead of 1456: fewer tiles), a BPE tokenizer trained here with Idefics3's special
+    tokens (its row and column markers among them), and TRL's idefics3 training template."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(IDEFICS3_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>", "model_max_length": 1 << 20}
+    preprocessor = dict(IDEFICS3_PREPROCESSOR)
+    if longest_edge is not None:
+        preprocessor["size"] = {"longest_edge": longest_edge}
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor),
+                        ("processor_config.json", IDEFICS3_PROCESSOR)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(trl_template("idefics3_training"))
+    return path

@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations, write_qwen2_5_vl_processor
+from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_image_conversations,
+                                  write_qwen2_5_vl_processor)
 from msd_common.frames import FRAMES, finished
 
 pytest.importorskip("transformers")
@@ -36,10 +37,12 @@ def _same(a, b) -> None:
     assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3"])
 def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_path, family):
     if family == "qwen2_5_vl":  # images from below min_pixels (3,136) to past max_pixels
         proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
+    elif family == "idefics3":  # up to 2 x 2 tiles and the global view an image
+        proc = write_idefics3_processor(str(tmp_path / "p"), longest_edge=728)
     else:
         proc = write_gemma3_processor(str(tmp_path / "p"))
     data = str(tmp_path / "data")

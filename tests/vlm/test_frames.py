@@ -1,8 +1,9 @@
 """Frames as bytes (msd_common/frames.py): a worker sends each image's resized uint8 frame and the
 trainer client finishes it into the processor's pixel values. Checked in the reference environment
 (transformers with torch and torchvision) on both image backends, for Qwen2.5-VL (patch layout,
-temporal repeat) and Gemma 3 (one size, no repeat): finished with numpy and with torch, bit for bit
-what the image processor gives run whole, at an eighth (Qwen-VL) and a quarter (Gemma 3) of its bytes."""
+temporal repeat), Gemma 3 (one size, no repeat) and Idefics3 (square tiles, a batch of one): finished
+with numpy and with torch, bit for bit what the image processor gives run whole, at an eighth (Qwen-VL)
+and a quarter (Gemma 3, Idefics3) of its bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 
 import pytest
 
-from msd.testing.vlm_data import write_gemma3_processor, write_qwen2_5_vl_processor
+from msd.testing.vlm_data import write_gemma3_processor, write_idefics3_processor, write_qwen2_5_vl_processor
 from tests.vlm.conftest import REFERENCE_PYTHON, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -22,11 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def processors(tmp_path_factory):
     root = tmp_path_factory.mktemp("frames")
     return {"qwen2_5_vl": write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=1_000_000),
-            "gemma3": write_gemma3_processor(str(root / "gemma"))}
+            "gemma3": write_gemma3_processor(str(root / "gemma")),
+            "idefics3": write_idefics3_processor(str(root / "idefics3"))}
 
 
 @pytest.mark.parametrize("backend", ["pil", "torchvision"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3"])
 def test_frames_finished_by_the_client_equal_the_image_processor(processors, family, backend):
     if not os.path.exists(REFERENCE_PYTHON):
         pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
@@ -36,3 +38,5 @@ def test_frames_finished_by_the_client_equal_the_image_processor(processors, fam
     assert result["frame_dtype"] == "uint8"
     assert result["numpy_equal"] and result["torch_equal"], result
     assert result["pixel_bytes"] == result["frame_bytes"] * (8 if family == "qwen2_5_vl" else 4)
+    if family == "idefics3":  # tiles planned from image sizes as its image pass cuts them; its mask, all ones
+        assert result["plan_equal"] and result["mask_equal"], result

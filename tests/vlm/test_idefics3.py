@@ -1,0 +1,97 @@
+"""A tiled family: Idefics3 (SmolVLM's first models ship its processor) resizes an image's longest
+edge, cuts it into square tiles (rows x columns, each marked <row_i_col_j> in the text) and adds the
+image resized whole as a global view; its pixel values are a batch of one, [1, tiles, 3, S, S], with
+a pixel mask beside them. Planned from image sizes, its tiles sent as uint8 and finished by the
+client (on the CPU, and on a torch device for rank 1), or run whole at prepare time; micro-batches
+of two rows, so that samples with different tile counts share one. Through real workers and ranks,
+checked against transformers' AutoProcessor in the reference environment: token, mask and pixel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from msd.testing.vlm_data import write_idefics3_processor, write_image_conversations
+from msd_common.doc_keys import split_doc_key
+from tests.conftest import write_job
+from tests.integration.harness import run_job
+from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
+
+RECORDS = 10
+TILE = 364
+IMAGE_TOKENS = 169  # a tile's
+
+
+@pytest.fixture(scope="module", params=["delivery", "prepare"])
+def idefics3_run(tmp_path_factory, request):
+    """image_pass delivery: planned from sizes, tiles as uint8; prepare: the processor run whole at
+    prepare time, its float tiles sent (before, micro-batches of its samples stalled: each sample's
+    pixel values a batch of one of its own tile count)."""
+    root = tmp_path_factory.mktemp("idefics3")
+    processor = write_idefics3_processor(str(root / "idefics3"), longest_edge=2 * TILE)  # up to 2 x 2 tiles
+    write_image_conversations(str(root / "data"), RECORDS, seed=9, sizes=(40, 500), max_images=2)
+    write_notes(str(root), 20)
+    job = {
+        "seed": 6,
+        "sources": {
+            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "idefics3",
+                    "image_pass": request.param},
+            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
+        },
+        "batch": {"seq_len": 2048, "micro_batch_size": 2, "global_batch_size": 4,
+                  "pad_id": token_id(processor, "<|end_of_text|>")},
+        "topology": {"dp": 2},
+        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
+    }
+    path = write_job(str(root), job)
+    log = str(root / "job.log")
+    received = run_job(path, workers=2, ranks=2, steps=4, log_path=log, timeout_s=300, devices={1: "cpu"})
+    ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
+    return received, ref, open(log).read(), token_id(processor, "<image>")
+
+
+def test_samples_equal_transformers_idefics3_processor(idefics3_run):
+    from trainer_client.batch import BATCH_KEYS
+
+    received, ref, log, image_token = idefics3_run
+    schema = {k.key for k in BATCH_KEYS}
+    checked = shared = texts = 0
+    for batches in received.values():
+        for b in batches:
+            assert set(b) - {"received_at"} <= schema, set(b) - schema
+            tiles_seen, samples_with_images = 0, 0
+            for row, start, key, n, k, tile in pieces_of(b):
+                source, record = split_doc_key(key)
+                tiles = int(b["images_per_sample"][k])
+                tiles_seen += tiles
+                span = slice(start, start + n)
+                if source == 1:
+                    assert tiles == 0
+                    texts += 1
+                    continue
+                expected = ref[record]
+                np.testing.assert_array_equal(b["tokens"][row, span], expected["input_ids"])
+                mask = b["loss_mask"][row, span]
+                np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
+                assert mask.sum() > 0
+                want = expected["pixel_values"]  # [1, tiles, 3, S, S]
+                assert tiles == want.shape[1] > 0
+                assert int((expected["input_ids"] == image_token).sum()) == IMAGE_TOKENS * tiles
+                np.testing.assert_array_equal(np.asarray(b["pixel_values"])[:, tile:tile + tiles], want)
+                np.testing.assert_array_equal(b["pixel_attention_mask"][:, tile:tile + tiles],
+                                              expected["pixel_attention_mask"])
+                samples_with_images += 1
+                checked += 1
+            if samples_with_images:
+                pixels = np.asarray(b["pixel_values"])
+                assert pixels.dtype == np.float32 and pixels.shape == (1, tiles_seen, 3, TILE, TILE)
+                assert b["pixel_attention_mask"].dtype == np.bool_
+                assert b["pixel_attention_mask"].shape == (1, tiles_seen, TILE, TILE)
+                shared += samples_with_images > 1
+    assert checked >= 8 and texts > 0
+    assert shared > 0, "no micro-batch held two samples with images"
+    assert "exited with" not in log
+
