@@ -216,7 +216,6 @@ class PendingPixels:
             raise ValueError("pixel values of tiled (Idefics3) and other processors in one micro-batch")
         self.tiled = tiled or layouts == {True}  # [1, tiles, 3, S, S]: one batch of every piece's tiles
 
-
     def finish(self) -> np.ndarray:
         """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
         sizes = []
@@ -264,10 +263,10 @@ def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = dict(arrays)
     for frames, recipe, grids, name in FINISHED:
         if frames in out:
-            made = (out.pop(frames), FrameRecipe.from_array(out.pop(recipe)), out.get(grids))
-            out[name] = made[1].finish(made[0], made[2])
-            if made[1].layout == "tiles":  # a sample's own [tiles, ...], as its processor run whole gives (squeezed)
-                out[PIXEL_MASK] = tile_mask(*made[:2])
+            sent, how = out.pop(frames), FrameRecipe.from_array(out.pop(recipe))
+            out[name] = how.finish(sent, out.get(grids))
+            if how.layout == "tiles":  # the sample's own [tiles, ...], as its processor run whole gives them
+                out[PIXEL_MASK] = tile_mask(sent, how)
     return out
 
 

@@ -123,7 +123,7 @@ def _gemma3_crops(image_processor: Any, kwargs: dict[str, Any], width: int, heig
 
 
 def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
-    """Idefics3's and SmolVLM's tile rows and columns of images of these sizes, with the arguments
+    """Idefics3's tile rows and columns of images of these sizes, with the arguments
     the processor passes, else the image processor's own."""
 
     def arg(name: str) -> Any:
@@ -152,7 +152,7 @@ def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]],
 
 
 def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
-    """The size `resize_for_vision_encoder` (Idefics3's, SmolVLM's) resizes an image of this size to:
+    """The size Idefics3's `resize_for_vision_encoder` resizes an image of this size to:
     its longest edge up to whole tiles, the other edge from the aspect ratio, then up to whole tiles."""
     aspect_ratio = width / height
     if width >= height:
