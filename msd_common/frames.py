@@ -228,8 +228,8 @@ class PendingPixels:
         if len({shape for _, shape in sizes}) != 1:  # arrays of different shapes: as the processors made them
             if self.tiled:
                 raise ValueError(f"tiles of different sizes in one micro-batch: {sorted({s for _, s in sizes})}")
-            return np.concatenate([p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p)
-                                   for p in self.parts])
+            return concat_padded([p[1].finish(p[0], p[2]) if isinstance(p, tuple) else np.asarray(p)
+                                  for p in self.parts])
         out = np.empty((sum(n for n, _ in sizes), *sizes[0][1]), np.float32)
         row = 0
         for p, (n, _) in zip(self.parts, sizes):
@@ -252,8 +252,28 @@ class PendingPixels:
                 made.append(p[1].finish_torch(frames, p[2]))
             else:
                 made.append(torch.from_numpy(np.asarray(p)).to(device, non_blocking=True))
+        if len({tuple(m.shape[1:]) for m in made}) > 1:  # shapes per sample: padded on the CPU (concat_padded)
+            return torch.from_numpy(self.finish()).to(device)
         out = made[0] if len(made) == 1 else torch.cat(made)
         return out[None] if self.tiled else out
+
+
+def concat_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    """Arrays concatenated along the first axis, each padded with zeros at the end of its other axes
+    to the widest: a processor's arrays whose shape differs from sample to sample (a batch of one,
+    LLaVA-NeXT's patches padded per sample), padded as transformers pads a batch of them."""
+    shapes = {a.shape[1:] for a in arrays}
+    if len(shapes) == 1:
+        return np.concatenate(arrays)
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"arrays of {sorted(len(s) + 1 for s in shapes)} dimensions cannot be batched")
+    widest = tuple(max(sizes) for sizes in zip(*shapes))
+    out = np.zeros((sum(len(a) for a in arrays), *widest), np.result_type(*arrays))
+    row = 0
+    for a in arrays:
+        out[(slice(row, row + len(a)), *(slice(0, n) for n in a.shape[1:]))] = a
+        row += len(a)
+    return out
 
 
 def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
-from msd_common.frames import FINISHED, FRAMES, PIXEL_MASK, RECIPE, FrameRecipe, PendingPixels, tile_mask
+from msd_common.frames import (FINISHED, FRAMES, PIXEL_MASK, RECIPE, FrameRecipe, PendingPixels, concat_padded,
+                               tile_mask)
 from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
@@ -318,7 +319,7 @@ class StepAssembler:
                         laid[d: d + len(a)] = a
                 out[name] = laid.reshape(*shape, *row_shape)
             else:
-                out[name] = np.concatenate([self.extras[i][name] for i in with_extras if name in self.extras[i]])
+                out[name] = concat_padded([self.extras[i][name] for i in with_extras if name in self.extras[i]])
         out["images_per_sample"] = np.array([self._images_of(i) for i in pieces], np.int64)
         if "video_grid_thw" in self.extra_specs:
             out["videos_per_sample"] = np.array([len(self.extras.get(i, {}).get("video_grid_thw", ()))

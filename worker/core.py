@@ -193,7 +193,7 @@ class DeliveryPieces:
         # a processor's arrays of each piece: {name: array}, per-token ones sliced to the piece;
         # the image ones go with the piece that starts the sample
         self.extras: list[dict[str, np.ndarray] | None] = [None] * n
-        self.extra_specs: dict[str, list] = {}  # name -> [name, dtype, row shape, per_token]
+        self.extra_specs: dict[str, tuple[str, int]] = {}  # name -> (dtype, per_token)
 
     def add_extras(self, i: int, processed: ProcessedSample, offset: int, n: int) -> None:
         extras = {}
@@ -208,20 +208,24 @@ class DeliveryPieces:
 
     def message_rows(self, mine: np.ndarray) -> list[np.ndarray]:
         """The rows `mine` selects, as one message's or, where a processor's arrays would make it
-        more frames than a message may carry or more than MESSAGE_EXTRA_BYTES, several messages'
-        (a rank takes a step's pieces from any number of messages)."""
+        more frames than a message may carry or more than MESSAGE_EXTRA_BYTES, or hold an array in
+        two row shapes (a message declares one: a processor's batch of one, or its patches padded
+        per sample), several messages' (a rank takes a step's pieces from any number of messages)."""
         rows = np.flatnonzero(mine)
         if not self.extra_specs or not len(rows):
             return [mine]
-        frames = np.array([len(self.extras[i] or ()) for i in rows.tolist()], np.int64)
-        sizes = np.array([sum(a.nbytes for a in (self.extras[i] or {}).values()) for i in rows.tolist()], np.int64)
-        out, start, count, size = [], 0, 0, 0
-        for k in range(len(rows)):
-            if k > start and (count + frames[k] > P.MAX_EXTRA_FRAMES or size + sizes[k] > MESSAGE_EXTRA_BYTES):
+        out, start, count, size, shapes = [], 0, 0, 0, {}
+        for k, i in enumerate(rows.tolist()):
+            extras = self.extras[i] or {}
+            frames, nbytes = len(extras), sum(a.nbytes for a in extras.values())
+            reshaped = any(shapes.get(name, a.shape[1:]) != a.shape[1:] for name, a in extras.items())
+            if k > start and (count + frames > P.MAX_EXTRA_FRAMES or size + nbytes > MESSAGE_EXTRA_BYTES or reshaped):
                 out.append(rows[start:k])
-                start, count, size = k, 0, 0
-            count += int(frames[k])
-            size += int(sizes[k])
+                start, count, size, shapes = k, 0, 0, {}
+            count += frames
+            size += nbytes
+            for name, a in extras.items():
+                shapes.setdefault(name, a.shape[1:])
         out.append(rows[start:])
         if len(out) == 1:
             return [mine]
@@ -234,12 +238,8 @@ class DeliveryPieces:
 
     def _declare(self, name: str, a: np.ndarray, per_token: bool) -> None:
         if name not in self.extra_specs:
-            self.extra_specs[name] = [name, a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str,
-                                      list(a.shape[1:]), int(per_token)]
-        elif list(a.shape[1:]) != self.extra_specs[name][2]:  # its rank refuses the message: say why, here
-            log.error("a processor's %s of rows %s and another sample's of rows %s are in one delivery: this "
-                      "processor's samples cannot share a micro-batch (its pixel values are a batch of one); the "
-                      "ranks will wait for them", name, list(a.shape[1:]), self.extra_specs[name][2])
+            self.extra_specs[name] = (a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str,
+                                      int(per_token))
 
     def join_extras(self, order: list[int]) -> tuple[list, np.ndarray, list[np.ndarray]]:
         """The extras of these pieces (in order): their declarations, rows [items x extras], and
@@ -248,7 +248,11 @@ class DeliveryPieces:
         names = sorted({name for i in order if self.extras[i] for name in self.extras[i]})
         if not names:
             return [], np.zeros(0, np.uint32), []
-        specs = [self.extra_specs[name] for name in names]
+        specs = []  # [name, dtype, row shape, per_token]: the row shape of this message's (one: message_rows)
+        for name in names:
+            first = next(self.extras[i][name] for i in order if self.extras[i] and name in self.extras[i])
+            dtype, per_token = self.extra_specs[name]
+            specs.append([name, dtype, list(first.shape[1:]), per_token])
         rows = np.zeros((len(order), len(names)), np.uint32)
         frames = []
         for k, i in enumerate(order):

@@ -182,3 +182,10 @@ def test_a_ranks_pieces_with_a_processors_arrays_are_split_into_messages_of_boun
     assert seen == list(range(n))
     monkeypatch.setattr(core_module, "MESSAGE_EXTRA_BYTES", 1 << 30)
     assert len(pieces.message_rows(np.ones(n, dtype=bool))) == 1
+    # an array in another row shape (a processor's batch of one) starts a message of its own: one
+    # message declares one row shape an array
+    pieces.extras[3] = {**pieces.extras[3], "pixel_values": np.full((1, 4, 6), 3, np.float32)}
+    chunks = pieces.message_rows(np.ones(n, dtype=bool))
+    assert [np.flatnonzero(c).tolist() for c in chunks] == [[0, 1, 2], [3], [4, 5, 6]]
+    rows, tokens, counts, patches, mask, extras, extra_rows, frames = pieces.join(chunks[1])
+    assert dict((e[0], e[2]) for e in extras)["pixel_values"] == [4, 6]
