@@ -260,3 +260,46 @@ def write_idefics3_processor(path: str, vocab_size: int = 600, longest_edge: int
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(trl_template("idefics3_training"))
     return path
+
+
+LLAVA_NEXT_SPECIAL = ["<unk>", "<s>", "</s>", "<image>"]
+
+# llava-hf/llava-v1.6-mistral-7b-hf's preprocessor_config.json and processor_config.json: anyres, an
+# image resized to the best of its grid pinpoints, cut into 336-pixel patches plus the image resized
+# whole; `pixel_values` [images, patches, 3, 336, 336], padded to the sample's most patches
+LLAVA_NEXT_PREPROCESSOR: dict[str, Any] = {
+    "crop_size": {"height": 336, "width": 336},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_processor_type": "LlavaNextImageProcessor",
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "processor_class": "LlavaNextProcessor",
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"shortest_edge": 336},
+}
+LLAVA_NEXT_PROCESSOR = {"image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": 14,
+                        "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"}
+
+
+def write_llava_next_processor(path: str, vocab_size: int = 600) -> str:
+    """A LLaVA-NeXT processor directory at `path`: the published image processor and processor
+    configuration, a BPE tokenizer trained here with its special tokens, and TRL's llava_next
+    training template."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(LLAVA_NEXT_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "pad_token": "<unk>", "model_max_length": 1 << 20}
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", LLAVA_NEXT_PREPROCESSOR),
+                        ("processor_config.json", LLAVA_NEXT_PROCESSOR)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(trl_template("llava_next_training"))
+    return path
