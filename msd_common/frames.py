@@ -20,6 +20,7 @@ different processors may share a micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,7 +35,9 @@ FINISHED = ((FRAMES, RECIPE, "image_grid_thw", "pixel_values"),
             (VIDEO_FRAMES, VIDEO_RECIPE, "video_grid_thw", "pixel_values_videos"))
 # patchified with a temporal repeat (Qwen-VL images), [images, 3, H, W], patchified over frames (Qwen-VL videos),
 # [1, tiles, 3, S, S] (Idefics3: a batch of one, every sample's tiles along the second axis)
-LAYOUTS = ("qwen_patches", "frames", "qwen_video", "tiles")
+# [images, most patches, 3, S, S] (LLaVA-NeXT: each image's patches, as many as pixel_patch_counts says, padded)
+LAYOUTS = ("qwen_patches", "frames", "qwen_video", "tiles", "anyres")
+PATCH_COUNTS = "pixel_patch_counts"  # the anyres layout's: each image's patches
 PIXEL_MASK = "pixel_attention_mask"  # the tiled layout's: which pixels of each tile are the image's (all: none padded)
 BACKENDS = ("pil", "torchvision")
 RECIPE_VERSION = 1.0
@@ -106,7 +109,10 @@ class FrameRecipe:
     def finish(self, frames: np.ndarray, grids: np.ndarray | None = None,
                out: np.ndarray | None = None) -> np.ndarray:
         """The pixel values of one sample's frames (numpy, on this host's CPU), written into `out`
-        (rows of a micro-batch's array) where given: no array per image, no concatenation."""
+        (rows of a micro-batch's array) where given: no array per image, no concatenation.
+        anyres: `grids` holds each image's patches."""
+        if self.layout == "anyres":
+            return self._finish_anyres(frames, np.asarray(grids, np.int64), out)
         shapes = self.shapes(len(frames), grids)
         if out is None:
             out = np.empty((self.rows(shapes), *self._row_shape()), np.float32)
@@ -128,6 +134,18 @@ class FrameRecipe:
             at, row = at + n, row + k
         if at != len(frames):
             raise ValueError(f"{FRAMES}: {len(frames)} bytes where the images' frames take {at}")
+        return out
+
+    def _finish_anyres(self, frames: np.ndarray, patches: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """LLaVA-NeXT's [images, most patches, 3, S, S]: each image's patches, then zeros."""
+        flat = dataclasses.replace(self, layout="frames").finish(frames)
+        if out is None:
+            out = np.empty((len(patches), int(patches.max(initial=0)), *flat.shape[1:]), np.float32)
+        at = 0
+        for image, n in enumerate(patches.tolist()):
+            out[image, :n] = flat[at:at + n]
+            out[image, n:] = 0.0
+            at += n
         return out
 
     def _row_shape(self) -> tuple[int, ...]:
@@ -220,7 +238,9 @@ class PendingPixels:
         """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
         sizes = []
         for p in self.parts:
-            if isinstance(p, tuple):
+            if isinstance(p, tuple) and p[1].layout == "anyres":  # images of patches (p[2]: each image's)
+                sizes.append((len(p[2]), (int(np.max(p[2], initial=0)), *p[1]._row_shape())))
+            elif isinstance(p, tuple):
                 recipe = p[1]
                 sizes.append((recipe.rows(recipe.shapes(len(p[0]), p[2])), recipe._row_shape()))
             else:
@@ -245,6 +265,8 @@ class PendingPixels:
         happens there."""
         import torch
 
+        if any(isinstance(p, tuple) and p[1].layout == "anyres" for p in self.parts):  # (padded on the CPU)
+            return torch.from_numpy(self.finish()).to(device)
         made = []
         for p in self.parts:
             if isinstance(p, tuple):
@@ -284,7 +306,7 @@ def finished(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for frames, recipe, grids, name in FINISHED:
         if frames in out:
             sent, how = out.pop(frames), FrameRecipe.from_array(out.pop(recipe))
-            out[name] = how.finish(sent, out.get(grids))
+            out[name] = how.finish(sent, out.pop(PATCH_COUNTS) if how.layout == "anyres" else out.get(grids))
             if how.layout == "tiles":  # the sample's own [tiles, ...], as its processor run whole gives them
                 out[PIXEL_MASK] = tile_mask(sent, how)
     return out

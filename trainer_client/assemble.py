@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import BufferPool
-from msd_common.frames import (FINISHED, FRAMES, PIXEL_MASK, RECIPE, FrameRecipe, PendingPixels, concat_padded,
-                               tile_mask)
+from msd_common.frames import (FINISHED, FRAMES, PATCH_COUNTS, PIXEL_MASK, RECIPE, FrameRecipe, PendingPixels,
+                               concat_padded, tile_mask)
 from msd_common.protocol import PIECE_ITEM, RECIPE_PIECE
 
 PieceRef = Sequence[int]  # [doc_key, doc_offset, length]
@@ -298,7 +298,7 @@ class StepAssembler:
                     d = int(self.dst[i]) - base
                     flat[:, d: d + len(three)] = three.T
             out["position_ids"] = rows3
-        made_here = {"position_ids"}
+        made_here = {"position_ids", PATCH_COUNTS}
         for frames, recipe, grids, name in FINISHED:
             pixels = self._pixel_values(with_extras, frames, recipe, grids, name)
             if pixels is not None:
@@ -332,6 +332,8 @@ class StepAssembler:
         mine = self.extras.get(piece, {})
         if "image_grid_thw" in self.extra_specs:
             return len(mine.get("image_grid_thw", ()))
+        if PATCH_COUNTS in mine:  # LLaVA-NeXT: its images, whose patches it counts
+            return len(mine[PATCH_COUNTS])
         if FRAMES in mine:
             recipe = FrameRecipe.from_array(mine[RECIPE])
             return len(recipe.shapes(len(mine[FRAMES]), None))
@@ -345,8 +347,9 @@ class StepAssembler:
         parts = []
         for i in pieces:
             mine = self.extras[i]
-            if frames in mine:
-                parts.append((mine[frames], FrameRecipe.from_array(mine[recipe]), mine.get(grids)))
+            if frames in mine:  # (LLaVA-NeXT's: each image's patches where a grid would be)
+                layout = mine.get(grids, mine.get(PATCH_COUNTS))
+                parts.append((mine[frames], FrameRecipe.from_array(mine[recipe]), layout))
             elif name in mine:
                 parts.append(mine[name])
         return PendingPixels(parts, tiled=any(PIXEL_MASK in self.extras[i] for i in pieces)) if parts else None

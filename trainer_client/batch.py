@@ -53,12 +53,13 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
              "patch's placeholder token."),
     BatchKey("pixel_values", "float32", "the processor's: [patches, 1176] (Qwen2.5-VL), [images, 3, 896, 896] "
-             "(Gemma 3), [1, tiles, 3, 364, 364] (Idefics3)", "jobs with a processor source, "
+             "(Gemma 3), [1, tiles, 3, 364, 364] (Idefics3), [images, patches, 3, 336, 336] (LLaVA-NeXT)",
+             "jobs with a processor source, "
              "micro-batches with images", "The processor's pixel values, image after image in packing order "
              "(concatenated along the first axis, as the model's forward takes them, each padded with zeros to "
              "the widest where their shapes differ, as transformers pads a batch; Idefics3: every "
              "piece's tiles along the second axis of one batch, which their forward flattens). Images planned from "
-             "their sizes (Qwen-VL, Gemma 3, Idefics3) arrive as uint8 frames, resized by the processor; "
+             "their sizes (Qwen-VL, Gemma 3, Idefics3, LLaVA-NeXT) arrive as uint8 frames, resized by the processor; "
              "the client makes "
              "these values from them with the processor's own rescale and normalise (the workers' image "
              "backend, bit for bit) and its patch layout: on the CPU, ahead of `next()`, or at `next()` on "
@@ -67,6 +68,10 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "source, micro-batches with images", "Which pixels of each tile of `pixel_values` are the image's: all "
              "of them (the image processor pads none within a sample). The processor's values as bool, not int64: "
              "an eighth of the bytes; the model's forward takes either."),
+    BatchKey("image_sizes", "int64", "[images, 2]", "jobs with a processor source that gives them (LLaVA-NeXT), "
+             "micro-batches with images", "Each image's (height, width) before the processor resized it, in "
+             "packing order; the model's forward finds each image's patches among the padding of `pixel_values` "
+             "by them."),
     BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
              "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),
     BatchKey("mm_token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",

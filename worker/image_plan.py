@@ -44,6 +44,8 @@ QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen
 # square tiles and a global view (SmolVLM's first models ship this processor; SmolVLM2's SmolVLMProcessor, with
 # the same image processor, reads its video processor in every apply_chat_template: not planned yet)
 TILED_PROCESSORS = frozenset({"Idefics3Processor"})
+ANYRES_PROCESSORS = frozenset({"LlavaNextProcessor"})  # patches of a grid pinpoint, padded to an image's most
+SHAPE_ONLY = "pixel_values"  # a planned stand-in whose shape the expansion reads (LLaVA-NeXT's patch size)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class ImagePlan:
 
     arrays: dict[str, np.ndarray]  # the image pass's outputs the expansion reads (image_grid_thw, num_crops)
     pixel_bytes: int  # of the uint8 frames the image pass will make (the frame limit is checked at prepare)
+    patches: np.ndarray | None = None  # LLaVA-NeXT: each image's patches (its pixel values pad them to the most)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ def planner_of(processor: Any) -> Planner | None:
             return ImagePlan({"num_crops": crops}, frame * int(len(sizes) + crops.sum()))
 
         return gemma3_plan
+    if name in ANYRES_PROCESSORS and _has(image_processor, "image_grid_pinpoints", "crop_size"):
+        return lambda sizes, kwargs: _anyres_plan(image_processor, sizes, kwargs)
     if name in TILED_PROCESSORS and _has(image_processor, "max_image_size"):
         module = sys.modules.get(type(image_processor).__module__)
         if hasattr(module, "get_resize_output_image_size"):
@@ -151,6 +156,26 @@ def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]],
                      CHANNELS * tile * tile * tiles)
 
 
+def _anyres_plan(image_processor: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
+    """LLaVA-NeXT's images of these sizes: `image_sizes`, and a stand-in `pixel_values` of the crop
+    size, which its expansion reads for the patch grid; each image is cut into the crop-size patches
+    of its best grid pinpoint (transformers' `select_best_resolution`), and resized whole as one more."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    def arg(name: str) -> Any:
+        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+
+    crop = arg("crop_size")
+    height, width = _edge(crop, "height"), _edge(crop, "width")
+    patches = []
+    for w, h in sizes:
+        best_height, best_width = select_best_resolution((h, w), arg("image_grid_pinpoints"))
+        patches.append((best_height // height) * (best_width // width) + 1)
+    stand_in = np.broadcast_to(np.zeros((), np.uint8), (len(sizes), 1, CHANNELS, height, width))
+    return ImagePlan({"image_sizes": np.array([[h, w] for w, h in sizes], np.int64).reshape(-1, 2),
+                      SHAPE_ONLY: stand_in}, CHANNELS * height * width * sum(patches), np.array(patches, np.int64))
+
+
 def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
     """The size Idefics3's `resize_for_vision_encoder` resizes an image of this size to:
     its longest edge up to whole tiles, the other edge from the aspect ratio, then up to whole tiles."""
@@ -205,6 +230,9 @@ def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
     if type(processor).__name__ in TILED_PROCESSORS:
         tile = _edge(arg("max_image_size"), "longest_edge")
         return FrameRecipe("tiles", **common, height=tile, width=tile)
+    if type(processor).__name__ in ANYRES_PROCESSORS:
+        crop = arg("crop_size")
+        return FrameRecipe("anyres", **common, height=_edge(crop, "height"), width=_edge(crop, "width"))
     size = ip.size
     return FrameRecipe("frames", **common, height=int(size["height"]), width=int(size["width"]))
 
@@ -253,6 +281,8 @@ def disagreement(pending: PendingImages, made: dict[str, Any], replacements: lis
     if replacements != pending.replacements:
         return "its image tokens differ from the planned ones"
     for name, planned in pending.plan.arrays.items():
+        if name == SHAPE_ONLY:
+            continue
         if name not in made:
             return f"the image pass gave no {name}"
         got = np.asarray(made[name])

@@ -30,7 +30,7 @@ Each image is then taken as transformers' `load_image` takes a path (its EXIF or
 converted to RGB), so that a rotated photo or a transparent PNG gives the pixels the processor gives
 with the image's path.
 
-For the Qwen-VL, Gemma 3 and Idefics3 processors a record is planned from its images' sizes and its image
+For the Qwen-VL, Gemma 3, Idefics3 and LLaVA-NeXT processors a record is planned from its images' sizes and its image
 pass runs at delivery (worker/image_plan.py): `render` returns the sample with `pending` images,
 `finish` makes their resized uint8 frames, which the trainer client finishes into the processor's
 pixel values (msd_common/frames.py).
@@ -52,7 +52,7 @@ from msd_common.formats.webdataset import IMAGE_EXTS
 from msd_common.mrope import mrope_position_ids
 from msd_common.processor_dir import ProcessorInfo, read_processor_dir
 
-from msd_common.frames import FRAMES, PIXEL_MASK, RECIPE, VIDEO_FRAMES, VIDEO_RECIPE
+from msd_common.frames import FRAMES, PATCH_COUNTS, PIXEL_MASK, RECIPE, VIDEO_FRAMES, VIDEO_RECIPE
 
 from .image_plan import (QWEN_VL_PROCESSORS, TILED_PROCESSORS, FrameCapture, PendingImages, disagreement, frame_recipe,
                          planner_of)
@@ -280,7 +280,7 @@ class ProcessorChat:
         problem = None
         try:
             images = [decode_image(data, where, None) for data in pending.files]
-            made, replacements, frames = self._frames_pass(images)
+            made, replacements, frames = self._frames_pass(images, pending.plan.patches)
             why = disagreement(pending, made, replacements)
             if why is not None:
                 problem = (f"{where}: planned from its images' sizes, but {why}", "error")
@@ -292,7 +292,8 @@ class ProcessorChat:
         if problem is not None:
             from PIL import Image
 
-            made, _, frames = self._frames_pass([Image.new("RGB", size) for size in pending.sizes])
+            blank = [Image.new("RGB", size) for size in pending.sizes]
+            made, _, frames = self._frames_pass(blank, pending.plan.patches)
             sample.loss_mask[:] = 0
         # what the processor's call leaves out (the pixel values go as frames; Idefics3's pixel mask is made by
         # the client: all ones, every tile whole)
@@ -300,6 +301,8 @@ class ProcessorChat:
         arrays = {name: np.ascontiguousarray(np.asarray(value)) for name, value in made.items() if name not in unused}
         arrays[FRAMES] = np.concatenate([f.reshape(-1) for f in frames]) if frames else np.zeros(0, np.uint8)
         arrays[RECIPE] = frame_recipe(self.processor, self._image_kwargs).to_array()
+        if pending.plan.patches is not None:  # how the client lays them out: each image's patches, padded
+            arrays[PATCH_COUNTS] = pending.plan.patches
         sample.image_arrays = {**sample.image_arrays, **arrays}
         sample.pending = None
         return problem or video_problem
@@ -333,9 +336,11 @@ class ProcessorChat:
         sample.pending_videos = None
         return problem
 
-    def _frames_pass(self, images: list[Any]) -> tuple[dict[str, Any], list[str], list[np.ndarray]]:
+    def _frames_pass(self, images: list[Any], patches: np.ndarray | None = None
+                     ) -> tuple[dict[str, Any], list[str], list[np.ndarray]]:
         """The processor's image pass up to each image's resized uint8 frame: its outputs (their
-        pixel values left out), its image tokens' expansions, and the frames [3, H, W] in order."""
+        pixel values left out), its image tokens' expansions, and the frames [3, H, W] in order.
+        `patches`: LLaVA-NeXT's planned patches of each image (its pixel values pad them to the most)."""
         kwargs = {**self._image_kwargs, "do_rescale": False, "do_normalize": False}
         image_processor = self.processor.image_processor
         if type(self.processor).__name__ in QWEN_VL_PROCESSORS:
@@ -354,6 +359,11 @@ class ProcessorChat:
             mask = made.get(PIXEL_MASK)
             if mask is not None and not np.asarray(mask).all():
                 raise ValueError("the image pass padded a tile (a pixel mask not all ones)")
+            if patches is not None:  # LLaVA-NeXT: [images, most patches, 3, S, S], each image's own patches
+                if pixels.shape[1] != patches.max():
+                    raise ValueError(f"the image pass cut up to {pixels.shape[1]} patches an image, the plan "
+                                     f"{patches.tolist()}")
+                pixels = np.concatenate([pixels[i, :n] for i, n in enumerate(patches.tolist())])
             frames = list(pixels.reshape(-1, *pixels.shape[-3:]))  # Idefics3: [1, tiles, 3, S, S]
         made = {k: v for k, v in made.items() if k != "pixel_values"}
         return made, replacements, [np.ascontiguousarray(f, np.uint8) for f in frames]

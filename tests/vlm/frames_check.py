@@ -19,7 +19,7 @@ from PIL import Image  # noqa: E402
 from transformers import AutoImageProcessor  # noqa: E402
 
 from msd_common.frames import FrameRecipe, PendingPixels, tile_mask  # noqa: E402
-from worker.image_plan import FrameCapture, _tiles_plan  # noqa: E402
+from worker.image_plan import FrameCapture, _anyres_plan, _tiles_plan  # noqa: E402
 
 
 def plan_equal(ip) -> bool:
@@ -53,6 +53,7 @@ def main(path: str, backend: str) -> None:
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
     whole = ip(images, return_tensors="np")
     qwen, tiled = hasattr(ip, "temporal_patch_size"), hasattr(ip, "max_image_size")
+    anyres, patches = hasattr(ip, "image_grid_pinpoints"), None
     common = dict(backend=backend, do_rescale=True, rescale_factor=float(ip.rescale_factor), do_normalize=True,
                   mean=tuple(float(v) for v in ip.image_mean), std=tuple(float(v) for v in ip.image_std))
     if qwen:
@@ -62,6 +63,15 @@ def main(path: str, backend: str) -> None:
             made = ip(images, do_rescale=False, do_normalize=False, return_tensors="np")
         grids = np.asarray(made["image_grid_thw"])
         frames = capture.in_order(grids, ip.patch_size)
+    elif anyres:  # LLaVA-NeXT: [images, most patches, 3, S, S]; each image's patches as planned, unpadded
+        crop = ip.crop_size
+        recipe = FrameRecipe("anyres", **common, height=crop["height"], width=crop["width"])
+        patches = _anyres_plan(ip, [(w, h) for h, w in sizes], {}).patches
+        made = ip(images, do_rescale=False, do_normalize=False, return_tensors="np")
+        pixels = np.asarray(made["pixel_values"])
+        assert np.array_equal(pixels.astype(np.uint8), pixels) and pixels.shape[1] == patches.max()
+        grids = patches
+        frames = [pixels.astype(np.uint8)[i, :n] for i, n in enumerate(patches.tolist())]
     elif tiled:  # Idefics3: [1, tiles, 3, S, S], the torchvision backend's in float32 (whole values)
         tile = ip.max_image_size["longest_edge"]
         recipe = FrameRecipe("tiles", **common, height=tile, width=tile)
@@ -75,7 +85,7 @@ def main(path: str, backend: str) -> None:
         grids, frames = None, list(np.asarray(made["pixel_values"]))
     flat = np.concatenate([np.ascontiguousarray(f).reshape(-1) for f in frames])
     expected = np.asarray(whole["pixel_values"])
-    pending = PendingPixels([(flat, recipe, grids)])
+    pending = PendingPixels([(flat, recipe, grids)])  # (anyres: grids holds each image's patches)
     by_numpy = pending.finish()
     by_torch = pending.finish_on("cpu").numpy()
     print(json.dumps({

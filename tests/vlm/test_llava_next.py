@@ -1,8 +1,9 @@
 """A padded family: LLaVA-NeXT (anyres) resizes an image to the best of its grid pinpoints, cuts it
 into 336-pixel patches and adds the image resized whole; its `pixel_values` are [images, patches,
-3, 336, 336], padded with zeros to the sample's most patches, beside `image_sizes`. Run whole at
-prepare time (it is not planned from sizes), through real workers and ranks, micro-batches of two
-rows: every piece's images padded to the micro-batch's most patches, as transformers pads a batch.
+3, 336, 336], padded with zeros to the sample's most patches, beside `image_sizes`. Planned from
+image sizes (its patches sent as uint8, without the padding) or run whole at prepare time, through
+real workers and ranks, micro-batches of two rows: every piece's images padded to the micro-batch's
+most patches, as transformers pads a batch.
 Checked against transformers' AutoProcessor in the reference environment: token, mask, image sizes
 and pixel. Before, such a micro-batch stalled (its samples' pixel values differ in shape)."""
 
@@ -22,8 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 RECORDS = 10
 
 
-@pytest.fixture(scope="module")
-def llava_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["delivery", "prepare"])
+def llava_run(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("llava_next")
     processor = write_llava_next_processor(str(root / "llava"))
     write_image_conversations(str(root / "data"), RECORDS, seed=5, sizes=(300, 900), max_images=1)
@@ -31,7 +32,8 @@ def llava_run(tmp_path_factory):
     job = {
         "seed": 7,
         "sources": {
-            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "llava"},
+            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "llava",
+                    "image_pass": request.param},
             "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
         },
         "batch": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 4,
@@ -48,10 +50,14 @@ def llava_run(tmp_path_factory):
 
 
 def test_samples_equal_transformers_llava_next_processor_padded_across_the_micro_batch(llava_run):
+    from trainer_client.batch import BATCH_KEYS
+
     received, ref, log = llava_run
+    schema = {k.key for k in BATCH_KEYS}
     checked = padded = 0
     for batches in received.values():
         for b in batches:
+            assert set(b) - {"received_at"} <= schema, set(b) - schema
             images_seen = 0
             for row, start, key, n, k, image in pieces_of(b):
                 source, record = split_doc_key(key)
