@@ -72,6 +72,9 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "micro-batches with images", "Each image's (height, width) before the processor resized it, in "
              "packing order; the model's forward finds each image's patches among the padding of `pixel_values` "
              "by them."),
+    BatchKey("batch_num_images", "int64", "[samples]", "jobs with a LLaVA-OneVision processor source, "
+             "micro-batches with images", "The images of each sample with images, in packing order: the model "
+             "cuts a sample's one image into patches, and takes each of several whole."),
     BatchKey("image_grid_thw", "int64", "[images, 3]", "jobs with a processor source, micro-batches with images",
              "Each image's (temporal, height, width) patch grid, in packing order (processors that report it)."),
     BatchKey("mm_token_type_ids", "int64", "[B, L]", "jobs with a processor source, micro-batches with images",

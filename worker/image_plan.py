@@ -44,7 +44,8 @@ QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen
 # square tiles and a global view (SmolVLM's first models ship this processor; SmolVLM2's SmolVLMProcessor, with
 # the same image processor, reads its video processor in every apply_chat_template: not planned yet)
 TILED_PROCESSORS = frozenset({"Idefics3Processor"})
-ANYRES_PROCESSORS = frozenset({"LlavaNextProcessor"})  # patches of a grid pinpoint, padded to an image's most
+# patches of a grid pinpoint, padded to a sample's most image (LLaVA-OneVision: a sample's one image only)
+ANYRES_PROCESSORS = frozenset({"LlavaNextProcessor", "LlavaOnevisionProcessor"})
 SHAPE_ONLY = "pixel_values"  # a planned stand-in whose shape the expansion reads (LLaVA-NeXT's patch size)
 
 
@@ -97,8 +98,9 @@ def planner_of(processor: Any) -> Planner | None:
             return ImagePlan({"num_crops": crops}, frame * int(len(sizes) + crops.sum()))
 
         return gemma3_plan
-    if name in ANYRES_PROCESSORS and _has(image_processor, "image_grid_pinpoints", "crop_size"):
-        return lambda sizes, kwargs: _anyres_plan(image_processor, sizes, kwargs)
+    if name in ANYRES_PROCESSORS and _has(image_processor, "image_grid_pinpoints"):
+        onevision = name == "LlavaOnevisionProcessor"
+        return lambda sizes, kwargs: _anyres_plan(image_processor, sizes, kwargs, onevision)
     if name in TILED_PROCESSORS and _has(image_processor, "max_image_size"):
         module = sys.modules.get(type(image_processor).__module__)
         if hasattr(module, "get_resize_output_image_size"):
@@ -156,24 +158,32 @@ def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]],
                      CHANNELS * tile * tile * tiles)
 
 
-def _anyres_plan(image_processor: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
-    """LLaVA-NeXT's images of these sizes: `image_sizes`, and a stand-in `pixel_values` of the crop
-    size, which its expansion reads for the patch grid; each image is cut into the crop-size patches
-    of its best grid pinpoint (transformers' `select_best_resolution`), and resized whole as one more."""
+def _anyres_plan(image_processor: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any],
+                 onevision: bool = False) -> ImagePlan:
+    """LLaVA-NeXT's (LLaVA-OneVision's) images of these sizes: `image_sizes`, and a stand-in
+    `pixel_values` of the patch size, which the expansion reads for the patch grid; each image is
+    cut into the patches of its best grid pinpoint (transformers' `select_best_resolution`) and
+    resized whole as one more. LLaVA-OneVision: only a sample's one image is cut (several are each
+    resized whole), and `batch_num_images` says how many the sample holds."""
     from transformers.image_processing_utils import select_best_resolution
 
     def arg(name: str) -> Any:
         return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
 
-    crop = arg("crop_size")
+    crop = arg("crop_size") or arg("size")  # (LLaVA-OneVision's patches are its size)
     height, width = _edge(crop, "height"), _edge(crop, "width")
     patches = []
     for w, h in sizes:
+        if onevision and len(sizes) > 1:
+            patches.append(1)
+            continue
         best_height, best_width = select_best_resolution((h, w), arg("image_grid_pinpoints"))
         patches.append((best_height // height) * (best_width // width) + 1)
     stand_in = np.broadcast_to(np.zeros((), np.uint8), (len(sizes), 1, CHANNELS, height, width))
-    return ImagePlan({"image_sizes": np.array([[h, w] for w, h in sizes], np.int64).reshape(-1, 2),
-                      SHAPE_ONLY: stand_in}, CHANNELS * height * width * sum(patches), np.array(patches, np.int64))
+    arrays = {"image_sizes": np.array([[h, w] for w, h in sizes], np.int64).reshape(-1, 2), SHAPE_ONLY: stand_in}
+    if onevision:
+        arrays["batch_num_images"] = np.array([len(sizes)], np.int64)
+    return ImagePlan(arrays, CHANNELS * height * width * sum(patches), np.array(patches, np.int64))
 
 
 def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
@@ -231,7 +241,7 @@ def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
         tile = _edge(arg("max_image_size"), "longest_edge")
         return FrameRecipe("tiles", **common, height=tile, width=tile)
     if type(processor).__name__ in ANYRES_PROCESSORS:
-        crop = arg("crop_size")
+        crop = arg("crop_size") or arg("size")
         return FrameRecipe("anyres", **common, height=_edge(crop, "height"), width=_edge(crop, "width"))
     size = ip.size
     return FrameRecipe("frames", **common, height=int(size["height"]), width=int(size["width"]))

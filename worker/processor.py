@@ -343,6 +343,7 @@ class ProcessorChat:
         `patches`: LLaVA-NeXT's planned patches of each image (its pixel values pad them to the most)."""
         kwargs = {**self._image_kwargs, "do_rescale": False, "do_normalize": False}
         image_processor = self.processor.image_processor
+        images = [images]  # one conversation's, as apply_chat_template passes them (LLaVA-OneVision counts them)
         if type(self.processor).__name__ in QWEN_VL_PROCESSORS:
             with FrameCapture(image_processor) as capture:
                 made, replacements = self.processor._process_images(images, **kwargs)

@@ -303,3 +303,57 @@ def write_llava_next_processor(path: str, vocab_size: int = 600) -> str:
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(trl_template("llava_next_training"))
     return path
+
+
+LLAVA_ONEVISION_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+
+# llava-hf/llava-onevision-qwen2-0.5b-ov-hf's preprocessor_config.json (its 36 grid pinpoints, from
+# 384 x 384 to 2304 x 2304) and processor_config.json: a conversation's one image is cut into the
+# 384-pixel patches of its best pinpoint plus the image resized whole; each of several images is
+# resized whole only
+LLAVA_ONEVISION_PREPROCESSOR: dict[str, Any] = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_grid_pinpoints": [[384 * h, 384 * w] for h in range(1, 7) for w in range(1, 7)],
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "LlavaOnevisionImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "LlavaOnevisionProcessor",
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 384, "width": 384},
+}
+LLAVA_ONEVISION_PROCESSOR = {"image_token": "<image>", "num_image_tokens": 729,
+                             "processor_class": "LlavaOnevisionProcessor", "video_token": "<video>",
+                             "vision_aspect_ratio": "anyres_max_9", "vision_feature_select_strategy": "full"}
+# its chat template (ChatML; images, then videos, then text, in each turn), with {% generation %} marks
+LLAVA_ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\\n' + content['text'] }}"
+    "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\\n' + content['text'] }}"
+    "{% endfor %}{{ '<|im_end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_llava_onevision_processor(path: str, vocab_size: int = 600) -> str:
+    """A LLaVA-OneVision processor directory at `path`: the published image processor and processor
+    configuration, a BPE tokenizer trained here with its special tokens, and its chat template with
+    generation marks."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(LLAVA_ONEVISION_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "model_max_length": 1 << 20}
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", LLAVA_ONEVISION_PREPROCESSOR),
+                        ("processor_config.json", LLAVA_ONEVISION_PROCESSOR)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(LLAVA_ONEVISION_TEMPLATE)
+    return path

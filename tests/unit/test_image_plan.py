@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_image_conversations,
-                                  write_llava_next_processor, write_qwen2_5_vl_processor)
+                                  write_llava_next_processor, write_llava_onevision_processor,
+                                  write_qwen2_5_vl_processor)
 from msd_common.frames import FRAMES, finished
 
 pytest.importorskip("transformers")
@@ -37,7 +38,7 @@ def _same(a, b) -> None:
     assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision"])
 def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_path, family):
     if family == "qwen2_5_vl":  # images from below min_pixels (3,136) to past max_pixels
         proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
@@ -45,6 +46,8 @@ def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_pa
         proc = write_idefics3_processor(str(tmp_path / "p"), longest_edge=728)
     elif family == "llava_next":  # 3 to 5 patches an image, padded to a sample's most
         proc = write_llava_next_processor(str(tmp_path / "p"))
+    elif family == "llava_onevision":  # a sample's one image in patches, each of several resized whole
+        proc = write_llava_onevision_processor(str(tmp_path / "p"))
     else:
         proc = write_gemma3_processor(str(tmp_path / "p"))
     data = str(tmp_path / "data")
@@ -71,7 +74,7 @@ def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_pa
         # on the wire: a byte per value where the processor makes float32, and Qwen-VL's temporal repeat
         # (LLaVA-NeXT's padding patches are not sent)
         whole_bytes = b.image_arrays["pixel_values"].nbytes
-        if family == "llava_next":
+        if family.startswith("llava"):
             assert frames.nbytes * 4 <= whole_bytes
         else:
             assert frames.nbytes * (8 if family == "qwen2_5_vl" else 4) == whole_bytes

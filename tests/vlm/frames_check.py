@@ -63,8 +63,8 @@ def main(path: str, backend: str) -> None:
             made = ip(images, do_rescale=False, do_normalize=False, return_tensors="np")
         grids = np.asarray(made["image_grid_thw"])
         frames = capture.in_order(grids, ip.patch_size)
-    elif anyres:  # LLaVA-NeXT: [images, most patches, 3, S, S]; each image's patches as planned, unpadded
-        crop = ip.crop_size
+    elif anyres:  # LLaVA-NeXT, -OneVision: [images, most patches, 3, S, S]; each image's patches as planned
+        crop = ip.crop_size or ip.size  # (images given apart: each is a sample of one image, cut into patches)
         recipe = FrameRecipe("anyres", **common, height=crop["height"], width=crop["width"])
         patches = _anyres_plan(ip, [(w, h) for h, w in sizes], {}).patches
         made = ip(images, do_rescale=False, do_normalize=False, return_tensors="np")

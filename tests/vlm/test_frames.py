@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_llava_next_processor,
-                                  write_qwen2_5_vl_processor)
+                                  write_llava_onevision_processor, write_qwen2_5_vl_processor)
 from tests.vlm.conftest import REFERENCE_PYTHON, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -26,11 +26,12 @@ def processors(tmp_path_factory):
     return {"qwen2_5_vl": write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=1_000_000),
             "gemma3": write_gemma3_processor(str(root / "gemma")),
             "idefics3": write_idefics3_processor(str(root / "idefics3")),
-            "llava_next": write_llava_next_processor(str(root / "llava_next"))}
+            "llava_next": write_llava_next_processor(str(root / "llava_next")),
+            "llava_onevision": write_llava_onevision_processor(str(root / "llava_onevision"))}
 
 
 @pytest.mark.parametrize("backend", ["pil", "torchvision"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision"])
 def test_frames_finished_by_the_client_equal_the_image_processor(processors, family, backend):
     if not os.path.exists(REFERENCE_PYTHON):
         pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
@@ -39,7 +40,7 @@ def test_frames_finished_by_the_client_equal_the_image_processor(processors, fam
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["frame_dtype"] == "uint8"
     assert result["numpy_equal"] and result["torch_equal"], result
-    if family == "llava_next":  # its padding patches are not sent
+    if family.startswith("llava"):  # their padding patches are not sent
         assert result["pixel_bytes"] >= result["frame_bytes"] * 4
     else:
         assert result["pixel_bytes"] == result["frame_bytes"] * (8 if family == "qwen2_5_vl" else 4)
