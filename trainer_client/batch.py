@@ -53,14 +53,15 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("image_positions", "int64", "[patches, 2]", "jobs with images, first stage", "(row, position) of each "
              "patch's placeholder token."),
     BatchKey("pixel_values", "float32", "the processor's: [patches, 1176] (Qwen2.5-VL), [images, 3, 896, 896] "
-             "(Gemma 3), [1, tiles, 3, 364, 364] (Idefics3), [images, patches, 3, 336, 336] (LLaVA-NeXT)",
+             "(Gemma 3), [1, tiles, 3, 364, 364] (Idefics3), [images, patches, 3, 336, 336] (LLaVA-NeXT), "
+             "[patches, 3, 448, 448] (InternVL)",
              "jobs with a processor source, "
              "micro-batches with images", "The processor's pixel values, image after image in packing order "
              "(concatenated along the first axis, as the model's forward takes them, each padded with zeros to "
              "the widest where their shapes differ, as transformers pads a batch; Idefics3: every "
-             "piece's tiles along the second axis of one batch, which their forward flattens). Images planned from "
-             "their sizes (Qwen-VL, Gemma 3, Idefics3, LLaVA-NeXT) arrive as uint8 frames, resized by the processor; "
-             "the client makes "
+             "piece's tiles along the second axis of one batch, which their forward flattens). Images planned "
+             "from their sizes (Qwen-VL, Gemma 3, Idefics3, the LLaVA models, InternVL) arrive as uint8 frames, "
+             "resized by the processor; the client makes "
              "these values from them with the processor's own rescale and normalise (the workers' image "
              "backend, bit for bit) and its patch layout: on the CPU, ahead of `next()`, or at `next()` on "
              "`DataClient(device=...)`, where this tensor then lives."),
@@ -86,7 +87,7 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("images_per_sample", "int64", "[P]", "jobs with a processor source", "Images of each piece, in "
              "`doc_keys` order (0 for text): its rows of `image_grid_thw`, or for processors without one its rows "
              "of `pixel_values` (Gemma 3: one per image, and one per crop with pan-and-scan; Idefics3: "
-             "its tiles, each image's global view among them)."),
+             "its tiles, each image's global view among them; InternVL: its patches, thumbnails among them)."),
     BatchKey("pixel_values_videos", "float32", "[patches, 1176] (Qwen2.5-VL)", "jobs with a processor source, "
              "micro-batches with videos", "The video processor's pixel values, video after video in packing order. "
              "Only the sampled frames are decoded (PyAV), resized by the video processor and sent as uint8; the "

@@ -23,14 +23,22 @@ wire with their `FrameRecipe`, and the trainer client finishes them (msd_common/
   0: no split), from its size resized as the image processor resizes it: its longest edge to `size`
   (the module's own `get_resize_output_image_size`, on a view that holds no pixels), then up to
   whole tiles of `max_image_size` (`resize_for_vision_encoder`'s arithmetic); rows x cols tiles and
-  a global view an image, `image_seq_len` tokens each. The processor's own call drops rows and cols: they
-  shape the text only, and are not sent (`PendingImages.plan_only`).
+  a global view an image, `image_seq_len` tokens each. The processor's own call drops rows and
+  cols: they shape the text only, and are not sent (`PendingImages.plan_only`);
+- LLaVA-NeXT, LLaVA-OneVision: `image_sizes` (and OneVision's `batch_num_images`), and each image's
+  patches from its best grid pinpoint (transformers' `select_best_resolution`; OneVision cuts a
+  conversation's one image only); the expansion also reads the patch size off `pixel_values`,
+  planned as a stand-in that holds no pixels (`SHAPE_ONLY`, not compared);
+- InternVL: `num_patches` of each image, the tiles of the canvas its module's
+  `get_optimal_tiled_canvas` picks and a thumbnail where there are several; its call slices a
+  stand-in `pixel_values` of a row a patch and no pixels by them.
 
 Any other processor runs whole at prepare time, as a transform's processor call does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -46,7 +54,9 @@ QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen
 TILED_PROCESSORS = frozenset({"Idefics3Processor"})
 # patches of a grid pinpoint, padded to a sample's most image (LLaVA-OneVision: a sample's one image only)
 ANYRES_PROCESSORS = frozenset({"LlavaNextProcessor", "LlavaOnevisionProcessor"})
-SHAPE_ONLY = "pixel_values"  # a planned stand-in whose shape the expansion reads (LLaVA-NeXT's patch size)
+INTERNVL_PROCESSORS = frozenset({"InternVLProcessor"})  # the tiles of a canvas of closest aspect, and a thumbnail
+# a planned stand-in whose shape the text pass reads (LLaVA-NeXT's patch size; InternVL's patches, sliced by its call)
+SHAPE_ONLY = "pixel_values"
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,10 @@ def planner_of(processor: Any) -> Planner | None:
             return ImagePlan({"num_crops": crops}, frame * int(len(sizes) + crops.sum()))
 
         return gemma3_plan
+    if name in INTERNVL_PROCESSORS and _has(image_processor, "size"):
+        module = sys.modules.get(type(image_processor).__module__)
+        if hasattr(module, "get_optimal_tiled_canvas"):
+            return lambda sizes, kwargs: _internvl_plan(image_processor, module, sizes, kwargs)
     if name in ANYRES_PROCESSORS and _has(image_processor, "image_grid_pinpoints"):
         onevision = name == "LlavaOnevisionProcessor"
         return lambda sizes, kwargs: _anyres_plan(image_processor, sizes, kwargs, onevision)
@@ -113,8 +127,7 @@ def _gemma3_crops(image_processor: Any, kwargs: dict[str, Any], width: int, heig
     else the image processor's own), by the image processor's own method on an image of that shape
     that holds no pixels (a zero-stride view: it reads the shape only)."""
 
-    def arg(name: str) -> Any:
-        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+    arg = functools.partial(_argument, image_processor, kwargs)
 
     if not arg("do_pan_and_scan"):
         return 0
@@ -133,8 +146,7 @@ def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]],
     """Idefics3's tile rows and columns of images of these sizes, with the arguments
     the processor passes, else the image processor's own."""
 
-    def arg(name: str) -> Any:
-        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+    arg = functools.partial(_argument, image_processor, kwargs)
 
     tile, size = _edge(arg("max_image_size"), "longest_edge"), arg("size")
     rows, cols, tiles = [], [], 0
@@ -167,8 +179,7 @@ def _anyres_plan(image_processor: Any, sizes: list[tuple[int, int]], kwargs: dic
     resized whole), and `batch_num_images` says how many the sample holds."""
     from transformers.image_processing_utils import select_best_resolution
 
-    def arg(name: str) -> Any:
-        return kwargs[name] if kwargs.get(name) is not None else getattr(image_processor, name, None)
+    arg = functools.partial(_argument, image_processor, kwargs)
 
     crop = arg("crop_size") or arg("size")  # (LLaVA-OneVision's patches are its size)
     height, width = _edge(crop, "height"), _edge(crop, "width")
@@ -184,6 +195,26 @@ def _anyres_plan(image_processor: Any, sizes: list[tuple[int, int]], kwargs: dic
     if onevision:
         arrays["batch_num_images"] = np.array([len(sizes)], np.int64)
     return ImagePlan(arrays, CHANNELS * height * width * sum(patches), np.array(patches, np.int64))
+
+
+def _internvl_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]],
+                   kwargs: dict[str, Any]) -> ImagePlan:
+    """InternVL's `num_patches` of images of these sizes (its image processor's crop_image_to_patches:
+    the patches of the canvas its module's `get_optimal_tiled_canvas` picks, and a thumbnail where
+    there are several), and a stand-in `pixel_values` of a row a patch and no pixels, which its call
+    slices by them."""
+    arg = functools.partial(_argument, image_processor, kwargs)
+    height, width = _edge(arg("size"), "height"), _edge(arg("size"), "width")
+    patches = []
+    for w, h in sizes:
+        n = 1
+        if arg("crop_to_patches") and arg("max_patches") > 1:
+            columns, rows = module.get_optimal_tiled_canvas((h, w), (height, width), arg("min_patches"),
+                                                            arg("max_patches"))
+            n = columns * rows + (1 if columns * rows != 1 else 0)
+        patches.append(n)
+    return ImagePlan({"num_patches": np.array(patches, np.int64), SHAPE_ONLY: np.zeros((sum(patches), 0), np.uint8)},
+                     CHANNELS * height * width * sum(patches))
 
 
 def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
@@ -203,6 +234,12 @@ def _edge(size: Any, key: str) -> int | None:
     """`size[key]` of a processor's size (a dict, or transformers' SizeDict), None where unset."""
     value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
     return int(value) if value else None
+
+
+def _argument(image_processor: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """An argument of the image pass: as the processor passes it, else the image processor's own."""
+    value = kwargs.get(name)
+    return getattr(image_processor, name, None) if value is None else value
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -227,9 +264,7 @@ def frame_recipe(processor: Any, kwargs: dict[str, Any]) -> FrameRecipe:
     normalisation (as the call's `kwargs` set them, else its own), on its backend."""
     ip = processor.image_processor
 
-    def arg(name: str) -> Any:
-        value = kwargs.get(name)
-        return getattr(ip, name) if value is None else value
+    arg = functools.partial(_argument, ip, kwargs)
 
     common = dict(backend=getattr(ip, "backend", "pil"), do_rescale=bool(arg("do_rescale")),
                   rescale_factor=float(arg("rescale_factor")), do_normalize=bool(arg("do_normalize")),

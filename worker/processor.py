@@ -30,10 +30,10 @@ Each image is then taken as transformers' `load_image` takes a path (its EXIF or
 converted to RGB), so that a rotated photo or a transparent PNG gives the pixels the processor gives
 with the image's path.
 
-For the Qwen-VL, Gemma 3, Idefics3 and LLaVA-NeXT processors a record is planned from its images' sizes and its image
-pass runs at delivery (worker/image_plan.py): `render` returns the sample with `pending` images,
-`finish` makes their resized uint8 frames, which the trainer client finishes into the processor's
-pixel values (msd_common/frames.py).
+For the Qwen-VL, Gemma 3, Idefics3, LLaVA-NeXT, LLaVA-OneVision and InternVL processors a record is
+planned from its images' sizes and its image pass runs at delivery (worker/image_plan.py): `render`
+returns the sample with `pending` images, `finish` makes their resized uint8 frames, which the
+trainer client finishes into the processor's pixel values (msd_common/frames.py).
 """
 
 from __future__ import annotations

@@ -357,3 +357,54 @@ def write_llava_onevision_processor(path: str, vocab_size: int = 600) -> str:
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(LLAVA_ONEVISION_TEMPLATE)
     return path
+
+
+INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+
+# OpenGVLab/InternVL3-1B-hf's image processor (GotOcr2: 448-pixel tiles of the canvas of closest
+# aspect, 1 to 12 of them, and a thumbnail) and processor (256 tokens a tile, between <img> and </img>)
+INTERNVL_PREPROCESSOR: dict[str, Any] = {
+    "crop_to_patches": False,  # (the processor's call turns it on)
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_processor_type": "GotOcr2ImageProcessor",
+    "image_std": [0.229, 0.224, 0.225],
+    "max_patches": 12,
+    "min_patches": 1,
+    "processor_class": "InternVLProcessor",
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 448, "width": 448},
+}
+INTERNVL_PROCESSOR = {"image_seq_length": 256, "processor_class": "InternVLProcessor"}
+# ChatML, an image part as <IMG_CONTEXT> on its own line (the processor expands it), with generation marks
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% endgeneration %}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_internvl_processor(path: str, vocab_size: int = 600) -> str:
+    """An InternVL processor directory at `path`: the published image processor and processor
+    configuration, a BPE tokenizer trained here with its special tokens (named as the processor
+    reads them), and a ChatML template with generation marks."""
+    os.makedirs(path, exist_ok=True)
+    train_bpe(INTERNVL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "model_max_length": 1 << 20,
+              "extra_special_tokens": {"start_image_token": "<img>", "end_image_token": "</img>",
+                                       "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}}
+    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", INTERNVL_PREPROCESSOR),
+                        ("processor_config.json", INTERNVL_PROCESSOR)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(INTERNVL_TEMPLATE)
+    return path

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_image_conversations,
-                                  write_llava_next_processor, write_llava_onevision_processor,
-                                  write_qwen2_5_vl_processor)
+                                  write_internvl_processor, write_llava_next_processor,
+                                  write_llava_onevision_processor, write_qwen2_5_vl_processor)
 from msd_common.frames import FRAMES, finished
 
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def _same(a, b) -> None:
     assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
 def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_path, family):
     if family == "qwen2_5_vl":  # images from below min_pixels (3,136) to past max_pixels
         proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
@@ -48,6 +48,8 @@ def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_pa
         proc = write_llava_next_processor(str(tmp_path / "p"))
     elif family == "llava_onevision":  # a sample's one image in patches, each of several resized whole
         proc = write_llava_onevision_processor(str(tmp_path / "p"))
+    elif family == "internvl":  # 1 to 12 tiles and a thumbnail an image
+        proc = write_internvl_processor(str(tmp_path / "p"))
     else:
         proc = write_gemma3_processor(str(tmp_path / "p"))
     data = str(tmp_path / "data")

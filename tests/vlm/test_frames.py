@@ -13,8 +13,9 @@ import subprocess
 
 import pytest
 
-from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_llava_next_processor,
-                                  write_llava_onevision_processor, write_qwen2_5_vl_processor)
+from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_internvl_processor,
+                                  write_llava_next_processor, write_llava_onevision_processor,
+                                  write_qwen2_5_vl_processor)
 from tests.vlm.conftest import REFERENCE_PYTHON, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -27,11 +28,12 @@ def processors(tmp_path_factory):
             "gemma3": write_gemma3_processor(str(root / "gemma")),
             "idefics3": write_idefics3_processor(str(root / "idefics3")),
             "llava_next": write_llava_next_processor(str(root / "llava_next")),
-            "llava_onevision": write_llava_onevision_processor(str(root / "llava_onevision"))}
+            "llava_onevision": write_llava_onevision_processor(str(root / "llava_onevision")),
+            "internvl": write_internvl_processor(str(root / "internvl"))}
 
 
 @pytest.mark.parametrize("backend", ["pil", "torchvision"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
 def test_frames_finished_by_the_client_equal_the_image_processor(processors, family, backend):
     if not os.path.exists(REFERENCE_PYTHON):
         pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
