@@ -1,4 +1,4 @@
-"""Images of the tiled and padded families in a worker (Idefics3, LLaVA-NeXT, LLaVA-OneVision),
+"""Images of the tiled and padded families in a worker (Idefics3, LLaVA-NeXT, LLaVA-OneVision, InternVL),
 planned from their sizes against the processor run whole (issue 59): bytes each image sends, and a
 worker's CPU per conversation. Both paths are the worker's own code
 (worker/processor.ProcessorChat) on the same conversations, alternated over --rounds rounds in this
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--side", type=int, nargs=2, default=(600, 1400), help="image sides drawn from this range")
-    ap.add_argument("--family", choices=("idefics3", "llava_next", "llava_onevision"), default="idefics3")
+    ap.add_argument("--family", choices=("idefics3", "llava_next", "llava_onevision", "internvl"), default="idefics3")
     args = ap.parse_args()
 
     import numpy as np
