@@ -76,19 +76,30 @@ def write_qwen2_5_vl_processor(path: str, vocab_size: int = 600, max_pixels: int
     return _write_qwen_dir(path, vocab_size, preprocessor, "qwen2_5_vl_training")
 
 
-def _write_qwen_dir(path: str, vocab_size: int, preprocessor: dict[str, Any], template: str) -> str:
-    """A Qwen-VL processor directory: a BPE tokenizer trained here with the Qwen special tokens, the
-    image processor's configuration, and one of TRL's training templates."""
+def write_processor_dir(path: str, special: list[str], vocab_size: int, tokenizer_config: dict[str, Any],
+                        preprocessor: dict[str, Any], template: str, processor: dict[str, Any] | None = None) -> str:
+    """A processor directory at `path` that transformers' AutoProcessor loads: a byte-level BPE
+    tokenizer trained here with `special` tokens (added: each stays one id), its configuration, the
+    image processor's and (where given) the processor's configuration, and a chat template."""
     os.makedirs(path, exist_ok=True)
-    train_bpe(QWEN_VL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
-    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "model_max_length": 1 << 20}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor)):
+    train_bpe(special, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
+    files = [("tokenizer_config.json", {"model_max_length": 1 << 20, **tokenizer_config}),
+             ("preprocessor_config.json", preprocessor)]
+    if processor is not None:
+        files.append(("processor_config.json", processor))
+    for name, value in files:
         with open(os.path.join(path, name), "wb") as f:
             f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template(template))
+        f.write(template)
     return path
+
+
+def _write_qwen_dir(path: str, vocab_size: int, preprocessor: dict[str, Any], template: str) -> str:
+    """A Qwen-VL processor directory: a BPE tokenizer trained here with the Qwen special tokens, the
+    image processor's configuration, and one of TRL's training templates."""
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return write_processor_dir(path, QWEN_VL_SPECIAL, vocab_size, config, preprocessor, trl_template(template))
 
 
 def write_image_conversations(folder: str, n: int, seed: int = 0, sizes: tuple[int, int] = (40, 400),
@@ -154,23 +165,15 @@ def write_gemma3_processor(path: str, vocab_size: int = 600, pan_and_scan: bool 
     configuration (896 x 896, 256 tokens an image; with `pan_and_scan`, an image of a wide enough
     aspect also gives crops, each another 256 tokens), a BPE tokenizer trained here with Gemma's
     special tokens, and TRL's gemma3 training template."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(GEMMA3_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-              "pad_token": "<pad>",
-              "add_bos_token": False, "model_max_length": 1 << 20,
+              "pad_token": "<pad>", "add_bos_token": False,
               "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                        "image_token": "<image_soft_token>"}}
     preprocessor = dict(GEMMA3_PREPROCESSOR)
     if pan_and_scan:
         preprocessor["do_pan_and_scan"] = True
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor),
-                        ("processor_config.json", GEMMA3_PROCESSOR)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template("gemma3_training"))
-    return path
+    return write_processor_dir(path, GEMMA3_SPECIAL, vocab_size, config, preprocessor, trl_template("gemma3_training"),
+                               GEMMA3_PROCESSOR)
 
 
 # Qwen/Qwen3-VL-8B-Instruct's preprocessor_config.json and video_preprocessor_config.json
@@ -246,20 +249,13 @@ def write_idefics3_processor(path: str, vocab_size: int = 600, longest_edge: int
     published image processor and processor configuration (with `longest_edge`, images resized to
     that edge instead of 1456: fewer tiles), a BPE tokenizer trained here with Idefics3's special
     tokens (its row and column markers among them), and TRL's idefics3 training template."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(IDEFICS3_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-              "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>", "model_max_length": 1 << 20}
+              "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>"}
     preprocessor = dict(IDEFICS3_PREPROCESSOR)
     if longest_edge is not None:
         preprocessor["size"] = {"longest_edge": longest_edge}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", preprocessor),
-                        ("processor_config.json", IDEFICS3_PROCESSOR)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template("idefics3_training"))
-    return path
+    return write_processor_dir(path, IDEFICS3_SPECIAL, vocab_size, config, preprocessor,
+                               trl_template("idefics3_training"), IDEFICS3_PROCESSOR)
 
 
 LLAVA_NEXT_SPECIAL = ["<unk>", "<s>", "</s>", "<image>"]
@@ -292,17 +288,10 @@ def write_llava_next_processor(path: str, vocab_size: int = 600) -> str:
     """A LLaVA-NeXT processor directory at `path`: the published image processor and processor
     configuration, a BPE tokenizer trained here with its special tokens, and TRL's llava_next
     training template."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(LLAVA_NEXT_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "pad_token": "<unk>", "model_max_length": 1 << 20}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", LLAVA_NEXT_PREPROCESSOR),
-                        ("processor_config.json", LLAVA_NEXT_PROCESSOR)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(trl_template("llava_next_training"))
-    return path
+              "unk_token": "<unk>", "pad_token": "<unk>"}
+    return write_processor_dir(path, LLAVA_NEXT_SPECIAL, vocab_size, config, LLAVA_NEXT_PREPROCESSOR,
+                               trl_template("llava_next_training"), LLAVA_NEXT_PROCESSOR)
 
 
 LLAVA_ONEVISION_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
@@ -346,17 +335,9 @@ def write_llava_onevision_processor(path: str, vocab_size: int = 600) -> str:
     """A LLaVA-OneVision processor directory at `path`: the published image processor and processor
     configuration, a BPE tokenizer trained here with its special tokens, and its chat template with
     generation marks."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(LLAVA_ONEVISION_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "model_max_length": 1 << 20}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", LLAVA_ONEVISION_PREPROCESSOR),
-                        ("processor_config.json", LLAVA_ONEVISION_PROCESSOR)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(LLAVA_ONEVISION_TEMPLATE)
-    return path
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return write_processor_dir(path, LLAVA_ONEVISION_SPECIAL, vocab_size, config, LLAVA_ONEVISION_PREPROCESSOR,
+                               LLAVA_ONEVISION_TEMPLATE, LLAVA_ONEVISION_PROCESSOR)
 
 
 INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
@@ -395,16 +376,8 @@ def write_internvl_processor(path: str, vocab_size: int = 600) -> str:
     """An InternVL processor directory at `path`: the published image processor and processor
     configuration, a BPE tokenizer trained here with its special tokens (named as the processor
     reads them), and a ChatML template with generation marks."""
-    os.makedirs(path, exist_ok=True)
-    train_bpe(INTERNVL_SPECIAL, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "model_max_length": 1 << 20,
               "extra_special_tokens": {"start_image_token": "<img>", "end_image_token": "</img>",
                                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}}
-    for name, value in (("tokenizer_config.json", config), ("preprocessor_config.json", INTERNVL_PREPROCESSOR),
-                        ("processor_config.json", INTERNVL_PROCESSOR)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
-    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(INTERNVL_TEMPLATE)
-    return path
+    return write_processor_dir(path, INTERNVL_SPECIAL, vocab_size, config, INTERNVL_PREPROCESSOR, INTERNVL_TEMPLATE,
+                               INTERNVL_PROCESSOR)

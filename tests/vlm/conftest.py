@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 import numpy as np
 import pytest
@@ -77,3 +78,35 @@ def pieces_of(batch: dict):
             image += int(batch["images_per_sample"][k])
             start += lengths[k]
             k += 1
+
+
+def run_image_job(root: Any, processor: str, *, seed: int, pad_token: str, steps: int, seq_len: int = 2048,
+                  micro_batch_size: int = 1, source: dict | None = None,
+                  devices: dict[int, str] | None = None) -> tuple[dict, dict[int, dict], str]:
+    """A job of ROOT/data's image conversations on `processor` (a directory in ROOT; `source`: more of
+    its keys) mixed with ROOT/text's notes, DP 2, four rows a step, through real workers and ranks;
+    returns what each rank received, transformers' reference by record, and the
+    job's log."""
+    from tests.conftest import write_job
+    from tests.integration.harness import run_job
+
+    job = {
+        "seed": seed,
+        "sources": {
+            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"],
+                    "processor": os.path.basename(processor), **(source or {})},
+            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
+        },
+        "batch": {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "global_batch_size": 4,
+                  "pad_id": token_id(processor, pad_token)},
+        "topology": {"dp": 2},
+        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
+        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
+    }
+    log = os.path.join(str(root), "job.log")
+    received = run_job(write_job(str(root), job), workers=2, ranks=2, steps=steps, log_path=log, timeout_s=300,
+                       devices=devices)
+    ref = reference(processor, os.path.join(str(root), "data", "conversations.jsonl"),
+                    os.path.join(str(root), "ref.npz"))
+    with open(log) as f:
+        return received, ref, f.read()

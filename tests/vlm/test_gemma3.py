@@ -11,9 +11,7 @@ import pytest
 
 from msd.testing.vlm_data import write_gemma3_processor, write_image_conversations
 from msd_common.doc_keys import split_doc_key
-from tests.conftest import write_job
-from tests.integration.harness import run_job
-from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
+from tests.vlm.conftest import pieces_of, run_image_job, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -27,23 +25,7 @@ def gemma_run(tmp_path_factory):
     processor = write_gemma3_processor(str(root / "gemma"))
     write_image_conversations(str(root / "data"), RECORDS, seed=8, sizes=(40, 300), max_images=1)
     write_notes(str(root), 20)
-    pad_id = token_id(processor, "<pad>")
-    job = {
-        "seed": 4,
-        "sources": {
-            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "gemma"},
-            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
-        },
-        "batch": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
-        "topology": {"dp": 2},
-        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
-        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
-    }
-    path = write_job(str(root), job)
-    log = str(root / "job.log")
-    received = run_job(path, workers=2, ranks=2, steps=4, log_path=log, timeout_s=300)
-    ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
-    return received, ref, open(log).read()
+    return run_image_job(root, processor, seed=4, pad_token="<pad>", steps=4)
 
 
 def test_samples_equal_transformers_gemma3_processor(gemma_run):

@@ -13,9 +13,7 @@ import pytest
 
 from msd.testing.vlm_data import write_idefics3_processor, write_image_conversations
 from msd_common.doc_keys import split_doc_key
-from tests.conftest import write_job
-from tests.integration.harness import run_job
-from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
+from tests.vlm.conftest import pieces_of, run_image_job, token_id, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -33,24 +31,9 @@ def idefics3_run(tmp_path_factory, request):
     processor = write_idefics3_processor(str(root / "idefics3"), longest_edge=2 * TILE)  # up to 2 x 2 tiles
     write_image_conversations(str(root / "data"), RECORDS, seed=9, sizes=(40, 500), max_images=2)
     write_notes(str(root), 20)
-    job = {
-        "seed": 6,
-        "sources": {
-            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "idefics3",
-                    "image_pass": request.param},
-            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
-        },
-        "batch": {"seq_len": 2048, "micro_batch_size": 2, "global_batch_size": 4,
-                  "pad_id": token_id(processor, "<|end_of_text|>")},
-        "topology": {"dp": 2},
-        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
-        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
-    }
-    path = write_job(str(root), job)
-    log = str(root / "job.log")
-    received = run_job(path, workers=2, ranks=2, steps=4, log_path=log, timeout_s=300, devices={1: "cpu"})
-    ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
-    return received, ref, open(log).read(), token_id(processor, "<image>")
+    return (*run_image_job(root, processor, seed=6, pad_token="<|end_of_text|>", steps=4, micro_batch_size=2,
+                           source={"image_pass": request.param}, devices={1: "cpu"}),
+            token_id(processor, "<image>"))
 
 
 def test_samples_equal_transformers_idefics3_processor(idefics3_run):

@@ -14,9 +14,7 @@ import pytest
 
 from msd.testing.vlm_data import write_image_conversations, write_llava_next_processor
 from msd_common.doc_keys import split_doc_key
-from tests.conftest import write_job
-from tests.integration.harness import run_job
-from tests.vlm.conftest import pieces_of, reference, token_id, write_notes
+from tests.vlm.conftest import pieces_of, run_image_job, write_notes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -29,24 +27,8 @@ def llava_run(tmp_path_factory, request):
     processor = write_llava_next_processor(str(root / "llava"))
     write_image_conversations(str(root / "data"), RECORDS, seed=5, sizes=(300, 900), max_images=1)
     write_notes(str(root), 20)
-    job = {
-        "seed": 7,
-        "sources": {
-            "vqa": {"format": "jsonl", "paths": ["data/conversations.jsonl"], "processor": "llava",
-                    "image_pass": request.param},
-            "notes": {"format": "jsonl", "paths": ["text/notes.jsonl"], "packing": "whole"},
-        },
-        "batch": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 4,
-                  "pad_id": token_id(processor, "<unk>")},
-        "topology": {"dp": 2},
-        "mixture": {"weights": {"vqa": 0.8, "notes": 0.2}},
-        "runtime": {"heartbeat_s": 0.5, "prepare_batch": 4, "lookahead_steps": 1},
-    }
-    path = write_job(str(root), job)
-    log = str(root / "job.log")
-    received = run_job(path, workers=2, ranks=2, steps=3, log_path=log, timeout_s=300)
-    ref = reference(processor, str(root / "data" / "conversations.jsonl"), str(root / "ref.npz"))
-    return received, ref, open(log).read()
+    return run_image_job(root, processor, seed=7, pad_token="<unk>", steps=3, seq_len=8192, micro_batch_size=2,
+                         source={"image_pass": request.param})
 
 
 def test_samples_equal_transformers_llava_next_processor_padded_across_the_micro_batch(llava_run):
