@@ -77,16 +77,20 @@ def write_qwen2_5_vl_processor(path: str, vocab_size: int = 600, max_pixels: int
 
 
 def write_processor_dir(path: str, special: list[str], vocab_size: int, tokenizer_config: dict[str, Any],
-                        preprocessor: dict[str, Any], template: str, processor: dict[str, Any] | None = None) -> str:
+                        preprocessor: dict[str, Any], template: str, processor: dict[str, Any] | None = None,
+                        video: dict[str, Any] | None = None) -> str:
     """A processor directory at `path` that transformers' AutoProcessor loads: a byte-level BPE
     tokenizer trained here with `special` tokens (added: each stays one id), its configuration, the
-    image processor's and (where given) the processor's configuration, and a chat template."""
+    image processor's and (where given) the processor's and the video processor's configuration,
+    and a chat template."""
     os.makedirs(path, exist_ok=True)
     train_bpe(special, vocab_size, added=True).save(os.path.join(path, "tokenizer.json"))
     files = [("tokenizer_config.json", {"model_max_length": 1 << 20, **tokenizer_config}),
              ("preprocessor_config.json", preprocessor)]
     if processor is not None:
         files.append(("processor_config.json", processor))
+    if video is not None:
+        files.append(("video_preprocessor_config.json", video))
     for name, value in files:
         with open(os.path.join(path, name), "wb") as f:
             f.write(orjson.dumps(value, option=orjson.OPT_INDENT_2))
@@ -361,6 +365,9 @@ INTERNVL_PREPROCESSOR: dict[str, Any] = {
     "size": {"height": 448, "width": 448},
 }
 INTERNVL_PROCESSOR = {"image_seq_length": 256, "processor_class": "InternVLProcessor"}
+INTERNVL_VIDEO: dict[str, Any] = {"video_processor_type": "InternVLVideoProcessor",
+                                  "processor_class": "InternVLProcessor", "size": {"height": 448, "width": 448},
+                                  "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 # ChatML, an image part as <IMG_CONTEXT> on its own line (the processor expands it), with generation marks
 INTERNVL_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -373,11 +380,11 @@ INTERNVL_TEMPLATE = (
 
 
 def write_internvl_processor(path: str, vocab_size: int = 600) -> str:
-    """An InternVL processor directory at `path`: the published image processor and processor
+    """An InternVL processor directory at `path`: the published image, video and processor
     configuration, a BPE tokenizer trained here with its special tokens (named as the processor
     reads them), and a ChatML template with generation marks."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "extra_special_tokens": {"start_image_token": "<img>", "end_image_token": "</img>",
                                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}}
     return write_processor_dir(path, INTERNVL_SPECIAL, vocab_size, config, INTERNVL_PREPROCESSOR, INTERNVL_TEMPLATE,
-                               INTERNVL_PROCESSOR)
+                               INTERNVL_PROCESSOR, INTERNVL_VIDEO)
