@@ -1,9 +1,9 @@
 """Run in the reference environment (.venv-vlm: transformers with torch and torchvision):
-`python frames_check.py PROCESSOR_DIR BACKEND`. For images of several sizes (in an order where the
+`python frames_check.py BACKEND PROCESSOR_DIR...`. For images of several sizes (in an order where the
 torchvision backend groups them), the worker's frames (worker/image_plan.FrameCapture, the image
 processor called with rescale and normalise off) finished by the client (PendingPixels), with numpy
 and with torch, against the image processor run whole; for Idefics3 also its pixel mask, and its
-tiles planned from image sizes against its image pass. Prints one JSON line."""
+tiles planned from image sizes against its image pass. Prints one JSON line a directory, in order."""
 
 from __future__ import annotations
 
@@ -100,4 +100,5 @@ def main(path: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for processor_dir in sys.argv[2:]:  # one process for every family: its start-up (torch, transformers) once
+        main(processor_dir, sys.argv[1])

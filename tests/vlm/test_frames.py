@@ -32,14 +32,29 @@ def processors(tmp_path_factory):
             "internvl": write_internvl_processor(str(root / "internvl"))}
 
 
-@pytest.mark.parametrize("backend", ["pil", "torchvision"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
-def test_frames_finished_by_the_client_equal_the_image_processor(processors, family, backend):
+@pytest.fixture(scope="module")
+def checked(processors):
+    """frames_check.py's result for every family on a backend, from one process a backend."""
     if not os.path.exists(REFERENCE_PYTHON):
         pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make .venv-vlm`")
-    out = subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "vlm", "frames_check.py"),
-                          processors[family], backend], check=True, capture_output=True, text=True, timeout=240)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    by_backend: dict[str, dict] = {}
+
+    def result(backend: str, family: str) -> dict:
+        if backend not in by_backend:
+            out = subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "vlm", "frames_check.py"), backend,
+                                  *processors.values()], check=True, capture_output=True, text=True, timeout=280)
+            lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            assert len(lines) == len(processors), out.stdout[-2000:]
+            by_backend[backend] = dict(zip(processors, lines))
+        return by_backend[backend][family]
+
+    return result
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
+def test_frames_finished_by_the_client_equal_the_image_processor(checked, family, backend):
+    result = checked(backend, family)
     assert result["frame_dtype"] == "uint8"
     assert result["numpy_equal"] and result["torch_equal"], result
     if family.startswith("llava"):  # their padding patches are not sent
