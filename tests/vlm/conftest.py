@@ -110,3 +110,12 @@ def run_image_job(root: Any, processor: str, *, seed: int, pad_token: str, steps
                     os.path.join(str(root), "ref.npz"))
     with open(log) as f:
         return received, ref, f.read()
+
+
+def check_text(batch: dict, row: int, span: slice, expected: dict) -> None:
+    """A piece's tokens are the processor's, and its loss mask its assistant mask (position i
+    predicts token i + 1), with something to train on."""
+    np.testing.assert_array_equal(batch["tokens"][row, span], expected["input_ids"])
+    mask = batch["loss_mask"][row, span]
+    np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
+    assert mask.sum() > 0
