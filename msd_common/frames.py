@@ -137,15 +137,17 @@ class FrameRecipe:
         return out
 
     def _finish_anyres(self, frames: np.ndarray, patches: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """LLaVA-NeXT's [images, most patches, 3, S, S]: each image's patches, then zeros."""
-        flat = dataclasses.replace(self, layout="frames").finish(frames)
+        """LLaVA-NeXT's [images, most patches, 3, S, S]: each image's patches, written in place, then zeros."""
         if out is None:
-            out = np.empty((len(patches), int(patches.max(initial=0)), *flat.shape[1:]), np.float32)
+            out = np.empty((len(patches), int(patches.max(initial=0)), *self._row_shape()), np.float32)
+        each, per = dataclasses.replace(self, layout="frames"), CHANNELS * self.height * self.width
         at = 0
         for image, n in enumerate(patches.tolist()):
-            out[image, :n] = flat[at:at + n]
+            each.finish(frames[at:at + n * per], out=out[image, :n])
             out[image, n:] = 0.0
-            at += n
+            at += n * per
+        if at != len(frames):
+            raise ValueError(f"{FRAMES}: {len(frames)} bytes where the images' {patches.tolist()} patches take {at}")
         return out
 
     def _row_shape(self) -> tuple[int, ...]:
@@ -234,8 +236,8 @@ class PendingPixels:
             raise ValueError("pixel values of tiled (Idefics3) and other processors in one micro-batch")
         self.tiled = tiled or layouts == {True}  # [1, tiles, 3, S, S]: one batch of every piece's tiles
 
-    def finish(self) -> np.ndarray:
-        """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
+    def _sizes(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Each piece's (rows, row shape) in the micro-batch's pixel values."""
         sizes = []
         for p in self.parts:
             if isinstance(p, tuple) and p[1].layout == "anyres":  # images of patches (p[2]: each image's)
@@ -245,6 +247,11 @@ class PendingPixels:
                 sizes.append((recipe.rows(recipe.shapes(len(p[0]), p[2])), recipe._row_shape()))
             else:
                 sizes.append((len(p), tuple(np.shape(p)[1:])))
+        return sizes
+
+    def finish(self) -> np.ndarray:
+        """On this host's CPU (numpy): one array, each piece's rows written into it in turn."""
+        sizes = self._sizes()
         if len({shape for _, shape in sizes}) != 1:  # arrays of different shapes: as the processors made them
             if self.tiled:
                 raise ValueError(f"tiles of different sizes in one micro-batch: {sorted({s for _, s in sizes})}")
@@ -265,7 +272,8 @@ class PendingPixels:
         happens there."""
         import torch
 
-        if any(isinstance(p, tuple) and p[1].layout == "anyres" for p in self.parts):  # (padded on the CPU)
+        padded = len({shape for _, shape in self._sizes()}) > 1
+        if padded or any(isinstance(p, tuple) and p[1].layout == "anyres" for p in self.parts):  # (on the CPU)
             return torch.from_numpy(self.finish()).to(device)
         made = []
         for p in self.parts:
@@ -274,8 +282,6 @@ class PendingPixels:
                 made.append(p[1].finish_torch(frames, p[2]))
             else:
                 made.append(torch.from_numpy(np.asarray(p)).to(device, non_blocking=True))
-        if len({tuple(m.shape[1:]) for m in made}) > 1:  # shapes per sample: padded on the CPU (concat_padded)
-            return torch.from_numpy(self.finish()).to(device)
         out = made[0] if len(made) == 1 else torch.cat(made)
         return out[None] if self.tiled else out
 
