@@ -16,7 +16,7 @@ VLM_TORCH := torch==2.14.1 torchvision==0.29.1
 VLM_TRANSFORMERS := transformers==5.24.0
 # videos: PyAV (the workers' decoder, FFmpeg bundled), torchcodec (transformers' own video loader, the
 # reference), and the project's own dependencies, so that a whole job with video workers runs there
-VLM_VIDEO := av==18.1.0 torchcodec==0.17.0 pyzmq msgpack uvloop orjson zstandard pyzstd pyarrow prometheus-client
+VLM_VIDEO := av==18.1.0 torchcodec==0.17.0 num2words==0.5.14 pyzmq msgpack uvloop orjson zstandard pyzstd pyarrow prometheus-client
 
 .PHONY: install .venv-vlm demo test lint simulate test-unit test-integration test-docs docs bench bench-remote-env bench-packing-env bench-vlm-env clean image k8s-manifests
 

@@ -60,15 +60,15 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
              "(concatenated along the first axis, as the model's forward takes them, each padded with zeros to "
              "the widest where their shapes differ, as transformers pads a batch; Idefics3: every "
              "piece's tiles along the second axis of one batch, which their forward flattens). Images planned "
-             "from their sizes (Qwen-VL, Gemma 3, Idefics3, the LLaVA models, InternVL) arrive as uint8 frames, "
-             "resized by the processor; the client makes "
+             "from their sizes (Qwen-VL, Gemma 3, Idefics3, SmolVLM2, the LLaVA models, InternVL) arrive as "
+             "uint8 frames, resized by the processor; the client makes "
              "these values from them with the processor's own rescale and normalise (the workers' image "
              "backend, bit for bit) and its patch layout: on the CPU, ahead of `next()`, or at `next()` on "
              "`DataClient(device=...)`, where this tensor then lives."),
-    BatchKey("pixel_attention_mask", "bool", "[1, tiles, 364, 364]", "jobs with an Idefics3 processor "
-             "source, micro-batches with images", "Which pixels of each tile of `pixel_values` are the image's: all "
-             "of them (the image processor pads none within a sample). The processor's values as bool, not int64: "
-             "an eighth of the bytes; the model's forward takes either."),
+    BatchKey("pixel_attention_mask", "bool", "[1, tiles, 364, 364]", "jobs with an Idefics3 or SmolVLM2 "
+             "processor source, micro-batches with images", "Which pixels of each tile of `pixel_values` are the "
+             "image's: all of them (the image processor pads none within a sample). The processor's values as "
+             "bool, not int64: an eighth of the bytes; the model's forward takes either."),
     BatchKey("image_sizes", "int64", "[images, 2]", "jobs with a processor source that gives them (LLaVA-NeXT), "
              "micro-batches with images", "Each image's (height, width) before the processor resized it, in "
              "packing order; the model's forward finds each image's patches among the padding of `pixel_values` "

@@ -49,9 +49,9 @@ import numpy as np
 from msd_common.frames import CHANNELS, FrameRecipe, per_channel
 
 QWEN_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3VLMoeProcessor"})
-# square tiles and a global view (SmolVLM's first models ship this processor; SmolVLM2's SmolVLMProcessor, with
-# the same image processor, reads its video processor in every apply_chat_template: not planned yet)
-TILED_PROCESSORS = frozenset({"Idefics3Processor"})
+# square tiles and a global view (SmolVLM's first models ship Idefics3's processor, SmolVLM2 its own with the
+# same image processor)
+TILED_PROCESSORS = frozenset({"Idefics3Processor", "SmolVLMProcessor"})
 # patches of a grid pinpoint, padded to a sample's most image (LLaVA-OneVision: a sample's one image only)
 ANYRES_PROCESSORS = frozenset({"LlavaNextProcessor", "LlavaOnevisionProcessor"})
 INTERNVL_PROCESSORS = frozenset({"InternVLProcessor"})  # the tiles of a canvas of closest aspect, and a thumbnail
@@ -143,7 +143,7 @@ def _gemma3_crops(image_processor: Any, kwargs: dict[str, Any], width: int, heig
 
 
 def _tiles_plan(image_processor: Any, module: Any, sizes: list[tuple[int, int]], kwargs: dict[str, Any]) -> ImagePlan:
-    """Idefics3's tile rows and columns of images of these sizes, with the arguments
+    """Idefics3's (SmolVLM's) tile rows and columns of images of these sizes, with the arguments
     the processor passes, else the image processor's own."""
 
     arg = functools.partial(_argument, image_processor, kwargs)

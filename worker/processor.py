@@ -30,10 +30,11 @@ Each image is then taken as transformers' `load_image` takes a path (its EXIF or
 converted to RGB), so that a rotated photo or a transparent PNG gives the pixels the processor gives
 with the image's path.
 
-For the Qwen-VL, Gemma 3, Idefics3, LLaVA-NeXT, LLaVA-OneVision and InternVL processors a record is
-planned from its images' sizes and its image pass runs at delivery (worker/image_plan.py): `render`
+For the Qwen-VL, Gemma 3, Idefics3, SmolVLM2, LLaVA-NeXT, LLaVA-OneVision and InternVL processors a
+record is planned from its images' sizes and its image pass runs at delivery (worker/image_plan.py): `render`
 returns the sample with `pending` images, `finish` makes their resized uint8 frames, which the
-trainer client finishes into the processor's pixel values (msd_common/frames.py).
+trainer client finishes into the processor's pixel values (msd_common/frames.py). Those images are
+decoded once, at delivery: at prepare time a PNG or JPEG file is only checked (sized_image).
 """
 
 from __future__ import annotations
@@ -144,8 +145,24 @@ def _processor_without_video(path: str, image_processor: Any, info: ProcessorInf
             extra = {k: v for k, v in orjson.loads(f.read()).items()
                      if k not in ("processor_class", *attributes) and not isinstance(v, dict)}
     template, _ = find_template(path)
-    return _processor_class(cls)(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(path),
-                                 video_processor=None, chat_template=template, **extra)
+    processor = _processor_class(cls)(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(path),
+                                      video_processor=None, chat_template=template, **extra)
+    if info.processor_class in READS_VIDEO_DEFAULTS:
+        processor.video_processor = NoVideoProcessor()
+    return processor
+
+
+# processors whose apply_chat_template reads their video processor's sampling defaults, even for images
+READS_VIDEO_DEFAULTS = frozenset({"SmolVLMProcessor"})
+
+
+class NoVideoProcessor:
+    """In place of a video processor that transformers builds only with torchvision, for a processor
+    that reads its sampling defaults even for images: none, since no video is sampled without one
+    (a record with a video is refused, ProcessorChat._planned_videos)."""
+
+    num_frames = None
+    fps = None
 
 
 def _processor_class(cls: type) -> type:
@@ -229,7 +246,7 @@ class ProcessorChat:
             yield None
             return
         real = getattr(self.processor, "video_processor", None)
-        if real is None:
+        if real is None or isinstance(real, NoVideoProcessor):
             raise ProcessorRecordError("the record has videos, and this host's processor has no video processor "
                                        "(transformers builds it only with torchvision: install msd[video])")
         if type(real).__name__ not in PLANNED_VIDEO_PROCESSORS:
@@ -487,8 +504,9 @@ class ProcessorChat:
                         if isinstance(value, str) and value in by_kind[kind]:
                             value = by_kind[kind][value]
                         data, name = read_media_file(value, base_dir, where, kind)
-                        if kind == "image":
-                            part = {"type": "image", "image": decode_image(data, name, self.max_image_pixels)}
+                        if kind == "image":  # a planned image pass reads sizes only, and decodes at delivery
+                            opened = decode_image if self.planner is None else sized_image
+                            part = {"type": "image", "image": opened(data, name, self.max_image_pixels)}
                             files.append(data)
                         else:
                             videos.append((data, self._probe(data, name)))
@@ -539,6 +557,10 @@ def read_media_file(value: Any, base_dir: str, where: str, kind: str = "image") 
         raise ImageRecordError(f"{where}: {path}: no such {kind} file") from None
 
 
+EXIF_ORIENTATION = 0x0112
+SIDEWAYS = (5, 6, 7, 8)  # EXIF orientations that swap an image's width and height
+
+
 def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
     """A PIL image of an image file's bytes: its size (from the header) checked against
     `max_pixels` before decoding, decoded (a truncated file is found here, as this record's
@@ -555,6 +577,37 @@ def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
                                    f"({max_pixels})", "over_limit")
         image.load()
         return ImageOps.exif_transpose(image).convert("RGB")
+    except ImageRecordError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
+        raise ImageRecordError(f"{name}: image does not decode ({e})") from None
+
+
+def sized_image(data: bytes, name: str, max_pixels: int | None) -> Any:
+    """For an image pass planned from sizes (its pixels decoded at delivery): a PIL image of the
+    file not yet decoded, whose size is the upright image's, with the file checked at a fraction of
+    a decode's cost, so that a truncated or corrupt file is still found before its step is planned:
+    a PNG's chunks against their checksums (Pillow's verify, about 1/25 of a decode), a JPEG decoded
+    at an eighth of its size (about half: libjpeg still reads every block). An image that EXIF may
+    turn on its side, or of another format, is decoded whole (an undecoded image has the file's size)."""
+    from PIL import Image, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if image.format == "JPEG" and image.getexif().get(EXIF_ORIENTATION, 1) not in SIDEWAYS:
+            image.draft("RGB", ((width + 7) // 8, (height + 7) // 8))
+            check = image.load
+        elif image.format == "PNG" and b"eXIf" not in data:  # (a PNG's EXIF chunk may follow its pixels)
+            check = image.verify
+        else:
+            return decode_image(data, name, max_pixels)
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageRecordError(f"{name}: image of {width}x{height} pixels is over max_image_pixels "
+                                   f"({max_pixels})", "over_limit")
+        check()
+        return Image.open(io.BytesIO(data))
     except ImageRecordError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors

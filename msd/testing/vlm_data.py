@@ -262,6 +262,40 @@ def write_idefics3_processor(path: str, vocab_size: int = 600, longest_edge: int
                                trl_template("idefics3_training"), IDEFICS3_PROCESSOR)
 
 
+SMOLVLM_SPECIAL = ["<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                   "<global-img>", *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+
+# HuggingFaceTB/SmolVLM2-2.2B-Instruct's preprocessor_config.json and processor_config.json (the
+# SmolVLM processor classes, Idefics3's tiling): an image resized to 1536 on its longest edge, cut
+# into 384 x 384 tiles and resized whole to one tile; 81 image tokens a tile; videos sampled at 1
+# frame a second, at most 64
+SMOLVLM_PREPROCESSOR: dict[str, Any] = {
+    **IDEFICS3_PREPROCESSOR,
+    "image_processor_type": "SmolVLMImageProcessor",
+    "max_image_size": {"longest_edge": 384},
+    "processor_class": "SmolVLMProcessor",
+    "size": {"longest_edge": 1536},
+    "video_sampling": {"fps": 1, "max_frames": 64, "video_size": {"longest_edge": 384}},
+}
+SMOLVLM_PROCESSOR = {"image_seq_len": 81, "processor_class": "SmolVLMProcessor"}
+SMOLVLM_VIDEO: dict[str, Any] = {**SMOLVLM_PREPROCESSOR, "video_processor_type": "SmolVLMVideoProcessor",
+                                 "do_image_splitting": False}
+
+
+def write_smolvlm_processor(path: str, vocab_size: int = 600, longest_edge: int | None = None) -> str:
+    """A SmolVLM2 processor directory at `path` (SmolVLMProcessor, which needs num2words): the
+    published image, video and processor configuration (with `longest_edge`, images resized to that
+    edge instead of 1536), a BPE tokenizer trained here with its special tokens, and TRL's smolvlm
+    training template (SmolVLM2 ships SmolVLM's)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+              "eos_token": "<end_of_utterance>", "pad_token": "<|im_end|>"}
+    preprocessor = dict(SMOLVLM_PREPROCESSOR)
+    if longest_edge is not None:
+        preprocessor["size"] = {"longest_edge": longest_edge}
+    return write_processor_dir(path, SMOLVLM_SPECIAL, vocab_size, config, preprocessor,
+                               trl_template("smolvlm_training"), SMOLVLM_PROCESSOR, SMOLVLM_VIDEO)
+
+
 LLAVA_NEXT_SPECIAL = ["<unk>", "<s>", "</s>", "<image>"]
 
 # llava-hf/llava-v1.6-mistral-7b-hf's preprocessor_config.json and processor_config.json: anyres, an

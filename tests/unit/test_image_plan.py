@@ -12,7 +12,8 @@ import pytest
 
 from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_image_conversations,
                                   write_internvl_processor, write_llava_next_processor,
-                                  write_llava_onevision_processor, write_qwen2_5_vl_processor)
+                                  write_llava_onevision_processor, write_qwen2_5_vl_processor,
+                                  write_smolvlm_processor)
 from msd_common.frames import FRAMES, finished
 
 pytest.importorskip("transformers")
@@ -38,12 +39,15 @@ def _same(a, b) -> None:
     assert (a.images, a.patches, a.patch_squares) == (b.images, b.patches, b.patch_squares)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "llava_next", "llava_onevision",
+                                    "internvl"])
 def test_a_sample_planned_from_image_sizes_equals_the_processor_run_whole(tmp_path, family):
     if family == "qwen2_5_vl":  # images from below min_pixels (3,136) to past max_pixels
         proc = write_qwen2_5_vl_processor(str(tmp_path / "p"), max_pixels=60_000)
     elif family == "idefics3":  # up to 2 x 2 tiles and the global view an image
         proc = write_idefics3_processor(str(tmp_path / "p"), longest_edge=728)
+    elif family == "smolvlm":  # SmolVLM2's processor class: up to 2 x 2 tiles and the global view an image
+        proc = write_smolvlm_processor(str(tmp_path / "p"), longest_edge=768)
     elif family == "llava_next":  # 3 to 5 patches an image, padded to a sample's most
         proc = write_llava_next_processor(str(tmp_path / "p"))
     elif family == "llava_onevision":  # a sample's one image in patches, each of several resized whole

@@ -412,3 +412,53 @@ def test_a_job_started_by_0_4_with_a_video_configuration_is_still_this_job(tmp_p
     assert job.digest() != as_0_4_saw_it.digest()
     assert as_0_4_saw_it.digest() in job.earlier_digests()
     assert as_0_4_saw_it.earlier_digests() == [as_0_4_saw_it.digest_before_0_4()]  # nothing else to take
+
+
+def _image_file(fmt: str, width: int, height: int, orientation: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(width + orientation).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    options = {"quality": 90} if fmt == "JPEG" else {}
+    if orientation:  # (0: no EXIF at all)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        options["exif"] = exif.tobytes()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt, **options)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+@pytest.mark.parametrize("orientation", range(0, 9))
+def test_a_planned_image_pass_reads_the_upright_size_without_decoding(fmt, orientation):
+    """At prepare time a planned image pass needs sizes only: sized_image gives decode_image's
+    (upright) size, and leaves the file undecoded (decoded at delivery) where no EXIF orientation
+    can turn it on its side (a JPEG's upright ones; a PNG with no EXIF)."""
+    from worker.processor import decode_image, sized_image
+
+    data = _image_file(fmt, 96, 40, orientation)
+    image = sized_image(data, "a.img", None)
+    assert image.size == decode_image(data, "a.img", None).size == ((40, 96) if orientation >= 5 else (96, 40))
+    undecoded = orientation < 5 if fmt == "JPEG" else orientation == 0
+    assert bool(getattr(image, "tile", None)) == undecoded  # tiles left to decode
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+@pytest.mark.parametrize("kept", [0.3, 0.9, 0.99])
+def test_a_truncated_or_corrupt_file_is_found_at_prepare_time_without_a_whole_decode(fmt, kept):
+    from worker.processor import sized_image
+
+    data = _image_file(fmt, 640, 480)
+    with pytest.raises(ImageRecordError, match="a.img: image does not decode") as e:
+        sized_image(data[:int(len(data) * kept)], "a.img", None)
+    assert e.value.kind == "corrupt"
+    spoiled = bytearray(data)
+    spoiled[int(len(data) * kept)] ^= 0xFF
+    if fmt == "PNG":  # (a JPEG's flipped byte decodes to other pixels, without an error, as in a whole decode)
+        with pytest.raises(ImageRecordError, match="a.img: image does not decode"):
+            sized_image(bytes(spoiled), "a.img", None)
+    with pytest.raises(ImageRecordError, match="640x480 pixels is over max_image_pixels") as e:
+        sized_image(data, "a.img", 640 * 480 - 1)
+    assert e.value.kind == "over_limit"

@@ -1,9 +1,10 @@
 """Frames as bytes (msd_common/frames.py): a worker sends each image's resized uint8 frame and the
 trainer client finishes it into the processor's pixel values. Checked in the reference environment
 (transformers with torch and torchvision) on both image backends, for Qwen2.5-VL (patch layout,
-temporal repeat), Gemma 3 (one size, no repeat) and Idefics3 (square tiles, a batch of one): finished
+temporal repeat), Gemma 3 (one size, no repeat), Idefics3 and SmolVLM2 (square tiles, a batch of one), the
+LLaVA models (patches) and InternVL (tiles): finished
 with numpy and with torch, bit for bit what the image processor gives run whole, at an eighth (Qwen-VL)
-and a quarter (Gemma 3, Idefics3) of its bytes."""
+and a quarter (the others; the LLaVA models' padding patches are not sent) of its bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from msd.testing.vlm_data import (write_gemma3_processor, write_idefics3_processor, write_internvl_processor,
                                   write_llava_next_processor, write_llava_onevision_processor,
-                                  write_qwen2_5_vl_processor)
+                                  write_qwen2_5_vl_processor, write_smolvlm_processor)
 from tests.vlm.conftest import REFERENCE_PYTHON, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -27,6 +28,7 @@ def processors(tmp_path_factory):
     return {"qwen2_5_vl": write_qwen2_5_vl_processor(str(root / "qwen"), max_pixels=1_000_000),
             "gemma3": write_gemma3_processor(str(root / "gemma")),
             "idefics3": write_idefics3_processor(str(root / "idefics3")),
+            "smolvlm": write_smolvlm_processor(str(root / "smolvlm")),
             "llava_next": write_llava_next_processor(str(root / "llava_next")),
             "llava_onevision": write_llava_onevision_processor(str(root / "llava_onevision")),
             "internvl": write_internvl_processor(str(root / "internvl"))}
@@ -52,7 +54,8 @@ def checked(processors):
 
 
 @pytest.mark.parametrize("backend", ["pil", "torchvision"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "llava_next", "llava_onevision", "internvl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "llava_next", "llava_onevision",
+                                    "internvl"])
 def test_frames_finished_by_the_client_equal_the_image_processor(checked, family, backend):
     result = checked(backend, family)
     assert result["frame_dtype"] == "uint8"
@@ -61,5 +64,5 @@ def test_frames_finished_by_the_client_equal_the_image_processor(checked, family
         assert result["pixel_bytes"] >= result["frame_bytes"] * 4
     else:
         assert result["pixel_bytes"] == result["frame_bytes"] * (8 if family == "qwen2_5_vl" else 4)
-    if family == "idefics3":  # tiles planned from image sizes as its image pass cuts them; its mask, all ones
+    if family in ("idefics3", "smolvlm"):  # tiles planned from sizes as the image pass cuts them; the mask all ones
         assert result["plan_equal"] and result["mask_equal"], result
