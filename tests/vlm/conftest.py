@@ -119,3 +119,45 @@ def check_text(batch: dict, row: int, span: slice, expected: dict) -> None:
     mask = batch["loss_mask"][row, span]
     np.testing.assert_array_equal(mask[:-1], expected["assistant_masks"][1:])
     assert mask.sum() > 0
+
+
+def check_anyres(received: dict, ref: dict[int, dict], log: str) -> tuple[int, int]:
+    """The LLaVA models' micro-batches against the processor: every image piece's tokens and mask, its
+    patches (padded with zeros to the micro-batch's most), `image_sizes`, and LLaVA-OneVision's
+    `batch_num_images`. Returns (image pieces checked, pieces whose patches the micro-batch padded)."""
+    from trainer_client.batch import BATCH_KEYS
+    from msd_common.doc_keys import split_doc_key
+
+    schema = {k.key for k in BATCH_KEYS}
+    checked = padded = 0
+    for batches in received.values():
+        for b in batches:
+            assert set(b) - {"received_at"} <= schema, set(b) - schema
+            images_seen = with_images = 0
+            for row, start, key, n, k, image in pieces_of(b):
+                source, record = split_doc_key(key)
+                images = int(b["images_per_sample"][k])
+                images_seen += images
+                if source == 1:
+                    assert images == 0
+                    continue
+                expected = ref[record]
+                check_text(b, row, slice(start, start + n), expected)
+                want = expected["pixel_values"]  # [images, patches, 3, S, S]
+                assert images == len(want) > 0
+                got = np.asarray(b["pixel_values"])[image:image + images]
+                np.testing.assert_array_equal(got[:, :want.shape[1]], want)
+                assert not got[:, want.shape[1]:].any()  # the micro-batch's padding: zeros
+                padded += got.shape[1] > want.shape[1]
+                np.testing.assert_array_equal(b["image_sizes"][image:image + images], expected["image_sizes"])
+                if "batch_num_images" in expected:
+                    assert b["batch_num_images"][with_images] == expected["batch_num_images"][0] == images
+                with_images += 1
+                checked += 1
+            if images_seen:
+                assert len(b["pixel_values"]) == images_seen
+            assert ("batch_num_images" in b) == bool(with_images and "batch_num_images" in expected)
+            if "batch_num_images" in b:
+                assert len(b["batch_num_images"]) == with_images
+    assert "exited with" not in log
+    return checked, padded
