@@ -9,7 +9,9 @@ worker runs the processor's own resize (the image processor called with `do_resc
 `batch["pixel_values"]` is bit for bit what the processor gives on the workers' backend:
 
 - the PIL backend (transformers' numpy functions): rescale in float64 then cast to float32
-  (`image_transforms.rescale`), normalise in float32 (`image_transforms.normalize`);
+  (`image_transforms.rescale`), normalise in float32 (`image_transforms.normalize`); the client
+  rescales by a float32 division where that gives the same value for each of the 256 bytes
+  (`exact_divisor`: for 1/255, every processor here), with no float64 array;
 - the torchvision backend: rescale fused into normalise (`_fuse_mean_std_and_rescale_factor`:
   mean and std, as float32, times 1/rescale_factor), then `(x - mean) / std` in float32.
 
@@ -21,6 +23,7 @@ different processors may share a micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +45,20 @@ PIXEL_MASK = "pixel_attention_mask"  # the tiled layout's: which pixels of each 
 BACKENDS = ("pil", "torchvision")
 RECIPE_VERSION = 1.0
 CHANNELS = 3
+
+
+@functools.lru_cache(maxsize=16)
+def exact_divisor(rescale_factor: float) -> float | None:
+    """A float32 d such that every uint8 value v divided by d in float32 (one correctly rounded
+    division) equals transformers' PIL rescale of v: v times rescale_factor in float64, cast to
+    float32. Checked on all 256 values, so exact where it is returned (1/255: d = 255); None where
+    the division gives another value for some byte."""
+    if not rescale_factor:
+        return None
+    d = np.float32(1.0 / rescale_factor)
+    v = np.arange(256)
+    wide = (v.astype(np.float64) * rescale_factor).astype(np.float32)
+    return float(d) if np.array_equal(wide, v.astype(np.float32) / d) else None
 
 
 def per_channel(value: Any) -> tuple[float, float, float]:
@@ -116,21 +133,22 @@ class FrameRecipe:
         shapes = self.shapes(len(frames), grids)
         if out is None:
             out = np.empty((self.rows(shapes), *self._row_shape()), np.float32)
-        mean = np.array(self.mean, np.float32)[:, None, None]
-        std = np.array(self.std, np.float32)[:, None, None]
+        constants = self._constants(lambda v: np.array(v, np.float32)[:, None, None])
         at = row = 0
         for shape in shapes:
             n = int(np.prod(shape))
-            x = self._values(frames[at:at + n].reshape(shape), mean, std, lambda a, dtype: a.astype(dtype))
-            if self.layout == "qwen_video":
-                k = self.rows([shape])
-                self._patchify_video_into(x, out[row:row + k])
-            elif self.layout == "qwen_patches":
+            frame = frames[at:at + n].reshape(shape)
+            if self.layout == "qwen_patches":
                 k = (shape[1] // self.patch) * (shape[2] // self.patch)
-                self._patchify_into(x, out[row:row + k])
+                self._patchify_into(frame, constants, out[row:row + k])
             else:
-                k = 1
-                out[row] = x
+                x = self._values(frame, *constants, _astype)
+                if self.layout == "qwen_video":
+                    k = self.rows([shape])
+                    self._patchify_video_into(x, out[row:row + k])
+                else:
+                    k = 1
+                    out[row] = x
             at, row = at + n, row + k
         if at != len(frames):
             raise ValueError(f"{FRAMES}: {len(frames)} bytes where the images' frames take {at}")
@@ -155,10 +173,17 @@ class FrameRecipe:
             return (CHANNELS * self.temporal * self.patch * self.patch,)
         return (CHANNELS, self.height, self.width)
 
-    def _values(self, frame: Any, mean: Any, std: Any, cast: Callable[[Any, str], Any]) -> Any:
+    def _constants(self, make: Callable[[Any], Any]) -> tuple[Any, Any, Any]:
+        """The mean, the std and (the PIL backend's rescale, where float32 division gives its values,
+        exact_divisor) the divisor, each a float32 [3, 1, 1] array or tensor by `make(3 floats)`: a
+        divisor of one element would be a scalar to torch, which divides by multiplying by its reciprocal."""
+        divisor = exact_divisor(self.rescale_factor) if self.backend == "pil" and self.do_rescale else None
+        return make(self.mean), make(self.std), None if divisor is None else make([divisor] * CHANNELS)
+
+    def _values(self, frame: Any, mean: Any, std: Any, divisor: Any, cast: Callable[[Any, str], Any]) -> Any:
         """One frame [3, H, W] rescaled and normalised as the backend does it, by the same
-        operations on a numpy array or a torch tensor (`cast(x, "float32" | "float64")`; mean and
-        std float32 [3, 1, 1]; a python float times a float32 array stays float32 in both)."""
+        operations on a numpy array or a torch tensor (`cast(x, "float32" | "float64")`; mean, std
+        and divisor as _constants makes them; a python float times a float32 array stays float32 in both)."""
         if self.backend == "torchvision":
             x = cast(frame, "float32")
             if self.do_rescale and self.do_normalize:  # fused: float32 mean and std times 1/rescale_factor
@@ -167,7 +192,10 @@ class FrameRecipe:
             if self.do_normalize:
                 return (x - mean) / std
             return x * self.rescale_factor if self.do_rescale else x
-        if self.do_rescale:  # transformers' rescale: upcast to float64 first, then down to float32
+        if self.do_rescale and divisor is not None:  # transformers' rescale's values, with no float64 array
+            x = cast(frame, "float32")
+            x /= divisor
+        elif self.do_rescale:  # transformers' rescale: upcast to float64 first, then down to float32
             wide = cast(frame, "float64")
             wide *= self.rescale_factor
             x = cast(wide, "float32")
@@ -178,14 +206,18 @@ class FrameRecipe:
             x /= std
         return x
 
-    def _patchify_into(self, x: np.ndarray, out: np.ndarray) -> None:
-        """Qwen-VL's patchify of one image into its rows of `out`: merge windows, the frame
-        repeated in the temporal slot."""
-        c, h, w = x.shape
+    def _patchify_into(self, frame: np.ndarray, constants: tuple[Any, Any, Any], out: np.ndarray) -> None:
+        """One uint8 image finished into its rows of `out`: Qwen-VL's patchify (merge windows, the
+        frame repeated in the temporal slot). One band of merge windows at a time, whose values are
+        made while they are in the cache: each byte read once and each value written once to memory."""
+        c, h, w = frame.shape
         p, m, t = self.patch, self.merge, self.temporal
-        gh, gw = h // p, w // p
-        x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        out.reshape(gh // m, gw // m, m, m, c, t, p, p)[...] = x[:, :, :, :, :, None]
+        gw, band = w // p, p * m
+        rows = gw * m  # of `out`, a band's
+        for b in range(h // band):
+            x = self._values(frame[:, b * band:(b + 1) * band], *constants, _astype)
+            x = x.reshape(c, m, p, gw // m, m, p).transpose(3, 1, 4, 0, 2, 5)
+            out[b * rows:(b + 1) * rows].reshape(gw // m, m, m, c, t, p, p)[...] = x[:, :, :, :, None]
 
     def _patchify_video_into(self, x: np.ndarray, out: np.ndarray) -> None:
         """Qwen-VL's patchify of one video [T, 3, H, W] (T whole temporal patches) into its rows."""
@@ -199,13 +231,11 @@ class FrameRecipe:
         import torch
 
         shapes = self.shapes(int(frames.numel()), grids)
-        mean = torch.tensor(self.mean, dtype=torch.float32, device=frames.device)[:, None, None]
-        std = torch.tensor(self.std, dtype=torch.float32, device=frames.device)[:, None, None]
+        constants = self._constants(lambda v: torch.tensor(v, dtype=torch.float32, device=frames.device)[:, None, None])
         out, at = [], 0
         for shape in shapes:
             n = int(np.prod(shape))
-            x = self._values(frames[at:at + n].reshape(shape), mean, std,
-                             lambda a, dtype: a.to(getattr(torch, dtype)))
+            x = self._values(frames[at:at + n].reshape(shape), *constants, lambda a, dtype: a.to(getattr(torch, dtype)))
             at += n
             if self.layout == "qwen_video":
                 f, c, h, w = shape
@@ -222,6 +252,10 @@ class FrameRecipe:
         if not out:
             return torch.zeros((0, *self._row_shape()), dtype=torch.float32, device=frames.device)
         return torch.stack(out) if self.layout in ("frames", "tiles") else torch.cat(out)
+
+
+def _astype(a: np.ndarray, dtype: str) -> np.ndarray:
+    return a.astype(dtype)
 
 
 class PendingPixels:

@@ -167,6 +167,12 @@ def pss_kb(pid: int) -> int:
     return pss(pid)
 
 
+def rss_kb(pid: int) -> int:
+    from e2e_ranks import rss_kb as rss
+
+    return rss(pid)
+
+
 def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int,
                    image_pass: str = "delivery", ahead_bytes: int | None = None) -> dict:
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
@@ -195,7 +201,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         return on_pieces(self, frames)
 
     RankCore.on_pieces = counted
-    before = pss_kb(os.getpid())
+    before, before_rss = pss_kb(os.getpid()), rss_kb(os.getpid())
     started = time.perf_counter()
     cluster = MsdCommands(job, 1, in_coordinator=True)
     client = DataClient(cluster.address, rank=0, as_torch=False)
@@ -219,6 +225,8 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]
         loader_kb = sum(pss_kb(p) for p in loader_pids)
         trainer_kb = pss_kb(os.getpid()) - before
+        trainer_rss_kb = rss_kb(os.getpid()) - before_rss
+        held_kb = np.asarray(batch.get("pixel_values", np.zeros(0))).nbytes // 1024  # the micro-batch the trainer has
         workers = len(cluster.worker_pids())
     finally:
         client.close()
@@ -228,7 +236,8 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
             "wire_bytes_per_image": wire_bytes / max(images, 1), "next_ms": 1000 * inside_next / got,
             "samples_per_s_per_worker": got / seconds,
             "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
-            "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb}}
+            "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb,
+                          "trainer_rss_growth": trainer_rss_kb, "held_pixel_values": held_kb}}
 
 
 def energon(*args: str) -> dict:
@@ -377,6 +386,8 @@ def main() -> None:
                 "memory_mb": spread([x["memory_kb"]["total"] / 1024 for x in runs]),
                 "loader_processes_mb": spread([x["memory_kb"]["loader_processes"] / 1024 for x in runs]),
                 "trainer_growth_mb": spread([x["memory_kb"]["trainer_growth"] / 1024 for x in runs]),
+                "trainer_rss_growth_mb": spread([x["memory_kb"].get("trainer_rss_growth", 0) / 1024 for x in runs]),
+                "held_pixel_values_mb": spread([x["memory_kb"].get("held_pixel_values", 0) / 1024 for x in runs]),
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],
             }

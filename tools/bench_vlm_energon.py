@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_ranks import children, pss_kb  # noqa: E402  (stdlib and numpy only: importable here)
+from e2e_ranks import children, pss_kb, rss_kb  # noqa: E402  (stdlib and numpy only: importable here)
 
 
 def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -153,10 +153,10 @@ def loader(dataset: str, encoder: Any, rank: int, world: int, workers: int, buff
 def throughput(args: argparse.Namespace) -> dict:
     import torch  # noqa: F401 - the trainer has torch imported before its loader exists
 
-    before = pss_kb(os.getpid())
+    before, before_rss = pss_kb(os.getpid()), rss_kb(os.getpid())
     encoder = make_encoder("throughput", args.seq_len, args.processor, None)
     it = iter(loader(args.dataset, encoder, 0, 1, args.workers, args.buffer))
-    first = next(it)  # workers started, first buffer packed
+    next(it)  # workers started, first buffer packed (not kept: the trainer holds one batch, as msd's)
     samples = tokens = sequences = 0
     t0 = time.perf_counter()
     while samples < args.samples:
@@ -168,11 +168,13 @@ def throughput(args: argparse.Namespace) -> dict:
     workers = children(os.getpid())
     worker_kb = sum(pss_kb(p) for p in workers)
     trainer_kb = pss_kb(os.getpid()) - before
-    del first
+    trainer_rss_kb = rss_kb(os.getpid()) - before_rss
+    held_kb = np.asarray(packed.get("pixel_values", np.zeros(0))).nbytes // 1024  # the batch the trainer has
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
             "samples_per_s_per_worker": samples / seconds / args.workers, "sequences": sequences,
             "padding": 1 - tokens / (sequences * args.seq_len), "worker_processes": len(workers),
-            "memory_kb": {"workers": worker_kb, "trainer_growth": trainer_kb, "total": worker_kb + trainer_kb}}
+            "memory_kb": {"workers": worker_kb, "trainer_growth": trainer_kb, "total": worker_kb + trainer_kb,
+                          "trainer_rss_growth": trainer_rss_kb, "held_pixel_values": held_kb}}
 
 
 def balance(args: argparse.Namespace) -> dict:

@@ -21,10 +21,20 @@ import numpy as np
 
 def pss_kb(pid: int) -> int:
     """Proportional set size of a process (kB), from /proc/PID/smaps_rollup; 0 if it is gone."""
+    return _rollup_kb(pid, "Pss:")
+
+
+def rss_kb(pid: int) -> int:
+    """Resident set size of a process (kB): shared pages counted whole, as PSS splits them (a batch in
+    shared memory that a DataLoader's worker made counts half in the trainer's PSS, whole here)."""
+    return _rollup_kb(pid, "Rss:")
+
+
+def _rollup_kb(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(field):
                     return int(line.split()[1])
     except OSError:
         pass
