@@ -197,6 +197,10 @@ def write_job(root: str, files: list[str], ranks: int, seq_len: int, a: float, b
 
 # ---------------------------------------------------------------- one run
 
+def _command(msd: str | list[str]) -> list[str]:
+    return [msd] if isinstance(msd, str) else msd
+
+
 class MsdCommands:
     """`msd coordinator` and `msd worker --procs N` (or `--procs auto`) as a user starts them, on
     a free port."""
@@ -205,12 +209,14 @@ class MsdCommands:
         """in_coordinator: one command, `msd coordinator --worker-procs`, instead of two; relay: and
         `msd relay` for the ranks (all on this host), at the job's default endpoint (MSD_RELAY=auto)."""
         msd = os.path.join(os.path.dirname(sys.executable), "msd")
+        # an environment with the project's dependencies but not the project (.venv-vlm): its module
+        msd = msd if os.path.exists(msd) else [sys.executable, "-m", "msd.cli"]
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
         self.logs = tempfile.mkdtemp(prefix="msd-e2e-")
         self._log_files = [open(os.path.join(self.logs, name), "wb") for name in ("coordinator.log", "worker.log")]
         self.coordinator = subprocess.Popen(
-            [msd, "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING",
+            [*_command(msd), "coordinator", "--config", job, "--bind", self.address, "--log-level", "WARNING",
              *(["--worker-procs", str(workers)] if in_coordinator else [])],
             stderr=self._log_files[0])
         deadline = time.monotonic() + 60
@@ -226,12 +232,13 @@ class MsdCommands:
         self.relay = None
         if relay:
             self._log_files.append(open(os.path.join(self.logs, "relay.log"), "wb"))
-            self.relay = subprocess.Popen([msd, "relay", "--coordinator", self.address, "--log-level", "WARNING"],
-                                          stderr=self._log_files[-1])
+            self.relay = subprocess.Popen([*_command(msd), "relay", "--coordinator", self.address, "--log-level",
+                                           "WARNING"], stderr=self._log_files[-1])
         if in_coordinator:
             return
         self.host = subprocess.Popen(
-            [msd, "worker", "--coordinator", self.address, "--procs", str(workers), "--log-level", "WARNING"],
+            [*_command(msd), "worker", "--coordinator", self.address, "--procs", str(workers), "--log-level",
+             "WARNING"],
             stderr=self._log_files[1])
 
     def pids(self) -> list[int]:

@@ -167,14 +167,16 @@ def pss_kb(pid: int) -> int:
     return pss(pid)
 
 
-def rss_kb(pid: int) -> int:
-    from e2e_ranks import rss_kb as rss
+def anon_shmem_kb(pid: int) -> int:
+    from e2e_ranks import anon_shmem_kb as anon
 
-    return rss(pid)
+    return anon(pid)
 
 
 def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int,
-                   image_pass: str = "delivery", ahead_bytes: int | None = None) -> dict:
+                   image_pass: str = "delivery", ahead_bytes: int | None = None,
+                   source: dict | None = None) -> dict:
+    """One msd round; `source`: more of the source's keys (a video source's video_fps)."""
     import torch  # noqa: F401 - as a trainer has it, before its loader exists
 
     # the client of the tree measured (MSD_BENCH_TREE), imported before bench_e2e puts this tree first
@@ -188,7 +190,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     job = os.path.join(run, "job.yaml")
     with open(job, "w") as f:
         json.dump({"seed": 3, "sources": {"vqa": {"format": "jsonl", "paths": [jsonl], "processor": processor,
-                                                  "image_pass": image_pass}},
+                                                  "image_pass": image_pass, **(source or {})}},
                    "batch": {"seq_len": SEQ_LEN, "micro_batch_size": 1, "global_batch_size": 4, "pad_id": pad_id},
                    "topology": {"dp": 1}, "mixture": {"weights": {"vqa": 1.0}},
                    "balance": {"cost": {"quadratic": 1.0, "linear": LM_LINEAR, "patch_linear": ENCODER_LINEAR}},
@@ -201,7 +203,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         return on_pieces(self, frames)
 
     RankCore.on_pieces = counted
-    before, before_rss = pss_kb(os.getpid()), rss_kb(os.getpid())
+    before, before_anon = pss_kb(os.getpid()), anon_shmem_kb(os.getpid())
     started = time.perf_counter()
     cluster = MsdCommands(job, 1, in_coordinator=True)
     client = DataClient(cluster.address, rank=0, as_torch=False)
@@ -219,25 +221,27 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
             got += len(batch["doc_keys"])
             tokens += int(batch["num_tokens"])
             rows += batch["tokens"].shape[0]
-            images += int(np.asarray(batch["images_per_sample"]).sum())
+            images += int(np.asarray(batch.get("images_per_sample", 0)).sum())
         seconds = time.perf_counter() - t0
         wire_bytes = wire["bytes"] - wire_at_start  # (messages of steps ahead count, as they crossed)
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]
         loader_kb = sum(pss_kb(p) for p in loader_pids)
         trainer_kb = pss_kb(os.getpid()) - before
-        trainer_rss_kb = rss_kb(os.getpid()) - before_rss
-        held_kb = np.asarray(batch.get("pixel_values", np.zeros(0))).nbytes // 1024  # the micro-batch the trainer has
+        trainer_anon_shmem_kb = anon_shmem_kb(os.getpid()) - before_anon
+        held_kb = sum(np.asarray(batch[k]).nbytes for k in ("pixel_values", "pixel_values_videos")
+                      if k in batch) // 1024  # the micro-batch the trainer has
         workers = len(cluster.worker_pids())
     finally:
         client.close()
         cluster.close()
         RankCore.on_pieces = on_pieces
     return {"samples": got, "seconds": seconds, "samples_per_s": got / seconds, "images": images,
-            "wire_bytes_per_image": wire_bytes / max(images, 1), "next_ms": 1000 * inside_next / got,
+            "wire_bytes_per_image": wire_bytes / max(images, 1), "wire_bytes_per_sample": wire_bytes / got,
+            "next_ms": 1000 * inside_next / got,
             "samples_per_s_per_worker": got / seconds,
             "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
             "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb,
-                          "trainer_rss_growth": trainer_rss_kb, "held_pixel_values": held_kb}}
+                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb}}
 
 
 def energon(*args: str) -> dict:
@@ -386,7 +390,8 @@ def main() -> None:
                 "memory_mb": spread([x["memory_kb"]["total"] / 1024 for x in runs]),
                 "loader_processes_mb": spread([x["memory_kb"]["loader_processes"] / 1024 for x in runs]),
                 "trainer_growth_mb": spread([x["memory_kb"]["trainer_growth"] / 1024 for x in runs]),
-                "trainer_rss_growth_mb": spread([x["memory_kb"].get("trainer_rss_growth", 0) / 1024 for x in runs]),
+                "trainer_anon_shmem_growth_mb": spread([x["memory_kb"].get("trainer_anon_shmem_growth", 0) / 1024
+                                                        for x in runs]),
                 "held_pixel_values_mb": spread([x["memory_kb"].get("held_pixel_values", 0) / 1024 for x in runs]),
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],

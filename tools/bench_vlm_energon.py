@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_ranks import children, pss_kb, rss_kb  # noqa: E402  (stdlib and numpy only: importable here)
+from e2e_ranks import anon_shmem_kb, children, pss_kb  # noqa: E402  (stdlib and numpy only: importable here)
 
 
 def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -57,7 +57,8 @@ def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: str | None) -> Any:
+def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: str | None,
+                 video_fps: float | None = None) -> Any:
     from megatron.energon import DefaultTaskEncoder, Sample, SkipSample, stateless
     from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
     from megatron.energon.task_encoder.cooking import Cooker, basic_sample_keys
@@ -77,8 +78,21 @@ def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: st
     @stateless
     def cook(sample: dict) -> Conversation:
         record = sample["json"]
-        images = {k: v for k, v in sample.items() if k.endswith((".jpg", ".png", ".jpeg"))}
+        images = {k: v for k, v in sample.items() if k.endswith((".jpg", ".png", ".jpeg", ".mp4"))}
         return Conversation(**basic_sample_keys(sample), messages=record.get("messages", []), images=images)
+
+    def video_frames(processor: Any, decoder: Any) -> Any:
+        """A video's frames as a Megatron-Energon user samples them: from the AVDecoder its sample decoder
+        made of the entry, as many frames spread evenly as the processor samples at `video_fps` (whole
+        temporal patches, within its frame limits)."""
+        from megatron.energon.av import get_single_frames_uniform
+
+        duration = decoder.get_metadata(get_audio=False).video_duration
+        video = processor.video_processor
+        t = int(video.temporal_patch_size)
+        n = max(t, int(duration * video_fps) // t * t)
+        n = min(max(n, int(video.min_frames)), int(video.max_frames)) // t * t
+        return get_single_frames_uniform(decoder, n)
 
     table = np.load(lengths) if lengths else None
 
@@ -104,16 +118,24 @@ def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: st
                     raise SkipSample()
                 return Encoded.derive_from(sample, tokens=np.zeros(n, np.int32), mask=np.zeros(0), arrays={},
                                            patches=int(table["patches"][i]))
-            messages = [{**m, "content": [{"type": "image", "image": sample.images[p["image"]]}
-                                          if p.get("type") == "image" else p for p in m["content"]]}
-                        if isinstance(m["content"], list) else m for m in sample.messages]
+            def part(p: dict) -> dict:
+                if p.get("type") == "image":
+                    return {"type": "image", "image": sample.images[p["image"]]}
+                if p.get("type") == "video":
+                    return {"type": "video", "video": video_frames(self.processor, sample.images[p["video"]])}
+                return p
+
+            messages = [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+                        for m in sample.messages]
+            videos = {"processor_kwargs": {"do_sample_frames": False, "fps": video_fps}} if video_fps else {}
             out = self.processor.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True, return_tensors="np")
+                                                     return_assistant_tokens_mask=True, return_tensors="np", **videos)
             tokens = np.asarray(out["input_ids"])[0].astype(np.int32)
             if len(tokens) > seq_len:
                 raise SkipSample()
-            arrays = {k: np.asarray(out[k]) for k in ("pixel_values", "image_grid_thw") if k in out}
-            patches = len(arrays["pixel_values"]) if "pixel_values" in arrays else 0
+            arrays = {k: np.asarray(out[k]) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                      "video_grid_thw") if k in out}
+            patches = sum(len(arrays[k]) for k in ("pixel_values", "pixel_values_videos") if k in arrays)
             return Encoded.derive_from(sample, tokens=tokens,
                                        mask=np.asarray(out["assistant_masks"])[0].astype(np.uint8),
                                        arrays=arrays, patches=patches)
@@ -129,7 +151,7 @@ def make_encoder(mode: str, seq_len: int, processor_dir: str | None, lengths: st
                       "patches": np.array([s.patches for s in samples])}
             if mode == "throughput":
                 packed["loss_mask"] = np.concatenate([s.mask for s in samples])
-                for name in ("pixel_values", "image_grid_thw"):
+                for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
                     parts = [s.arrays[name] for s in samples if name in s.arrays]
                     if parts:
                         packed[name] = np.concatenate(parts)
@@ -153,8 +175,8 @@ def loader(dataset: str, encoder: Any, rank: int, world: int, workers: int, buff
 def throughput(args: argparse.Namespace) -> dict:
     import torch  # noqa: F401 - the trainer has torch imported before its loader exists
 
-    before, before_rss = pss_kb(os.getpid()), rss_kb(os.getpid())
-    encoder = make_encoder("throughput", args.seq_len, args.processor, None)
+    before, before_anon = pss_kb(os.getpid()), anon_shmem_kb(os.getpid())
+    encoder = make_encoder("throughput", args.seq_len, args.processor, None, args.video_fps)
     it = iter(loader(args.dataset, encoder, 0, 1, args.workers, args.buffer))
     next(it)  # workers started, first buffer packed (not kept: the trainer holds one batch, as msd's)
     samples = tokens = sequences = 0
@@ -168,13 +190,14 @@ def throughput(args: argparse.Namespace) -> dict:
     workers = children(os.getpid())
     worker_kb = sum(pss_kb(p) for p in workers)
     trainer_kb = pss_kb(os.getpid()) - before
-    trainer_rss_kb = rss_kb(os.getpid()) - before_rss
-    held_kb = np.asarray(packed.get("pixel_values", np.zeros(0))).nbytes // 1024  # the batch the trainer has
+    trainer_anon_shmem_kb = anon_shmem_kb(os.getpid()) - before_anon
+    held_kb = sum(np.asarray(packed[k]).nbytes for k in ("pixel_values", "pixel_values_videos")
+                  if k in packed) // 1024  # the batch the trainer has
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
             "samples_per_s_per_worker": samples / seconds / args.workers, "sequences": sequences,
             "padding": 1 - tokens / (sequences * args.seq_len), "worker_processes": len(workers),
             "memory_kb": {"workers": worker_kb, "trainer_growth": trainer_kb, "total": worker_kb + trainer_kb,
-                          "trainer_rss_growth": trainer_rss_kb, "held_pixel_values": held_kb}}
+                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb}}
 
 
 def balance(args: argparse.Namespace) -> dict:
@@ -205,6 +228,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--video-fps", type=float, default=None, help="video parts: frames sampled a second")
     args = ap.parse_args()
     if args.mode == "throughput":
         args.processor = args.data

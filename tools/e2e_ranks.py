@@ -24,10 +24,20 @@ def pss_kb(pid: int) -> int:
     return _rollup_kb(pid, "Pss:")
 
 
-def rss_kb(pid: int) -> int:
-    """Resident set size of a process (kB): shared pages counted whole, as PSS splits them (a batch in
-    shared memory that a DataLoader's worker made counts half in the trainer's PSS, whole here)."""
-    return _rollup_kb(pid, "Rss:")
+def anon_shmem_kb(pid: int) -> int:
+    """A process's resident anonymous and shared memory (kB, RssAnon + RssShmem): its heap, and shared
+    memory counted whole (a batch that a DataLoader's worker made in shared memory counts half in
+    the trainer's PSS, whole here), without the file pages of the libraries it maps (which PSS
+    shares out and RSS counts whole); 0 if it is gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1])
+    except OSError:
+        pass
+    return total
 
 
 def _rollup_kb(pid: int, field: str) -> int:

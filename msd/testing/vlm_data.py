@@ -255,11 +255,14 @@ def write_idefics3_processor(path: str, vocab_size: int = 600, longest_edge: int
     tokens (its row and column markers among them), and TRL's idefics3 training template."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
               "eos_token": "<end_of_utterance>", "pad_token": "<|end_of_text|>"}
-    preprocessor = dict(IDEFICS3_PREPROCESSOR)
-    if longest_edge is not None:
-        preprocessor["size"] = {"longest_edge": longest_edge}
+    preprocessor = _resized(IDEFICS3_PREPROCESSOR, longest_edge)
     return write_processor_dir(path, IDEFICS3_SPECIAL, vocab_size, config, preprocessor,
                                trl_template("idefics3_training"), IDEFICS3_PROCESSOR)
+
+
+def _resized(preprocessor: dict[str, Any], longest_edge: int | None) -> dict[str, Any]:
+    """A tiling image processor's configuration, resizing images to `longest_edge` where given."""
+    return preprocessor if longest_edge is None else {**preprocessor, "size": {"longest_edge": longest_edge}}
 
 
 SMOLVLM_SPECIAL = ["<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
@@ -289,9 +292,7 @@ def write_smolvlm_processor(path: str, vocab_size: int = 600, longest_edge: int 
     training template (SmolVLM2 ships SmolVLM's)."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
               "eos_token": "<end_of_utterance>", "pad_token": "<|im_end|>"}
-    preprocessor = dict(SMOLVLM_PREPROCESSOR)
-    if longest_edge is not None:
-        preprocessor["size"] = {"longest_edge": longest_edge}
+    preprocessor = _resized(SMOLVLM_PREPROCESSOR, longest_edge)
     return write_processor_dir(path, SMOLVLM_SPECIAL, vocab_size, config, preprocessor,
                                trl_template("smolvlm_training"), SMOLVLM_PROCESSOR, SMOLVLM_VIDEO)
 
