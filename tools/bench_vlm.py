@@ -82,10 +82,7 @@ def write_data(root: str, records: int, seed: int = 0) -> tuple[str, str, str]:
     processor = write_qwen2_5_vl_processor(os.path.join(root, "qwen-vl"), vocab_size=2000)
     rng = random.Random(seed)
     pixels = np.random.default_rng(seed)
-    msd_dir, energon_dir = os.path.join(root, "msd"), os.path.join(root, "energon")
-    os.makedirs(os.path.join(msd_dir, "images"))
-    os.makedirs(energon_dir)
-    shards = [tarfile.open(os.path.join(energon_dir, f"shard-{k:03d}.tar"), "w") for k in range(4)]
+    msd_dir, energon_dir, shards = open_shards(root, "images")
     with open(os.path.join(msd_dir, "conversations.jsonl"), "wb") as jsonl:
         for i in range(records):
             messages, files = [], {}
@@ -112,15 +109,29 @@ def write_data(root: str, records: int, seed: int = 0) -> tuple[str, str, str]:
             mine = [{**m, "content": [{**p, "image": f"images/{i:06d}-{p['image']}"} if p["type"] == "image" else p
                                       for p in m["content"]]} for m in messages]
             jsonl.write(orjson.dumps({"messages": mine}) + b"\n")
-            tar = shards[i % len(shards)]  # Energon: one WebDataset sample per conversation
-            for name, data in [("json", orjson.dumps({"messages": messages})), *files.items()]:
-                info = tarfile.TarInfo(f"{i:06d}.{name}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+            # Energon: one WebDataset sample per conversation
+            add_sample(shards[i % len(shards)], i, [("json", orjson.dumps({"messages": messages})), *files.items()])
     for tar in shards:
         tar.close()
     energon_prepare(energon_dir)
     return processor, os.path.join(msd_dir, "conversations.jsonl"), energon_dir
+
+
+def open_shards(root: str, media: str, count: int = 4) -> tuple[str, str, list[tarfile.TarFile]]:
+    """(msd's folder, its `media` folder made; Energon's folder; Energon's WebDataset shards, open)."""
+    msd_dir, energon_dir = os.path.join(root, "msd"), os.path.join(root, "energon")
+    os.makedirs(os.path.join(msd_dir, media))
+    os.makedirs(energon_dir)
+    return msd_dir, energon_dir, [tarfile.open(os.path.join(energon_dir, f"shard-{k:03d}.tar"), "w")
+                                  for k in range(count)]
+
+
+def add_sample(tar: tarfile.TarFile, i: int, entries: list[tuple[str, bytes]]) -> None:
+    """Energon's WebDataset sample i: an entry a (suffix, bytes)."""
+    for name, data in entries:
+        info = tarfile.TarInfo(f"{i:06d}.{name}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
 
 
 def energon_prepare(path: str) -> None:

@@ -26,13 +26,11 @@ conversation with a question and an answer.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import random
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
@@ -56,11 +54,10 @@ def write_videos(root: str, records: int, seed: int = 0) -> None:
     from msd.testing.chat_data import WORDS
     from tests.vlm.video_check import write_video
 
+    from bench_vlm import add_sample, open_shards
+
     rng, sizes = random.Random(seed), np.random.default_rng(seed)
-    msd_dir, energon_dir = os.path.join(root, "msd"), os.path.join(root, "energon")
-    os.makedirs(os.path.join(msd_dir, "clips"))
-    os.makedirs(energon_dir)
-    shards = [tarfile.open(os.path.join(energon_dir, f"shard-{k:03d}.tar"), "w") for k in range(4)]
+    msd_dir, _, shards = open_shards(root, "clips")
     with open(os.path.join(msd_dir, "conversations.jsonl"), "wb") as jsonl:
         for i in range(records):
             path = os.path.join(msd_dir, "clips", f"{i:06d}.mp4")
@@ -77,10 +74,7 @@ def write_videos(root: str, records: int, seed: int = 0) -> None:
             jsonl.write(orjson.dumps({"messages": mine}) + b"\n")
             with open(path, "rb") as f:
                 video = f.read()
-            for name, data in [("json", orjson.dumps({"messages": messages})), ("0.mp4", video)]:
-                info = tarfile.TarInfo(f"{i:06d}.{name}")
-                info.size = len(data)
-                shards[i % len(shards)].addfile(info, io.BytesIO(data))
+            add_sample(shards[i % len(shards)], i, [("json", orjson.dumps({"messages": messages})), ("0.mp4", video)])
     for tar in shards:
         tar.close()
 
