@@ -566,21 +566,8 @@ def decode_image(data: bytes, name: str, max_pixels: int | None) -> Any:
     `max_pixels` before decoding, decoded (a truncated file is found here, as this record's
     problem), then its EXIF orientation applied and converted to RGB, as transformers'
     load_image does with a path."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    Image.MAX_IMAGE_PIXELS = None  # the limit is ours, per source: Pillow's would raise before we see the size
-    try:
-        image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if max_pixels is not None and width * height > max_pixels:
-            raise ImageRecordError(f"{name}: image of {width}x{height} pixels is over max_image_pixels "
-                                   f"({max_pixels})", "over_limit")
-        image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
-    except ImageRecordError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
-        raise ImageRecordError(f"{name}: image does not decode ({e})") from None
+    with _opened(data, name, max_pixels) as image:
+        return _upright_rgb(image)
 
 
 def sized_image(data: bytes, name: str, max_pixels: int | None) -> Any:
@@ -590,28 +577,45 @@ def sized_image(data: bytes, name: str, max_pixels: int | None) -> Any:
     a PNG's chunks against their checksums (Pillow's verify, about 1/25 of a decode), a JPEG decoded
     at an eighth of its size (about half: libjpeg still reads every block). An image that EXIF may
     turn on its side, or of another format, is decoded whole (an undecoded image has the file's size)."""
+    from PIL import Image
+
+    with _opened(data, name, max_pixels) as image:
+        if image.format == "JPEG" and image.getexif().get(EXIF_ORIENTATION, 1) not in SIDEWAYS:
+            image.draft("RGB", ((image.width + 7) // 8, (image.height + 7) // 8))
+            image.load()
+        elif image.format == "PNG" and b"eXIf" not in data:  # (a PNG's EXIF chunk may follow its pixels)
+            image.verify()
+        else:
+            return _upright_rgb(image)
+        return Image.open(io.BytesIO(data))
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, name: str, max_pixels: int | None) -> Iterator[Any]:
+    """An image file opened (not decoded), the size its header declares checked against
+    `max_pixels`; Pillow's decode errors within become this record's ImageRecordError."""
     from PIL import Image, UnidentifiedImageError
 
-    Image.MAX_IMAGE_PIXELS = None
+    Image.MAX_IMAGE_PIXELS = None  # the limit is ours, per source: Pillow's would raise before we see the size
     try:
         image = Image.open(io.BytesIO(data))
         width, height = image.size
-        if image.format == "JPEG" and image.getexif().get(EXIF_ORIENTATION, 1) not in SIDEWAYS:
-            image.draft("RGB", ((width + 7) // 8, (height + 7) // 8))
-            check = image.load
-        elif image.format == "PNG" and b"eXIf" not in data:  # (a PNG's EXIF chunk may follow its pixels)
-            check = image.verify
-        else:
-            return decode_image(data, name, max_pixels)
         if max_pixels is not None and width * height > max_pixels:
             raise ImageRecordError(f"{name}: image of {width}x{height} pixels is over max_image_pixels "
                                    f"({max_pixels})", "over_limit")
-        check()
-        return Image.open(io.BytesIO(data))
+        yield image
     except ImageRecordError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # Pillow's decode errors
         raise ImageRecordError(f"{name}: image does not decode ({e})") from None
+
+
+def _upright_rgb(image: Any) -> Any:
+    """Decoded, its EXIF orientation applied and converted to RGB, as transformers' load_image does."""
+    from PIL import ImageOps
+
+    image.load()
+    return ImageOps.exif_transpose(image).convert("RGB")
 
 
 def _webdataset_record(sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
