@@ -280,6 +280,20 @@ class StepAssembler:
             out.update(self._processor_arrays(range(p0, p1), base, out["position_ids"], pixels_later))
         return out
 
+    def release(self, m: int) -> int:
+        """Micro-batch m was handed to the trainer, which never asks for it again: let go of its
+        pieces' received arrays (image frames, a processor's arrays, patches), which the batch no
+        longer needs, and return their bytes. A step's frames were otherwise held until its last
+        micro-batch was taken: with images, the whole step's uint8 frames beside the float
+        micro-batch (49 of tools/bench_vlm.py's 162 MB of trainer growth)."""
+        lay = self._layout
+        released = 0
+        for i in range(int(lay["row_pieces"][m * self.mbs]), int(lay["row_pieces"][(m + 1) * self.mbs])):
+            released += sum(a.nbytes for a in self.extras.pop(i, {}).values())
+            patches = self.patches.pop(i, None)
+            released += 0 if patches is None else patches.nbytes
+        return released
+
     def _processor_arrays(self, pieces: range, base: int, position_ids: np.ndarray,
                           pixels_later: bool = False) -> dict[str, np.ndarray]:
         """A processor's arrays of a micro-batch's pieces: per-token ones laid out as the tokens

@@ -29,6 +29,7 @@ from msd_common.errors import MsdError, PeerLostError, RejectedError
 from msd_common.frames import PendingPixels
 
 from .losses import LossSums
+from .assemble import StepAssembler
 from .batch import Batch
 from .buffers import BufferPool
 from .prebuild import Prebuilder
@@ -42,6 +43,11 @@ log = logging.getLogger("msd.client")
 
 STATE_VERSION = 1  # the "coordinator" key was added in protocol 5; older states load without it
 STATE_TIMEOUT_S = 10.0  # state_dict() waits this long for the coordinator's state
+# Image and video frames of every size come and go in the trainer's heap, and freed ones stay
+# resident as holes there (the more so with keep_freed_memory's thresholds): once this many bytes of
+# frames have been let go, the builder's thread gives the heap's free pages back (about 1 ms; a text
+# job never does).
+TRIM_AFTER_RELEASED_BYTES = 16 << 20
 _ids = itertools.count()
 
 
@@ -191,6 +197,7 @@ class DataClient:
         self._step: ReadyStep | None = None  # the step being handed out, micro-batch by micro-batch
         self._held: Any = None  # an end or an error taken from the queue while looking for the next step
         self._pool = BufferPool()
+        self._released_bytes = 0  # of frames let go since the heap's free pages were last given back
         self._builder: Prebuilder | None = None
         self._wake_addr = f"inproc://msd-client-{os.getpid()}-{next(_ids)}"
         self._wake: zmq.Socket | None = None
@@ -295,6 +302,7 @@ class DataClient:
         for name in ("pixel_values", "pixel_values_videos"):
             if isinstance(batch.get(name), PendingPixels):  # device=: uint8 frames until the trainer takes them
                 batch[name] = batch[name].finish_on(self.device)
+        self._let_go(ready.assembler, m)
         if m + 1 == ready.micro_batches:
             self.next_step, self.next_micro_batch = ready.step + 1, 0
             self._command(["consumed", ready.step, self.waited_s, *self._compute_report(ready.step),
@@ -307,6 +315,14 @@ class DataClient:
         self._handed, self._handed_at = (ready.step, m), time.perf_counter()
         self._losses.handed(ready.step, batch, m)
         return batch
+
+    def _let_go(self, assembler: StepAssembler, m: int) -> None:
+        """Micro-batch m is the trainer's: the frames it was made of go, and after enough of them
+        the heap's free pages go back to the OS, in the builder's thread (TRIM_AFTER_RELEASED_BYTES)."""
+        self._released_bytes += assembler.release(m)
+        if self._released_bytes >= TRIM_AFTER_RELEASED_BYTES:
+            self._released_bytes = 0
+            self._builder.call(memory.return_freed_memory)
 
     def _compute_report(self, step: int) -> list:
         """[step, seconds per micro-batch] of the last step whose every micro-batch's compute is
@@ -417,6 +433,7 @@ class DataClient:
         info = self.batch_info
         for m in range(ready.assembler.micro_batches):
             batch = for_rank(ready.assembler.micro_batch(m), info, self.rank, self.metadata_only)
+            self._let_go(ready.assembler, m)
             batch["eval_set"], batch["eval_pass"], batch["micro_batch"] = name, pass_no, m
             yield _to_torch(batch, False) if self.as_torch else batch
 

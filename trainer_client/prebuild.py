@@ -82,6 +82,11 @@ class Prebuilder:
         """A command for the I/O thread, sent after the builds and commands asked before it."""
         self._items.put(cmd)
 
+    def call(self, work: Callable[[], Any]) -> None:
+        """Housekeeping for the builder's thread, after what was asked before it (giving freed
+        heap pages back: not in the trainer's next())."""
+        self._items.put(work)
+
     def take(self, ready: Any, m: int) -> Any:
         """Micro-batch m of `ready`: the one built ahead, or built now."""
         if self._left_at is not None:
@@ -117,6 +122,9 @@ class Prebuilder:
                 return
             if isinstance(item, list):
                 self._send(item)
+                continue
+            if not isinstance(item, _Job):
+                item()
                 continue
             for _ in range(SPARE_TRIES):
                 if not item.lock.acquire(blocking=False):

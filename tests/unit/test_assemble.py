@@ -185,3 +185,23 @@ def test_ramps_longer_than_the_seed_ramp_and_in_any_order():
         out = np.full(int(ends[-1]), -1, np.int64)
         fill_ramps(out, ends - lengths, lengths)
         np.testing.assert_array_equal(out, np.concatenate([np.arange(n) for n in lengths]))
+
+
+def test_a_handed_micro_batch_lets_go_of_its_pieces_arrays_and_the_others_keep_theirs():
+    """release(m): the frames a micro-batch was made of go once the trainer has it (a step's frames
+    were held until its last micro-batch, beside the float pixel values), and only its own."""
+    from trainer_client.assemble import StepAssembler
+
+    refs = np.array([[1 << 48, 0, 4], [(1 << 48) + 1, 0, 3], [(1 << 48) + 2, 0, 5]], np.uint64)
+    step = StepAssembler(refs, np.array([1, 1, 1]), row_len=8, pad_id=0, micro_batch_size=1)
+    items = np.column_stack([np.arange(3, dtype=np.uint64), refs])
+    grids = [np.array([[1, 2 * (i + 1), 2]], np.int64) for i in range(3)]  # a grid per piece, 24 bytes each
+    step.add(items, np.arange(12, dtype=np.uint16), extras=[("image_grid_thw", "<i8", [3], False)],
+             extra_rows=np.ones((3, 1), np.int64), extra_frames=[g.view(np.uint8).reshape(-1) for g in grids])
+    first = step.micro_batch(0)
+    assert step.release(0) == 24
+    assert 0 not in step.extras and {1, 2} <= set(step.extras)
+    np.testing.assert_array_equal(first["image_grid_thw"], grids[0])  # the handed batch keeps what it holds
+    for m in (1, 2):
+        np.testing.assert_array_equal(step.micro_batch(m)["image_grid_thw"], grids[m])
+    assert step.release(0) == 0  # nothing twice

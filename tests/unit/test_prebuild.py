@@ -206,3 +206,12 @@ def test_commands_reach_the_io_thread_in_order():
     b.pre.command(["state", 1])
     b.pre.close()
     assert b.sent == [["consumed", 0, 0.0], ["state", 1]]
+
+
+def test_housekeeping_runs_in_the_builders_thread_after_what_was_asked_before_it():
+    b = Builder()
+    ran: list = []
+    b.pre.command(["consumed", 0])
+    b.pre.call(lambda: ran.append((threading.current_thread().name, list(b.sent))))
+    b.pre.close()
+    assert ran == [("test-build", [["consumed", 0]])]  # not in the trainer's thread, and in order
