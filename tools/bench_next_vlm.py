@@ -2,7 +2,7 @@
 Qwen2.5-VL samples whose images arrive as float32 pixel values (as before issue 59) or as uint8
 frames that the client finishes into the same pixel values (issue 59).
 
-    python tools/bench_next_vlm.py --json OUT [--compute-ms 0,100] [--micro-batches 60] [--rounds 3]
+    python tools/bench_next_vlm.py --json OUT [--compute-ms 0,100] [--micro-batches 60] [--rounds 3] [--ranks 1]
 
 As tools/bench_next.py: a real DataClient whose finished steps are put on its hand-over queue
 directly (nothing arrives over sockets). Steps of 4 micro-batches of one 8,192-token row, filled
@@ -21,10 +21,13 @@ Figures: median and p90 of the time inside `next()` in milliseconds, pixel MB pe
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -87,7 +90,9 @@ def vlm_step(step: int, design: str, rng: np.random.Generator) -> ReadyStep:
     return ReadyStep(step, 0, assembler, {}, 0, INFO, False)
 
 
-def run(design: str, compute_s: float, micro_batches: int) -> dict:
+def run(design: str, compute_s: float, micro_batches: int, barrier: tuple[str, int] | None = None) -> dict:
+    """barrier (folder, ranks): with other trainer processes, each starts taking micro-batches once
+    all of them have their steps in (a file each in the folder)."""
     device = "cuda" if design == "frames_device" else None
     client = DataClient(f"tcp://127.0.0.1:{free_port()}", rank=0, timeout_s=30, device=device)
     client.start()
@@ -95,6 +100,11 @@ def run(design: str, compute_s: float, micro_batches: int) -> dict:
     steps = -(-(micro_batches + 4) // MICRO_BATCHES)
     for s in range(steps):  # every step is in before the first is taken: the data has arrived
         client._queue.put(vlm_step(s, "float" if design == "float" else "frames", rng))
+    if barrier is not None:
+        folder, ranks = barrier
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        while len(os.listdir(folder)) < ranks:
+            time.sleep(0.005)
     times, pixel_mb = [], []
     try:
         for _ in range(micro_batches + 4):
@@ -113,14 +123,39 @@ def run(design: str, compute_s: float, micro_batches: int) -> dict:
             "pixel_mb_per_micro_batch": float(np.median(pixel_mb))}
 
 
+def on_ranks(design: str, compute_ms: float, micro_batches: int, ranks: int) -> dict:
+    """One round on `ranks` trainer processes at once: the median and p90 over all their calls
+    (each rank's own medians kept), as one host's ranks share its cores and memory bandwidth."""
+    with tempfile.TemporaryDirectory() as folder:
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--micro-batches", str(micro_batches),
+                                   "--one", design, str(compute_ms), folder, str(ranks)],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(ranks)]
+        outs = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank of the {design} round failed")
+    return {"design": design, "compute_ms": compute_ms, "ranks": ranks,
+            "micro_batches": sum(o["micro_batches"] for o in outs),
+            "median_ms": float(statistics.median(o["median_ms"] for o in outs)),
+            "p90_ms": float(statistics.median(o["p90_ms"] for o in outs)),
+            "per_rank_median_ms": [o["median_ms"] for o in outs],
+            "pixel_mb_per_micro_batch": outs[0]["pixel_mb_per_micro_batch"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--compute-ms", default="0,100")
     ap.add_argument("--micro-batches", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=1, help="trainer processes taking micro-batches at once, "
+                    "as the ranks of one host do (each its own client; the figures are over all of them)")
+    ap.add_argument("--one", nargs=4, metavar=("DESIGN", "COMPUTE_MS", "BARRIER", "RANKS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     logging.getLogger("msd.session").setLevel(logging.ERROR)  # the coordinator is a closed port on purpose
+    if a.one:  # one rank of a --ranks round: its result on stdout
+        design, compute_ms, folder, ranks = a.one
+        print(json.dumps(run(design, float(compute_ms) / 1e3, a.micro_batches, (folder, int(ranks)))))
+        return
     import torch
 
     designs = ["float", "frames"] + (["frames_device"] if torch.cuda.is_available() else [])
@@ -128,7 +163,8 @@ def main() -> None:
     for compute_ms in (float(c) for c in a.compute_ms.split(",")):
         for r in range(a.rounds):
             for design in designs if r % 2 == 0 else designs[::-1]:
-                out = run(design, compute_ms / 1e3, a.micro_batches)
+                out = run(design, compute_ms / 1e3, a.micro_batches) if a.ranks == 1 else \
+                    on_ranks(design, compute_ms, a.micro_batches, a.ranks)
                 results.setdefault(f"{design}@{compute_ms:g}ms", []).append(out)
                 print(f"# {compute_ms:g} ms, {design}, round {r}: median {out['median_ms']:.2f} ms, "
                       f"p90 {out['p90_ms']:.2f}", file=sys.stderr, flush=True)
@@ -137,7 +173,8 @@ def main() -> None:
                    "p90_ms": statistics.median(x["p90_ms"] for x in v),
                    "pixel_mb_per_micro_batch": v[0]["pixel_mb_per_micro_batch"]} for k, v in results.items()}
     emit({"benchmark": "next_vlm", "command": "python tools/bench_next_vlm.py " + " ".join(sys.argv[1:]),
-          "cpus": os.cpu_count(), "device": "measured" if len(designs) == 3 else "no CUDA device: not measured",
+          "cpus": os.cpu_count(), "ranks": a.ranks,
+          "device": "measured" if len(designs) == 3 else "no CUDA device: not measured",
           "summary": summary, "rounds": results}, a.json)
 
 
