@@ -124,7 +124,10 @@ class Prebuilder:
                 self._send(item)
                 continue
             if not isinstance(item, _Job):
-                item()
+                try:
+                    item()
+                except Exception:  # housekeeping never stops the builder (it forwards the commands)
+                    log.warning("the client's housekeeping failed", exc_info=True)
                 continue
             for _ in range(SPARE_TRIES):
                 if not item.lock.acquire(blocking=False):

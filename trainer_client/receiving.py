@@ -301,10 +301,6 @@ class ReadyStep:
             batch["plan"] = self.plan
         return batch
 
-    def release(self, m: int) -> int:
-        """Micro-batch m was handed to the trainer: its pieces' received arrays go (their bytes)."""
-        return self.assembler.release(m)
-
 
 def for_rank(batch: dict[str, Any], info: dict[str, Any], rank: int, metadata_only: bool) -> dict[str, Any]:
     """What a global rank gets of its DP rank's micro-batch: its CP share, and the fields of its

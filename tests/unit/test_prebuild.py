@@ -215,3 +215,15 @@ def test_housekeeping_runs_in_the_builders_thread_after_what_was_asked_before_it
     b.pre.call(lambda: ran.append((threading.current_thread().name, list(b.sent))))
     b.pre.close()
     assert ran == [("test-build", [["consumed", 0]])]  # not in the trainer's thread, and in order
+
+
+def test_failed_housekeeping_leaves_the_builder_forwarding_commands():
+    b = Builder()
+
+    def broken() -> None:
+        raise OSError("no libc here")
+
+    b.pre.call(broken)
+    b.pre.command(["consumed", 1])
+    b.pre.close()
+    assert b.sent == [["consumed", 1]]
