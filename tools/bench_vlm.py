@@ -195,7 +195,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     from trainer_client.rank_core import RankCore
 
     from bench_e2e import MsdCommands
-    from e2e_ranks import descendants
+    from e2e_ranks import AnonShmemSampler, descendants
 
     run = tempfile.mkdtemp(prefix="msd-round-", dir=root)  # a fresh job directory: no state from a round before
     job = os.path.join(run, "job.yaml")
@@ -225,14 +225,15 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
         inside_next = 0.0
         t0 = time.perf_counter()
         wire_at_start = wire["bytes"]
-        while got < samples:
-            t = time.perf_counter()
-            batch = next(client)
-            inside_next += time.perf_counter() - t
-            got += len(batch["doc_keys"])
-            tokens += int(batch["num_tokens"])
-            rows += batch["tokens"].shape[0]
-            images += int(np.asarray(batch.get("images_per_sample", 0)).sum())
+        with AnonShmemSampler(os.getpid()) as sampled:
+            while got < samples:
+                t = time.perf_counter()
+                batch = next(client)
+                inside_next += time.perf_counter() - t
+                got += len(batch["doc_keys"])
+                tokens += int(batch["num_tokens"])
+                rows += batch["tokens"].shape[0]
+                images += int(np.asarray(batch.get("images_per_sample", 0)).sum())
         seconds = time.perf_counter() - t0
         wire_bytes = wire["bytes"] - wire_at_start  # (messages of steps ahead count, as they crossed)
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]
@@ -252,7 +253,8 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
             "samples_per_s_per_worker": got / seconds,
             "worker_processes": workers, "first_batch_s": first_batch_s, "padding": 1 - tokens / (rows * SEQ_LEN),
             "memory_kb": {"loader_processes": loader_kb, "trainer_growth": trainer_kb, "total": loader_kb + trainer_kb,
-                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb}}
+                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb,
+                          "trainer_anon_shmem_over_run": sampled.growth_kb(before_anon)}}
 
 
 def energon(*args: str) -> dict:
@@ -404,6 +406,9 @@ def main() -> None:
                 "trainer_anon_shmem_growth_mb": spread([x["memory_kb"].get("trainer_anon_shmem_growth", 0) / 1024
                                                         for x in runs]),
                 "held_pixel_values_mb": spread([x["memory_kb"].get("held_pixel_values", 0) / 1024 for x in runs]),
+                # sampled every 20 ms over the timed part of a round: its mean and its peak
+                **{f"trainer_anon_shmem_{k}_mb": spread([x["memory_kb"]["trainer_anon_shmem_over_run"][k] / 1024
+                                                         for x in runs]) for k in ("mean", "peak")},
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],
             }

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_ranks import anon_shmem_kb, children, pss_kb  # noqa: E402  (stdlib and numpy only: importable here)
+from e2e_ranks import AnonShmemSampler, anon_shmem_kb, children, pss_kb  # noqa: E402  (stdlib and numpy only: importable here)
 
 
 def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -181,11 +181,12 @@ def throughput(args: argparse.Namespace) -> dict:
     next(it)  # workers started, first buffer packed (not kept: the trainer holds one batch, as msd's)
     samples = tokens = sequences = 0
     t0 = time.perf_counter()
-    while samples < args.samples:
-        (packed,) = next(it)
-        samples += len(packed["lengths"])
-        tokens += int(packed["lengths"].sum())
-        sequences += 1
+    with AnonShmemSampler(os.getpid()) as sampled:
+        while samples < args.samples:
+            (packed,) = next(it)
+            samples += len(packed["lengths"])
+            tokens += int(packed["lengths"].sum())
+            sequences += 1
     seconds = time.perf_counter() - t0
     workers = children(os.getpid())
     worker_kb = sum(pss_kb(p) for p in workers)
@@ -197,7 +198,8 @@ def throughput(args: argparse.Namespace) -> dict:
             "samples_per_s_per_worker": samples / seconds / args.workers, "sequences": sequences,
             "padding": 1 - tokens / (sequences * args.seq_len), "worker_processes": len(workers),
             "memory_kb": {"workers": worker_kb, "trainer_growth": trainer_kb, "total": worker_kb + trainer_kb,
-                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb}}
+                          "trainer_anon_shmem_growth": trainer_anon_shmem_kb, "held_pixel_values": held_kb,
+                          "trainer_anon_shmem_over_run": sampled.growth_kb(before_anon)}}
 
 
 def balance(args: argparse.Namespace) -> dict:

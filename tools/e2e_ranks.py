@@ -40,6 +40,37 @@ def anon_shmem_kb(pid: int) -> int:
     return total
 
 
+class AnonShmemSampler:
+    """While active, a process's anon_shmem_kb sampled every `every_s` in a thread: the mean and the
+    peak over a run, where one figure at its end depends on where in a step the run happened to end."""
+
+    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+        import threading
+
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="anon-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.samples.append(anon_shmem_kb(self.pid))
+
+    def __enter__(self) -> "AnonShmemSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def growth_kb(self, before_kb: int) -> dict[str, int]:
+        """{"mean", "peak"} of the samples less `before_kb` (0 for both if none was taken)."""
+        if not self.samples:
+            return {"mean": 0, "peak": 0}
+        return {"mean": int(np.mean(self.samples)) - before_kb, "peak": max(self.samples) - before_kb}
+
+
 def _rollup_kb(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:

@@ -73,3 +73,29 @@ def test_a_file_mapped_by_many_sources_counts_once_in_the_scale_benchmark(tmp_pa
     mb = 1 << 20
     assert out["RssFile"] > 40 * 4 * mb  # each mapping's pages counted again
     assert 4 * mb <= out["Pss_File"] < 4 * mb + 16 * mb, out  # the index once (plus libraries' shares)
+
+
+# A batch held for part of a run: the sampler sees it at its peak, and the mean lies between.
+SAMPLED = r'''
+import os, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import e2e_ranks, orjson
+before = e2e_ranks.anon_shmem_kb(os.getpid())
+with e2e_ranks.AnonShmemSampler(os.getpid(), every_s=0.01) as sampled:
+    time.sleep(0.2)
+    held = np.ones(64 * 2**20 // 8)  # 64 MB, touched, for a while
+    time.sleep(0.3)
+    del held
+    time.sleep(0.3)
+print(orjson.dumps({**sampled.growth_kb(before), "after": e2e_ranks.anon_shmem_kb(os.getpid()) - before}).decode())
+'''
+
+
+def test_memory_sampled_over_a_run_sees_a_peak_that_one_reading_at_its_end_misses():
+    tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools")
+    out = orjson.loads(subprocess.run([sys.executable, "-c", SAMPLED, tools], check=True, capture_output=True,
+                                      timeout=60).stdout)
+    assert out["peak"] > 60 * 1024, out  # the 64 MB while held
+    assert out["after"] < 16 * 1024, out  # gone at the end (a large array is unmapped when freed)
+    assert out["after"] < out["mean"] < out["peak"] - 16 * 1024, out
