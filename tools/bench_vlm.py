@@ -195,7 +195,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     from trainer_client.rank_core import RankCore
 
     from bench_e2e import MsdCommands
-    from e2e_ranks import AnonShmemSampler, descendants
+    from e2e_ranks import AnonShmemSampler, descendants, touch_pages
 
     run = tempfile.mkdtemp(prefix="msd-round-", dir=root)  # a fresh job directory: no state from a round before
     job = os.path.join(run, "job.yaml")
@@ -234,6 +234,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                 tokens += int(batch["num_tokens"])
                 rows += batch["tokens"].shape[0]
                 images += int(np.asarray(batch.get("images_per_sample", 0)).sum())
+                touch_pages(batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch)
         seconds = time.perf_counter() - t0
         wire_bytes = wire["bytes"] - wire_at_start  # (messages of steps ahead count, as they crossed)
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]

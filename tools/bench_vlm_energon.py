@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_ranks import AnonShmemSampler, anon_shmem_kb, children, pss_kb  # noqa: E402  (stdlib and numpy only: importable here)
+from e2e_ranks import AnonShmemSampler, anon_shmem_kb, children, pss_kb, touch_pages  # noqa: E402  (stdlib and numpy only: importable here)
 
 
 def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -187,6 +187,7 @@ def throughput(args: argparse.Namespace) -> dict:
             samples += len(packed["lengths"])
             tokens += int(packed["lengths"].sum())
             sequences += 1
+            touch_pages(packed[k] for k in ("pixel_values", "pixel_values_videos") if k in packed)
     seconds = time.perf_counter() - t0
     workers = children(os.getpid())
     worker_kb = sum(pss_kb(p) for p in workers)

@@ -40,6 +40,17 @@ def anon_shmem_kb(pid: int) -> int:
     return total
 
 
+def touch_pages(arrays: Any) -> int:
+    """Read a byte of every page of these arrays (numpy, or torch tensors on the CPU), as a trainer
+    copying its batch to the GPU does: shared memory a loader's worker wrote is counted in a process
+    only once it has touched it. Returns a checksum, so that the reads are not skipped."""
+    total = 0
+    for a in arrays:
+        flat = np.asarray(a).reshape(-1).view(np.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
 class AnonShmemSampler:
     """While active, a process's anon_shmem_kb sampled every `every_s` in a thread: the mean and the
     peak over a run, where one figure at its end depends on where in a step the run happened to end."""
