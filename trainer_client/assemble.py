@@ -286,6 +286,8 @@ class StepAssembler:
         longer needs, and return their bytes. A step's frames were otherwise held until its last
         micro-batch was taken: with images, the whole step's uint8 frames beside the float
         micro-batch (49 of tools/bench_vlm.py's 162 MB of trainer growth)."""
+        if not self.extras and not self.patches:  # a text step: nothing to let go (next()'s hot path)
+            return 0
         lay = self._layout
         released = 0
         for i in range(int(lay["row_pieces"][m * self.mbs]), int(lay["row_pieces"][(m + 1) * self.mbs])):
