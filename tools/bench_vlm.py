@@ -178,12 +178,6 @@ def pss_kb(pid: int) -> int:
     return pss(pid)
 
 
-def anon_shmem_kb(pid: int) -> int:
-    from e2e_ranks import anon_shmem_kb as anon
-
-    return anon(pid)
-
-
 def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: int,
                    image_pass: str = "delivery", ahead_bytes: int | None = None,
                    source: dict | None = None) -> dict:
@@ -195,7 +189,7 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
     from trainer_client.rank_core import RankCore
 
     from bench_e2e import MsdCommands
-    from e2e_ranks import AnonShmemSampler, descendants, touch_pages
+    from e2e_ranks import AnonShmemSampler, anon_shmem_kb, descendants, pixel_arrays, touch_pages
 
     run = tempfile.mkdtemp(prefix="msd-round-", dir=root)  # a fresh job directory: no state from a round before
     job = os.path.join(run, "job.yaml")
@@ -234,15 +228,14 @@ def msd_throughput(root: str, processor: str, jsonl: str, samples: int, pad_id: 
                 tokens += int(batch["num_tokens"])
                 rows += batch["tokens"].shape[0]
                 images += int(np.asarray(batch.get("images_per_sample", 0)).sum())
-                touch_pages(batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch)
+                touch_pages(pixel_arrays(batch))
         seconds = time.perf_counter() - t0
         wire_bytes = wire["bytes"] - wire_at_start  # (messages of steps ahead count, as they crossed)
         loader_pids = [cluster.coordinator.pid, *descendants(cluster.coordinator.pid)]
         loader_kb = sum(pss_kb(p) for p in loader_pids)
         trainer_kb = pss_kb(os.getpid()) - before
         trainer_anon_shmem_kb = anon_shmem_kb(os.getpid()) - before_anon
-        held_kb = sum(np.asarray(batch[k]).nbytes for k in ("pixel_values", "pixel_values_videos")
-                      if k in batch) // 1024  # the micro-batch the trainer has
+        held_kb = sum(np.asarray(a).nbytes for a in pixel_arrays(batch)) // 1024  # the micro-batch the trainer has
         workers = len(cluster.worker_pids())
     finally:
         client.close()

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_ranks import AnonShmemSampler, anon_shmem_kb, children, pss_kb, touch_pages  # noqa: E402  (stdlib and numpy only: importable here)
+from e2e_ranks import AnonShmemSampler, anon_shmem_kb, children, pixel_arrays, pss_kb, touch_pages  # noqa: E402  (stdlib and numpy only: importable here)
 
 
 def greedy_knapsack(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -187,14 +187,13 @@ def throughput(args: argparse.Namespace) -> dict:
             samples += len(packed["lengths"])
             tokens += int(packed["lengths"].sum())
             sequences += 1
-            touch_pages(packed[k] for k in ("pixel_values", "pixel_values_videos") if k in packed)
+            touch_pages(pixel_arrays(packed))
     seconds = time.perf_counter() - t0
     workers = children(os.getpid())
     worker_kb = sum(pss_kb(p) for p in workers)
     trainer_kb = pss_kb(os.getpid()) - before
     trainer_anon_shmem_kb = anon_shmem_kb(os.getpid()) - before_anon
-    held_kb = sum(np.asarray(packed[k]).nbytes for k in ("pixel_values", "pixel_values_videos")
-                  if k in packed) // 1024  # the batch the trainer has
+    held_kb = sum(np.asarray(a).nbytes for a in pixel_arrays(packed)) // 1024  # the batch the trainer has
     return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
             "samples_per_s_per_worker": samples / seconds / args.workers, "sequences": sequences,
             "padding": 1 - tokens / (sequences * args.seq_len), "worker_processes": len(workers),

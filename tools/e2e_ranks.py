@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from typing import Any, Iterator
 
@@ -40,6 +41,14 @@ def anon_shmem_kb(pid: int) -> int:
     return total
 
 
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+def pixel_arrays(batch: dict) -> list[Any]:
+    """A batch's pixel values, of images and of videos, those it has."""
+    return [batch[k] for k in PIXEL_KEYS if k in batch]
+
+
 def touch_pages(arrays: Any) -> int:
     """Read a byte of every page of these arrays (numpy, or torch tensors on the CPU), as a trainer
     copying its batch to the GPU does: shared memory a loader's worker wrote is counted in a process
@@ -56,8 +65,6 @@ class AnonShmemSampler:
     peak over a run, where one figure at its end depends on where in a step the run happened to end."""
 
     def __init__(self, pid: int, every_s: float = 0.02) -> None:
-        import threading
-
         self.pid, self.every_s = pid, every_s
         self.samples: list[int] = []
         self._stop = threading.Event()
