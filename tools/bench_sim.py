@@ -1,6 +1,9 @@
 """How fast the simulation runs: simulated steps per CPU second at one DP size, fault-free (the
 faulty runs of `msd.sim` cost about as much again: every seed also runs its reference), and
-where the CPU goes, by role (cProfile's cumulative time of each role's entry point).
+where the CPU goes, by role: in a second pass, each role's entry points are timed (thread CPU
+time, exclusive: a role's time leaves out the roles it calls, such as the wire's decoding inside
+a rank's handling), without a profiler, whose cost per call inflates code of many small calls.
+What no role takes is the simulator's own: its event queue, network and shells.
 
     python tools/bench_sim.py --dp 8 --seeds 6 --steps 100 --json docs/results/issue58/bench-sim.json
 
@@ -15,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
+import importlib
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -26,16 +28,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from msd.sim.run import Simulation, draw  # noqa: E402
 
-# role -> (file suffix, function) whose cumulative time is the role's
-ROLES = {"coordinator state": ("coordinator/state.py", "handle"),
-         "books validated": ("coordinator/validate.py", "validate_state"),
-         "workers (WorkerCore)": ("worker/core.py", "handle"),
-         "ranks (RankCore: control)": ("trainer_client/rank_core.py", "on_control"),
-         "ranks (RankCore: pieces)": ("trainer_client/rank_core.py", "on_pieces"),
-         "trainer: micro-batches built": ("trainer_client/receiving.py", "micro_batch"),
-         "trainer: micro-batches digested": ("msd/sim/roles.py", "_digest"),
-         "wire decode": ("msd_common/wire.py", "decode"),
-         "wire encode": ("msd_common/wire.py", "encode")}
+# role -> the entry points (module, class or None, function) whose CPU is the role's
+ROLES = {"coordinator state": [("coordinator.state", "CoordinatorState", "handle")],
+         "books validated": [("msd.sim.roles", None, "validate_state")],
+         "workers (WorkerCore)": [("worker.core", "WorkerCore", "handle")],
+         "ranks (RankCore)": [("trainer_client.rank_core", "RankCore", f)
+                              for f in ("on_control", "on_pieces", "command", "turn")],
+         "relays (RelayCore)": [("relay.core", "RelayCore", f) for f in ("on_data", "on_up", "on_local", "turn")],
+         "trainer: micro-batches built": [("trainer_client.assemble", "StepAssembler", "micro_batch")],
+         "trainer: micro-batches digested": [("msd.sim.roles", None, "_digest")],
+         "wire decode": [("msd_common.wire", None, "decode")],
+         "wire encode": [("msd_common.wire", None, "encode")]}
 
 
 def scenario(seed: int, dp: int, steps: int, per_relay: int = 0):
@@ -72,11 +75,47 @@ class StateClock:
         CoordinatorState.handle = self.handle
 
 
+class RoleClock:
+    """While active, the thread CPU time of each role's entry points (ROLES) is summed, exclusive
+    of the other entry points they call."""
+
+    def __enter__(self) -> "RoleClock":
+        self.seconds = dict.fromkeys(ROLES, 0.0)
+        self.saved: list[tuple[object, str, object]] = []
+        inner: list[float] = []  # per active entry point: the time of the entry points it called
+
+        def timed(role, fn):
+            def wrapper(*args, **kwargs):
+                inner.append(0.0)
+                started = time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent = time.thread_time() - started
+                    self.seconds[role] += spent - inner.pop()
+                    if inner:
+                        inner[-1] += spent
+            return wrapper
+
+        for role, points in ROLES.items():
+            for module, cls, name in points:
+                owner = importlib.import_module(module)
+                owner = getattr(owner, cls) if cls else owner
+                fn = owner.__dict__[name] if cls else getattr(owner, name)
+                self.saved.append((owner, name, fn))
+                setattr(owner, name, timed(role, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self.saved):
+            setattr(owner, name, fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--per-relay", type=int, default=0, help="ranks per relay (0: every rank direct)")
-    ap.add_argument("--no-shares", action="store_true", help="skip the profiled pass (the shares by role)")
+    ap.add_argument("--no-shares", action="store_true", help="skip the second pass (CPU by role)")
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--first-seed", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=100)
@@ -89,22 +128,21 @@ def main() -> None:
     with StateClock() as state_clock:
         steps = sum(sim.run()["steps"] for sim in sims)
     cpu = time.process_time() - cpu
-    shares = {}
-    if not args.no_shares:
-        profile = cProfile.Profile()  # a second pass, profiled, for the shares
-        profile.enable()
-        for seed in seeds:
-            Simulation(scenario(seed, args.dp, args.steps, args.per_relay), args.steps, None).run()
-        profile.disable()
-        stats = pstats.Stats(profile).stats
-        total = max(v[3] for v in stats.values())
-        for role, (suffix, name) in ROLES.items():
-            cum = sum(v[3] for (f, _, n), v in stats.items() if f.endswith(suffix) and n == name)
-            shares[role] = round(cum / total, 3)
+    by_role = {}
+    if not args.no_shares:  # a second pass, its roles timed
+        sims = [Simulation(scenario(seed, args.dp, args.steps, args.per_relay), args.steps, None) for seed in seeds]
+        timed_cpu = time.process_time()
+        with RoleClock() as clock:
+            timed_steps = sum(sim.run()["steps"] for sim in sims)
+        timed_cpu = time.process_time() - timed_cpu
+        by_role = {role: round(1000 * spent / timed_steps, 3) for role, spent in clock.seconds.items()}
+        by_role["the simulator (events, network, shells)"] = round(
+            1000 * (timed_cpu - sum(clock.seconds.values())) / timed_steps, 3)
+        by_role["total, timed pass (its clocks included)"] = round(1000 * timed_cpu / timed_steps, 3)
     out = {"dp": args.dp, "per_relay": args.per_relay, "seeds": args.seeds, "steps": steps, "cpu_s": round(cpu, 2),
            "steps_per_cpu_s": round(steps / cpu, 1), "ms_per_step": round(1000 * cpu / steps, 2),
            "coordinator_state_ms_per_step": round(1000 * state_clock.seconds / steps, 2),
-           "share_of_cpu_by_role": shares}
+           "ms_per_step_by_role": by_role}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
