@@ -236,17 +236,18 @@ class FrameRecipe:
 
         shapes = self.shapes(int(frames.numel()), grids)
         constants = self._constants(lambda v: torch.tensor(v, dtype=torch.float32, device=frames.device)[:, None, None])
+
+        def cast(a: Any, dtype: str) -> Any:
+            return a.to(getattr(torch, dtype))
+
+        if self.layout == "qwen_video":
+            return self._finish_videos_torch(frames, shapes, constants, cast)
         out, at = [], 0
         for shape in shapes:
             n = int(np.prod(shape))
-            x = self._values(frames[at:at + n].reshape(shape), *constants, lambda a, dtype: a.to(getattr(torch, dtype)))
+            x = self._values(frames[at:at + n].reshape(shape), *constants, cast)
             at += n
-            if self.layout == "qwen_video":
-                f, c, h, w = shape
-                p, m, t = self.patch, self.merge, self.temporal
-                x = x.reshape(f // t, t, c, h // p // m, m, p, w // p // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-                x = x.reshape(self.rows([shape]), c * t * p * p)
-            elif self.layout == "qwen_patches":
+            if self.layout == "qwen_patches":
                 c, h, w = shape
                 p, m, t = self.patch, self.merge, self.temporal
                 gh, gw = h // p, w // p
@@ -256,6 +257,26 @@ class FrameRecipe:
         if not out:
             return torch.zeros((0, *self._row_shape()), dtype=torch.float32, device=frames.device)
         return torch.stack(out) if self.layout in ("frames", "tiles") else torch.cat(out)
+
+    def _finish_videos_torch(self, frames: Any, shapes: list[tuple[int, ...]], constants: tuple[Any, Any, Any],
+                             cast: Callable[[Any, str], Any]) -> Any:
+        """Videos on the device, as finish makes them: into one tensor, a temporal patch at a time
+        (the values of a whole video at once took three times its pixel values of the device's memory)."""
+        import torch
+
+        out = torch.empty((self.rows(shapes), *self._row_shape()), dtype=torch.float32, device=frames.device)
+        p, m, t = self.patch, self.merge, self.temporal
+        at = row = 0
+        for f, c, h, w in shapes:
+            video = frames[at:at + f * c * h * w].reshape(f, c, h, w)
+            rows = (h // p) * (w // p)  # a temporal patch's
+            for g in range(f // t):
+                x = self._values(video[g * t:(g + 1) * t], *constants, cast)
+                x = x.reshape(1, t, c, h // p // m, m, p, w // p // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+                out[row:row + rows].view(x.shape).copy_(x)
+                row += rows
+            at += f * c * h * w
+        return out
 
 
 def _astype(a: np.ndarray, dtype: str) -> np.ndarray:
