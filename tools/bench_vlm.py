@@ -400,9 +400,12 @@ def main() -> None:
                 "trainer_anon_shmem_growth_mb": spread([x["memory_kb"].get("trainer_anon_shmem_growth", 0) / 1024
                                                         for x in runs]),
                 "held_pixel_values_mb": spread([x["memory_kb"].get("held_pixel_values", 0) / 1024 for x in runs]),
-                # sampled every 20 ms over the timed part of a round: its mean and its peak
+                # sampled every 20 ms over the timed part of a round: its mean and its peak (above the
+                # baseline, and above where the timed part began); the kernel's exact high-water mark
                 **{f"trainer_anon_shmem_{k}_mb": spread([x["memory_kb"]["trainer_anon_shmem_over_run"][k] / 1024
-                                                         for x in runs]) for k in ("mean", "peak")},
+                                                         for x in runs])
+                   for k in ("mean", "peak", "peak_rise", "rss_rise_exact")
+                   if None not in [x["memory_kb"]["trainer_anon_shmem_over_run"].get(k) for x in runs]},
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],
             }

@@ -154,9 +154,12 @@ def main() -> None:
     for design, runs in rounds.items():
         memory = {k: spread([x["memory_kb"][k] / 1024 for x in runs])
                   for k in ("loader_processes", "trainer_growth", "trainer_anon_shmem_growth", "held_pixel_values")}
-        for k in ("mean", "peak"):  # sampled every 20 ms over the timed part of a round
-            memory[f"trainer_anon_shmem_{k}"] = spread([x["memory_kb"]["trainer_anon_shmem_over_run"][k] / 1024
-                                                        for x in runs])
+        # sampled every 20 ms over the timed part of a round (the peak above the baseline, and above
+        # where the timed part began); and the kernel's exact high-water mark of the resident set
+        for k in ("mean", "peak", "peak_rise", "rss_rise_exact"):
+            values = [x["memory_kb"]["trainer_anon_shmem_over_run"].get(k) for x in runs]
+            if None not in values:
+                memory[f"trainer_anon_shmem_{k}"] = spread([v / 1024 for v in values])
         result[design] = {"samples_per_s_per_worker": spread([x["samples_per_s_per_worker"] for x in runs]),
                           "memory_mb": memory, "padding": spread([x["padding"] for x in runs])}
         for key in ("first_batch_s", "wire_bytes_per_sample", "next_ms"):

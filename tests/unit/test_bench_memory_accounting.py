@@ -99,3 +99,25 @@ def test_memory_sampled_over_a_run_sees_a_peak_that_one_reading_at_its_end_misse
     assert out["peak"] > 60 * 1024, out  # the 64 MB while held
     assert out["after"] < 16 * 1024, out  # gone at the end (a large array is unmapped when freed)
     assert out["after"] < out["mean"] < out["peak"] - 16 * 1024, out
+
+
+BETWEEN_SAMPLES = r'''
+import os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import e2e_ranks, orjson
+with e2e_ranks.AnonShmemSampler(os.getpid(), every_s=60) as sampled:  # no sample falls in the run
+    made = np.ones(64 * 2**20 // 8)  # 64 MB, touched, then freed at once
+    del made
+print(orjson.dumps(sampled.growth_kb(0)).decode())
+'''
+
+
+def test_the_kernel_s_high_water_mark_sees_a_batch_that_lives_between_two_samples():
+    """A float micro-batch made inside next() beside the one the trainer holds lives about 50 ms:
+    a 20 ms sampler may miss it; the resident set's high-water mark, reset as the run begins, does not."""
+    tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools")
+    out = orjson.loads(subprocess.run([sys.executable, "-c", BETWEEN_SAMPLES, tools], check=True,
+                                      capture_output=True, timeout=60).stdout)
+    assert out["peak_rise"] == 0, out  # not sampled
+    assert out["rss_rise_exact"] is not None and out["rss_rise_exact"] > 60 * 1024, out
