@@ -30,15 +30,18 @@ def anon_shmem_kb(pid: int) -> int:
     memory counted whole (a batch that a DataLoader's worker made in shared memory counts half in
     the trainer's PSS, whole here), without the file pages of the libraries it maps (which PSS
     shares out and RSS counts whole); 0 if it is gone."""
-    total = 0
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    total += int(line.split()[1])
+        fields = _status_kb(pid)
     except OSError:
-        pass
-    return total
+        return 0
+    return fields.get("RssAnon", 0) + fields.get("RssShmem", 0)
+
+
+def _status_kb(pid: int) -> dict[str, int]:
+    """A process's memory fields of /proc/PID/status, in kB (VmRSS, VmHWM, RssAnon, ...)."""
+    with open(f"/proc/{pid}/status") as f:
+        return {name: int(value.split()[0]) for name, _, value in (line.partition(":") for line in f)
+                if value.rstrip().endswith(" kB")}
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
@@ -83,7 +86,7 @@ class AnonShmemSampler:
         try:
             with open(f"/proc/{self.pid}/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark set to the resident set now
-            self.rss_start_kb = _status_kb(self.pid, "VmRSS:")
+            self.rss_start_kb = _status_kb(self.pid)["VmRSS"]
             self.rss_high_water_kb = 0
         except OSError:
             self.rss_high_water_kb = None
@@ -95,7 +98,7 @@ class AnonShmemSampler:
         self._stop.set()
         self._thread.join()
         if self.rss_high_water_kb is not None:
-            self.rss_high_water_kb = _status_kb(self.pid, "VmHWM:")
+            self.rss_high_water_kb = _status_kb(self.pid)["VmHWM"]
 
     def growth_kb(self, before_kb: int) -> dict[str, int | None]:
         """{"mean", "peak"} of the samples less `before_kb` (0 for both if none was taken); and the
@@ -106,14 +109,6 @@ class AnonShmemSampler:
             return {"mean": 0, "peak": 0, "peak_rise": 0, "rss_rise_exact": exact}
         return {"mean": int(np.mean(self.samples)) - before_kb, "peak": max(self.samples) - before_kb,
                 "peak_rise": max(self.samples) - self.start_kb, "rss_rise_exact": exact}
-
-
-def _status_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise OSError(f"/proc/{pid}/status has no {field}")
 
 
 def _rollup_kb(pid: int, field: str) -> int:
