@@ -223,12 +223,18 @@ class FrameRecipe:
         whole video at once took three times its pixel values beside them (the float32 cast, the
         normalisation's temporaries): 331 MB more for a 110 MB micro-batch, at the trainer's peak."""
         frames, c, h, w = video.shape
-        p, m, t = self.patch, self.merge, self.temporal
-        rows = (h // p) * (w // p)  # of `out`, a temporal patch's
+        t = self.temporal
+        rows, split, axes = self._video_patch_layout(c, h, w)
         for g in range(frames // t):
-            x = self._values(video[g * t:(g + 1) * t], *constants, _astype)
-            x = x.reshape(1, t, c, h // p // m, m, p, w // p // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            x = self._values(video[g * t:(g + 1) * t], *constants, _astype).reshape(split).transpose(axes)
             out[g * rows:(g + 1) * rows].reshape(x.shape)[...] = x
+
+    def _video_patch_layout(self, c: int, h: int, w: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """Qwen-VL's patchify of one temporal patch of a video's frames [temporal, c, h, w]: its rows,
+        the shape its values are split into, and the axes that order them as the rows' values
+        (numpy's transpose and torch's permute alike)."""
+        p, m, t = self.patch, self.merge, self.temporal
+        return ((h // p) * (w // p), (1, t, c, h // p // m, m, p, w // p // m, m, p), (0, 3, 6, 4, 7, 2, 1, 5, 8))
 
     def finish_torch(self, frames: Any, grids: np.ndarray | None = None) -> Any:
         """The same on a torch tensor of uint8 frames, on its device (the trainer's GPU)."""
@@ -265,14 +271,13 @@ class FrameRecipe:
         import torch
 
         out = torch.empty((self.rows(shapes), *self._row_shape()), dtype=torch.float32, device=frames.device)
-        p, m, t = self.patch, self.merge, self.temporal
+        t = self.temporal
         at = row = 0
         for f, c, h, w in shapes:
             video = frames[at:at + f * c * h * w].reshape(f, c, h, w)
-            rows = (h // p) * (w // p)  # a temporal patch's
+            rows, split, axes = self._video_patch_layout(c, h, w)
             for g in range(f // t):
-                x = self._values(video[g * t:(g + 1) * t], *constants, cast)
-                x = x.reshape(1, t, c, h // p // m, m, p, w // p // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+                x = self._values(video[g * t:(g + 1) * t], *constants, cast).reshape(split).permute(axes)
                 out[row:row + rows].view(x.shape).copy_(x)
                 row += rows
             at += f * c * h * w
