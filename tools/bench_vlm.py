@@ -391,6 +391,8 @@ def main() -> None:
                     rounds[design].append(msd_round(design))
                 print(f"# round {r} {design}: {rounds[design][-1]['samples_per_s_per_worker']:.1f} samples/s",
                       file=sys.stderr)
+        from e2e_ranks import over_run_mb
+
         for design, runs in rounds.items():
             result[design] = {
                 "samples_per_s_per_worker": spread([x["samples_per_s_per_worker"] for x in runs]),
@@ -402,10 +404,7 @@ def main() -> None:
                 "held_pixel_values_mb": spread([x["memory_kb"].get("held_pixel_values", 0) / 1024 for x in runs]),
                 # sampled every 20 ms over the timed part of a round: its mean and its peak (above the
                 # baseline, and above where the timed part began); the kernel's exact high-water mark
-                **{f"trainer_anon_shmem_{k}_mb": spread([x["memory_kb"]["trainer_anon_shmem_over_run"][k] / 1024
-                                                         for x in runs])
-                   for k in ("mean", "peak", "peak_rise", "rss_rise_exact")
-                   if None not in [x["memory_kb"]["trainer_anon_shmem_over_run"].get(k) for x in runs]},
+                **{f"trainer_anon_shmem_{k}_mb": spread(values) for k, values in over_run_mb(runs).items()},
                 "padding": spread([x["padding"] for x in runs]),
                 "worker_processes": runs[0]["worker_processes"],
             }

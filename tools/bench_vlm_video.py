@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tools"))
 
 from bench_output import emit  # noqa: E402
+from e2e_ranks import over_run_mb  # noqa: E402
 
 VLM_PYTHON = os.environ.get("MSD_ENERGON_PYTHON", os.path.join(ROOT, ".venv-vlm", "bin", "python"))
 SEQ_LEN = 8192
@@ -156,10 +157,8 @@ def main() -> None:
                   for k in ("loader_processes", "trainer_growth", "trainer_anon_shmem_growth", "held_pixel_values")}
         # sampled every 20 ms over the timed part of a round (the peak above the baseline, and above
         # where the timed part began); and the kernel's exact high-water mark of the resident set
-        for k in ("mean", "peak", "peak_rise", "rss_rise_exact"):
-            values = [x["memory_kb"]["trainer_anon_shmem_over_run"].get(k) for x in runs]
-            if None not in values:
-                memory[f"trainer_anon_shmem_{k}"] = spread([v / 1024 for v in values])
+        for k, values in over_run_mb(runs).items():
+            memory[f"trainer_anon_shmem_{k}"] = spread(values)
         result[design] = {"samples_per_s_per_worker": spread([x["samples_per_s_per_worker"] for x in runs]),
                           "memory_mb": memory, "padding": spread([x["padding"] for x in runs])}
         for key in ("first_batch_s", "wire_bytes_per_sample", "next_ms"):

@@ -73,8 +73,9 @@ class AnonShmemSampler:
     def __init__(self, pid: int, every_s: float = 0.02) -> None:
         self.pid, self.every_s = pid, every_s
         self.samples: list[int] = []
-        self.start_kb = self.rss_start_kb = 0
-        self.rss_high_water_kb: int | None = None  # None: the kernel's mark could not be reset
+        self.start_kb = 0
+        self.rss_start_kb: int | None = None  # None: the kernel's mark could not be reset
+        self.rss_high_water_kb = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anon-sampler", daemon=True)
 
@@ -87,9 +88,8 @@ class AnonShmemSampler:
             with open(f"/proc/{self.pid}/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark set to the resident set now
             self.rss_start_kb = _status_kb(self.pid)["VmRSS"]
-            self.rss_high_water_kb = 0
         except OSError:
-            self.rss_high_water_kb = None
+            self.rss_start_kb = None
         self.start_kb = anon_shmem_kb(self.pid)
         self._thread.start()
         return self
@@ -97,18 +97,26 @@ class AnonShmemSampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        if self.rss_high_water_kb is not None:
+        if self.rss_start_kb is not None:
             self.rss_high_water_kb = _status_kb(self.pid)["VmHWM"]
 
     def growth_kb(self, before_kb: int) -> dict[str, int | None]:
         """{"mean", "peak"} of the samples less `before_kb` (0 for both if none was taken); and the
         rise above where the run began: "peak_rise", sampled, and "rss_rise_exact", the kernel's
         high-water mark of the whole resident set (None where it could not be reset)."""
-        exact = None if self.rss_high_water_kb is None else self.rss_high_water_kb - self.rss_start_kb
+        exact = None if self.rss_start_kb is None else self.rss_high_water_kb - self.rss_start_kb
         if not self.samples:
             return {"mean": 0, "peak": 0, "peak_rise": 0, "rss_rise_exact": exact}
         return {"mean": int(np.mean(self.samples)) - before_kb, "peak": max(self.samples) - before_kb,
                 "peak_rise": max(self.samples) - self.start_kb, "rss_rise_exact": exact}
+
+
+def over_run_mb(runs: list[dict]) -> dict[str, list[float]]:
+    """Each round's AnonShmemSampler.growth_kb (its "trainer_anon_shmem_over_run") in MB, by key,
+    for the keys every round has a figure for (the exact mark is None where it could not be reset)."""
+    figures = [run["memory_kb"]["trainer_anon_shmem_over_run"] for run in runs]
+    return {k: [f[k] / 1024 for f in figures] for k in ("mean", "peak", "peak_rise", "rss_rise_exact")
+            if all(f.get(k) is not None for f in figures)}
 
 
 def _rollup_kb(pid: int, field: str) -> int:
